@@ -1,0 +1,418 @@
+"""The SKU manifest: a frozen pydantic model of skus/*.yaml and the loader that reports every problem."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from builder.errors import ManifestError, Problem
+from builder.grammar import (
+    DebName,
+    DebVersion,
+    EnvName,
+    GitRef,
+    ImageRef,
+    MemSize,
+    Name,
+    Pep440,
+    SafeValue,
+    Sha256,
+    Text,
+    Url,
+    has_control_chars,
+)
+
+SCHEMA_VERSION = 1
+PYPI = "https://pypi.org/simple"
+
+
+class Model(BaseModel):
+    """Base of every manifest object: immutable, unknown keys rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- accelerator and base
+
+
+class Accelerator(Model):
+    """What the image runs on."""
+
+    vendor: Literal["nvidia", "amd", "intel", "cpu"]
+    device: SafeValue = Field(description="Marketing name, e.g. H200, MI355X, x86_64 CPU")
+    arch: Name = Field(description="ISA the kernels are built for: sm_90, gfx942, gfx950, xe-hpc, x86_64")
+    hardware_class: Name = Field(description="Tolerance class the gate calibrates per, e.g. nvidia-hopper")
+    count: int = Field(1, ge=1, le=64, description="Devices per node")
+
+
+class Bootstrap(Model):
+    """A base image made locally with debootstrap, for air-gapped builders."""
+
+    tool: Literal["debootstrap"] = "debootstrap"
+    suite: Name = Field(description="Debian suite, e.g. bookworm")
+    variant: Literal["minbase", "buildd"] = "minbase"
+    mirror: Url = "http://deb.debian.org/debian"
+    include: tuple[Name, ...] = Field((), description="Extra packages debootstrap installs")
+
+
+class Base(Model):
+    """Where the image starts: a registry image pinned by digest, or a local bootstrap recipe."""
+
+    family: Literal["cuda", "rocm", "xpu", "cpu"] = Field(description="Selects templates/<family>.Dockerfile.j2")
+    image: ImageRef | None = None
+    bootstrap: Bootstrap | None = None
+    os: Name = Field(description="Distribution of the base, e.g. debian-12, ubuntu-24.04")
+    python: Annotated[str, Field(pattern=r"^3\.[0-9]{1,2}$")] = Field(description="Python of the image, e.g. 3.12")
+    platform: Literal["linux/amd64", "linux/arm64"] = "linux/amd64"
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> "Base":
+        if (self.image is None) == (self.bootstrap is None):
+            raise ValueError("give exactly one of base.image (pinned by digest) or base.bootstrap")
+        return self
+
+
+# ---------------------------------------------------------------- where a pin comes from
+
+
+class IndexSource(Model):
+    """A PEP 503/691 package index (PyPI or a vendor's wheel index)."""
+
+    kind: Literal["index"]
+    url: Url = PYPI
+
+
+class WheelhouseSource(Model):
+    """A local folder of wheels passed at build time (--wheelhouse), preferred over the index."""
+
+    kind: Literal["wheelhouse"]
+    index: Url = Field(PYPI, description="Where the rest of the layer's packages come from")
+
+
+class WheelUrlSource(Model):
+    """One wheel at a fixed URL with its hash."""
+
+    kind: Literal["url"]
+    url: Url
+    sha256: Sha256
+
+
+class GitSource(Model):
+    """Built from source at a git ref (e.g. vLLM on ROCm)."""
+
+    kind: Literal["git"]
+    repo: Url
+    ref: GitRef
+
+
+class AptSource(Model):
+    """A distribution package installed with apt."""
+
+    kind: Literal["apt"]
+    package: DebName
+    version: DebVersion | None = None
+
+
+class BaseImageSource(Model):
+    """Comes with the base image (e.g. ROCm userspace in rocm/dev-ubuntu)."""
+
+    kind: Literal["base"]
+
+
+class HostSource(Model):
+    """Provided by the host at run time (the kernel driver); checked by the gate, never installed."""
+
+    kind: Literal["host"]
+
+
+class NoSource(Model):
+    """The pin does not apply to this SKU."""
+
+    kind: Literal["none"]
+
+
+Source = Annotated[
+    Union[IndexSource, WheelhouseSource, WheelUrlSource, GitSource, AptSource, BaseImageSource, HostSource, NoSource],
+    Field(discriminator="kind"),
+]
+
+
+class Pin(Model):
+    """One of the four pinned components: name, exact version and where it comes from."""
+
+    name: Name = Field(description="Component name, or 'none' when it does not apply")
+    version: Annotated[str, Field(pattern=r"^(none|[0-9][A-Za-z0-9.+!-]{0,63})$")] = Field(
+        description="Exact version, or 'none'"
+    )
+    source: Source
+    package: Name | None = Field(None, description="Python distribution name when it differs from name")
+    variant: Name | None = Field(None, description="Accelerator build of the wheel: cpu, cu130, rocm7.2, xpu")
+    extras: tuple[Name, ...] = Field((), description="Python extras, e.g. [serving]")
+    reason: Text | None = Field(None, description="Why the pin is 'none' (required then)")
+
+    @model_validator(mode="after")
+    def _none_is_explicit(self) -> "Pin":
+        if self.name == "none":
+            if self.version != "none" or self.source.kind != "none" or not self.reason:
+                raise ValueError("a pin named 'none' needs version: none, source: {kind: none} and a reason")
+        elif self.version == "none":
+            raise ValueError(f"pin {self.name!r} needs an exact version (or name: none with a reason)")
+        return self
+
+    @property
+    def distribution(self) -> str:
+        """The Python distribution name installed for this pin."""
+        return self.package or self.name
+
+    @property
+    def is_python(self) -> bool:
+        """True when pip installs this pin."""
+        return self.source.kind in ("index", "wheelhouse", "url", "git")
+
+
+class Stack(Model):
+    """The four pins that move together."""
+
+    driver: Pin
+    framework: Pin
+    compiler: Pin
+    engine: Pin
+
+    def pins(self) -> dict[str, Pin]:
+        return {"driver": self.driver, "framework": self.framework, "compiler": self.compiler, "engine": self.engine}
+
+
+class Package(Model):
+    """An extra package at an exact version."""
+
+    name: Name
+    version: Pep440
+
+
+class SystemPackage(Model):
+    """An extra distribution package (apt), optionally at an exact version."""
+
+    name: DebName
+    version: DebVersion | None = None
+
+
+class Extras(Model):
+    """Packages beyond the four pins."""
+
+    python: tuple[Package, ...] = ()
+    system: tuple[SystemPackage, ...] = ()
+    index: Url = PYPI
+
+
+class Runtime(Model):
+    """What a container of this image needs to run."""
+
+    gpus: Literal["all", "none"] = "none"
+    devices: tuple[Annotated[str, Field(pattern=r"^/dev/[A-Za-z0-9/_-]+$")], ...] = ()
+    group_add: tuple[Name, ...] = ()
+    shm_size: MemSize = "1g"
+    ipc: Literal["private", "host"] = "private"
+    env: dict[EnvName, SafeValue] = Field(default_factory=dict)
+
+
+class Gate(Model):
+    """How the gate checks images of this SKU."""
+
+    reference: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,255}$")] = Field(
+        description="Reference bundle folder, relative to the repository root"
+    )
+    model: Name = Field(description="Model fixture name, e.g. tiny-llama")
+    dtype: Literal["float32", "bfloat16", "float16"]
+    batch_size: int = Field(8, ge=1, le=1024)
+    tolerance_class: Name
+    checks: tuple[Literal["boot", "kernels", "model", "serve"], ...] = ("boot", "kernels", "model", "serve")
+    bit_exact: bool = False
+    deadline_s: int = Field(900, ge=10, le=86400)
+    memory: MemSize = "8g"
+
+
+UpdateLevel = Literal["none", "patch", "minor", "major"]
+
+
+class UpdatePolicy(Model):
+    """Which releases CI may take for each pin: none, patch (x.y.Z), minor (x.Y) or major."""
+
+    driver: UpdateLevel
+    framework: UpdateLevel
+    compiler: UpdateLevel
+    engine: UpdateLevel
+
+
+class Cost(Model):
+    """What one device of this SKU costs, for cost-per-token reports."""
+
+    hourly_usd: float = Field(gt=0, le=1000, description="On-demand price of one device-hour, USD")
+    utilisation: float = Field(0.6, gt=0, le=1, description="Assumed busy fraction for cost per token")
+
+
+class SkuManifest(Model):
+    """One SKU: accelerator, base, four pins, extras, runtime, gate, update policy and cost."""
+
+    schema_version: Literal[1] = Field(description="Manifest schema version")
+    name: Name
+    description: Text = ""
+    accelerator: Accelerator
+    base: Base
+    stack: Stack
+    extras: Extras = Extras()
+    runtime: Runtime = Runtime()
+    gate: Gate
+    update_policy: UpdatePolicy
+    cost: Cost
+
+
+# ---------------------------------------------------------------- loading with every problem named
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top)"
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class whose fields live at `loc` (for 'did you mean')."""
+    cls: Any = SkuManifest
+    for part in loc:
+        if isinstance(part, int) or cls is None:
+            continue
+        field = cls.model_fields.get(str(part)) if hasattr(cls, "model_fields") else None
+        if field is None:
+            return None
+        cls = _first_model(field.annotation)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _first_model(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _first_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _problem(file: str, err: dict[str, Any]) -> Problem:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in _SOURCE_TAGS))
+    field = _dotted(loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        known = list(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        fix = f"did you mean '{close[0]}'?" if close else f"remove it (known keys: {', '.join(known)})"
+        return Problem(file, field, "unknown key", fix)
+    if kind == "missing":
+        return Problem(file, field, "required key is missing", "add it (see `skupin schema`)")
+    message = err["msg"].removeprefix("Value error, ")
+    if "input" in err and not isinstance(err["input"], (dict, list)):
+        message += f" (got {err['input']!r})"
+    return Problem(file, field, message)
+
+
+_SOURCE_TAGS = {"index", "wheelhouse", "url", "git", "apt", "base", "host", "none"}
+
+
+def _control_char_problems(file: str, data: Any, loc: tuple[Any, ...] = ()) -> list[Problem]:
+    """Every string (key or value) that carries a newline or another control character."""
+    found: list[Problem] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if isinstance(key, str) and has_control_chars(key):
+                found.append(Problem(file, _dotted(loc + (key,)), "key carries a control character", "remove it"))
+            found += _control_char_problems(file, value, loc + (key,))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found += _control_char_problems(file, value, loc + (i,))
+    elif isinstance(data, str) and has_control_chars(data):
+        found.append(
+            Problem(file, _dotted(loc), "value carries a newline or control character", "write it on one line")
+        )
+    return found
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def parse_manifest(path: Path) -> tuple[SkuManifest | None, list[Problem]]:
+    """Parse one manifest; return it (or None) and every problem found, never raising."""
+    file = _display(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [Problem(file, "(file)", f"cannot read: {exc}")]
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as exc:
+        return None, [Problem(file, "(yaml)", " ".join(str(exc).split()), "fix the YAML syntax")]
+    if not isinstance(data, dict):
+        return None, [Problem(file, "(top)", "a manifest is a YAML mapping", "see skus/cpu-x86_64.yaml")]
+    problems = _control_char_problems(file, data)
+    try:
+        manifest = SkuManifest.model_validate(data)
+    except ValidationError as exc:
+        problems += [_problem(file, e) for e in exc.errors()]
+        return None, _dedupe(problems)
+    if manifest.name != path.stem:
+        problems.append(Problem(file, "name", f"{manifest.name!r} differs from the file name", f"name: {path.stem}"))
+    return (None if problems else manifest), problems
+
+
+def _dedupe(problems: list[Problem]) -> list[Problem]:
+    seen: dict[tuple[str, str, str], Problem] = {}
+    for p in problems:
+        seen.setdefault((p.file, p.field, p.message), p)
+    return list(seen.values())
+
+
+def load_manifest(path: Path) -> SkuManifest:
+    """Load one manifest or raise ManifestError listing every problem."""
+    manifest, problems = parse_manifest(path)
+    if manifest is None:
+        raise ManifestError(f"{_display(path)}: invalid manifest", tuple(problems))
+    return manifest
+
+
+def manifest_schema() -> dict[str, Any]:
+    """JSON Schema of a manifest, for editors (committed as skus/schema.json)."""
+    schema = SkuManifest.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://skupin.dev/schema/sku-manifest-v1.json"
+    return schema
