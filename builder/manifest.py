@@ -416,3 +416,12 @@ def manifest_schema() -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://skupin.dev/schema/sku-manifest-v1.json"
     return schema
+
+
+def manifest_digest(manifest: SkuManifest) -> str:
+    """sha256 of the manifest's canonical JSON: comments and key order do not change it."""
+    import hashlib
+    import json
+
+    blob = json.dumps(manifest.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()

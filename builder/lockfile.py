@@ -1,0 +1,112 @@
+"""The lock: the fully resolved stack of one SKU, its file format and its content hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from builder.errors import LockError
+from builder.grammar import Name, Sha256
+
+LOCK_VERSION = 1
+# Python layers in build order, slowest- to fastest-moving.
+PY_LAYERS = ("framework", "compiler", "engine", "extras")
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LockedPackage(Frozen):
+    """One Python distribution at an exact version with the sha256 of the exact file installed."""
+
+    name: Name
+    version: str
+    filename: str = Field(pattern=r"^[A-Za-z0-9._+-]+\.(whl|tar\.gz|zip)$")
+    sha256: Sha256
+    url: str | None = Field(None, description="Where the file was found (index URL); None for a wheelhouse file")
+    source: Literal["index", "wheelhouse", "url", "git"] = "index"
+
+    def requirement(self) -> str:
+        """The pip requirement line that installs exactly this file (hash-checked)."""
+        return f"{self.name}=={self.version} --hash=sha256:{self.sha256}"
+
+
+class LockedBase(Frozen):
+    """The base the image starts from."""
+
+    kind: Literal["image", "bootstrap"]
+    reference: str = Field(description="image@sha256:... for registry bases; the local tag for bootstraps")
+    digest: str | None = Field(None, description="sha256:... of the registry image; None for a local bootstrap")
+    recipe_sha256: Sha256 | None = Field(None, description="Hash of the bootstrap recipe (bootstrap bases)")
+
+
+class Lock(Frozen):
+    """Everything an image build needs to be reproducible, committed next to its manifest."""
+
+    lock_version: Literal[1] = LOCK_VERSION
+    sku: Name
+    manifest_sha256: Sha256 = Field(description="sha256 of the manifest's canonical JSON")
+    python: str = Field(pattern=r"^3\.[0-9]{1,2}$")
+    platform: str
+    base: LockedBase
+    layers: dict[Literal["framework", "compiler", "engine", "extras"], tuple[LockedPackage, ...]]
+    system: dict[str, tuple[str, ...]] = Field(
+        default_factory=dict, description="apt packages per layer, name=version"
+    )
+    dockerfile_sha256: Sha256
+    resolver: str = Field(description="The resolver and its version, e.g. pip 25.3")
+    tool_version: str
+    created: str = Field(description="UTC time of locking; not part of the content hash")
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON without the creation time: the same lock, the same hash."""
+        data = self.model_dump(mode="json", exclude={"created"})
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def packages(self) -> dict[str, LockedPackage]:
+        """Every locked Python package by normalised name."""
+        return {_norm(p.name): p for layer in self.layers.values() for p in layer}
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def lock_path(manifest_path: Path) -> Path:
+    """skus/x.yaml -> skus/x.lock.json."""
+    return manifest_path.with_name(f"{manifest_path.stem}.lock.json")
+
+
+def read_lock(path: Path) -> Lock:
+    """Read and validate a lock file; LockError names the file and field on any problem."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise LockError(f"{path}: no lock; fix: run `skupin lock {path.name.split('.')[0]}`") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LockError(f"{path}: unreadable lock: {exc}") from exc
+    try:
+        return Lock.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise LockError(f"{path}: {field}: {first['msg']}") from exc
+
+
+def write_lock(lock: Lock, path: Path) -> None:
+    """Write a lock as stable, diff-friendly JSON (atomic replace)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(lock.model_dump(mode="json"), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def image_tag(*, sku: str, engine_version: str, lock: Lock, repository: str = "skupin") -> str:
+    """The content-addressed local tag of a SKU's image: repository/sku:engine-version-lockhash12."""
+    version = engine_version.replace("+", "_")
+    return f"{repository}/{sku}:{version}-{lock.content_hash()[:12]}"
