@@ -58,6 +58,18 @@ class Bootstrap(Model):
     mirror: Url = "http://deb.debian.org/debian"
     include: tuple[Name, ...] = Field((), description="Extra packages debootstrap installs")
 
+    def recipe_sha256(self) -> str:
+        """sha256 of the recipe's canonical JSON: the same recipe names the same local base."""
+        import hashlib
+        import json
+
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def local_tag(self) -> str:
+        """The local image tag `skupin base` gives this recipe, e.g. skupin-base/debian-bookworm-minbase:1a2b3c4d5e6f."""
+        return f"skupin-base/debian-{self.suite}-{self.variant}:{self.recipe_sha256()[:12]}"
+
 
 class Base(Model):
     """Where the image starts: a registry image pinned by digest, or a local bootstrap recipe."""
