@@ -28,7 +28,7 @@ class LockedPackage(Frozen):
     version: str
     filename: str = Field(pattern=r"^[A-Za-z0-9._+-]+\.(whl|tar\.gz|zip)$")
     sha256: Sha256
-    url: str | None = Field(None, description="Where the file was found (index URL); None for a wheelhouse file")
+    url: str | None = Field(None, description="The file's own download URL (pip report download_info.url); None for a wheelhouse file")
     source: Literal["index", "wheelhouse", "url", "git"] = "index"
 
     def requirement(self) -> str:
