@@ -1,0 +1,98 @@
+"""Check manifests: parse, validate the pins' compatibility and the lock's freshness, report every problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from builder.errors import CompatError, ManifestError, Problem
+from builder.lockfile import Lock, lock_path, read_lock
+from builder.manifest import SkuManifest, parse_manifest
+
+
+class ResolvedStack(BaseModel):
+    """A manifest that passed check, with its lock when one exists and is fresh."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    manifest: SkuManifest
+    manifest_path: str
+    lock: Lock | None = None
+    lock_state: str = "unlocked"  # ok | unlocked | stale
+    lock_note: str = ""
+
+
+class SkuReport(BaseModel):
+    """What check found for one manifest file."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    file: str
+    stack: ResolvedStack | None
+    manifest_problems: tuple[Problem, ...] = ()
+    compat_problems: tuple[Problem, ...] = ()
+
+
+def _lock_state(manifest: SkuManifest, path: Path) -> tuple[Lock | None, str, str]:
+    """(lock, state, note); stale locks are returned too so callers can say what moved."""
+    from builder.lock import lock_status
+    from builder.render import render
+
+    dockerfile_sha = render(manifest=manifest).sha256
+    state, note = lock_status(manifest=manifest, manifest_path=path, dockerfile_sha256=dockerfile_sha)
+    lock = read_lock(lock_path(path)) if state != "unlocked" else None
+    return lock, state, note
+
+
+def check_file(path: Path, *, with_lock: bool = True) -> SkuReport:
+    """Check one manifest file: grammar, compatibility, lock."""
+    from builder.compat import check_compat
+
+    manifest, problems = parse_manifest(path)
+    if manifest is None:
+        return SkuReport(file=str(path), stack=None, manifest_problems=tuple(problems))
+    compat = check_compat(manifest=manifest, file=_display(path))
+    lock, state, note = None, "unlocked", ""
+    if with_lock and not compat:
+        lock, state, note = _lock_state(manifest, path)
+    stack = ResolvedStack(manifest=manifest, manifest_path=str(path), lock=lock, lock_state=state, lock_note=note)
+    return SkuReport(file=str(path), stack=stack, compat_problems=tuple(compat))
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def check_paths(paths: list[Path], *, with_lock: bool = True) -> list[SkuReport]:
+    """Check every manifest under `paths` (files or folders)."""
+    from builder.paths import manifest_files
+
+    return [check_file(p, with_lock=with_lock) for p in manifest_files(paths)]
+
+
+def raise_for(reports: list[SkuReport]) -> None:
+    """Raise the error of the worst class found: ManifestError (2) before CompatError (3)."""
+    manifest = tuple(p for r in reports for p in r.manifest_problems)
+    compat = tuple(p for r in reports for p in r.compat_problems)
+    if manifest:
+        raise ManifestError(f"{len(manifest)} manifest problem(s)", manifest + compat)
+    if compat:
+        raise CompatError(f"{len(compat)} compatibility problem(s)", compat)
+
+
+def resolve(path: Path, *, require_lock: bool = False) -> ResolvedStack:
+    """Check one SKU and return its resolved stack, raising on any problem."""
+    from builder.errors import LockError
+
+    report = check_file(path)
+    raise_for([report])
+    assert report.stack is not None
+    if require_lock and report.stack.lock_state != "ok":
+        name = report.stack.manifest.name
+        raise LockError(f"{report.file}: lock is {report.stack.lock_state}: {report.stack.lock_note}; "
+                        f"fix: skupin lock {name}")
+    return report.stack

@@ -1,0 +1,162 @@
+"""The `skupin` command line: parse arguments, call one stage per command, map errors to exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from builder import __version__
+from builder.errors import SkupinError
+
+EPILOG = """\
+the flow:  check -> lock -> render -> build -> gate -> publish
+exit codes: 0 ok, 2 manifest error, 3 incompatible pins, 4 lock, 5 build, 6 docker engine,
+            7 reference bundle, 8 publish, 10 gate failed, 11 gate could not run
+examples:
+  skupin check                      check every manifest in skus/
+  skupin render cpu-x86_64          print the CPU SKU's Dockerfile (no Docker needed)
+  skupin matrix                     the CI matrix as JSON
+"""
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _out(line: str = "") -> None:
+    print(line, flush=True)
+
+
+# ------------------------------------------------------------------ check / render / matrix / schema
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from builder.check import check_paths, raise_for
+
+    reports = check_paths([Path(p) for p in args.paths], with_lock=not args.no_lock)
+    if not reports:
+        raise SkupinError(f"no manifests found in {', '.join(args.paths) or 'skus/'}")
+    for report in reports:
+        for problem in report.manifest_problems + report.compat_problems:
+            _out(str(problem))
+    try:
+        raise_for(reports)
+    except SkupinError as exc:
+        bad = sum(1 for r in reports if r.manifest_problems or r.compat_problems)
+        _out(f"{bad} of {len(reports)} manifest(s) have problems")
+        return exc.exit_code
+    for report in reports:
+        stack = report.stack
+        assert stack is not None
+        note = f" ({stack.lock_note})" if stack.lock_note else ""
+        _out(f"ok  {stack.manifest.name:<24} lock: {stack.lock_state}{note}")
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from builder.check import resolve
+    from builder.paths import sku_path
+    from builder.render import render, write_context
+
+    stack = resolve(sku_path(args.sku))
+    lock = None if args.unlocked else stack.lock if stack.lock_state == "ok" else None
+    rendered = render(manifest=stack.manifest, lock=lock)
+    if args.out:
+        out = write_context(rendered=rendered, out=Path(args.out), wheelhouse=args.wheelhouse)
+        _out(f"wrote {out / 'Dockerfile'} and {len(rendered.files)} context file(s); sha256 {rendered.sha256}")
+    else:
+        sys.stdout.write(rendered.text)
+    return 0
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from builder.check import check_paths, raise_for
+    from builder.matrix import matrix
+
+    reports = check_paths([Path(p) for p in args.paths], with_lock=False)
+    raise_for(reports)
+    entries = matrix(manifests=[r.stack.manifest for r in reports if r.stack])
+    _out(json.dumps(entries, indent=None if args.compact else 2))
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from builder.manifest import manifest_schema
+
+    text = json.dumps(manifest_schema(), indent=2, sort_keys=True) + "\n"
+    if args.write:
+        from builder.paths import SKUS
+
+        (SKUS / "schema.json").write_text(text, encoding="utf-8")
+        _out(f"wrote {SKUS / 'schema.json'}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# ------------------------------------------------------------------ parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skupin",
+        description="Per-SKU LLM inference images: pin driver, framework, compiler and engine together, "
+        "build, gate the outputs against NVIDIA reference tensors, publish by digest.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"skupin {__version__}")
+    parser.add_argument("--traceback", action="store_true", help="show Python tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("check", help="validate manifests, pin compatibility and locks; report every problem")
+    p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
+    p.add_argument("--no-lock", action="store_true", help="skip the lock freshness check")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("render", help="print a SKU's Dockerfile (no Docker daemon needed)")
+    p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    p.add_argument("--out", metavar="DIR", help="write the Dockerfile and its context files to DIR instead")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="with --out: copy locked wheelhouse wheels from DIR")
+    p.add_argument("--unlocked", action="store_true", help="render from the pins alone, ignoring the lock")
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser("matrix", help="the CI matrix as JSON: one entry per SKU with runner labels")
+    p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
+    p.add_argument("--compact", action="store_true", help="one line (for GITHUB_OUTPUT)")
+    p.set_defaults(func=cmd_matrix)
+
+    p = sub.add_parser("schema", help="the manifest's JSON Schema (for editors)")
+    p.add_argument("--write", action="store_true", help="write skus/schema.json instead of printing")
+    p.set_defaults(func=cmd_schema)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands of the other stages, each registered by the module that implements it."""
+    from builder import commands
+
+    commands.add_commands(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SkupinError as exc:
+        if args.traceback:
+            raise
+        for line in exc.lines():
+            print(f"error: {line}" if not exc.problems else line, file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
