@@ -1,0 +1,1 @@
+"""Gates: the probe, model fixtures, reference bundles and (later) comparison, tolerances and verdicts."""
