@@ -95,6 +95,66 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ engine / base / build
+
+
+def _progress_printer(mode: str) -> Callable[[str], None]:
+    """Progress to stderr: one rewritten status line on a terminal, plain lines otherwise."""
+    if mode == "tty":
+        def show(line: str) -> None:
+            sys.stderr.write("\r\x1b[K" + line[:200])
+            sys.stderr.flush()
+        return show
+    return lambda line: print(line, file=sys.stderr, flush=True)
+
+
+def cmd_engine_up(args: argparse.Namespace) -> int:
+    from builder.engine import ensure_engine
+
+    status = ensure_engine(deadline_s=args.deadline, on_event=lambda s: print(s, file=sys.stderr, flush=True))
+    _out(json.dumps(status.model_dump(mode="json")) if args.json else f"engine {status.server_version} on {status.socket}: {status.action}")
+    return 0
+
+
+def cmd_base(args: argparse.Namespace) -> int:
+    from builder.base import ensure_base
+    from builder.engine import connect
+    from builder.manifest import load_manifest
+    from builder.paths import sku_path
+
+    manifest = load_manifest(sku_path(args.sku))
+    image_id = ensure_base(manifest=manifest, engine=connect(), on_event=lambda s: print(s, file=sys.stderr, flush=True))
+    _out(image_id)
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from builder.build import build_image
+    from builder.engine import connect
+    from builder.lockfile import lock_path, read_lock
+    from builder.manifest import load_manifest
+    from builder.paths import STATE, sku_path
+
+    path = sku_path(args.sku)
+    manifest = load_manifest(path)
+    lock = read_lock(lock_path(path))
+    mode = args.progress if args.progress != "auto" else ("tty" if sys.stderr.isatty() else "plain")
+    built = build_image(
+        manifest=manifest, manifest_path=path, lock=lock, engine=connect(),
+        wheelhouse=args.wheelhouse, ca_bundle=args.ca_bundle, progress=mode,
+        on_line=_progress_printer(mode), no_cache=args.no_cache, records=STATE / "builds",
+    )
+    if mode == "tty":
+        sys.stderr.write("\n")
+    if args.json:
+        _out(json.dumps(built.model_dump(mode="json"), indent=2, sort_keys=True))
+    else:
+        for layer in built.layers:
+            _out(f"  {layer.name:<10} {layer.seconds:8.1f} s  {'cached' if layer.cached else 'built'}")
+        _out(f"built {built.image} ({built.image_id[:19]}) in {built.total_s:.1f} s; record {STATE / 'builds' / (built.sku + '.json')}")
+    return 0
+
+
 # ------------------------------------------------------------------ parser
 
 

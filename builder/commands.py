@@ -7,3 +7,31 @@ import argparse
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add every stage's subcommands; each stage module owns its own arguments and handler."""
+    _engine_base_build(sub)
+
+
+def _engine_base_build(sub: argparse._SubParsersAction) -> None:
+    """`engine up`, `base SKU`, `build SKU` (builder/engine.py, base.py, build.py)."""
+    from pathlib import Path
+
+    from builder import cli
+
+    p = sub.add_parser("engine", help="the Docker engine: `engine up` starts (and if needed installs) it")
+    esub = p.add_subparsers(dest="engine_command", metavar="ACTION", required=True)
+    q = esub.add_parser("up", help="make sure a Docker engine answers; never touches a running one")
+    q.add_argument("--deadline", type=float, default=60, metavar="S", help="seconds to wait for the socket (default 60)")
+    q.add_argument("--json", action="store_true", help="print what was done as JSON")
+    q.set_defaults(func=cli.cmd_engine_up)
+
+    p = sub.add_parser("base", help="make the SKU's base image locally (debootstrap + docker import) or pull it by digest")
+    p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    p.set_defaults(func=cli.cmd_base)
+
+    p = sub.add_parser("build", help="build, verify (image's pip list == lock) and tag a SKU's image")
+    p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels the lock takes from a wheelhouse")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="extra CA bundle trusted by pip during the build only")
+    p.add_argument("--json", action="store_true", help="print the build record as JSON")
+    p.add_argument("--progress", choices=("auto", "tty", "plain"), default="auto", help="live view on a terminal or plain lines (default auto)")
+    p.add_argument("--no-cache", action="store_true", help="build every layer again")
+    p.set_defaults(func=cli.cmd_build)
