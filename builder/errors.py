@@ -75,6 +75,12 @@ class PublishError(SkupinError):
     exit_code = 8
 
 
+class NetworkError(SkupinError):
+    """A package index or OCI registry could not be reached or answered wrongly (after retries)."""
+
+    exit_code = 9
+
+
 class GateFailed(SkupinError):
     """The gate ran and the image failed it."""
 
