@@ -510,6 +510,7 @@ class Engine:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=self._cli_env(), start_new_session=True, text=True, errors="replace", bufsize=1,
+            preexec_fn=_interrupt_when_parent_dies,
         )
         try:
             assert proc.stdout is not None
@@ -527,6 +528,16 @@ class Engine:
         proc = subprocess.run([self.cli(), "builder", "prune", "--all", "--force"], env=self._cli_env(), capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise EngineError(f"docker builder prune failed: {proc.stderr.strip()}")
+
+
+def _interrupt_when_parent_dies() -> None:
+    """In the build CLI's child process: get SIGINT (cancel the build) if this tool dies first."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _interrupt(proc: subprocess.Popen) -> None:
