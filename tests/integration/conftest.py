@@ -1,0 +1,57 @@
+"""Integration fixtures: a real Docker engine (skip with the reason when none answers) and cleanup."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from builder.engine import OWNER_LABEL, DEFAULT_SOCKET, Engine, EngineError, connect
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    """The engine on /var/run/docker.sock; the session is skipped when none answers."""
+    socket = Path(os.environ.get("SKUPIN_DOCKER_SOCKET", str(DEFAULT_SOCKET)))
+    try:
+        eng = connect(socket=socket)
+    except EngineError as exc:
+        pytest.skip(f"no Docker engine answers on {socket} (start one with `skupin engine up`): {exc}")
+    before = set(eng.containers(label=OWNER_LABEL))
+    yield eng
+    leftover = set(eng.containers(label=OWNER_LABEL)) - before
+    for cid in leftover:  # should be none: every run removes its container
+        subprocess.run([eng.cli(), "rm", "-f", cid], capture_output=True, check=False)
+    eng.close()
+    assert not leftover, f"containers left behind by the tests: {sorted(leftover)}"
+
+
+@pytest.fixture
+def tags_to_remove(engine: Engine) -> Iterator[list[str]]:
+    """Image tags a test creates; removed afterwards whatever happens."""
+    tags: list[str] = []
+    yield tags
+    for tag in tags:
+        engine.remove_image(tag, force=True)
+
+
+@pytest.fixture(scope="session")
+def wheelhouse() -> Path | None:
+    path = Path(os.environ.get("SKUPIN_WHEELHOUSE", "/opt/wheels"))
+    return path if path.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def host_ca_bundle() -> Path | None:
+    """The CA bundle this host's pip trusts (TLS to PyPI may be intercepted here)."""
+    for key in ("SKUPIN_CA_BUNDLE", "PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+        if os.environ.get(key) and Path(os.environ[key]).is_file():
+            return Path(os.environ[key])
+    default = Path("/etc/ssl/certs/ca-certificates.crt")
+    return default if default.is_file() else None
