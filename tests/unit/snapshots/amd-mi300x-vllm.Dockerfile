@@ -1,0 +1,66 @@
+# Rendered by skupin 0.1.0 from skus/amd-mi300x-vllm.yaml: edit the manifest, not this file.
+# amd Instinct MI300X 192GB (gfx942, amd-cdna3)
+# driver rocm 7.2.1 | framework torch 2.11.0+rocm7.2 | compiler triton 3.6.0 | engine vllm 0.25.1
+# UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock amd-mi300x-vllm`).
+ARG SKUPIN_BASE=docker.io/rocm/dev-ubuntu-24.04:7.2.1-complete@sha256:3db551c4e1229aac1857ac44fcb6141bb749f41348eb572452f11279153c13c3
+FROM ${SKUPIN_BASE}
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive \
+    LANG=C.UTF-8 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+# layer: base
+ENV PYTORCH_ROCM_ARCH=gfx942 \
+    HIP_FORCE_DEV_KERNARG=1
+
+# layer: python
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates git python3.12 python3.12-venv python3.12-dev build-essential \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3.12 -m venv /opt/skupin/venv
+ENV PATH=/opt/skupin/venv/bin:$PATH \
+    VIRTUAL_ENV=/opt/skupin/venv
+
+# layer: framework
+COPY requirements/framework.txt /opt/skupin/requirements/framework.txt
+RUN --mount=type=secret,id=skupin_ca \
+    if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
+ && pip install --only-binary=:all: --index-url https://download.pytorch.org/whl/rocm7.2 --extra-index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/framework.txt
+
+# layer: compiler
+COPY requirements/compiler.txt /opt/skupin/requirements/compiler.txt
+RUN --mount=type=secret,id=skupin_ca \
+    if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
+ && pip install --only-binary=:all: --index-url https://download.pytorch.org/whl/rocm7.2 --extra-index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/compiler.txt
+
+# layer: engine
+RUN --mount=type=secret,id=skupin_ca \
+    if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca GIT_SSL_CAINFO=/run/secrets/skupin_ca; fi \
+ && git clone --depth 1 --branch v0.25.1 https://github.com/vllm-project/vllm /tmp/skupin-src \
+ && pip install --no-build-isolation /tmp/skupin-src \
+ && rm -rf /tmp/skupin-src
+
+# layer: extras
+
+# layer: labels
+ENV VLLM_WORKER_MULTIPROC_METHOD="spawn"
+ARG SKUPIN_LOCK_HASH=unlocked
+ARG SKUPIN_DOCKERFILE_SHA256=unknown
+LABEL org.opencontainers.image.title="skupin/amd-mi300x-vllm" \
+      org.opencontainers.image.description="AMD MI300X 192GB, ROCm 7.2.1, torch 2.11.0 rocm7.2, pytorch-triton-rocm 3.6.0, vLLM 0.25.1 (git)" \
+      org.opencontainers.image.vendor="skupin" \
+      org.opencontainers.image.version="0.25.1" \
+      org.opencontainers.image.base.name="docker.io/rocm/dev-ubuntu-24.04:7.2.1-complete@sha256:3db551c4e1229aac1857ac44fcb6141bb749f41348eb572452f11279153c13c3" \
+      io.skupin.sku="amd-mi300x-vllm" \
+      io.skupin.hardware-class="amd-cdna3" \
+      io.skupin.arch="gfx942" \
+      io.skupin.driver="rocm==7.2.1" \
+      io.skupin.framework="torch==2.11.0+rocm7.2" \
+      io.skupin.compiler="triton==3.6.0" \
+      io.skupin.engine="vllm==0.25.1" \
+      io.skupin.lock-sha256="${SKUPIN_LOCK_HASH}" \
+      io.skupin.dockerfile-sha256="${SKUPIN_DOCKERFILE_SHA256}"
