@@ -1,0 +1,660 @@
+"""Lock a SKU: resolve each Python layer with pip for the image's platform and Python, with sha256 hashes.
+
+The resolver is pip's own (`pip install --dry-run --ignore-installed --report`), run in a
+subprocess isolated from this machine's pip configuration and aimed at the image's platform
+(`--platform/--python-version/--implementation/--abi`, wheels only). Layers are resolved
+cumulatively (framework; + compiler; + engine; + extras), each step constrained to the versions
+already chosen below it, and each package lands in the lowest layer that needs it.
+
+pip evaluates environment markers against the interpreter it runs on, not the target Python
+(`--python-version` only changes tag and Requires-Python matching). So every resolution is
+checked against the target's marker environment: a requirement that applies to the image but was
+skipped is fed back to pip as an explicit requirement, and packages the image does not need (pulled
+by the host's markers) are dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel, ConfigDict
+
+from builder import __version__
+from builder.errors import LockError, Problem
+from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock
+from builder.manifest import PYPI, Pin, SkuManifest, manifest_digest
+
+DEFAULT_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+# glibc of each base distribution: the highest manylinux tag its wheels may carry.
+GLIBC = {
+    "debian-11": (2, 31),
+    "debian-12": (2, 36),
+    "debian-13": (2, 41),
+    "ubuntu-20.04": (2, 31),
+    "ubuntu-22.04": (2, 35),
+    "ubuntu-24.04": (2, 39),
+}
+GLIBC_FALLBACK = (2, 28)
+ARCH = {"linux/amd64": "x86_64", "linux/arm64": "aarch64"}
+MAX_MARKER_ROUNDS = 4
+Progress = Callable[[str], None]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PipRequest(Frozen):
+    """One resolution: what pip is asked, for which target."""
+
+    layer: str
+    requirements: tuple[str, ...]
+    constraints: tuple[str, ...] = ()
+    index_url: str
+    extra_index_urls: tuple[str, ...] = ()
+    find_links: tuple[str, ...] = ()
+    python: str
+    abis: tuple[str, ...]
+    platforms: tuple[str, ...]
+
+
+class Resolved(Frozen):
+    """One distribution chosen by pip, with the exact file and its sha256."""
+
+    name: str
+    version: str
+    filename: str
+    sha256: str
+    url: str | None
+    source: str
+    requires_dist: tuple[str, ...] = ()
+
+
+class LayerPlan(Frozen):
+    """What one layer asks for: its pins as requirements, where they come from, which pins to verify."""
+
+    layer: str
+    requirements: tuple[str, ...]
+    pins: tuple[tuple[str, str, str], ...]  # (field, distribution, exact version)
+    indexes: tuple[str, ...]
+    url_pins: tuple[tuple[str, str, str], ...] = ()  # (distribution, url, sha256)
+    wheelhouse: bool = False
+
+
+Resolver = Callable[[PipRequest], dict]
+
+
+# ---------------------------------------------------------------- the target
+
+
+def target_platforms(manifest: SkuManifest) -> tuple[str, ...]:
+    """pip --platform tags of the image: manylinux_2_<glibc>..2_17, manylinux2014, linux, for its arch."""
+    arch = ARCH[manifest.base.platform]
+    major, minor = GLIBC.get(manifest.base.os, GLIBC_FALLBACK)
+    tags = [f"manylinux_{major}_{m}_{arch}" for m in range(minor, 16, -1)]
+    return (*tags, f"manylinux2014_{arch}", f"linux_{arch}")
+
+
+def target_abis(manifest: SkuManifest) -> tuple[str, ...]:
+    """pip --abi tags: the CPython ABI of the image's Python, abi3 and none."""
+    return (f"cp{manifest.base.python.replace('.', '')}", "abi3", "none")
+
+
+def target_environment(manifest: SkuManifest) -> dict[str, str]:
+    """PEP 508 marker environment of the image (Linux, CPython of base.python, its arch)."""
+    py = manifest.base.python
+    return {
+        "implementation_name": "cpython",
+        "implementation_version": f"{py}.0",
+        "os_name": "posix",
+        "platform_machine": ARCH[manifest.base.platform],
+        "platform_python_implementation": "CPython",
+        "platform_release": "",
+        "platform_system": "Linux",
+        "platform_version": "",
+        "python_full_version": f"{py}.0",
+        "python_version": py,
+        "sys_platform": "linux",
+    }
+
+
+# ---------------------------------------------------------------- the plan (pure)
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _pin_requirement(pin: Pin) -> str:
+    extras = f"[{','.join(pin.extras)}]" if pin.extras else ""
+    if pin.source.kind == "url":
+        return f"{pin.distribution}{extras} @ {pin.source.url}#sha256={pin.source.sha256}"
+    return f"{pin.distribution}{extras}=={pin.version}"
+
+
+def _index_field(layer: str, pin: Pin | None) -> tuple[str, str | None]:
+    """(manifest field, index URL) a layer's pin comes from."""
+    if pin is None:
+        return "extras.index", None
+    src = pin.source
+    if src.kind == "index":
+        return f"stack.{layer}.source.url", src.url
+    if src.kind == "wheelhouse":
+        return f"stack.{layer}.source.index", src.index
+    return f"stack.{layer}.source.url", None
+
+
+def plan_layers(
+    *, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None, index_url: str | None = None
+) -> tuple[LayerPlan, ...]:
+    """The Python layers to resolve, in order; LockError for sources that cannot be locked here."""
+    file, sku = _display(manifest_path), manifest.name
+    pins = manifest.stack.pins()
+    mirror = (lambda url: index_url if index_url and url == PYPI else url)
+    plans: list[LayerPlan] = []
+    problems: list[Problem] = []
+    for layer in PY_LAYERS:
+        if layer == "extras":
+            reqs = tuple(f"{p.name}=={p.version}" for p in manifest.extras.python)
+            checks = tuple((f"extras.python[{i}]", p.name, p.version) for i, p in enumerate(manifest.extras.python))
+            if reqs:
+                plans.append(LayerPlan(layer=layer, requirements=reqs, pins=checks,
+                                       indexes=(mirror(manifest.extras.index),)))
+            continue
+        pin = pins[layer]
+        if not pin.is_python:
+            continue
+        src = pin.source
+        if src.kind == "git":
+            problems.append(Problem(
+                file, f"stack.{layer}.source",
+                f"git {src.repo}@{src.ref} cannot be locked here (it is built from source, not resolved from an index)",
+                f"make the lock on a machine that reaches and builds it (skupin lock {sku})",
+            ))
+            continue
+        if src.kind == "wheelhouse" and wheelhouse is None:
+            problems.append(Problem(file, f"stack.{layer}.source", "comes from a wheelhouse but no wheelhouse was given",
+                                    f"skupin lock {sku} --wheelhouse DIR"))
+            continue
+        if src.kind == "wheelhouse" and not wheelhouse.is_dir():
+            problems.append(Problem(file, f"stack.{layer}.source", f"wheelhouse {wheelhouse} is not a folder",
+                                    "pass the folder that holds the wheels"))
+            continue
+        _, own = _index_field(layer, pin)
+        indexes = tuple(dict.fromkeys(mirror(u) for u in (own, manifest.extras.index) if u))
+        url_pins = ((pin.distribution, src.url, src.sha256),) if src.kind == "url" else ()
+        plans.append(LayerPlan(
+            layer=layer, requirements=(_pin_requirement(pin),),
+            pins=((f"stack.{layer}.version", pin.distribution, pin.version),),
+            indexes=indexes, url_pins=url_pins, wheelhouse=src.kind == "wheelhouse",
+        ))
+    if problems:
+        raise LockError(f"{file}: cannot be locked on this machine", tuple(problems))
+    return tuple(plans)
+
+
+def source_urls(*, manifest: SkuManifest, index_url: str | None = None) -> tuple[tuple[str, str, str], ...]:
+    """Every remote source a lock needs: (manifest field, kind, URL)."""
+    found: list[tuple[str, str, str]] = []
+    mirror = (lambda url: index_url if index_url and url == PYPI else url)
+    for layer, pin in manifest.stack.pins().items():
+        if layer not in PY_LAYERS or not pin.is_python:
+            continue
+        field, url = _index_field(layer, pin)
+        if url:
+            found.append((field, "index", mirror(url)))
+        if pin.source.kind == "url":
+            found.append((f"stack.{layer}.source.url", "wheel", pin.source.url))
+    found.append(("extras.index", "index", mirror(manifest.extras.index)))
+    return tuple(dict.fromkeys(found))
+
+
+def tcp_reachable(url: str, timeout: float = 5.0) -> bool:
+    """True when the URL's host resolves and accepts a TCP connection within `timeout` seconds."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def unreachable_sources(
+    *, manifest: SkuManifest, manifest_path: Path, index_url: str | None, reachable: Callable[[str], bool]
+) -> list[Problem]:
+    """A problem for every remote source this machine does not reach."""
+    file, sku = _display(manifest_path), manifest.name
+    answers: dict[str, bool] = {}
+    problems = []
+    for field, kind, url in source_urls(manifest=manifest, index_url=index_url):
+        if url not in answers:
+            answers[url] = reachable(url)
+        if not answers[url]:
+            problems.append(Problem(file, field, f"{kind} {url} is unreachable from this machine",
+                                    f"make the lock on a machine that reaches it (skupin lock {sku})"))
+    return problems
+
+
+# ---------------------------------------------------------------- reading pip's report (pure)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _report_hash(download_info: Mapping) -> str | None:
+    info = download_info.get("archive_info") or {}
+    hashes = info.get("hashes") or {}
+    if hashes.get("sha256"):
+        return str(hashes["sha256"]).lower()
+    legacy = str(info.get("hash") or "")
+    if legacy.startswith("sha256="):
+        return legacy.removeprefix("sha256=").lower()
+    return None
+
+
+def parse_report(report: Mapping, *, layer: str) -> dict[str, Resolved]:
+    """Every distribution pip chose, by canonical name, with file name and sha256 (LockError if any lacks one)."""
+    out: dict[str, Resolved] = {}
+    problems: list[str] = []
+    for item in report.get("install", []):
+        meta, info = item["metadata"], item["download_info"]
+        name, version = canonicalize_name(meta["name"]), str(meta["version"])
+        url = str(info["url"]).split("#", 1)[0]
+        parsed = urlparse(url)
+        filename = unquote(parsed.path.rsplit("/", 1)[-1])
+        if not filename.endswith(".whl"):
+            problems.append(f"{name} {version}: only a source distribution ({filename}) was found; "
+                            "locks take wheels only (sdists are not allowed)")
+            continue
+        if parsed.scheme == "file":
+            local = Path(unquote(parsed.path))
+            try:
+                sha, where, source = _sha256_file(local), None, "wheelhouse"
+            except OSError as exc:
+                problems.append(f"{name} {version}: cannot hash wheelhouse file {local}: {exc}")
+                continue
+        else:
+            sha, where, source = _report_hash(info), url, "url" if item.get("is_direct") else "index"
+            if sha is None:
+                problems.append(f"{name} {version}: the index gave no sha256 for {filename}")
+                continue
+        out[name] = Resolved(name=name, version=version, filename=filename, sha256=sha, url=where, source=source,
+                             requires_dist=tuple(meta.get("requires_dist") or ()))
+    if problems:
+        raise LockError(f"{layer}: pip's resolution cannot be locked: " + "; ".join(problems))
+    return out
+
+
+def _strip_marker(req: Requirement) -> str:
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    if req.url:
+        return f"{req.name}{extras} @ {req.url}"
+    return f"{req.name}{extras}{req.specifier}"
+
+
+class Closure(Frozen):
+    """What the target needs of a resolution, and where pip's host-evaluated markers fell short."""
+
+    needed: frozenset[str]
+    missing: tuple[str, ...] = ()  # requirements of the target that pip did not resolve
+    conflicts: tuple[str, ...] = ()  # requirements of the target that pip's choice violates
+    why: tuple[str, ...] = ()
+
+
+def closure(resolved: Mapping[str, Resolved], roots: Sequence[str], env: Mapping[str, str]) -> Closure:
+    """Walk pip's chosen set from `roots` along Requires-Dist, markers evaluated for the target environment."""
+    seen: dict[str, set[str]] = {}
+    missing: dict[str, None] = {}
+    conflicts: dict[str, None] = {}
+    why: dict[str, None] = {}
+    stack: list[tuple[Requirement, str]] = [(Requirement(r), "the pins") for r in roots]
+    while stack:
+        req, parent = stack.pop()
+        name = canonicalize_name(req.name)
+        item = resolved.get(name)
+        if item is None:
+            missing[_strip_marker(req)] = None
+            why[f"{parent} needs {_strip_marker(req)}, not resolved"] = None
+            continue
+        if req.specifier and not req.specifier.contains(item.version, prereleases=True):
+            conflicts[_strip_marker(req)] = None
+            why[f"{parent} needs {_strip_marker(req)} but {name} {item.version} was chosen"] = None
+        want = {""} | {canonicalize_name(e) for e in req.extras}
+        new = want - seen.get(name, set())
+        if not new:
+            continue
+        seen[name] = seen.get(name, set()) | want
+        for line in item.requires_dist:
+            dep = Requirement(line)
+            if dep.marker is None or any(dep.marker.evaluate({**env, "extra": e}) for e in new):
+                stack.append((dep, name))
+    return Closure(needed=frozenset(seen), missing=tuple(missing), conflicts=tuple(conflicts), why=tuple(why))
+
+
+def check_pins(resolved: Mapping[str, Resolved], plan: LayerPlan, *, file: str) -> None:
+    """LockError when the resolver moved a pin (the locked version must equal the pinned one exactly)."""
+    problems = []
+    for field, dist, version in plan.pins:
+        got = resolved.get(canonicalize_name(dist))
+        try:
+            same = got is not None and Version(got.version) == Version(version) and got.version == version
+        except InvalidVersion:
+            same = got is not None and got.version == version
+        if not same:
+            found = got.version if got else "nothing"
+            problems.append(Problem(file, field, f"pinned {dist}=={version} but the resolver chose {found}",
+                                    "pin a version the index really has, with its local label (e.g. 2.13.0+cpu)"))
+    for dist, url, sha in plan.url_pins:
+        got = resolved.get(canonicalize_name(dist))
+        if got is None or got.sha256 != sha:
+            problems.append(Problem(file, f"stack.{plan.layer}.source.sha256",
+                                    f"{url} resolved to sha256 {got.sha256 if got else 'nothing'}, pinned {sha}"))
+    if problems:
+        raise LockError(f"{file}: the resolver moved a pin", tuple(problems))
+
+
+# ---------------------------------------------------------------- running pip
+
+
+def default_ca_bundle(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The CA bundle pip should trust: SSL_CERT_FILE / REQUESTS_CA_BUNDLE, else the system bundle if present."""
+    environ = os.environ if environ is None else environ
+    for key in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+        if environ.get(key) and Path(environ[key]).is_file():
+            return Path(environ[key])
+    return DEFAULT_CA_BUNDLE if DEFAULT_CA_BUNDLE.is_file() else None
+
+
+def pip_command(request: PipRequest, *, python: str, report: Path, reqs: Path, cons: Path | None,
+                ca_bundle: Path | None) -> list[str]:
+    """The pip command line of one resolution (isolated, wheels only, aimed at the target)."""
+    cmd = [python, "-m", "pip", "install", "--isolated", "--disable-pip-version-check", "--no-input",
+           "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+           "--only-binary=:all:", "--implementation", "cp", "--python-version", request.python,
+           "--timeout", "30", "--retries", "2", "--index-url", request.index_url]
+    for abi in request.abis:
+        cmd += ["--abi", abi]
+    for platform in request.platforms:
+        cmd += ["--platform", platform]
+    for url in request.extra_index_urls:
+        cmd += ["--extra-index-url", url]
+    for folder in request.find_links:
+        cmd += ["--find-links", folder]
+    if ca_bundle is not None:
+        cmd += ["--cert", str(ca_bundle)]
+    cmd += ["-r", str(reqs)]
+    if cons is not None:
+        cmd += ["-c", str(cons)]
+    return cmd
+
+
+def pip_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without any PIP_* setting, and no pip config file."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if not k.upper().startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
+def _explain_failure(request: PipRequest, output: str) -> str:
+    tail = "\n".join(output.strip().splitlines()[-15:])
+    if "No matching distribution found for" in output:
+        what = output.split("No matching distribution found for", 1)[1].split("\n", 1)[0].strip()
+        return (f"{request.layer}: no wheel of {what} for CPython {request.python} on {request.platforms[0]} "
+                f"(locks take wheels only; sdists are not allowed):\n{tail}")
+    if "ResolutionImpossible" in output or "conflicting dependencies" in output:
+        return f"{request.layer}: the pins cannot be installed together:\n{tail}"
+    if any(s in output for s in ("NewConnectionError", "Name or service not known", "Max retries exceeded",
+                                 "CERTIFICATE_VERIFY_FAILED")):
+        return f"{request.layer}: an index is unreachable (or its TLS is not trusted: pass --ca-bundle):\n{tail}"
+    return f"{request.layer}: pip could not resolve:\n{tail}"
+
+
+def run_pip(request: PipRequest, *, python: str = sys.executable, ca_bundle: Path | None = None,
+            timeout_s: float = 1800.0) -> dict:
+    """Resolve one request with pip --dry-run --report in a subprocess; return the report."""
+    with tempfile.TemporaryDirectory(prefix="skupin-lock-") as tmp:
+        work = Path(tmp)
+        reqs, report = work / "requirements.txt", work / "report.json"
+        reqs.write_text("\n".join(request.requirements) + "\n", encoding="utf-8")
+        cons = None
+        if request.constraints:
+            cons = work / "constraints.txt"
+            cons.write_text("\n".join(request.constraints) + "\n", encoding="utf-8")
+        cmd = pip_command(request, python=python, report=report, reqs=reqs, cons=cons, ca_bundle=ca_bundle)
+        try:
+            proc = subprocess.run(cmd, env=pip_environment(), cwd=work, capture_output=True, text=True,
+                                  timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise LockError(f"{request.layer}: pip did not finish within {timeout_s:.0f} s") from exc
+        except OSError as exc:
+            raise LockError(f"{request.layer}: cannot run pip ({python}): {exc}") from exc
+        if proc.returncode != 0:
+            raise LockError(_explain_failure(request, proc.stdout + proc.stderr))
+        try:
+            return json.loads(report.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise LockError(f"{request.layer}: pip wrote no readable report: {exc}") from exc
+
+
+# ---------------------------------------------------------------- locking
+
+
+def _locked(item: Resolved, url_pins: set[str]) -> LockedPackage:
+    source = "url" if item.name in url_pins else item.source
+    return LockedPackage(name=item.name, version=item.version, filename=item.filename, sha256=item.sha256,
+                         url=item.url, source=source)
+
+
+def _system(manifest: SkuManifest) -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    for layer, pin in manifest.stack.pins().items():
+        if pin.source.kind == "apt":
+            src = pin.source
+            out.setdefault(layer, []).append(f"{src.package}={src.version}" if src.version else src.package)
+    for pkg in manifest.extras.system:
+        out.setdefault("extras", []).append(f"{pkg.name}={pkg.version}" if pkg.version else pkg.name)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def locked_base(manifest: SkuManifest) -> LockedBase:
+    """The base of the lock: the image reference and digest, or the bootstrap recipe's local tag and hash."""
+    base = manifest.base
+    if base.image:
+        return LockedBase(kind="image", reference=base.image, digest=base.image.rsplit("@", 1)[1])
+    assert base.bootstrap is not None  # Base's validator guarantees one origin
+    return LockedBase(kind="bootstrap", reference=base.bootstrap.local_tag(),
+                      recipe_sha256=base.bootstrap.recipe_sha256())
+
+
+def resolve_target(
+    *, request: PipRequest, roots: Sequence[str], resolve: Resolver, env: Mapping[str, str], file: str,
+    progress: Progress,
+) -> tuple[dict[str, Resolved], str]:
+    """One pip resolution of every pin, corrected for the target's markers; return what the target needs and pip's version.
+
+    pip evaluates markers for the Python it runs on: a requirement the target has but the host lacks
+    (or vice versa) is fed back to pip as an explicit requirement until the target's closure is complete.
+    """
+    hints: tuple[str, ...] = ()
+    for _ in range(MAX_MARKER_ROUNDS):
+        report = resolve(request.model_copy(update={"requirements": (*request.requirements, *hints)}))
+        resolved = parse_report(report, layer=request.layer)
+        found = closure(resolved, roots, env)
+        todo = [r for r in (*found.missing, *found.conflicts) if r not in hints]
+        if not found.missing and not found.conflicts:
+            dropped = sorted(set(resolved) - found.needed)
+            if dropped:
+                progress(f"dropped {', '.join(dropped)}: not needed on Python {env['python_version']}")
+            return {n: resolved[n] for n in found.needed}, str(report.get("pip_version", "?"))
+        if not todo:
+            break
+        progress(f"Python {env['python_version']} (not this host's) also needs {', '.join(todo)}; resolving again")
+        hints = (*hints, *todo)
+    raise LockError(f"{file}: the resolution does not fit Python {env['python_version']}: " + "; ".join(found.why))
+
+
+def assign_layers(
+    *, resolved: Mapping[str, Resolved], plans: Sequence[LayerPlan], env: Mapping[str, str]
+) -> dict[str, tuple[LockedPackage, ...]]:
+    """Each package in the lowest layer that needs it: layer k gets closure(pins <= k) minus the layers below."""
+    layers: dict[str, tuple[LockedPackage, ...]] = {layer: () for layer in PY_LAYERS}
+    roots: list[str] = []
+    below: set[str] = set()
+    url_pins = {canonicalize_name(d) for p in plans for d, _, _ in p.url_pins}
+    for plan in plans:
+        roots += plan.requirements
+        needed = closure(resolved, roots, env).needed
+        new = sorted(needed - below)
+        layers[plan.layer] = tuple(_locked(resolved[n], url_pins) for n in new)
+        below |= needed
+    return layers
+
+
+def lockable_plans(
+    *, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None, index_url: str | None,
+    reachable: Callable[[str], bool],
+) -> tuple[LayerPlan, ...]:
+    """The layer plans, once every source is known to be lockable here; else LockError naming each that is not."""
+    problems: list[Problem] = []
+    try:
+        plans = plan_layers(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse, index_url=index_url)
+    except LockError as exc:
+        problems += exc.problems
+        plans = ()
+    if any(pin.is_python for pin in manifest.stack.pins().values()) or manifest.extras.python:
+        problems += unreachable_sources(manifest=manifest, manifest_path=manifest_path, index_url=index_url,
+                                        reachable=reachable)
+    if problems:
+        raise LockError(f"{_display(manifest_path)}: cannot be locked on this machine", tuple(problems))
+    return plans
+
+
+def lock_sku(
+    *,
+    manifest: SkuManifest,
+    manifest_path: Path,
+    wheelhouse: Path | None,
+    dockerfile_sha256: str,
+    index_url: str | None = None,
+    progress: Progress | None = None,
+    ca_bundle: Path | None = None,
+    resolve: Resolver | None = None,
+    reachable: Callable[[str], bool] | None = None,
+) -> Lock:
+    """Resolve every Python layer of a SKU (pins kept exact, every file hashed, layers disjoint) into a Lock.
+
+    One pip resolution of all pins together gives one consistent set; each layer then holds what
+    its pins add to the layers below (the closure of framework; + compiler; + engine; + extras).
+    """
+    say = progress or (lambda _msg: None)
+    file = _display(manifest_path)
+    plans = lockable_plans(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse,
+                           index_url=index_url, reachable=reachable or tcp_reachable)
+    layers: dict[str, tuple[LockedPackage, ...]] = {layer: () for layer in PY_LAYERS}
+    resolver = "none (no Python layers)"
+    if plans:
+        if resolve is None:
+            bundle = ca_bundle or default_ca_bundle()
+            resolve = lambda req: run_pip(req, ca_bundle=bundle)  # noqa: E731
+        env = target_environment(manifest)
+        roots = tuple(r for plan in plans for r in plan.requirements)
+        request = PipRequest(
+            layer=",".join(p.layer for p in plans), requirements=roots,
+            index_url=plans[0].indexes[0],
+            extra_index_urls=tuple(dict.fromkeys(u for p in plans for u in p.indexes if u != plans[0].indexes[0])),
+            find_links=(str(wheelhouse),) if wheelhouse is not None and any(p.wheelhouse for p in plans) else (),
+            python=manifest.base.python, abis=target_abis(manifest), platforms=target_platforms(manifest),
+        )
+        started = time.monotonic()
+        say(f"resolving {' '.join(roots)} for CPython {manifest.base.python} {manifest.base.platform}")
+        resolved, pip_version = resolve_target(request=request, roots=roots, resolve=resolve, env=env, file=file,
+                                               progress=say)
+        for plan in plans:
+            check_pins(resolved, plan, file=file)
+        layers = assign_layers(resolved=resolved, plans=plans, env=env)
+        resolver = f"pip {pip_version}"
+        counts = ", ".join(f"{k} {len(v)}" for k, v in layers.items())
+        say(f"resolved {len(resolved)} packages in {time.monotonic() - started:.1f} s ({counts})")
+    return Lock(
+        sku=manifest.name,
+        manifest_sha256=manifest_digest(manifest),
+        python=manifest.base.python,
+        platform=manifest.base.platform,
+        base=locked_base(manifest),
+        layers=layers,
+        system=_system(manifest),
+        dockerfile_sha256=dockerfile_sha256,
+        resolver=resolver,
+        tool_version=__version__,
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+
+
+# ---------------------------------------------------------------- is a lock still current?
+
+
+def lock_status(*, manifest: SkuManifest, manifest_path: Path, dockerfile_sha256: str) -> tuple[str, str]:
+    """("ok" | "unlocked" | "stale", why) for the lock next to a manifest."""
+    path = lock_path(manifest_path)
+    if not path.exists():
+        return "unlocked", f"no {path.name}; run `skupin lock {manifest.name}`"
+    try:
+        lock = read_lock(path)
+    except LockError as exc:
+        return "stale", f"{exc}; run `skupin lock {manifest.name}`"
+    reasons = stale_reasons(manifest=manifest, lock=lock, dockerfile_sha256=dockerfile_sha256)
+    if reasons:
+        return "stale", "; ".join(reasons) + f"; run `skupin lock {manifest.name}`"
+    return "ok", f"{path.name} {lock.content_hash()[:12]}"
+
+
+def stale_reasons(*, manifest: SkuManifest, lock: Lock, dockerfile_sha256: str) -> list[str]:
+    """Every way a lock no longer matches its manifest and Dockerfile (empty when it does)."""
+    reasons: list[str] = []
+    if lock.sku != manifest.name:
+        reasons.append(f"lock is for {lock.sku}, not {manifest.name}")
+    if lock.manifest_sha256 != manifest_digest(manifest):
+        reasons.append("the manifest changed since the lock")
+    if lock.dockerfile_sha256 != dockerfile_sha256:
+        reasons.append("the rendered Dockerfile changed since the lock")
+    if lock.base != locked_base(manifest):
+        reasons.append("the base changed since the lock")
+    if (lock.python, lock.platform) != (manifest.base.python, manifest.base.platform):
+        reasons.append(f"lock targets Python {lock.python} {lock.platform}, manifest {manifest.base.python} "
+                       f"{manifest.base.platform}")
+    packages = lock.packages()
+    wanted = [(layer, pin.distribution, pin.version) for layer, pin in manifest.stack.pins().items()
+              if pin.is_python and pin.source.kind != "git"]
+    wanted += [("extras", p.name, p.version) for p in manifest.extras.python]
+    for layer, dist, version in wanted:
+        got = packages.get(canonicalize_name(dist))
+        if got is None or got.version != version:
+            reasons.append(f"{layer} pin {dist}=={version} but the lock has {got.version if got else 'none'}")
+    if lock.system != _system(manifest):
+        reasons.append("apt pins differ from the lock")
+    return reasons
