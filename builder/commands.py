@@ -8,6 +8,11 @@ import argparse
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add every stage's subcommands; each stage module owns its own arguments and handler."""
     _engine_base_build(sub)
+    from builder.compat_refresh import add_commands as add_compat_refresh
+    from builder.watch import add_commands as add_watch
+
+    add_compat_refresh(sub)
+    add_watch(sub)
 
 
 def _engine_base_build(sub: argparse._SubParsersAction) -> None:
