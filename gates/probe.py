@@ -1,0 +1,660 @@
+#!/usr/bin/env python3
+"""Probe an inference stack: environment, a kernel battery and a fixed model check, written as safetensors + JSON.
+
+Standalone on purpose: it needs only the standard library, torch and the engine under test (no
+numpy, no safetensors package, nothing from skupin), because it is mounted read-only into images
+under test at gate time and also run directly on the NVIDIA reference machine. It never pickles.
+
+    python3 probe.py --model DIR --prompts DIR/prompts.json --out OUT --dtype float32 \
+        --batch-size 8 --device auto --engine transformers --checks env,kernels,model [--threads N]
+
+writes OUT/probe.json (environment, per-check status, tensor index) and OUT/tensors.safetensors
+(8-byte little-endian header length, JSON header, raw little-endian data). Exit status: 0 when
+every requested check passed, 1 when one failed (probe.json still says which and why), 2 on bad
+arguments. docs/REFERENCES.md describes every field and tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+FORMAT = "skupin-probe/1"
+PROBE_VERSION = "1"
+CHECKS = ("env", "kernels", "model")
+ENGINES = ("transformers", "vllm", "sglang")
+DTYPES = ("float32", "bfloat16", "float16")
+ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "CUDA_VISIBLE_DEVICES",
+            "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "NVIDIA_DRIVER_CAPABILITIES",
+            "VLLM_ATTENTION_BACKEND", "PYTORCH_ROCM_ARCH", "HSA_OVERRIDE_GFX_VERSION")
+
+
+# ---------------------------------------------------------------- output format
+
+
+def tensor_bytes(t) -> tuple[str, list[int], bytes]:
+    """(safetensors dtype, shape, little-endian bytes) of a torch tensor, without numpy."""
+    if sys.byteorder != "little":
+        raise RuntimeError("the probe writes little-endian data and needs a little-endian host")
+    t = t.detach().to("cpu").contiguous().clone()
+    dtype = ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise TypeError(f"cannot store dtype {t.dtype}")
+    nbytes = t.numel() * t.element_size()
+    raw = ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
+    return dtype, list(t.shape), raw
+
+
+def write_safetensors(path: str, tensors: dict, metadata: dict) -> dict:
+    """Write torch tensors to `path` in the safetensors format; return the header index."""
+    header: dict = {"__metadata__": {str(k): str(v) for k, v in sorted(metadata.items())}}
+    chunks, offset = [], 0
+    for name in sorted(tensors):
+        dtype, shape, raw = tensor_bytes(tensors[name])
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little"))
+        fh.write(text)
+        for chunk in chunks:
+            fh.write(chunk)
+    return {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items() if k != "__metadata__"}
+
+
+# ---------------------------------------------------------------- environment
+
+
+def _version(dist: str):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _run(cmd: list[str]):
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _read(path: str):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def host_driver() -> dict:
+    """The accelerator driver as the host reports it (nvidia-smi, /proc, rocm-smi, amdgpu module)."""
+    out: dict = {}
+    smi = _run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"])
+    if smi:
+        first = smi.splitlines()[0].split(",")
+        out["nvidia_smi"] = {"driver_version": first[0].strip(), "name": first[-1].strip(), "lines": len(smi.splitlines())}
+        out["version"], out["source"] = first[0].strip(), "nvidia-smi"
+    proc = _read("/proc/driver/nvidia/version")
+    if proc:
+        out["proc_driver_nvidia"] = proc.splitlines()[0]
+        if "version" not in out:
+            words = [w for w in proc.split() if w[:1].isdigit() and w.count(".") >= 1]
+            if words:
+                out["version"], out["source"] = words[0], "/proc/driver/nvidia/version"
+    rocm = _run(["rocm-smi", "--showdriverversion", "--json"])
+    if rocm:
+        out["rocm_smi"] = rocm[:2000]
+    amdgpu = _read("/sys/module/amdgpu/version")
+    if amdgpu:
+        out["amdgpu_module"] = amdgpu
+        out.setdefault("version", amdgpu)
+        out.setdefault("source", "/sys/module/amdgpu/version")
+    return out
+
+
+def installed_distributions() -> dict:
+    """Every installed Python distribution -> its version (importlib.metadata), for the gate's pin check."""
+    found: dict = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").strip()
+        if name:
+            found.setdefault(name.lower().replace("_", "-").replace(".", "-"), dist.version)
+    return dict(sorted(found.items()))
+
+
+def system_packages() -> dict:
+    """Installed Debian packages -> version, read from /var/lib/dpkg/status (empty where there is no dpkg)."""
+    found: dict = {}
+    for block in (_read("/var/lib/dpkg/status") or "").split("\n\n"):
+        fields = dict(ln.split(": ", 1) for ln in block.splitlines() if ": " in ln and not ln.startswith(" "))
+        if fields.get("Package") and fields.get("Version") and "installed" in fields.get("Status", "").split():
+            found[fields["Package"]] = fields["Version"]
+    return dict(sorted(found.items()))
+
+
+def pick_device(name: str) -> str:
+    import torch
+
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return "cpu"
+
+
+def environment(device: str) -> dict:
+    """Versions and device facts: python, torch, triton, engines, device, driver, CPU, settings."""
+    import torch
+
+    env: dict = {
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", None),
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "xpu": getattr(torch.version, "xpu", None),
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "triton": _version("triton") or _version("pytorch-triton-rocm") or _version("pytorch-triton-xpu"),
+        "engines": {e: _version(e) for e in ENGINES},
+        "threads": torch.get_num_threads(),
+        "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)(),
+        "cpu_model": next((ln.split(":", 1)[1].strip() for ln in (_read("/proc/cpuinfo") or "").splitlines()
+                           if ln.startswith("model name")), None),
+        "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
+        "settings": {
+            "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        },
+        "driver": host_driver(),
+        "distributions": installed_distributions(),
+        "system_packages": system_packages(),
+    }
+    dev: dict = {"type": device, "count": 0, "names": []}
+    if device == "cuda":
+        dev["count"] = torch.cuda.device_count()
+        for i in range(dev["count"]):
+            props = torch.cuda.get_device_properties(i)
+            dev["names"].append(props.name)
+            dev.setdefault("capability", list(torch.cuda.get_device_capability(i)))
+            dev.setdefault("arch", getattr(props, "gcnArchName", None) or "sm_%d%d" % torch.cuda.get_device_capability(i))
+            dev.setdefault("total_memory", props.total_memory)
+            dev.setdefault("multi_processor_count", props.multi_processor_count)
+    elif device == "xpu":
+        dev["count"] = torch.xpu.device_count()
+        dev["names"] = [torch.xpu.get_device_name(i) for i in range(dev["count"])]
+    else:
+        dev["count"], dev["names"] = 1, [env["cpu_model"] or platform.processor() or "cpu"]
+    dev["name"] = dev["names"][0] if dev["names"] else None
+    env["device"] = dev
+    return env
+
+
+# ---------------------------------------------------------------- kernel battery
+
+_M31 = 2**31 - 1
+
+
+def det_values(shape: tuple[int, ...], salt: int, scale: float = 1.0):
+    """Deterministic float32 values in [-scale, scale), bf16-representable, from integer hashing (no RNG)."""
+    import torch
+
+    n = math.prod(shape)
+    h = (torch.arange(n, dtype=torch.int64) * 1103515245 + salt * 12345 + 2531011) & _M31
+    h = ((h ^ (h >> 13)) * 1664525 + 1013904223) & _M31
+    h = ((h ^ (h >> 16)) * 22695477 + 1) & _M31
+    x = (h.to(torch.float64) / 2**31 * 2.0 - 1.0) * scale
+    return x.to(torch.float32).to(torch.bfloat16).to(torch.float32).reshape(shape)
+
+
+def det_ints(shape: tuple[int, ...], salt: int, high: int):
+    """Deterministic int64 values in [0, high) from the same hashing."""
+    import torch
+
+    n = math.prod(shape)
+    h = (torch.arange(n, dtype=torch.int64) * 22695477 + salt * 1103515245 + 12345) & _M31
+    h = ((h ^ (h >> 15)) * 1664525 + 1013904223) & _M31
+    return ((h >> 8) % high).reshape(shape)
+
+
+def int4_pack(q):
+    """Pack int values 0..15 of shape [N, K] into uint8 [N, K/2]: column 2j in the low nibble, 2j+1 in the high."""
+    import torch
+
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def int4_dequant(packed, scales, group: int):
+    """Unpack uint8 [N, K/2] nibbles (low first) and apply per-group scales [N, K/group]: (q - 8) * scale."""
+    import torch
+
+    low = (packed & 0x0F).to(torch.int16)
+    high = (packed >> 4).to(torch.int16)
+    q = torch.stack([low, high], dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+    return (q.to(scales.dtype) - 8) * scales.repeat_interleave(group, dim=1)
+
+
+def kernel_battery(device: str) -> tuple[dict, dict]:
+    """Run each op on fixed inputs on `device`; return (tensors named kernels.*, per-op status)."""
+    import torch
+    import torch.nn.functional as F
+
+    def on(x, dtype):
+        return x.to(device=device, dtype=dtype)
+
+    a, b = det_values((64, 256), 1), det_values((256, 128), 2)
+    logits = det_values((64, 512), 3, scale=8.0)
+    xn, wn = det_values((64, 256), 4, scale=2.0), 1.0 + det_values((256,), 5, scale=0.25)
+    xs = det_values((64, 256), 6, scale=6.0)
+    q, k, v = (det_values((2, 4, 64, 64), s) for s in (7, 8, 9))
+    group, n_out, k_in = 32, 128, 256
+    packed = int4_pack(det_ints((n_out, k_in), 10, 16))
+    scales = 0.01 + (det_values((n_out, k_in // group), 11) + 1.0) * 0.02
+    xq = det_values((64, k_in), 12)
+
+    def rmsnorm(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(x.dtype)
+
+    ops = {
+        "matmul.float32": lambda: on(a, torch.float32) @ on(b, torch.float32),
+        "matmul.bfloat16": lambda: on(a, torch.bfloat16) @ on(b, torch.bfloat16),
+        "matmul.float16": lambda: on(a, torch.float16) @ on(b, torch.float16),
+        "softmax.float32": lambda: torch.softmax(on(logits, torch.float32), dim=-1),
+        "softmax.bfloat16": lambda: torch.softmax(on(logits, torch.bfloat16), dim=-1),
+        "rmsnorm.float32": lambda: rmsnorm(on(xn, torch.float32), on(wn, torch.float32)),
+        "rmsnorm.bfloat16": lambda: rmsnorm(on(xn, torch.bfloat16), on(wn, torch.bfloat16)),
+        "silu.float32": lambda: F.silu(on(xs, torch.float32)),
+        "silu.bfloat16": lambda: F.silu(on(xs, torch.bfloat16)),
+        "sdpa.float32": lambda: F.scaled_dot_product_attention(*(on(t, torch.float32) for t in (q, k, v)), is_causal=True),
+        "sdpa.bfloat16": lambda: F.scaled_dot_product_attention(*(on(t, torch.bfloat16) for t in (q, k, v)), is_causal=True),
+        "int4.dequant": lambda: int4_dequant(packed.to(device), on(scales, torch.float32), group),
+        "int4.matmul.bfloat16": lambda: on(xq, torch.bfloat16)
+        @ int4_dequant(packed.to(device), on(scales, torch.bfloat16), group).t(),
+    }
+    tensors, status = {}, {}
+    for name, op in ops.items():
+        try:
+            with torch.inference_mode():
+                out = op()
+            if device != "cpu":
+                torch.cuda.synchronize() if device == "cuda" else None
+            tensors["kernels." + name] = out.detach().cpu()
+            status[name] = {"status": "ok", "dtype": str(out.dtype).removeprefix("torch."), "shape": list(out.shape),
+                            "finite": bool(torch.isfinite(out.float()).all())}
+        except Exception as exc:  # noqa: BLE001 - a failing op is a result, recorded per op
+            status[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return tensors, status
+
+
+# ---------------------------------------------------------------- model check: engine adapters
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield i, items[i : i + size]
+
+
+class Collector:
+    """Per-prompt results of an adapter, stacked into the probe's model.* tensors at the end."""
+
+    def __init__(self, top_k: int, n_full: int) -> None:
+        self.top_k, self.n_full = top_k, n_full
+        self.rows: dict[str, list] = {}
+
+    def add(self, name: str, value) -> None:
+        self.rows.setdefault(name, []).append(value)
+
+    def tensors(self) -> dict:
+        import torch
+
+        return {"model." + k: torch.stack(v) for k, v in self.rows.items()}
+
+
+def run_transformers(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> dict:
+    """Teacher-forced logprobs, final hidden states and greedy continuations through transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(opts["dtype"]),
+                                                 attn_implementation=opts["attn"])
+    model.to(device).eval()
+    load_s = time.perf_counter() - t0
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    col = Collector(opts["top_k"], opts["full_logprobs"])
+    t1 = time.perf_counter()
+    with torch.inference_mode():
+        for start, batch in _chunks(ids, opts["batch_size"]):
+            x = torch.tensor(batch, dtype=torch.long, device=device)
+            hidden = decoder(input_ids=x).last_hidden_state
+            logprobs = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
+            _collect_teacher(col, start, x, logprobs[:, :-1], hidden)
+        forward_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        for _, batch in _chunks(ids, opts["batch_size"]):
+            _greedy_transformers(model, torch.tensor(batch, dtype=torch.long, device=device), opts["new_tokens"], col)
+        generate_s = time.perf_counter() - t2
+    info = {"attn_implementation": getattr(model.config, "_attn_implementation", opts["attn"]),
+            "model_dtype": str(model.dtype).removeprefix("torch."), "hidden_states": "decoder last_hidden_state (after final norm)",
+            "greedy": "KV-cache decode, argmax, EOS not special", "load_s": load_s, "forward_s": forward_s,
+            "generate_s": generate_s}
+    return {"tensors": col.tensors(), "info": info}
+
+
+def _collect_teacher(col: Collector, start: int, x, pred_logprobs, hidden) -> None:
+    """Store target logprobs, top-k and (first prompts) full logprobs of positions 0..T-2."""
+    import torch
+
+    target = pred_logprobs.gather(-1, x[:, 1:, None])[..., 0]
+    top = pred_logprobs.topk(col.top_k, dim=-1)
+    for row in range(x.shape[0]):
+        col.add("target_logprob", target[row].cpu())
+        col.add("topk_logprobs", top.values[row].cpu())
+        col.add("topk_ids", top.indices[row].to(torch.int32).cpu())
+        if hidden is not None:
+            col.add("hidden", hidden[row].cpu())
+        if start + row < col.n_full:
+            col.add("logprobs_full", pred_logprobs[row].cpu())
+
+
+def _greedy_transformers(model, x, new_tokens: int, col: Collector) -> None:
+    import torch
+
+    import inspect
+
+    # transformers >= 5.2x names the KV cache `cache`; earlier releases `past_key_values`
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=x, use_cache=True)
+    step_logits, past = out.logits[:, -1], getattr(out, key)
+    picked, chosen, margins = [], [], []
+    for step in range(new_tokens):
+        top = torch.log_softmax(step_logits.float(), dim=-1).topk(2, dim=-1)
+        nxt = top.indices[:, 0]
+        picked.append(nxt)
+        chosen.append(top.values[:, 0])
+        margins.append(top.values[:, 0] - top.values[:, 1])
+        if step + 1 < new_tokens:
+            out = model(input_ids=nxt[:, None], use_cache=True, **{key: past})
+            step_logits, past = out.logits[:, -1], getattr(out, key)
+    ids, lps, mgs = (torch.stack(v, dim=1) for v in (picked, chosen, margins))
+    for row in range(x.shape[0]):
+        col.add("greedy_ids", ids[row].to(torch.int32).cpu())
+        col.add("greedy_logprob", lps[row].cpu())
+        col.add("greedy_margin", mgs[row].cpu())
+
+
+def _sorted_top(entries: list[tuple[float, int]], k: int) -> tuple[list[float], list[int]]:
+    best = sorted(entries, key=lambda e: (-e[0], e[1]))[:k]
+    return [e[0] for e in best], [e[1] for e in best]
+
+
+def _store_engine_prompt(col: Collector, index: int, prompt: list[int], per_pos: list[list[tuple[float, int]]],
+                         target: list[float], full: list[list[tuple[float, int]]] | None, vocab: int) -> None:
+    """Store one prompt's engine-reported logprobs (positions 0..T-2) in the common layout."""
+    import torch
+
+    vals, idx = zip(*(_sorted_top(p, col.top_k) for p in per_pos))
+    col.add("target_logprob", torch.tensor(target, dtype=torch.float32))
+    col.add("topk_logprobs", torch.tensor(vals, dtype=torch.float32))
+    col.add("topk_ids", torch.tensor(idx, dtype=torch.int32))
+    if full is not None and index < col.n_full:
+        dense = torch.full((len(full), vocab), float("-inf"), dtype=torch.float32)
+        for pos, entries in enumerate(full):
+            for lp, tid in entries:
+                dense[pos, tid] = lp
+        col.add("logprobs_full", dense)
+
+
+def _store_greedy(col: Collector, token_ids: list[int], steps: list[list[tuple[float, int]]]) -> None:
+    import torch
+
+    chosen, margins = [], []
+    for tid, entries in zip(token_ids, steps):
+        vals, _ = _sorted_top(entries, 2)
+        own = next((lp for lp, i in entries if i == tid), vals[0])
+        chosen.append(own)
+        margins.append(vals[0] - vals[1] if len(vals) > 1 else float("inf"))
+    col.add("greedy_ids", torch.tensor(token_ids, dtype=torch.int32))
+    col.add("greedy_logprob", torch.tensor(chosen, dtype=torch.float32))
+    col.add("greedy_margin", torch.tensor(margins, dtype=torch.float32))
+
+
+def run_vllm(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> dict:
+    """The same outputs through vLLM's offline LLM API (prompt_logprobs); hidden states are not exposed."""
+    from vllm import LLM, SamplingParams
+
+    try:
+        from vllm.inputs import TokensPrompt
+    except ImportError:  # older vLLM
+        TokensPrompt = dict  # noqa: N806
+    vocab = opts["vocab"]
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, tokenizer=model_dir, dtype=opts["dtype"], seed=0, max_num_seqs=opts["batch_size"],
+              max_logprobs=max(opts["top_k"], vocab if opts["full_logprobs"] else 0, 2),
+              max_model_len=len(ids[0]) + opts["new_tokens"] + 8, enforce_eager=opts["attn"] == "eager")
+    load_s = time.perf_counter() - t0
+    col = Collector(opts["top_k"], opts["full_logprobs"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+    t1 = time.perf_counter()
+    teacher = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=opts["top_k"]))
+    full = (llm.generate(prompts[: opts["full_logprobs"]],
+                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab))
+            if opts["full_logprobs"] else [])
+    forward_s = time.perf_counter() - t1
+    for i, (prompt, out) in enumerate(zip(ids, teacher)):
+        per_pos = [[(lp.logprob, tid) for tid, lp in d.items() if lp.rank <= opts["top_k"]] for d in out.prompt_logprobs[1:]]
+        target = [d[prompt[t + 1]].logprob for t, d in enumerate(out.prompt_logprobs[1:])]
+        dense = ([[(lp.logprob, tid) for tid, lp in d.items()] for d in full[i].prompt_logprobs[1:]]
+                 if i < len(full) else None)
+        _store_engine_prompt(col, i, prompt, per_pos, target, dense, vocab)
+    t2 = time.perf_counter()
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=opts["new_tokens"], temperature=0.0, logprobs=2,
+                                                  ignore_eos=True))
+    for out in greedy:
+        seq = out.outputs[0]
+        _store_greedy(col, list(seq.token_ids), [[(lp.logprob, tid) for tid, lp in d.items()] for d in seq.logprobs])
+    info = {"attn_implementation": os.environ.get("VLLM_ATTENTION_BACKEND", "vllm-default"),
+            "hidden_states": "not exposed by vLLM's offline API", "greedy": "vLLM temperature 0, ignore_eos",
+            "load_s": load_s, "forward_s": forward_s, "generate_s": time.perf_counter() - t2}
+    return {"tensors": col.tensors(), "info": info}
+
+
+def run_sglang(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> dict:
+    """The same outputs through SGLang's offline Engine (input logprobs); hidden states are not collected."""
+    import sglang
+
+    vocab = opts["vocab"]
+    t0 = time.perf_counter()
+    engine = sglang.Engine(model_path=model_dir, dtype=opts["dtype"], random_seed=0,
+                           max_running_requests=opts["batch_size"], log_level="error")
+    load_s = time.perf_counter() - t0
+    col = Collector(opts["top_k"], opts["full_logprobs"])
+
+    def teacher(prompts, k):
+        return engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                               return_logprob=True, logprob_start_len=0, top_logprobs_num=k)
+
+    try:
+        t1 = time.perf_counter()
+        outs = teacher(ids, opts["top_k"])
+        full = teacher(ids[: opts["full_logprobs"]], vocab) if opts["full_logprobs"] else []
+        forward_s = time.perf_counter() - t1
+        for i, (prompt, out) in enumerate(zip(ids, outs)):
+            meta = out["meta_info"]
+            target = [e[0] for e in meta["input_token_logprobs"][1:]]
+            per_pos = [[(e[0], e[1]) for e in pos] for pos in meta["input_top_logprobs"][1:]]
+            dense = ([[(e[0], e[1]) for e in pos] for pos in full[i]["meta_info"]["input_top_logprobs"][1:]]
+                     if i < len(full) else None)
+            _store_engine_prompt(col, i, prompt, per_pos, target, dense, vocab)
+        t2 = time.perf_counter()
+        greedy = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": opts["new_tokens"], "temperature": 0.0,
+                                                                 "ignore_eos": True},
+                                 return_logprob=True, top_logprobs_num=2)
+        for out in greedy:
+            meta = out["meta_info"]
+            tokens = [e[1] for e in meta["output_token_logprobs"]]
+            _store_greedy(col, tokens, [[(e[0], e[1]) for e in pos] for pos in meta["output_top_logprobs"]])
+    finally:
+        engine.shutdown()
+    info = {"attn_implementation": "sglang-default", "hidden_states": "not collected through SGLang",
+            "greedy": "SGLang temperature 0, ignore_eos", "load_s": load_s, "forward_s": forward_s,
+            "generate_s": time.perf_counter() - t2}
+    return {"tensors": col.tensors(), "info": info}
+
+
+ADAPTERS = {"transformers": run_transformers, "vllm": run_vllm, "sglang": run_sglang}
+
+
+def model_check(args, device: str) -> tuple[dict, dict]:
+    """Load the prompt set, run the engine adapter, return (model.* tensors, check info)."""
+    import torch
+
+    with open(args.prompts, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    if doc.get("format") != "skupin-prompts/1":
+        raise ValueError(f"{args.prompts}: not a skupin-prompts/1 document")
+    ids = [list(map(int, p["ids"])) for p in doc["prompts"]]
+    if len({len(p) for p in ids}) != 1:
+        raise ValueError("all prompts must have the same number of ids")
+    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as fh:
+        vocab = int(json.load(fh)["vocab_size"])
+    opts = {"dtype": args.dtype, "batch_size": args.batch_size, "top_k": args.top_k, "attn": args.attn,
+            "full_logprobs": min(args.full_logprobs, len(ids)), "new_tokens": args.new_tokens or doc["new_tokens"],
+            "vocab": vocab}
+    torch.manual_seed(0)
+    result = ADAPTERS[args.engine](args.model, ids, opts, device)
+    tensors = result["tensors"]
+    tensors["model.input_ids"] = torch.tensor(ids, dtype=torch.int32)
+    finite = {k: bool(torch.isfinite(v.float()).all()) for k, v in tensors.items()
+              if v.is_floating_point() and k != "model.logprobs_full"}
+    info = {**result["info"], "engine": args.engine, "engine_version": _version(args.engine), "dtype": args.dtype,
+            "batch_size": args.batch_size, "num_prompts": len(ids), "seq_len": len(ids[0]), "top_k": args.top_k,
+            "full_logprobs_prompts": opts["full_logprobs"], "new_tokens": opts["new_tokens"], "vocab_size": vocab,
+            "finite": finite}
+    return tensors, info
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model folder (config.json, weights, tokenizer)")
+    p.add_argument("--prompts", help="prompts.json of the fixture")
+    p.add_argument("--out", required=True, help="output folder (created)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or xpu")
+    p.add_argument("--engine", default="transformers", choices=ENGINES)
+    p.add_argument("--checks", default="env,kernels,model")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--full-logprobs", type=int, default=4, help="prompts whose full-vocab logprobs are stored")
+    p.add_argument("--new-tokens", type=int, default=0, help="greedy tokens per prompt (0: the prompt set's)")
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation (transformers)")
+    args = p.parse_args(argv)
+    checks = [c for c in args.checks.split(",") if c]
+    if not checks or any(c not in CHECKS for c in checks):
+        p.error(f"--checks takes a comma list of {','.join(CHECKS)}")
+    if "model" in checks and not (args.model and args.prompts):
+        p.error("the model check needs --model and --prompts")
+    if args.batch_size < 1 or not 2 <= args.top_k <= 64 or args.full_logprobs < 0 or args.threads < 0:
+        p.error("--batch-size >= 1, 2 <= --top-k <= 64, --full-logprobs >= 0, --threads >= 0")
+    args.checks = checks
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    started = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    report: dict = {"format": FORMAT, "probe_version": PROBE_VERSION, "argv": sys.argv[1:] if argv is None else argv,
+                    "args": {k: v for k, v in vars(args).items()}, "checks": {}, "started": started}
+    tensors: dict = {}
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001
+        report["checks"] = {c: {"status": "error", "error": f"torch import failed: {exc}"} for c in args.checks}
+        return _finish(args, report, tensors, started)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    report["device"] = device
+    try:
+        report["env"] = environment(device)
+        report["checks"]["env"] = {"status": "ok"}
+    except Exception as exc:  # noqa: BLE001
+        report["checks"]["env"] = _error(exc)
+    if "kernels" in args.checks:
+        t0 = time.perf_counter()
+        try:
+            ktensors, ops = kernel_battery(device)
+            tensors.update(ktensors)
+            bad = [n for n, s in ops.items() if s["status"] != "ok" or not s["finite"]]
+            report["checks"]["kernels"] = {"status": "error" if bad else "ok", "ops": ops,
+                                           "failed_ops": bad, "wall_s": time.perf_counter() - t0}
+        except Exception as exc:  # noqa: BLE001
+            report["checks"]["kernels"] = _error(exc)
+    if "model" in args.checks:
+        t0 = time.perf_counter()
+        try:
+            mtensors, info = model_check(args, device)
+            tensors.update(mtensors)
+            report["checks"]["model"] = {"status": "ok", **info, "wall_s": time.perf_counter() - t0}
+        except Exception as exc:  # noqa: BLE001
+            report["checks"]["model"] = _error(exc)
+    return _finish(args, report, tensors, started)
+
+
+def _error(exc: BaseException) -> dict:
+    return {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:4000],
+            "traceback": traceback.format_exc()[-4000:]}
+
+
+def _finish(args, report: dict, tensors: dict, started: float) -> int:
+    try:
+        report["tensors"] = write_safetensors(os.path.join(args.out, "tensors.safetensors"), tensors,
+                                              {"format": FORMAT, "probe_version": PROBE_VERSION})
+    except Exception as exc:  # noqa: BLE001
+        report["checks"]["write"] = _error(exc)
+    report["finished"] = time.time()
+    report["wall_s"] = report["finished"] - started
+    ok = all(c.get("status") == "ok" for c in report["checks"].values())
+    report["status"] = "ok" if ok else "error"
+    with open(os.path.join(args.out, "probe.json"), "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, sort_keys=True, default=str)
+        fh.write("\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
