@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -317,9 +318,14 @@ def plan_sku(ctx: _Context, m: SkuManifest, path: Path) -> Proposal:
             if not engine and not fw_bumps:
                 bumps += plan_compiler(ctx, m)
             blocked = blocked or fw_blocked
-        bumps += plan_base(ctx, m)
     except SkupinError as exc:
         return Proposal(sku=m.name, manifest=str(path), state="error", why=str(exc))
+    try:
+        bumps += plan_base(ctx, m)
+    except SkupinError as exc:
+        if not bumps:
+            return Proposal(sku=m.name, manifest=str(path), state="error", why=f"base image: {exc}")
+        blocked = "; ".join(filter(None, [blocked, f"base image not checked: {exc}"]))
     if bumps:
         return Proposal(sku=m.name, manifest=str(path), state="bump", bumps=tuple(bumps), why=blocked)
     return Proposal(sku=m.name, manifest=str(path), state="blocked" if blocked else "current", why=blocked)
@@ -353,13 +359,13 @@ def apply_proposal(proposal: Proposal) -> Path:
     values = {b.field: b.new for b in proposal.bumps}
     values.update(_description(text, proposal.bumps))
     new_text = set_scalars(text, values)
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(new_text, encoding="utf-8")
-    manifest, problems = parse_manifest(tmp)
-    if manifest is None or problems:
-        tmp.unlink()
-        raise ManifestError(f"{path}: the bump would make the manifest invalid", tuple(problems))
-    tmp.replace(path)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp_dir:
+        tmp = Path(tmp_dir) / path.name  # same name: parse_manifest checks name == file stem
+        tmp.write_text(new_text, encoding="utf-8")
+        manifest, problems = parse_manifest(tmp)
+        if manifest is None or problems:
+            raise ManifestError(f"{path}: the bump would make the manifest invalid", tuple(problems))
+        tmp.replace(path)
     return path
 
 
