@@ -360,6 +360,40 @@ class Engine:
             ) from exc
         return str(image.id)
 
+    def push(self, reference: str, *, on_event: OnEvent = _quiet) -> str:
+        """Push `reference` (host/repo:tag); return the manifest digest the registry stored.
+
+        Every chunk of the push stream is checked: docker-py reports a failed push as a chunk with
+        `error`/`errorDetail` and raises nothing. EngineError on any error chunk, on a broken
+        stream, or when the stream ends without a digest.
+        """
+        repo, _, tag = reference.rpartition(":")
+        if not repo or "/" in tag:
+            raise EngineError(f"push needs a reference with a tag (host/repo:tag), not {reference!r}")
+        digest: str | None = None
+        try:
+            for chunk in self._client.api.push(repo, tag=tag, stream=True, decode=True):
+                if not isinstance(chunk, dict):
+                    raise EngineError(f"pushing {reference}: unexpected stream chunk {chunk!r:.200}")
+                if chunk.get("error") or chunk.get("errorDetail"):
+                    detail = chunk.get("errorDetail") or {}
+                    raise EngineError(f"pushing {reference} failed: {chunk.get('error') or detail.get('message') or detail}")
+                aux = chunk.get("aux") or {}
+                if isinstance(aux, dict) and str(aux.get("Digest", "")).startswith("sha256:"):
+                    digest = str(aux["Digest"])
+                status = str(chunk.get("status") or "")
+                if status and status not in ("Pushing", "Waiting", "Preparing"):
+                    on_event(f"push {chunk.get('id', '')} {status}".replace("  ", " "))
+        except EngineError:
+            raise
+        except docker.errors.APIError as exc:
+            raise EngineError(f"pushing {reference} failed: {exc.explanation or exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - requests' connection/read errors mid-stream
+            raise EngineError(f"pushing {reference} failed: the push stream broke: {exc}") from exc
+        if digest is None:
+            raise EngineError(f"pushing {reference}: the engine reported no digest; treating the push as failed")
+        return digest
+
     def import_rootfs(self, *, rootfs: Path, reference: str, on_event: OnEvent = _quiet) -> str:
         """`tar -C rootfs -c . | docker import - reference`; returns the new image id."""
         cli = self.cli()

@@ -563,6 +563,10 @@ class RegistryClient:
 
     # -- reads
 
+    def ping(self) -> None:
+        """GET /v2/ (the API version check); NetworkError when the registry does not answer as one."""
+        self._send("GET", "/v2/", scope="")
+
     def list_tags(self, repo: str) -> tuple[str, ...]:
         """Every tag of a repository (follows Link pagination)."""
         tags: list[str] = []
@@ -633,6 +637,13 @@ class RegistryClient:
         if claimed and claimed != digest:
             raise NetworkError(f"registry {self.host}: stored manifest digest {claimed}, sent {digest}")
         return digest
+
+    def delete_tag(self, repo: str, tag: str) -> bool:
+        """Remove a tag (not its manifest): DELETE /v2/<repo>/manifests/<tag>. True when the registry
+        did it; False when it does not support deleting tags (distribution 2.x answers 400/405)."""
+        response = self._send("DELETE", f"/v2/{repo}/manifests/{tag}", scope=self._scope(repo, push=True),
+                              ok=(200, 202, 400, 404, 405))
+        return response.status_code in (200, 202)
 
     def iter_repositories(self) -> Iterator[str]:
         """The registry's catalog (`/v2/_catalog`), where the registry allows it."""
