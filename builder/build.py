@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from builder.base import ensure_base
 from builder.engine import ContainerSpec, Engine
-from builder.errors import BuildError, EngineError
+from builder.errors import BuildError, EngineError, LockError
 from builder.lockfile import Lock, image_tag
 from builder.manifest import SkuManifest
 from builder.render import base_reference, render, write_context
@@ -94,6 +94,7 @@ class BuiltImage(Frozen):
 
 _LAYER_RE = re.compile(r"^#\s*layer:\s*([A-Za-z0-9_.-]+)\s*$")
 _STEP_HEAD = re.compile(r"^#(\d+) \[(?:[^\]]*?\s)?(\d+)/(\d+)\] (.*)$")
+_EXPORT_HEAD = re.compile(r"^#(\d+) exporting to image$")
 _STEP_DONE = re.compile(r"^#(\d+) DONE ([0-9.]+)s$")
 _STEP_CACHED = re.compile(r"^#(\d+) CACHED$")
 _STEP_ERROR = re.compile(r"^#(\d+) ERROR: (.*)$")
@@ -109,7 +110,7 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
     """(layer, normalised instruction) for every instruction of a Dockerfile, in order.
 
     An instruction belongs to the nearest `# layer: NAME` comment above it ("preamble" before
-    the first). Continuation lines are joined the way BuildKit names its steps.
+    the first; BuildKit's FROM step is reported as layer "base", its export as "export"). Continuation lines are joined the way BuildKit names its steps.
     """
     out: list[tuple[str, str]] = []
     layer = "preamble"
@@ -154,6 +155,10 @@ def parse_progress(lines: list[str], *, dockerfile: str) -> list[_Step]:
             layer, cursor = _layer_of(name, instructions, cursor)
             steps[int(m.group(1))] = _Step(int(m.group(1)), name, layer)
             continue
+        m = _EXPORT_HEAD.match(line)
+        if m and int(m.group(1)) not in steps:
+            steps[int(m.group(1))] = _Step(int(m.group(1)), "exporting to image", "export")
+            continue
         for regex in (_STEP_DONE, _STEP_CACHED, _STEP_ERROR, _STEP_LOG):
             m = regex.match(line)
             if m and int(m.group(1)) in steps:
@@ -172,12 +177,12 @@ def parse_progress(lines: list[str], *, dockerfile: str) -> list[_Step]:
 
 def _layer_of(name: str, instructions: list[tuple[str, str]], cursor: int) -> tuple[str, int]:
     """The layer of the instruction BuildKit calls `name`, searching forward from `cursor` first."""
+    if name.startswith("FROM "):
+        return "base", cursor
     order = list(range(cursor, len(instructions))) + list(range(cursor))
     for i in order:
         layer, text = instructions[i]
         if name == text or text.startswith(name) or name.startswith(text):
-            return layer, i + 1
-        if name.startswith("FROM ") and text.startswith("FROM "):
             return layer, i + 1
     return "unknown", cursor
 
@@ -197,7 +202,17 @@ def layer_timings(steps: list[_Step]) -> tuple[LayerTiming, ...]:
     )
 
 
-def _failure(exc: BuildError, *, dockerfile: str) -> BuildError:
+def _refuse_stale(*, manifest: SkuManifest, manifest_path: Path, lock: Lock) -> None:
+    """LockError when the lock no longer matches the manifest (the image would not be what it says)."""
+    from builder.lock import stale_reasons
+
+    reasons = stale_reasons(manifest=manifest, lock=lock, dockerfile_sha256=render(manifest=manifest).sha256)
+    if reasons:
+        raise LockError(f"{manifest_path}: the lock does not match the manifest: {'; '.join(reasons)}; "
+                        f"fix: run `skupin lock {manifest.name}`")
+
+
+def _failure(exc: BuildError, *, dockerfile: str, ca_given: bool = True) -> BuildError:
     lines: list[str] = getattr(exc, "lines_seen", [])
     steps = parse_progress(lines, dockerfile=dockerfile)
     failed = next((s for s in steps if s.error), None)
@@ -205,7 +220,12 @@ def _failure(exc: BuildError, *, dockerfile: str) -> BuildError:
         tail = "\n".join(lines[-LOG_TAIL_LINES:])
         return BuildError(f"build failed before any layer ran ({exc}):\n{tail}")
     tail = "\n".join(failed.log[-LOG_TAIL_LINES:])
-    return BuildError(f"layer '{failed.layer}' failed: step {failed.name[:160]}: {failed.error}\nlast lines of its log:\n{tail}")
+    hint = ""
+    if not ca_given and any("CERTIFICATE_VERIFY_FAILED" in line for line in failed.log):
+        hint = "\nfix: TLS to the index is intercepted here; pass --ca-bundle FILE (e.g. /etc/ssl/certs/ca-certificates.crt)"
+    err = BuildError(f"layer '{failed.layer}' failed: step {failed.name[:160]}: {failed.error}\nlast lines of its log:\n{tail}{hint}")
+    err.layer = failed.layer  # type: ignore[attr-defined]
+    return err
 
 
 # ---------------------------------------------------------------- verifying the image
@@ -269,9 +289,8 @@ def build_image(
         raise BuildError(f"--ca-bundle {ca_bundle}: no such file")
     start = time.monotonic()
     base_id = ensure_base(manifest=manifest, engine=engine, on_event=on_line)
+    _refuse_stale(manifest=manifest, manifest_path=manifest_path, lock=lock)
     rendered = render(manifest=manifest, lock=lock)
-    if rendered.sha256 != lock.dockerfile_sha256:
-        on_line(f"note: the rendered Dockerfile ({rendered.sha256[:12]}) differs from the one the lock recorded ({lock.dockerfile_sha256[:12]})")
     tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
     lock_hash = lock.content_hash()
     lines: list[str] = []
@@ -288,7 +307,7 @@ def build_image(
                 on_line=sink,
             )
         except BuildError as exc:
-            raise _failure(exc, dockerfile=rendered.text) from exc
+            raise _failure(exc, dockerfile=rendered.text, ca_given=ca_bundle is not None) from exc
     steps = parse_progress(lines, dockerfile=rendered.text)
     installed = installed_distributions(engine=engine, image=image_id)
     problems = compare_with_lock(installed=installed, lock=lock)

@@ -1,0 +1,216 @@
+"""Real image builds of the CPU SKU: labels, image == lock, build CA not kept, failures, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from builder.build import VENV_SEED, BuiltImage, build_image
+from builder.engine import ContainerSpec, Engine
+from builder.errors import BuildError
+from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
+from builder.manifest import load_manifest
+
+from .conftest import CPU_SKU
+
+pytestmark = pytest.mark.integration
+
+CA_ENV_KEYS = ("PIP_CERT", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO",
+               "NODE_EXTRA_CA_CERTS", "PIP_CLIENT_CERT")
+
+
+@pytest.fixture(scope="module")
+def sku_dir(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path | None, host_ca_bundle: Path | None) -> Path:
+    """A folder with the CPU manifest and its lock (the committed one, else one made now)."""
+    folder = tmp_path_factory.mktemp("sku")
+    shutil.copy(CPU_SKU, folder / CPU_SKU.name)
+    committed = lock_path(CPU_SKU)
+    if committed.is_file():
+        shutil.copy(committed, lock_path(folder / CPU_SKU.name))
+    else:
+        from builder.lock import lock_sku
+        from builder.render import render
+
+        manifest = load_manifest(folder / CPU_SKU.name)
+        lock = lock_sku(manifest=manifest, manifest_path=folder / CPU_SKU.name, wheelhouse=wheelhouse,
+                        dockerfile_sha256=render(manifest=manifest).sha256, ca_bundle=host_ca_bundle)
+        write_lock(lock, lock_path(folder / CPU_SKU.name))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def marker_ca(tmp_path_factory: pytest.TempPathFactory, host_ca_bundle: Path | None) -> tuple[Path, str]:
+    """The host's CA bundle plus a fresh throw-away CA; returns (bundle, one base64 line of that CA)."""
+    if host_ca_bundle is None:
+        pytest.skip("no host CA bundle to build with")
+    folder = tmp_path_factory.mktemp("ca")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(folder / "k.pem"), "-out", str(folder / "c.pem"),
+                    "-subj", f"/CN=skupin-build-ca-{uuid.uuid4().hex[:8]}"], check=True, capture_output=True)
+    cert = (folder / "c.pem").read_text()
+    bundle = folder / "bundle.pem"
+    bundle.write_text(host_ca_bundle.read_text() + "\n" + cert)
+    body = [line for line in cert.splitlines() if line and not line.startswith("-----")]
+    return bundle, body[len(body) // 2]
+
+
+@pytest.fixture(scope="module")
+def built(engine: Engine, sku_dir: Path, wheelhouse: Path | None, marker_ca: tuple[Path, str],
+          tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    """The CPU SKU built cold (no cache), so the build really ran with the marker CA as its secret."""
+    path = sku_dir / CPU_SKU.name
+    lines: list[str] = []
+    result = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)),
+                         engine=engine, wheelhouse=wheelhouse, ca_bundle=marker_ca[0], progress="plain",
+                         on_line=lines.append, no_cache=True, records=tmp_path_factory.mktemp("records"))
+    assert any("DONE" in line for line in lines)
+    return result
+
+
+def _python(engine: Engine, image: str, code: str) -> str:
+    res = engine.run(ContainerSpec(image=image, entrypoint=("python", "-c", code), mem_limit="1g"), deadline_s=120)
+    assert res.exit_code == 0, res.stderr
+    return res.stdout
+
+
+def test_labels_name_sku_pins_lock_and_dockerfile(engine: Engine, built: BuiltImage, sku_dir: Path) -> None:
+    manifest = load_manifest(sku_dir / CPU_SKU.name)
+    lock = read_lock(lock_path(sku_dir / CPU_SKU.name))
+    labels = engine.inspect_image(built.image).labels
+    assert labels["io.skupin.sku"] == manifest.name
+    for role, pin in manifest.stack.pins().items():
+        assert labels[f"io.skupin.{role}"] == f"{pin.name}=={pin.version}"
+    assert labels["io.skupin.lock-sha256"] == lock.content_hash()
+    assert labels["io.skupin.dockerfile-sha256"] == built.dockerfile_sha256
+    assert labels["org.opencontainers.image.version"] == manifest.stack.engine.version
+    assert built.image == image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
+
+
+def test_image_pip_list_equals_the_lock(engine: Engine, built: BuiltImage, sku_dir: Path) -> None:
+    lock = read_lock(lock_path(sku_dir / CPU_SKU.name))
+    out = _python(engine, built.image, "import subprocess, sys; sys.stdout.write(subprocess.run("
+                  "[sys.executable, '-m', 'pip', 'list', '--format', 'json', '--disable-pip-version-check'],"
+                  " capture_output=True, text=True, check=True).stdout)")
+    norm = lambda n: n.lower().replace("_", "-").replace(".", "-")  # noqa: E731
+    listed = {norm(d["name"]): d["version"] for d in json.loads(out)}
+    locked = {norm(n): p.version for n, p in lock.packages().items()}
+    # everything pip lists is locked at that version, except the venv's own pip/setuptools when unlocked
+    assert {n: v for n, v in listed.items() if n in locked or n not in VENV_SEED} == locked
+    assert listed["torch"] == lock.packages()["torch"].version
+
+
+def test_final_image_does_not_trust_the_build_ca(engine: Engine, built: BuiltImage, marker_ca: tuple[Path, str]) -> None:
+    env = dict(e.split("=", 1) for e in _python(engine, built.image, "import os; print('\\n'.join(f'{k}={v}' for k, v in os.environ.items()))").splitlines() if "=" in e)
+    assert not set(CA_ENV_KEYS) & set(env), env
+    code = (
+        "import os, sys\n"
+        f"needle = {marker_ca[1]!r}\n"
+        "hits, seen = [], 0\n"
+        "for top in ('/etc/ssl', '/usr/share/ca-certificates', '/usr/local/share/ca-certificates', '/opt/skupin', '/run/secrets', '/root'):\n"
+        "    for d, _, files in os.walk(top):\n"
+        "        for f in files:\n"
+        "            p = os.path.join(d, f)\n"
+        "            if top.startswith('/opt') and not f.endswith(('.pem', '.crt', '.cer')):\n"
+        "                continue\n"
+        "            try:\n"
+        "                text = open(p, errors='replace').read()\n"
+        "            except OSError:\n"
+        "                continue\n"
+        "            seen += 1\n"
+        "            if needle in text: hits.append(p)\n"
+        "print(seen, hits, os.path.exists('/run/secrets/skupin_ca'))\n"
+    )
+    out = _python(engine, built.image, code).strip()
+    assert out.endswith("[] False"), out
+    assert int(out.split()[0]) > 100  # it really looked at the trust store (Debian's bundle is ~140 certs)
+
+
+def test_build_record_and_layers(engine: Engine, built: BuiltImage) -> None:
+    names = [layer.name for layer in built.layers]
+    for layer in ("python", "framework", "compiler", "engine"):
+        assert layer in names, names
+    assert not any(layer.cached for layer in built.layers if layer.name in ("python", "framework", "engine"))
+    assert built.total_s > 0 and built.installed["torch"] == "2.13.0+cpu"
+    out = _python(engine, built.image, "import torch, transformers; print(torch.__version__, transformers.__version__)")
+    assert out.split() == ["2.13.0+cpu", built.labels["org.opencontainers.image.version"]]
+
+
+def test_rebuild_is_all_cache_and_same_image(engine: Engine, built: BuiltImage, sku_dir: Path, wheelhouse: Path | None,
+                                             host_ca_bundle: Path | None, tmp_path: Path) -> None:
+    path = sku_dir / CPU_SKU.name
+    again = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)), engine=engine,
+                        wheelhouse=wheelhouse, ca_bundle=host_ca_bundle, records=tmp_path)
+    assert again.image_id == built.image_id
+    assert all(layer.cached for layer in again.layers if layer.name in ("python", "framework", "compiler", "engine"))
+    record = json.loads((tmp_path / f"{again.sku}.json").read_text())
+    assert record["image"] == built.image and record["image_id"] == built.image_id
+
+
+def _corrupt(lock: Lock, *, layer: str, name: str) -> Lock:
+    pkgs = tuple(p.model_copy(update={"sha256": "0" * 64}) if p.name == name else p for p in lock.layers[layer])
+    assert pkgs != lock.layers[layer], f"{name} is not in the {layer} layer"
+    return lock.model_copy(update={"layers": {**lock.layers, layer: pkgs}})
+
+
+def test_failing_step_names_layer_exit_code_5_and_no_tag(engine: Engine, built: BuiltImage, sku_dir: Path,
+                                                          wheelhouse: Path | None, host_ca_bundle: Path | None,
+                                                          tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          tags_to_remove: list[str]) -> None:
+    from builder.cli import main
+
+    shutil.copy(sku_dir / CPU_SKU.name, tmp_path / CPU_SKU.name)
+    bad = _corrupt(read_lock(lock_path(sku_dir / CPU_SKU.name)), layer="engine", name="transformers")
+    write_lock(bad, lock_path(tmp_path / CPU_SKU.name))
+    manifest = load_manifest(tmp_path / CPU_SKU.name)
+    tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=bad)
+    tags_to_remove.append(tag)
+    with pytest.raises(BuildError) as err:
+        build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=bad, engine=engine,
+                    wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
+    assert "layer 'engine' failed" in str(err.value)
+    assert "hash" in str(err.value).lower()  # the tail of pip's log says why
+    assert not engine.image_exists(tag)
+    argv = ["build", str(tmp_path / CPU_SKU.name), "--progress", "plain"]
+    argv += ["--wheelhouse", str(wheelhouse)] if wheelhouse else []
+    argv += ["--ca-bundle", str(host_ca_bundle)] if host_ca_bundle else []
+    assert main(argv) == 5
+    assert "layer 'engine' failed" in capsys.readouterr().err
+    assert not engine.image_exists(tag)
+
+
+def test_interrupted_build_leaves_no_build_containers(engine: Engine, tmp_path: Path) -> None:
+    marker = f"skupin-int-{uuid.uuid4().hex[:8]}"
+    base = load_manifest(CPU_SKU).base.bootstrap.local_tag()
+    (tmp_path / "Dockerfile").write_text(f"FROM {base}\nRUN echo {marker} && sleep 300\n")
+    started = threading.Event()
+    main_thread = threading.main_thread().ident
+
+    def on_line(line: str) -> None:
+        if marker in line and "sleep" not in line and not started.is_set():  # the RUN printed the marker
+            started.set()
+            threading.Timer(1.0, signal.pthread_kill, (main_thread, signal.SIGINT)).start()
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.build(context=tmp_path, dockerfile=tmp_path / "Dockerfile", no_cache=True, on_line=on_line)
+    assert started.is_set()
+    assert not _processes_with(marker)
+
+
+def _processes_with(text: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
