@@ -40,13 +40,16 @@ def _find(node: yaml.Node, path: str) -> yaml.ScalarNode:
     return current
 
 
-def _render(value: str, style: str | None) -> str:
+def _render(value: str, style: str | None, *, flow: bool) -> str:
+    """The new value in the old quoting style; a plain scalar stays plain only if it reads back the same."""
     if style == "'":
         return "'" + value.replace("'", "''") + "'"
     if style == '"':
         return json.dumps(value)
-    plain_ok = re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+@:/-]*", value) is not None
-    if plain_ok and yaml.safe_load(f"k: {value}") == {"k": value}:
+    plain_ok = re.fullmatch(r"[A-Za-z0-9][^\n#]*", value) is not None and ": " not in value
+    if flow and any(c in value for c in ",[]{}"):
+        plain_ok = False
+    if plain_ok and value == value.strip() and yaml.safe_load(f"k: {value}") == {"k": value}:
         return value
     return json.dumps(value)
 
@@ -66,7 +69,9 @@ def set_scalars(text: str, values: Mapping[str, str]) -> str:
         node = _find(root, path)
         if node.style in ("|", ">"):
             raise ManifestError(f"{path}: block scalars are not edited in place")
-        spans.append((node.start_mark.index, node.end_mark.index, _render(str(value), node.style)))
+        line_start = text.rfind("\n", 0, node.start_mark.index) + 1
+        flow = any(c in text[line_start:node.start_mark.index] for c in "{[")
+        spans.append((node.start_mark.index, node.end_mark.index, _render(str(value), node.style, flow=flow)))
     out = text
     for start, end, new in sorted(spans, reverse=True):
         out = out[:start] + new + out[end:]
