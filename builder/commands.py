@@ -13,6 +13,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     add_compat_refresh(sub)
     add_watch(sub)
+    from gates.gate_cli import add_commands as add_gate
+    add_gate(sub)
 
 
 def _engine_base_build(sub: argparse._SubParsersAction) -> None:

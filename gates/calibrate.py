@@ -1,0 +1,155 @@
+"""Derive a hardware class's tolerance entry from honest runs of a SKU's image against the reference bundle.
+
+Method (recorded in every entry's provenance): run the honest image several times (fresh boots,
+batch sizes 1 and 8, torch thread counts 1 and 2), compare each run with the reference bundle the
+way the gate does, take the largest honest value of every statistic (per prompt, per run mean, per
+kernel op) and multiply it by a stated margin; a dtype floor keeps a bit-identical calibration
+from turning one rounding difference into a failure. The honest per-prompt exceedance rate the
+binomial test assumes is the one-sided 95% Clopper-Pearson upper bound of the exceedances observed
+in calibration (0 by construction), never below 0.5%.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from builder import __version__
+from builder.errors import GateCouldNotRun
+from gates.compare import DECISION_STATS, kernel_errors, model_statistics
+from gates.tolerance import ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
+from gates.verdict import clopper_pearson_upper
+
+DEFAULT_MARGIN = 4.0
+MIN_HONEST_RATE = 0.005
+ALPHA = 1e-3
+# Smallest thresholds per compute dtype: about one rounding step of that dtype on the statistic.
+MODEL_FLOORS: dict[str, dict[str, float]] = {
+    "float32": {"kl": 1e-13, "one_minus_cos": 1e-12, "logprob_l2": 1e-5, "max_abs": 1e-5},
+    "bfloat16": {"kl": 1e-9, "one_minus_cos": 1e-6, "logprob_l2": 1e-2, "max_abs": 1e-2},
+    "float16": {"kl": 1e-11, "one_minus_cos": 1e-8, "logprob_l2": 2e-3, "max_abs": 2e-3},
+}
+KERNEL_FLOORS = {"float32": 2.0**-22, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+# The default variations: (batch size, threads), each in a fresh container.
+DEFAULT_VARIATIONS: tuple[tuple[int, int], ...] = ((8, 1), (1, 1), (8, 2), (1, 2))
+
+
+@dataclass(frozen=True)
+class HonestRun:
+    """One honest probe run: its tensors, the environment it reported and what was varied."""
+
+    label: str
+    tensors: dict[str, np.ndarray]
+    env: dict[str, Any]
+
+
+def op_dtype(op: str) -> str:
+    """The output dtype of a battery op from its name (``matmul.bfloat16`` -> bfloat16; no suffix: float32)."""
+    last = op.rsplit(".", 1)[-1]
+    return last if last in KERNEL_FLOORS else "float32"
+
+
+def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], reference_sha256: str,
+                 runs: list[HonestRun], margin: float, image: str, date: str | None = None) -> ToleranceEntry:
+    """The tolerance entry of `key` from honest runs (see the module docstring for the method)."""
+    if len(runs) < 2:
+        raise GateCouldNotRun("calibration needs at least two honest runs")
+    if margin <= 1:
+        raise GateCouldNotRun(f"margin {margin} must be > 1")
+    floors = MODEL_FLOORS[key.dtype]
+    per_prompt_max: dict[str, float] = {}
+    mean_max: dict[str, float] = {}
+    kernel_max: dict[str, float] = {}
+    collected: dict[str, list[np.ndarray]] = {}
+    prompts = 0
+    for run in runs:
+        stats = model_statistics(reference, run.tensors)
+        if stats.nonfinite:
+            raise GateCouldNotRun(f"honest run {run.label} has NaN/Inf in {', '.join(stats.nonfinite)}")
+        prompts = stats.num_prompts
+        for s in DECISION_STATS:
+            if s not in stats.available:
+                continue
+            values = stats.per_prompt[s]
+            collected.setdefault(s, []).append(values)
+            per_prompt_max[s] = max(per_prompt_max.get(s, 0.0), float(values.max()))
+            mean_max[s] = max(mean_max.get(s, 0.0), float(values.mean()))
+        for k in kernel_errors(reference, run.tensors):
+            if k.problem:
+                raise GateCouldNotRun(f"honest run {run.label}: kernel {k.op}: {k.problem}")
+            kernel_max[k.op] = max(kernel_max.get(k.op, 0.0), float(k.rel_err or 0.0))
+    per_prompt = {s: max(margin * v, floors[s]) for s, v in per_prompt_max.items()}
+    mean = {s: max(margin * v, floors[s]) for s, v in mean_max.items()}
+    kernels = {op: max(margin * v, KERNEL_FLOORS[op_dtype(op)]) for op, v in sorted(kernel_max.items())}
+    total = sum(v.size for v in collected[next(iter(collected))])
+    exceed = max(int(sum((v > per_prompt[s]).sum() for v in vals)) for s, vals in collected.items())
+    honest_rate = max(clopper_pearson_upper(exceed, total), MIN_HONEST_RATE)
+    provenance = Provenance(
+        runs=len(runs), prompts_per_run=prompts,
+        hosts=tuple(sorted({_host(r.env) for r in runs})),
+        versions=_versions(runs[0].env),
+        variations=tuple(r.label for r in runs),
+        date=date or _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        method=(f"skupin calibrate {__version__}: honest runs of the image vs the reference bundle; threshold = "
+                f"max(margin x largest honest value, dtype floor) per statistic (per prompt and mean over prompts) "
+                f"and per kernel op; honest rate = 95% Clopper-Pearson upper bound of calibration exceedances "
+                f"({exceed}/{total}), floor {MIN_HONEST_RATE}"),
+        margin=margin, reference_sha256=reference_sha256, image=image,
+        honest_max={**{f"per_prompt.{s}": v for s, v in per_prompt_max.items()},
+                    **{f"mean.{s}": v for s, v in mean_max.items()},
+                    **{f"kernels.{op}": v for op, v in kernel_max.items()}},
+    )
+    return ToleranceEntry(key=key, kernels=kernels,
+                          model=ModelThresholds(per_prompt=per_prompt, mean=mean, honest_rate=honest_rate, alpha=ALPHA),
+                          provenance=provenance)
+
+
+def _host(env: dict[str, Any]) -> str:
+    device = env.get("device") or {}
+    return f"{device.get('name') or env.get('cpu_model') or 'unknown'} ({env.get('cpu_capability') or device.get('type')})"
+
+
+def _versions(env: dict[str, Any]) -> dict[str, str]:
+    dists = env.get("distributions") or {}
+    out = {"python": str(env.get("python")), "torch": str(env.get("torch"))}
+    for name in ("transformers", "vllm", "sglang", "triton", "numpy", "safetensors"):
+        if name in dists:
+            out[name] = str(dists[name])
+    return out
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
+                    variations: tuple[tuple[int, int], ...] = DEFAULT_VARIATIONS, margin: float = DEFAULT_MARGIN,
+                    on_event: Callable[[str], None] = lambda _: None) -> ToleranceEntry:
+    """Run the honest image `boots` x `variations` times in the gate's sandbox and derive the entry."""
+    from gates.gate import load_reference, probe_in_container, resolve_image
+
+    manifest = stack.manifest
+    meta, reference, ref_sha = load_reference(manifest=manifest)
+    image_id = resolve_image(engine=engine, image=image)
+    runs: list[HonestRun] = []
+    for boot in range(boots):
+        for batch, threads in variations:
+            label = f"boot {boot + 1}, batch {batch}, threads {threads}"
+            on_event(f"honest run: {label}")
+            run_out = Path(out) / f"run-{boot + 1}-b{batch}-t{threads}"
+            probe = probe_in_container(manifest=manifest, image=image_id, engine=engine, out=run_out,
+                                       batch_size=batch, threads=threads)
+            if probe.error:
+                raise GateCouldNotRun(f"honest run {label} could not run: {probe.error}")
+            runs.append(HonestRun(label=label, tensors=probe.tensors, env=probe.report.get("env", {})))
+    key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
+                       model=manifest.gate.model)
+    entry = derive_entry(key=key, reference=reference, reference_sha256=ref_sha, runs=runs, margin=margin,
+                         image=image_id)
+    (Path(out) / "entry.json").write_text(json.dumps(entry.model_dump(mode="json"), indent=1) + "\n")
+    return entry

@@ -1,0 +1,213 @@
+"""Compare a candidate's probe tensors with the reference's: kernel errors and per-prompt model statistics.
+
+Pure numpy on arrays read with gates/tensorio.py; nothing here knows about containers or files.
+
+Kernel battery: for every op present in both, the scale-normalised maximum error
+``max|cand - ref| / max|ref|`` (0 when bit-identical).
+
+Model check, one value per prompt (statistics over its teacher-forced positions):
+
+- ``kl``: mean over positions of KL(ref || cand) of the next-token distribution, estimated from the
+  stored top-k logprobs with one tail bucket (the reference's top-k ids plus "everything else").
+  A candidate value missing from its own top-k is imputed as ``min(cand k-th logprob, ref logprob)``,
+  the value closest to the reference that the candidate's top-k allows, so the estimate never
+  inflates honest noise;
+- ``kl_full``: the exact KL over the whole vocabulary, for prompts where both sides stored full
+  logprobs (informational, and used by the hard bound);
+- ``one_minus_cos``: mean over positions of 1 - cos(final hidden states) (where both have them);
+- ``logprob_l2``: mean over positions of the L2 norm of the logprob differences at the reference's
+  top-k ids and the reference (next) token;
+- ``max_abs``: the largest absolute logprob difference among those;
+- ``top1_agree``: fraction of positions whose most likely next token is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Per-prompt statistics the calibrated decision uses (larger = further from the reference).
+DECISION_STATS = ("kl", "one_minus_cos", "logprob_l2", "max_abs")
+ALL_STATS = (*DECISION_STATS, "kl_full", "top1_agree")
+KERNEL_PREFIX = "kernels."
+MODEL_PREFIX = "model."
+REQUIRED_MODEL = ("model.input_ids", "model.topk_ids", "model.topk_logprobs", "model.target_logprob")
+
+
+class CompareError(ValueError):
+    """The two sets of tensors cannot be compared (different prompts, shapes or missing tensors)."""
+
+
+@dataclass(frozen=True)
+class KernelResult:
+    """One op of the battery: its scale-normalised max error, or why it could not be compared."""
+
+    op: str
+    rel_err: float | None
+    finite: bool
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class ModelStatistics:
+    """Per-prompt statistics (arrays of length num_prompts; NaN where a statistic is unavailable)."""
+
+    per_prompt: dict[str, np.ndarray]
+    available: tuple[str, ...]
+    nonfinite: tuple[str, ...] = ()
+    greedy_same: float | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_prompts(self) -> int:
+        return int(len(self.per_prompt["kl"]))
+
+    def mean(self, stat: str) -> float | None:
+        """Mean over the prompts where the statistic exists, None when it exists nowhere."""
+        values = self.per_prompt[stat]
+        ok = values[np.isfinite(values)]
+        return float(ok.mean()) if ok.size else None
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def kernel_ops(tensors: dict[str, np.ndarray]) -> tuple[str, ...]:
+    """The battery's op names present in a probe's tensors (``kernels.matmul.float32`` -> ``matmul.float32``)."""
+    return tuple(sorted(k.removeprefix(KERNEL_PREFIX) for k in tensors if k.startswith(KERNEL_PREFIX)))
+
+
+def kernel_errors(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> tuple[KernelResult, ...]:
+    """Scale-normalised max error of every op in the reference (missing or misshaped ops say why)."""
+    results = []
+    for op in kernel_ops(ref):
+        r = ref[KERNEL_PREFIX + op]
+        c = cand.get(KERNEL_PREFIX + op)
+        if c is None:
+            results.append(KernelResult(op, None, True, "the candidate did not produce this op"))
+        elif c.shape != r.shape:
+            results.append(KernelResult(op, None, True, f"shape {list(c.shape)} differs from the reference's {list(r.shape)}"))
+        else:
+            c64, r64 = c.astype(np.float64), r.astype(np.float64)
+            finite = bool(np.isfinite(c64).all())
+            if not finite:
+                results.append(KernelResult(op, None, False, "NaN or Inf in the candidate's output"))
+                continue
+            scale = float(np.abs(r64).max()) or 1.0
+            results.append(KernelResult(op, float(np.abs(c64 - r64).max() / scale), True))
+    return tuple(results)
+
+
+# ---------------------------------------------------------------- model
+
+
+def _require(tensors: dict[str, np.ndarray], side: str) -> None:
+    missing = [k for k in REQUIRED_MODEL if k not in tensors]
+    if missing:
+        raise CompareError(f"the {side} has no {', '.join(missing)} (did its model check run?)")
+
+
+def nonfinite_tensors(tensors: dict[str, np.ndarray]) -> tuple[str, ...]:
+    """Model tensors with NaN or +Inf anywhere, or -Inf outside full logprobs (where it can mean 'never')."""
+    bad = []
+    for name, value in sorted(tensors.items()):
+        if not name.startswith(MODEL_PREFIX) or not np.issubdtype(value.dtype, np.floating):
+            continue
+        if np.isnan(value).any() or np.isposinf(value).any() or (name != "model.logprobs_full" and np.isneginf(value).any()):
+            bad.append(name)
+    return tuple(bad)
+
+
+def _cand_at_ref_ids(ref_ids, ref_lp, cand_ids, cand_lp) -> np.ndarray:
+    """The candidate's logprob at each of the reference's top-k ids, imputed where it did not store it."""
+    match = ref_ids[..., :, None] == cand_ids[..., None, :]
+    found = match.any(-1)
+    value = np.where(match, cand_lp[..., None, :], 0.0).sum(-1)
+    kth = cand_lp.min(-1, keepdims=True)
+    return np.where(found, value, np.minimum(kth, ref_lp))
+
+
+def _log1mexp_sum(lp: np.ndarray) -> np.ndarray:
+    """log(1 - sum(exp(lp))) along the last axis, clamped away from log(0)."""
+    total = np.exp(lp).sum(-1)
+    return np.log(np.clip(1.0 - total, 1e-300, None))
+
+
+def _topk_kl(ref_lp: np.ndarray, cand_lp: np.ndarray) -> np.ndarray:
+    """KL(ref || cand) over the reference's top-k ids plus one tail bucket, per position (>= 0)."""
+    p = np.exp(ref_lp)
+    head = (p * (ref_lp - cand_lp)).sum(-1)
+    ref_tail, cand_tail = _log1mexp_sum(ref_lp), _log1mexp_sum(cand_lp)
+    tail = np.exp(ref_tail) * (ref_tail - cand_tail)
+    return np.clip(head + tail, 0.0, None)
+
+
+def _renormalise(logprobs: np.ndarray) -> np.ndarray:
+    """Full-vocabulary logprobs re-normalised in float64: float32 log_softmax sums to 1 only within ~1e-7,
+    which would otherwise dominate the KL of two honest runs."""
+    lp = logprobs.astype(np.float64)
+    top = np.max(np.where(np.isfinite(lp), lp, -np.inf), axis=-1, keepdims=True)
+    return lp - (top + np.log(np.exp(lp - top).sum(-1, keepdims=True)))
+
+
+def _one_minus_cos(ref_h: np.ndarray, cand_h: np.ndarray) -> np.ndarray:
+    """1 - cos per position, computed as |a/|a| - b/|b||^2 / 2 (no cancellation near 0)."""
+    a = ref_h / np.clip(np.linalg.norm(ref_h, axis=-1, keepdims=True), 1e-300, None)
+    b = cand_h / np.clip(np.linalg.norm(cand_h, axis=-1, keepdims=True), 1e-300, None)
+    return 0.5 * ((a - b) ** 2).sum(-1)
+
+
+def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> ModelStatistics:
+    """Every per-prompt statistic of the candidate against the reference (see the module docstring)."""
+    _require(ref, "reference")
+    _require(cand, "candidate")
+    if ref["model.input_ids"].shape != cand["model.input_ids"].shape or \
+            not np.array_equal(ref["model.input_ids"], cand["model.input_ids"]):
+        raise CompareError("the candidate ran other prompts than the reference (model.input_ids differ)")
+    for name in ("model.topk_ids", "model.topk_logprobs", "model.target_logprob"):
+        if ref[name].shape != cand[name].shape:
+            raise CompareError(f"{name}: candidate shape {list(cand[name].shape)} differs from the reference's "
+                               f"{list(ref[name].shape)}")
+    bad = nonfinite_tensors(cand)
+    f64 = np.float64
+    ref_ids, ref_lp = ref["model.topk_ids"], ref["model.topk_logprobs"].astype(f64)
+    cand_ids, cand_lp = cand["model.topk_ids"], cand["model.topk_logprobs"].astype(f64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        at_ref = _cand_at_ref_ids(ref_ids, ref_lp, cand_ids, cand_lp)
+        delta = at_ref - ref_lp
+        dt = cand["model.target_logprob"].astype(f64) - ref["model.target_logprob"].astype(f64)
+        stats: dict[str, np.ndarray] = {
+            "kl": _topk_kl(ref_lp, at_ref).mean(-1),
+            "logprob_l2": np.sqrt((delta**2).sum(-1) + dt**2).mean(-1),
+            "max_abs": np.maximum(np.abs(delta).max(axis=(-1, -2)), np.abs(dt).max(-1)),
+            "top1_agree": (ref_ids[..., 0] == cand_ids[..., 0]).mean(-1).astype(f64),
+        }
+        n = stats["kl"].shape[0]
+        available = ["kl", "logprob_l2", "max_abs", "top1_agree"]
+        notes = []
+        if "model.hidden" in ref and "model.hidden" in cand and ref["model.hidden"].shape == cand["model.hidden"].shape:
+            stats["one_minus_cos"] = _one_minus_cos(ref["model.hidden"].astype(f64), cand["model.hidden"].astype(f64)).mean(-1)
+            available.append("one_minus_cos")
+        else:
+            stats["one_minus_cos"] = np.full(n, np.nan)
+            notes.append("final hidden states are not available on both sides: 1 - cos not computed")
+        stats["kl_full"] = np.full(n, np.nan)
+        full_prompts = 0
+        if "model.logprobs_full" in ref and "model.logprobs_full" in cand:
+            rf, cf = _renormalise(ref["model.logprobs_full"]), _renormalise(cand["model.logprobs_full"])
+            m = min(rf.shape[0], cf.shape[0])
+            if rf.shape[1:] == cf.shape[1:] and m:
+                terms = np.where(np.isneginf(rf[:m]), 0.0, np.exp(rf[:m]) * (rf[:m] - cf[:m]))
+                stats["kl_full"][:m] = np.clip(terms.sum(-1), 0.0, None).mean(-1)
+                full_prompts = m
+                available.append("kl_full")
+    greedy = None
+    if "model.greedy_ids" in ref and "model.greedy_ids" in cand and ref["model.greedy_ids"].shape == cand["model.greedy_ids"].shape:
+        greedy = float((ref["model.greedy_ids"] == cand["model.greedy_ids"]).all(-1).mean())
+    for name in available:  # NaN from a broken candidate must not read as "unavailable"
+        value = stats[name][:full_prompts] if name == "kl_full" else stats[name]
+        if not np.isfinite(value).all():
+            bad = tuple(sorted(set(bad) | {f"statistic {name}"}))
+    return ModelStatistics(per_prompt=stats, available=tuple(available), nonfinite=bad, greedy_same=greedy,
+                           notes=tuple(notes))

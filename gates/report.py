@@ -1,0 +1,170 @@
+"""Write a verdict for people: verdict.json, a Markdown report and a PNG plot of each statistic per prompt vs its threshold."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from gates.compare import DECISION_STATS
+from gates.verdict import GateVerdict
+
+STAT_TITLES = {
+    "kl": "mean KL(ref || cand), top-k + tail",
+    "one_minus_cos": "1 - cos(final hidden states)",
+    "logprob_l2": "logprob L2 (top-k ids + next token)",
+    "max_abs": "max |logprob delta|",
+    "top1_agree": "top-1 agreement",
+    "kl_full": "mean KL, full vocabulary",
+}
+ICON = {"pass": "PASS", "fail": "FAIL", "error": "COULD NOT RUN", "skipped": "skipped"}
+
+
+def _g(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.3g}"
+
+
+def write_report(*, verdict: GateVerdict, out: Path) -> dict[str, Path]:
+    """Write verdict.json, report.md and (when there are per-prompt statistics) plot.png into `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"verdict": out / "verdict.json", "report": out / "report.md"}
+    paths["verdict"].write_text(verdict.model_dump_json(indent=1) + "\n", encoding="utf-8")
+    if verdict.prompts or _kernel_rows(verdict):
+        paths["plot"] = out / "plot.png"
+        plot(verdict=verdict, path=paths["plot"])
+    paths["report"].write_text(markdown(verdict=verdict, plot_name="plot.png" if "plot" in paths else None), encoding="utf-8")
+    return paths
+
+
+def _kernel_rows(verdict: GateVerdict) -> dict:
+    check = verdict.check("kernels")
+    return (check.details.get("ops") or {}) if check else {}
+
+
+def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
+    """The human report."""
+    v = verdict
+    lines = [f"# Gate report: {v.sku}", "",
+             f"**Decision: {v.decision.upper().replace('_', ' ')}** ({v.reason})", "",
+             "| | |", "|---|---|",
+             f"| image | `{v.image}` |", f"| image id | `{v.image_id or '-'}` |",
+             f"| hardware class | {v.hardware_class} |",
+             f"| lock | `{v.lock_hash or 'none (checked against the manifest pins)'}` |"]
+    if v.reference:
+        r = v.reference
+        lines += [f"| reference | `{r.path}` (sha256 `{r.sha256[:16]}...`): {r.model} {r.dtype} on {r.gpu}, "
+                  f"driver {r.driver}, torch {r.torch}, {r.engine} |"]
+    if v.tolerance:
+        t = v.tolerance
+        prov = (t.entry or {}).get("provenance") or {}
+        src = (f"{prov.get('runs')} honest runs x {prov.get('prompts_per_run')} prompts, margin {prov.get('margin')}, "
+               f"{prov.get('date')}" if prov else "no calibrated entry")
+        lines += [f"| tolerance | {t.key} ({src}) |"]
+    lines += [f"| tool | skupin {v.tool_version}, {v.created} |",
+              f"| wall time | {v.timings.get('total_s', 0):.1f} s (probe container {v.timings.get('probe_container_s', 0):.1f} s) |",
+              "", "## Checks (in order; the first failure stops the rest)", "",
+              "| check | result | reason |", "|---|---|---|"]
+    lines += [f"| {c.name} | {ICON[c.status]} | {c.reason.replace('|', '/')} |" for c in v.checks]
+    pins = v.check("pins")
+    if pins and pins.details.get("problems"):
+        lines += ["", "### Pin drift", ""] + [f"- {p}" for p in pins.details["problems"]]
+    kernels = _kernel_rows(v)
+    if kernels:
+        lines += ["", "## Kernel battery", "", "Error = max |candidate - reference| / max |reference|.", "",
+                  "| op | error | tolerance | error / tolerance |", "|---|---|---|---|"]
+        for op, row in sorted(kernels.items()):
+            ratio = row["rel_err"] / row["tolerance"] if row.get("rel_err") is not None and row.get("tolerance") else None
+            note = f" ({row['problem']})" if row.get("problem") else ""
+            lines.append(f"| {op} | {_g(row.get('rel_err'))}{note} | {_g(row.get('tolerance'))} | {_g(ratio)} |")
+    if v.model_decision:
+        lines += ["", "## Model check", "",
+                  "Per statistic: prompts above the per-prompt threshold, the one-sided binomial test against the "
+                  "calibrated honest exceedance rate, and the mean over prompts against its bound.", "",
+                  "| statistic | per-prompt threshold | exceeding prompts | p-value (alpha) | mean | mean bound | mean / bound | failed by |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for d in v.model_decision:
+            lines.append(f"| {d.stat} | {_g(d.threshold)} | {d.exceedances}/{d.prompts} | {d.p_value:.2g} ({d.alpha:.2g}) | "
+                         f"{_g(d.mean)} | {_g(d.mean_threshold)} | {_g(d.mean / d.mean_threshold if d.mean_threshold else None)} | "
+                         f"{', '.join(d.failed_by) or '-'} |")
+    model = v.check("model")
+    if model and model.details.get("means"):
+        means = model.details["means"]
+        lines += ["", f"Means over prompts: " + ", ".join(f"{k} {_g(val)}" for k, val in means.items()) +
+                  (f"; greedy continuations identical for {model.details['greedy_same']:.0%} of prompts"
+                   if model.details.get("greedy_same") is not None else "")]
+        for note in model.details.get("notes") or []:
+            lines.append(f"Note: {note}")
+    if plot_name:
+        lines += ["", "## Plot", "", f"![each statistic per prompt against its threshold]({plot_name})", "",
+                  "One panel per statistic: a dot per prompt (red when above the per-prompt threshold), the threshold "
+                  "as a dashed line, the mean over prompts as a dotted line. The kernel panel shows each op's error "
+                  "as a fraction of its tolerance (above 1 fails)."]
+    worst = sorted((p for p in v.prompts if p.exceeds), key=lambda p: -len(p.exceeds))[:10]
+    if worst:
+        lines += ["", "## Prompts above a threshold (first 10)", "", "| prompt | exceeds | " +
+                  " | ".join(DECISION_STATS) + " |", "|---|---|" + "---|" * len(DECISION_STATS)]
+        for p in worst:
+            lines.append(f"| {p.index} | {', '.join(p.exceeds)} | " + " | ".join(_g(p.stats.get(s)) for s in DECISION_STATS) + " |")
+    lines += ["", "How to read this report: docs/GATE.md.", ""]
+    return "\n".join(lines)
+
+
+def plot(*, verdict: GateVerdict, path: Path) -> None:
+    """One panel per statistic (values per prompt vs threshold) and one for the kernel battery."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thresholds = {d.stat: d for d in verdict.model_decision}
+    stats = [s for s in (*DECISION_STATS, "top1_agree") if any(p.stats.get(s) is not None for p in verdict.prompts)]
+    kernels = _kernel_rows(verdict)
+    panels = len(stats) + (1 if kernels else 0)
+    cols = 2 if panels > 1 else 1
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.2 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax, stat in zip(flat, stats):
+        xs = [p.index for p in verdict.prompts if p.stats.get(stat) is not None]
+        ys = [p.stats[stat] for p in verdict.prompts if p.stats.get(stat) is not None]
+        d = thresholds.get(stat)
+        if stat == "top1_agree":
+            colors = ["tab:blue"] * len(xs)
+            bound = verdict.tolerance.hard_bounds.get("min_top1_agree") if verdict.tolerance else None
+            ax.set_ylim(-0.02, 1.02)
+            if bound is not None:
+                ax.axhline(bound, color="tab:red", linestyle="--", label=f"hard bound {bound:.0%} (on the mean)")
+        else:
+            colors = ["tab:red" if d and y > d.threshold else "tab:blue" for y in ys]
+            positive = [y for y in ys if y > 0]
+            if positive:
+                ax.set_yscale("log")
+            if d:
+                ax.axhline(d.threshold, color="tab:red", linestyle="--", label=f"per-prompt threshold {d.threshold:.2g}")
+                ax.axhline(d.mean_threshold, color="tab:orange", linestyle=":", label=f"mean bound {d.mean_threshold:.2g}")
+        if ys:
+            mean = sum(ys) / len(ys)
+            ax.axhline(mean if mean > 0 or stat == "top1_agree" else min([y for y in ys if y > 0] or [1e-30]),
+                       color="tab:gray", linestyle=":", label=f"mean {mean:.2g}")
+        ax.scatter(xs, [max(y, 1e-30) if stat != "top1_agree" else y for y in ys], s=10, c=colors)
+        ax.set_title(STAT_TITLES.get(stat, stat), fontsize=10)
+        ax.set_xlabel("prompt")
+        ax.legend(fontsize=7, loc="best")
+    if kernels:
+        ax = flat[len(stats)]
+        ops = sorted(kernels)
+        ratios = [(kernels[o]["rel_err"] or 0) / kernels[o]["tolerance"] if kernels[o].get("tolerance") else 0 for o in ops]
+        ax.barh(ops, [max(r, 1e-6) for r in ratios], color=["tab:red" if r > 1 else "tab:blue" for r in ratios])
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="tab:red", linestyle="--", label="tolerance")
+        ax.set_title("kernel battery: error / tolerance", fontsize=10)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(fontsize=7)
+    for ax in flat[panels:]:
+        ax.axis("off")
+    fig.suptitle(f"{verdict.sku}: {verdict.decision.upper()} - {verdict.image[:60]}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,161 @@
+"""Tolerances as data: per hardware class x dtype x model thresholds with their provenance (gates/data/tolerances.yaml).
+
+An entry holds, for one key, a maximum scale-normalised error per kernel op, a per-prompt
+threshold and an aggregate (mean over prompts) threshold per model statistic, the honest
+per-prompt exceedance rate the binomial test assumes, and where all of it came from. Hard bounds
+that need no calibration (any NaN/Inf, mean KL > 0.5, top-1 agreement < 80%) are global.
+`merge_entry` is the only way an entry is written: it replaces the entry of its own key only and
+refuses to touch any other class's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from builder.errors import GateCouldNotRun
+from builder.grammar import Name
+
+FORMAT = "skupin-tolerances/1"
+DEFAULT_PATH = Path(__file__).with_name("data") / "tolerances.yaml"
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class HardBounds(Frozen):
+    """Bounds that catch nonsense without any calibration."""
+
+    max_mean_kl: float = Field(0.5, gt=0, description="Fail when the mean KL over prompts exceeds this")
+    min_top1_agree: float = Field(0.8, gt=0, le=1, description="Fail when top-1 agreement over all positions is lower")
+
+
+class ToleranceKey(Frozen):
+    """What an entry applies to."""
+
+    hardware_class: Name
+    dtype: str = Field(pattern=r"^(float32|bfloat16|float16)$")
+    model: Name
+
+    def label(self) -> str:
+        return f"{self.hardware_class}/{self.dtype}/{self.model}"
+
+
+class ModelThresholds(Frozen):
+    """Per-prompt and aggregate thresholds of the model statistics and the binomial test's parameters."""
+
+    per_prompt: dict[str, float] = Field(description="Statistic -> per-prompt threshold (a prompt exceeds above it)")
+    mean: dict[str, float] = Field(description="Statistic -> threshold on the mean over all prompts")
+    honest_rate: float = Field(gt=0, lt=1, description="Per-prompt exceedance rate of honest runs (upper bound)")
+    alpha: float = Field(1e-3, gt=0, lt=0.5, description="Family-wise false-reject level of the binomial tests")
+
+
+class Provenance(Frozen):
+    """Where an entry came from."""
+
+    runs: int = Field(ge=1, description="Honest runs (boots) the thresholds were derived from")
+    prompts_per_run: int = Field(ge=1)
+    hosts: tuple[str, ...]
+    versions: dict[str, str]
+    variations: tuple[str, ...] = Field(description="What varied between the honest runs (batch size, threads, boots)")
+    date: str
+    method: str
+    margin: float = Field(gt=1)
+    reference_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Bundle the honest runs were compared with")
+    image: str = Field(description="Image id the honest runs used")
+    honest_max: dict[str, float] = Field(description="Largest honest value per statistic and per kernel op")
+
+
+class ToleranceEntry(Frozen):
+    """The calibrated tolerance of one hardware class x dtype x model."""
+
+    key: ToleranceKey
+    kernels: dict[str, float] = Field(description="Kernel op -> max scale-normalised error")
+    model: ModelThresholds
+    provenance: Provenance
+
+
+class Tolerances(Frozen):
+    """The whole tolerance file."""
+
+    format: str = Field(FORMAT, pattern=r"^skupin-tolerances/1$")
+    hard_bounds: HardBounds = HardBounds()
+    entries: tuple[ToleranceEntry, ...] = ()
+
+    def find(self, key: ToleranceKey) -> ToleranceEntry | None:
+        return next((e for e in self.entries if e.key == key), None)
+
+
+def load_tolerances(path: Path = DEFAULT_PATH) -> Tolerances:
+    """Read and validate the tolerance file (an absent file has no entries)."""
+    path = Path(path)
+    if not path.is_file():
+        return Tolerances()
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        tolerances = Tolerances.model_validate(data)
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise GateCouldNotRun(f"{path}: invalid tolerance file: {exc}") from exc
+    keys = [e.key for e in tolerances.entries]
+    if len(keys) != len(set(keys)):
+        raise GateCouldNotRun(f"{path}: an entry key appears twice")
+    return tolerances
+
+
+def lookup(tolerances: Tolerances, key: ToleranceKey, *, path: Path = DEFAULT_PATH) -> ToleranceEntry:
+    """The entry of `key`, or GateCouldNotRun saying how to calibrate it."""
+    entry = tolerances.find(key)
+    if entry is None:
+        known = ", ".join(e.key.label() for e in tolerances.entries) or "none"
+        raise GateCouldNotRun(f"{path}: no calibrated tolerance for {key.label()} (known: {known}); "
+                              f"fix: skupin calibrate <sku> on an honest image of that class")
+    return entry
+
+
+def looser(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:
+    """Thresholds of `new` that are looser than `old`'s (for the same key)."""
+    found = [f"kernels.{op}" for op, v in new.kernels.items() if op in old.kernels and v > old.kernels[op]]
+    found += [f"per_prompt.{s}" for s, v in new.model.per_prompt.items() if s in old.model.per_prompt and v > old.model.per_prompt[s]]
+    found += [f"mean.{s}" for s, v in new.model.mean.items() if s in old.model.mean and v > old.model.mean[s]]
+    if new.model.honest_rate > old.model.honest_rate:
+        found.append("honest_rate")
+    return found
+
+
+def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: bool = False) -> Tolerances:
+    """A copy with `entry` written under its own key; every other class's entry is left exactly as it was.
+
+    Replacing an existing entry of the same key with looser thresholds needs `allow_looser`.
+    """
+    old = tolerances.find(entry.key)
+    if old is not None and not allow_looser:
+        loosened = looser(entry, old)
+        if loosened:
+            raise GateCouldNotRun(f"calibration of {entry.key.label()} would loosen {', '.join(loosened)}; "
+                                  "fix: pass --allow-looser if the honest runs really are noisier")
+    others = tuple(e for e in tolerances.entries if e.key != entry.key)
+    merged = tolerances.model_copy(update={"entries": tuple(sorted((*others, entry), key=lambda e: e.key.label()))})
+    for before in tolerances.entries:  # structural guarantee: other classes byte-for-byte unchanged
+        if before.key != entry.key and merged.find(before.key) != before:
+            raise GateCouldNotRun(f"refusing to change the entry of another class ({before.key.label()})")
+    return merged
+
+
+def dump_tolerances(tolerances: Tolerances) -> str:
+    """The YAML text of the tolerance file (stable order, with a header comment)."""
+    header = ("# Gate tolerances per hardware class x dtype x model, written by `skupin calibrate` (see docs/GATE.md).\n"
+              "# Each entry records its provenance; calibrating one class never changes another's entry.\n")
+    body = yaml.safe_dump(tolerances.model_dump(mode="json"), sort_keys=False, default_flow_style=False, width=120)
+    return header + body
+
+
+def write_tolerances(tolerances: Tolerances, path: Path = DEFAULT_PATH) -> None:
+    """Write the tolerance file atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(dump_tolerances(tolerances), encoding="utf-8")
+    tmp.replace(path)

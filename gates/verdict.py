@@ -1,0 +1,337 @@
+"""The gate's verdict: the GateVerdict record and the pure rules that turn measurements into check results.
+
+Every check result carries a status (pass, fail, error = could not run, skipped) and a one-line
+reason a person can act on. The model decision, per calibrated statistic: count the prompts whose
+value exceeds the per-prompt threshold and run a one-sided binomial test against the calibrated
+honest exceedance rate (prompts are the independent unit; positions inside a prompt are
+correlated), and compare the mean over prompts with the aggregate threshold. Hard bounds (NaN/Inf,
+mean KL > 0.5, top-1 agreement < 80%) need no calibration and are checked first.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from builder.errors import GateCouldNotRun, GateFailed
+from builder.lockfile import Lock
+from builder.manifest import SkuManifest
+from gates.compare import DECISION_STATS, KernelResult, ModelStatistics
+from gates.tolerance import HardBounds, ToleranceEntry
+
+VERDICT_FORMAT = "skupin-verdict/1"
+Status = Literal["pass", "fail", "error", "skipped"]
+Decision = Literal["pass", "fail", "could_not_run"]
+CHECK_ORDER = ("boot", "pins", "kernels", "model", "serve")
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CheckResult(Frozen):
+    """One check's outcome."""
+
+    name: str
+    status: Status
+    reason: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class StatDecision(Frozen):
+    """The model decision for one statistic over all prompts."""
+
+    stat: str
+    threshold: float
+    exceedances: int
+    prompts: int
+    honest_rate: float
+    p_value: float
+    alpha: float
+    mean: float
+    mean_threshold: float
+    failed_by: tuple[str, ...] = Field(description="'binomial' and/or 'mean' when this statistic failed the model")
+
+
+class PromptResult(Frozen):
+    """One prompt's statistics and which thresholds it exceeded."""
+
+    index: int
+    stats: dict[str, float | None]
+    exceeds: tuple[str, ...] = ()
+
+
+class ReferenceInfo(Frozen):
+    """The reference bundle the candidate was compared with."""
+
+    path: str
+    sha256: str = Field(description="sha256 of the bundle's SHA256SUMS (names every file)")
+    gpu: str | None = None
+    driver: str | None = None
+    torch: str | None = None
+    engine: str | None = None
+    model: str | None = None
+    model_sha256: str | None = None
+    prompts_sha256: str | None = None
+    dtype: str | None = None
+
+
+class ToleranceInfo(Frozen):
+    """The tolerance entry used, with its provenance."""
+
+    key: str
+    source: str
+    entry: dict[str, Any] | None = None
+    hard_bounds: dict[str, float]
+
+
+class GateVerdict(Frozen):
+    """Everything one gate run decided, and why (schema: docs/GATE.md)."""
+
+    format: Literal["skupin-verdict/1"] = VERDICT_FORMAT
+    sku: str
+    hardware_class: str
+    image: str = Field(description="The image reference the gate was asked to check")
+    image_id: str | None = Field(description="sha256:... id of the image that ran (None when it was not found)")
+    lock_hash: str | None = Field(description="Content hash of the SKU's lock the pins were checked against")
+    image_lock_label: str | None = Field(None, description="io.skupin.lock-sha256 label of the image")
+    reference: ReferenceInfo | None
+    tolerance: ToleranceInfo | None
+    checks: tuple[CheckResult, ...]
+    model_decision: tuple[StatDecision, ...] = ()
+    prompts: tuple[PromptResult, ...] = ()
+    decision: Decision
+    reason: str
+    timings: dict[str, float]
+    probe: dict[str, Any] = Field(default_factory=dict, description="Probe settings and the environment it reported")
+    tool_version: str
+    created: str
+
+    def check(self, name: str) -> CheckResult | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+    def failing_check(self) -> CheckResult | None:
+        """The first check that failed or could not run."""
+        return next((c for c in self.checks if c.status in ("fail", "error")), None)
+
+    @property
+    def exit_code(self) -> int:
+        return {"pass": 0, "fail": GateFailed.exit_code, "could_not_run": GateCouldNotRun.exit_code}[self.decision]
+
+
+def raise_for_verdict(verdict: GateVerdict) -> None:
+    """GateFailed (10) or GateCouldNotRun (11) for a verdict that did not pass."""
+    if verdict.decision == "fail":
+        raise GateFailed(f"gate failed: {verdict.reason}")
+    if verdict.decision == "could_not_run":
+        raise GateCouldNotRun(f"gate could not run: {verdict.reason}")
+
+
+def decide(checks: tuple[CheckResult, ...]) -> tuple[Decision, str]:
+    """The decision of a run: the first check that failed or errored decides; otherwise pass."""
+    for check in checks:
+        if check.status == "error":
+            return "could_not_run", f"{check.name}: {check.reason}"
+        if check.status == "fail":
+            return "fail", f"{check.name}: {check.reason}"
+    ran = [c.name for c in checks if c.status == "pass"]
+    return "pass", f"passed {', '.join(ran)}"
+
+
+# ---------------------------------------------------------------- statistics helpers
+
+
+def binomial_sf(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), exactly."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+
+
+def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided upper confidence bound of a binomial rate after k successes in n trials."""
+    if k >= n:
+        return 1.0
+    lo, hi = k / n, 1.0
+    target = 1 - confidence
+    for _ in range(100):  # P(X <= k | p) decreases in p: bisect for = target
+        mid = (lo + hi) / 2
+        cdf = 1.0 - binomial_sf(k + 1, n, mid)
+        lo, hi = (mid, hi) if cdf > target else (lo, mid)
+    return hi
+
+
+# ---------------------------------------------------------------- pins
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def driver_series(version: str) -> str:
+    """The series of a driver version: its first component (580.95.05 -> 580)."""
+    return version.split(".", 1)[0]
+
+
+def judge_pins(*, env: dict[str, Any], manifest: SkuManifest, lock: Lock | None, gpu_host: bool) -> CheckResult:
+    """Versions the image really contains against the lock (or the manifest's pins when there is no lock)."""
+    dists = {_norm(k): v for k, v in (env.get("distributions") or {}).items()}
+    if not dists:
+        return CheckResult(name="pins", status="error", reason="the probe reported no installed distributions")
+    system = env.get("system_packages") or {}
+    problems: list[str] = []
+    expected: dict[str, str] = {}
+    if lock is not None:
+        expected = {_norm(p.name): p.version for p in lock.packages().values()}
+        for layer, entries in lock.system.items():
+            for entry in entries:
+                name, _, version = entry.partition("=")
+                if version and system.get(name) != version:
+                    problems.append(f"apt {name}: image has {system.get(name) or 'nothing'}, lock says {version} ({layer})")
+    for role, pin in manifest.stack.pins().items():
+        if pin.is_python:
+            expected.setdefault(_norm(pin.distribution), pin.version)
+        elif pin.source.kind == "apt" and getattr(pin.source, "version", None):
+            pkg, want = pin.source.package, pin.source.version
+            if system and system.get(pkg) != want:
+                problems.append(f"{role} {pkg}: image has {system.get(pkg) or 'nothing'}, manifest pins {want}")
+    for extra in manifest.extras.python:
+        expected.setdefault(_norm(extra.name), extra.version)
+    for name, version in sorted(expected.items()):
+        have = dists.get(name)
+        if have is None:
+            problems.append(f"{name}: not installed, {'lock' if lock else 'manifest'} says {version}")
+        elif have != version:
+            problems.append(f"{name}: image has {have}, {'lock' if lock else 'manifest'} says {version}")
+    driver_pin = manifest.stack.driver
+    details: dict[str, Any] = {"checked": len(expected), "against": "lock" if lock else "manifest pins (no lock)"}
+    if driver_pin.name != "none" and gpu_host:
+        host = (env.get("driver") or {}).get("version")
+        details["host_driver"] = host
+        if not host:
+            return CheckResult(name="pins", status="error", reason="the host reports no accelerator driver",
+                               details=details)
+        if driver_series(host) != driver_series(driver_pin.version):
+            problems.append(f"host driver {host} is not in the pinned series {driver_series(driver_pin.version)} "
+                            f"({driver_pin.name} {driver_pin.version})")
+    elif driver_pin.name != "none":
+        details["host_driver"] = "not checked: not a GPU host"
+    if problems:
+        details["problems"] = problems
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return CheckResult(name="pins", status="fail", reason=f"version drift: {problems[0]}{more}", details=details)
+    return CheckResult(name="pins", status="pass",
+                       reason=f"{len(expected)} distributions match the {details['against']}", details=details)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def judge_kernels(*, results: tuple[KernelResult, ...], entry: ToleranceEntry) -> CheckResult:
+    """Every op within its calibrated max error; an op missing, misshaped or non-finite fails."""
+    rows, failures = {}, []
+    for r in results:
+        tol = entry.kernels.get(r.op)
+        rows[r.op] = {"rel_err": r.rel_err, "tolerance": tol, "problem": r.problem}
+        if r.problem:
+            failures.append(f"{r.op}: {r.problem}")
+        elif tol is None:
+            failures.append(f"{r.op}: no calibrated tolerance in {entry.key.label()}")
+        elif r.rel_err is not None and r.rel_err > tol:
+            failures.append(f"{r.op}: max error {r.rel_err:.3g} (of the reference's max |value|) > tolerance {tol:.3g} "
+                            f"({r.rel_err / tol:.1f}x)")
+    if not results:
+        return CheckResult(name="kernels", status="error", reason="the reference holds no kernel battery")
+    if failures:
+        more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
+        return CheckResult(name="kernels", status="fail", reason=failures[0] + more,
+                           details={"ops": rows, "failures": failures})
+    worst = max((r.rel_err / entry.kernels[r.op], r.op) for r in results if entry.kernels[r.op] > 0)
+    return CheckResult(name="kernels", status="pass",
+                       reason=f"{len(results)} ops within tolerance (closest: {worst[1]} at {worst[0]:.2f}x its bound)",
+                       details={"ops": rows})
+
+
+# ---------------------------------------------------------------- model
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def hard_bound_failures(stats: ModelStatistics, hard: HardBounds) -> list[str]:
+    """Reasons the candidate breaks a bound that needs no calibration."""
+    out = []
+    if stats.nonfinite:
+        out.append(f"NaN/Inf in {', '.join(stats.nonfinite)}")
+    kls = [v for v in (stats.mean("kl_full"), stats.mean("kl")) if v is not None]
+    if kls and max(kls) > hard.max_mean_kl:
+        out.append(f"mean KL {_fmt(max(kls))} > hard bound {hard.max_mean_kl}")
+    top1 = stats.mean("top1_agree")
+    if top1 is not None and top1 < hard.min_top1_agree:
+        out.append(f"top-1 agreement {top1:.1%} < hard bound {hard.min_top1_agree:.0%}")
+    return out
+
+
+def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: HardBounds
+                ) -> tuple[CheckResult, tuple[StatDecision, ...], tuple[PromptResult, ...]]:
+    """Hard bounds first, then per statistic a binomial test on per-prompt exceedances and an aggregate bound."""
+    n = stats.num_prompts
+    decision_stats = [s for s in DECISION_STATS if s in stats.available and (entry is None or s in entry.model.per_prompt)]
+    hard_fail = hard_bound_failures(stats, hard)
+    decisions: list[StatDecision] = []
+    exceeds: dict[int, list[str]] = {i: [] for i in range(n)}
+    if entry is not None:
+        alpha = entry.model.alpha / max(1, len(decision_stats))  # Bonferroni over the statistics
+        for s in decision_stats:
+            values = stats.per_prompt[s]
+            thr = entry.model.per_prompt[s]
+            over = np.where(~np.isfinite(values) | (values > thr))[0]
+            for i in over:
+                exceeds[int(i)].append(s)
+            p = binomial_sf(len(over), n, entry.model.honest_rate)
+            mean = stats.mean(s)
+            mean = float("inf") if mean is None else mean
+            by = tuple(x for x, bad in (("binomial", p < alpha), ("mean", mean > entry.model.mean[s])) if bad)
+            decisions.append(StatDecision(stat=s, threshold=thr, exceedances=len(over), prompts=n,
+                                          honest_rate=entry.model.honest_rate, p_value=p, alpha=alpha, mean=mean,
+                                          mean_threshold=entry.model.mean[s], failed_by=by))
+    prompts = tuple(PromptResult(index=i, stats={k: _num(stats.per_prompt[k][i]) for k in stats.per_prompt},
+                                 exceeds=tuple(exceeds[i])) for i in range(n))
+    summary = {"prompts": n, "statistics": list(stats.available), "means": {k: stats.mean(k) for k in stats.per_prompt},
+               "greedy_same": stats.greedy_same, "notes": list(stats.notes)}
+    if hard_fail:
+        return (CheckResult(name="model", status="fail", reason="hard bound: " + "; ".join(hard_fail),
+                            details={**summary, "hard_bounds": hard_fail}), tuple(decisions), prompts)
+    if entry is None:
+        return (CheckResult(name="model", status="error", reason="no calibrated tolerance: only the hard bounds were checked",
+                            details=summary), tuple(decisions), prompts)
+    if not decision_stats:
+        return (CheckResult(name="model", status="error", reason="no calibrated statistic is available on both sides",
+                            details=summary), tuple(decisions), prompts)
+    failed = [d for d in decisions if d.failed_by]
+    if failed:
+        d = max(failed, key=lambda x: (x.exceedances, x.mean / x.mean_threshold if x.mean_threshold else 0))
+        why = (f"{d.stat}: {d.exceedances}/{n} prompts exceed {_fmt(d.threshold)} "
+               f"(binomial p={d.p_value:.2g} < {d.alpha:.2g} at honest rate {d.honest_rate:.3g}); "
+               f"mean {_fmt(d.mean)} vs bound {_fmt(d.mean_threshold)} ({d.mean / d.mean_threshold:.3g}x)")
+        others = [x.stat for x in failed if x is not d]
+        if others:
+            why += f"; also {', '.join(others)}"
+        return CheckResult(name="model", status="fail", reason=why, details=summary), tuple(decisions), prompts
+    closest = max(decisions, key=lambda x: x.mean / x.mean_threshold if x.mean_threshold else 0)
+    ratio = closest.mean / closest.mean_threshold if closest.mean_threshold else 0.0
+    return (CheckResult(name="model", status="pass",
+                        reason=f"{len(decisions)} statistics within tolerance over {n} prompts "
+                               f"(closest: mean {closest.stat} at {ratio:.2g}x its bound)", details=summary),
+            tuple(decisions), prompts)
+
+
+def _num(x: float) -> float | None:
+    x = float(x)
+    return None if math.isnan(x) else x
