@@ -15,6 +15,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_watch(sub)
     from gates.gate_cli import add_commands as add_gate
     add_gate(sub)
+    from builder.publish_cli import add_commands as add_publish
+    add_publish(sub)
 
 
 def _engine_base_build(sub: argparse._SubParsersAction) -> None:
