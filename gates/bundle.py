@@ -225,5 +225,6 @@ def load_bundle(*, folder: Path, manifest: SkuManifest | None = None) -> tuple[d
 
 
 def probe_environment() -> dict[str, str]:
-    """Environment for running the probe on a host: unbuffered, no user site, tokenizers quiet."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONNOUSERSITE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    """Environment for running the probe on a host: unbuffered, no user site, offline, tokenizers quiet."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONNOUSERSITE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

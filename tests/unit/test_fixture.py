@@ -1,0 +1,101 @@
+"""The seeded model fixtures: bit-identical regeneration, the committed copy, the prompt set."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from builder.errors import BundleError
+from gates import fixture
+from gates.tensorio import read_dtypes, read_safetensors
+
+COMMITTED = Path(__file__).resolve().parents[2] / "gates" / "fixtures" / "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    out = tmp_path_factory.mktemp("fx") / "tiny-llama"
+    return out, fixture.generate_fixture(name="tiny-llama", out=out)
+
+
+def test_regeneration_reproduces_recorded_and_committed_sha256(regenerated):
+    out, hashes = regenerated
+    assert hashes == fixture.EXPECTED["tiny-llama"]
+    assert (out / "SHA256SUMS").read_text() == (COMMITTED / "SHA256SUMS").read_text()
+    for name in hashes:
+        assert (out / name).read_bytes() == (COMMITTED / name).read_bytes(), name
+
+
+def test_committed_fixture_checks_and_is_small():
+    hashes = fixture.check_fixture(name="tiny-llama", folder=COMMITTED)
+    assert fixture.digest_of(hashes) == fixture.fixture_digest("tiny-llama")
+    assert sum(p.stat().st_size for p in COMMITTED.iterdir()) < 6.5 * 1024**2
+
+
+@pytest.mark.parametrize("damage", ["byte", "missing", "extra"])
+def test_check_fixture_refuses_a_damaged_folder(tmp_path, damage):
+    folder = tmp_path / "tiny-llama"
+    shutil.copytree(COMMITTED, folder)
+    if damage == "byte":
+        data = bytearray((folder / "model.safetensors").read_bytes())
+        data[-3] ^= 0x01
+        (folder / "model.safetensors").write_bytes(bytes(data))
+        culprit = "model.safetensors"
+    elif damage == "missing":
+        (folder / "tokenizer.json").unlink()
+        culprit = "tokenizer.json"
+    else:
+        (folder / "notes.txt").write_text("x")
+        culprit = "notes.txt"
+    with pytest.raises(BundleError, match=culprit):
+        fixture.check_fixture(name="tiny-llama", folder=folder)
+
+
+def test_unknown_fixture_name_is_refused(tmp_path):
+    with pytest.raises(BundleError, match="known: llama-1k, tiny-llama"):
+        fixture.generate_fixture(name="tiny-lama", out=tmp_path)
+
+
+def test_weights_are_bf16_with_the_stated_distribution():
+    spec = fixture.SPECS["tiny-llama"]
+    assert set(read_dtypes(COMMITTED / "model.safetensors").values()) == {"BF16"}
+    tensors, meta = read_safetensors(COMMITTED / "model.safetensors")
+    assert meta == {"format": "pt"}
+    assert {k: v.shape for k, v in tensors.items()} == fixture.weight_shapes(spec)
+    assert all(np.all(v == 1.0) for k, v in tensors.items() if k.endswith("norm.weight"))
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert abs(float(q.std()) - spec.std) < 0.001 and abs(float(q.mean())) < 0.001
+    config = json.loads((COMMITTED / "config.json").read_text())
+    assert config["vocab_size"] == spec.vocab == tensors["lm_head.weight"].shape[0]
+
+
+def test_prompt_set_round_trips_through_the_tokenizer():
+    from tokenizers import Tokenizer
+
+    doc = fixture.load_prompts(COMMITTED / "prompts.json")
+    tok = Tokenizer.from_file(str(COMMITTED / "tokenizer.json"))
+    assert tok.get_vocab_size() == fixture.SPECS["tiny-llama"].vocab
+    assert len(doc["prompts"]) >= 64
+    for prompt in doc["prompts"]:
+        assert len(prompt["ids"]) == doc["seq_len"]
+        assert tok.encode(prompt["text"]).ids == prompt["ids"]
+        assert tok.decode(prompt["ids"], skip_special_tokens=True) == prompt["text"]
+    assert len({tuple(p["ids"]) for p in doc["prompts"]}) == len(doc["prompts"])
+
+
+def test_transformers_tokenizer_agrees_when_installed():
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(COMMITTED))
+    doc = fixture.load_prompts(COMMITTED / "prompts.json")
+    assert all(tok(p["text"])["input_ids"] == p["ids"] for p in doc["prompts"])
+
+
+def test_measurement_fixture_is_recorded_and_large_enough():
+    spec = fixture.SPECS["llama-1k"]
+    assert spec.hidden >= 1024
+    assert set(fixture.EXPECTED["llama-1k"]) == set(fixture.EXPECTED["tiny-llama"])
+    assert len(fixture.fixture_digest("llama-1k")) == 64
