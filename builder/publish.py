@@ -29,6 +29,7 @@ import secrets
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
@@ -139,7 +140,8 @@ def refusals(*, sku: str, image_id: str, lock_sha256: str, verdict: VerdictFacts
         out.append(f"checks did not pass: {', '.join(bad)}")
     missing = [n for n in REQUIRED_CHECKS if verdict.checks.get(n) != "pass"]
     if missing:
-        out.append(f"required checks did not pass: {', '.join(f'{n} ({verdict.checks.get(n, 'absent')})' for n in missing)}")
+        listed = ", ".join(f"{n} ({verdict.checks.get(n, 'absent')})" for n in missing)
+        out.append(f"required checks did not pass: {listed}")
     return out
 
 
@@ -400,3 +402,66 @@ def _drop_push_tag(*, plan: PublishPlan, client: RegistryClient, untag: Untag | 
         on_event(f"the registry cannot delete tags: temporary tag {plan.repository}:{plan.push_tag} left behind")
         return (plan.push_tag,)
     return ()
+
+
+# ---------------------------------------------------------------- a SKU, from its files (for the CLI and `run`)
+
+
+def _target_and_untag(registry: str | None, addr: str):
+    """The registry to publish to; for our default local registry also the on-disk untag and the `up` hint."""
+    from builder.registry import default_registry, untag_on_disk
+
+    local = default_registry(addr=addr)
+    target = parse_target(registry or local.addr)
+    if target.host == local.addr and local.config_path.exists():
+        return target, (lambda repo, tag: untag_on_disk(registry=local, repository=repo, tag=tag)), "run `skupin registry up`"
+    hint = "run `skupin registry up`" if target.host == local.addr else ""
+    return target, None, hint
+
+
+def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> Path | None:
+    """The newest verdict under .skupin/gates/<sku>/ for this image and lock (else the newest at all, so
+    the refusal can say why); None when the SKU was never gated. An older pass never hides a newer fail."""
+    from builder.paths import STATE
+
+    found = sorted((STATE / "gates" / sku).glob("**/verdict.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in found:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if data.get("image_id") == image_id and data.get("lock_hash") == lock_sha256:
+            return path
+    return found[0] if found else None
+
+
+def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,
+                engine, on_event: OnEvent = _quiet) -> PublishedImage:
+    """Load the SKU, its current lock, its built image and verdict; plan and publish (used by `publish` and `run`)."""
+    from builder.index import RegistryClient
+    from builder.lockfile import image_tag, lock_path, read_lock
+    from builder.manifest import load_manifest
+    from builder.paths import sku_path
+
+    path = sku_path(sku)
+    manifest = load_manifest(path)
+    lock = read_lock(lock_path(path))
+    ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
+    info = engine.inspect_image(ref)
+    if info is None:
+        raise PublishError(f"image {ref} is not on this engine; fix: skupin build {manifest.name}")
+    vpath = verdict_path or find_verdict(sku=manifest.name, image_id=info.id, lock_sha256=lock.content_hash())
+    if vpath is None:
+        raise PublishError(f"{manifest.name} was never gated (no verdict under .skupin/gates/); fix: skupin gate {manifest.name}")
+    try:
+        verdict = json.loads(vpath.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise PublishError(f"no gate verdict at {vpath}; fix: skupin gate {manifest.name}") from exc
+    except (OSError, ValueError) as exc:
+        raise PublishError(f"{vpath}: unreadable verdict: {exc}") from exc
+    target, untag, hint = _target_and_untag(registry, addr)
+    plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
+                        verdict=verdict_facts(verdict), target=target)
+    with RegistryClient(target.url) as client:
+        return publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client, untag=untag,
+                             on_event=on_event, registry_hint=hint)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from builder.errors import PublishError, SkupinError
+from builder.errors import PublishError, SkupinError  # noqa: F401
 
 
 def _out(line: str = "") -> None:
@@ -50,61 +50,12 @@ def cmd_registry(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- publish
 
 
-def _target_and_untag(registry: str | None, addr: str):
-    """The registry to publish to; for our default local registry also the on-disk untag and the `up` hint."""
-    from builder.publish import parse_target
-    from builder.registry import default_registry, untag_on_disk
-
-    local = default_registry(addr=addr)
-    target = parse_target(registry or local.addr)
-    if target.host == local.addr and local.config_path.exists():
-        return target, (lambda repo, tag: untag_on_disk(registry=local, repository=repo, tag=tag)), "run `skupin registry up`"
-    hint = "run `skupin registry up`" if target.host == local.addr else ""
-    return target, None, hint
-
-
-def default_verdict_path(sku: str) -> Path:
-    from builder.paths import STATE
-
-    return STATE / "gates" / sku / "verdict.json"
-
-
-def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,
-                on_event=_err):
-    """Load the SKU, its current lock, its built image and verdict; plan and publish (used by `publish` and `run`)."""
-    from builder.engine import connect
-    from builder.index import RegistryClient
-    from builder.lockfile import image_tag, lock_path, read_lock
-    from builder.manifest import load_manifest
-    from builder.paths import sku_path
-    from builder.publish import plan_publish, publish_image, verdict_facts
-
-    path = sku_path(sku)
-    manifest = load_manifest(path)
-    lock = read_lock(lock_path(path))
-    engine = connect()
-    ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
-    info = engine.inspect_image(ref)
-    if info is None:
-        raise PublishError(f"image {ref} is not on this engine; fix: skupin build {manifest.name}")
-    vpath = verdict_path or default_verdict_path(manifest.name)
-    try:
-        verdict = json.loads(vpath.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise PublishError(f"no gate verdict at {vpath}; fix: skupin gate {manifest.name}") from exc
-    except (OSError, ValueError) as exc:
-        raise PublishError(f"{vpath}: unreadable verdict: {exc}") from exc
-    target, untag, hint = _target_and_untag(registry, addr)
-    plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
-                        verdict=verdict_facts(verdict), target=target)
-    with RegistryClient(target.url) as client:
-        return publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client, untag=untag,
-                             on_event=on_event, registry_hint=hint)
-
-
 def cmd_publish(args: argparse.Namespace) -> int:
+    from builder.engine import connect
+    from builder.publish import publish_sku
+
     published = publish_sku(sku=args.sku, registry=args.registry, addr=args.addr, verdict_path=args.verdict,
-                            image=args.image)
+                            image=args.image, engine=connect(), on_event=_err)
     if args.json:
         _out(json.dumps(published.model_dump(mode="json"), indent=2, sort_keys=True))
         return 0
@@ -184,7 +135,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
-    p.add_argument("--verdict", type=Path, metavar="FILE", help="the gate verdict (default .skupin/gates/SKU/verdict.json)")
+    p.add_argument("--verdict", type=Path, metavar="FILE", help="the gate verdict (default: the newest under .skupin/gates/SKU/ for this image and lock)")
     p.add_argument("--image", metavar="REF", help="the image to publish (default: the SKU's content-addressed tag)")
     p.add_argument("--json", action="store_true", help="print the published image as JSON")
     p.set_defaults(func=cmd_publish)
@@ -210,4 +161,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
-__all__ = ["add_commands", "publish_sku", "default_verdict_path", "SkupinError"]
+__all__ = ["add_commands", "SkupinError"]
