@@ -1,0 +1,242 @@
+"""Publish/verify/pull on the real engine and a real distribution 2.8 registry (started per module on its own port).
+
+Tiny images are imported from a small rootfs (a static-enough `sleep`: the host's binary and its two
+libraries) so these tests need no CPU build; each gets a verdict JSON built here that GateVerdict
+accepts. The end-to-end test with the real CPU image runs only when its build record and lock exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from builder.engine import Engine
+from builder.errors import NetworkError, PublishError
+from builder.index import RegistryClient
+from builder.lockfile import Lock, LockedBase
+from builder.publish import (PublishedImage, parse_target, plan_publish, publish_image, read_record, record_tag,
+                             verdict_facts)
+from builder.registry import LocalRegistry, registry_down, registry_status, registry_up, untag_on_disk
+from builder.verify import pull_verified, verify_reference
+
+pytestmark = pytest.mark.integration
+SKU = "tiny-test"
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- helpers (also used by test_faults.py)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_lock(sku: str = SKU, salt: str = "a") -> Lock:
+    return Lock(sku=sku, manifest_sha256=salt * 64, python="3.11", platform="linux/amd64",
+                base=LockedBase(kind="bootstrap", reference="skupin-base/test:1", recipe_sha256="b" * 64),
+                layers={"framework": (), "compiler": (), "engine": (), "extras": ()}, dockerfile_sha256="c" * 64,
+                resolver="none", tool_version="0.1.0", created="2026-11-29T00:00:00Z")
+
+
+def make_verdict(*, image_id: str, lock: Lock, decision: str = "pass", sku: str = SKU) -> dict:
+    """A verdict JSON for `image_id`, valid for gates.verdict.GateVerdict."""
+    from gates.verdict import GateVerdict
+
+    status = "pass" if decision == "pass" else "fail"
+    checks = [{"name": n, "status": "pass", "reason": "ok"} for n in ("reference", "boot", "pins", "kernels")]
+    checks.append({"name": "model", "status": status, "reason": "ok" if status == "pass" else "kl: 40/40 prompts exceed"})
+    data = {"sku": sku, "hardware_class": "cpu-x86_64", "image": image_id, "image_id": image_id,
+            "lock_hash": lock.content_hash(), "reference": {"path": "gates/references/x", "sha256": "d" * 64},
+            "tolerance": None, "checks": checks, "decision": decision,
+            "reason": "passed" if decision == "pass" else "model: kl: 40/40 prompts exceed",
+            "timings": {}, "tool_version": "0.1.0", "created": "2026-11-29T21:00:00+00:00"}
+    return json.loads(GateVerdict.model_validate(data).model_dump_json())
+
+
+def tiny_rootfs(folder: Path, salt: str) -> Path:
+    """A rootfs with the host's `sleep` (and its libraries) and a salt file, so each image id is new."""
+    folder.mkdir(parents=True)
+    for src in ("/usr/bin/sleep", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"):
+        dst = folder / src.lstrip("/")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+    (folder / "salt").write_text(salt, encoding="utf-8")
+    return folder
+
+
+class TinyImages:
+    """Imports tiny images on demand; removes them afterwards."""
+
+    def __init__(self, engine: Engine, tmp: Path) -> None:
+        self.engine, self.tmp, self.refs = engine, tmp, []
+
+    def make(self, name: str) -> str:
+        ref = f"skupin-test/{name}:{os.urandom(4).hex()}"
+        rootfs = tiny_rootfs(self.tmp / ref.replace("/", "_").replace(":", "_"), salt=os.urandom(16).hex())
+        self.refs.append(ref)
+        return self.engine.import_rootfs(rootfs=rootfs, reference=ref)
+
+    def cleanup(self) -> None:
+        for ref in self.refs:
+            self.engine.remove_image(ref, force=True)
+
+
+@pytest.fixture
+def tiny(engine: Engine, tmp_path: Path) -> Iterator[TinyImages]:
+    images = TinyImages(engine, tmp_path / "tiny")
+    yield images
+    images.cleanup()
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[LocalRegistry]:
+    """Our own distribution 2.8 registry on a free loopback port, in tmp_path; stopped afterwards."""
+    reg = LocalRegistry(addr=f"127.0.0.1:{free_port()}", folder=tmp_path / "registry")
+    registry_up(registry=reg)
+    yield reg
+    registry_down(registry=reg)
+
+
+def publish(*, engine: Engine, registry: LocalRegistry, image_id: str, lock: Lock, verdict: dict,
+            url: str | None = None, on_event=lambda _s: None) -> PublishedImage:
+    """The library path `skupin publish` takes, with an injected image/lock/verdict."""
+    target = parse_target(url or registry.addr)
+    plan = plan_publish(sku=SKU, engine_version="5.24.0", lock=lock, image_id=image_id,
+                        verdict=verdict_facts(verdict), target=target)
+    with RegistryClient(target.url, retries=1, backoff=0.1) as client:
+        return publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client, on_event=on_event,
+                             untag=lambda repo, tag: untag_on_disk(registry=registry, repository=repo, tag=tag))
+
+
+def tags(registry: LocalRegistry, repo: str = SKU) -> set[str]:
+    """The repository's tags; empty when the repository does not exist."""
+    with RegistryClient(registry.url, retries=0) as client:
+        try:
+            return set(client.list_tags(repo))
+        except NetworkError:
+            return set()
+
+
+def configs(registry: LocalRegistry, repo: str = SKU) -> dict[str, str]:
+    """tag -> config digest (image id) of every image tag in the repository."""
+    out = {}
+    with RegistryClient(registry.url, retries=0) as client:
+        for tag in tags(registry, repo):
+            if tag.endswith(".verification"):
+                continue
+            out[tag] = (client.get_manifest(repo, tag).json().get("config") or {}).get("digest")
+    return out
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_registry_up_is_idempotent_and_down_leaves_others_alone(tmp_path: Path, registry: LocalRegistry):
+    again = registry_up(registry=registry)
+    assert again.answering and again.ours and "already running" in again.action
+    # a second folder pointing at the same address did not start that registry: it must not stop it
+    stranger = LocalRegistry(addr=registry.addr, folder=tmp_path / "other")
+    assert "left alone" in registry_up(registry=stranger).action
+    assert "left alone" in registry_down(registry=stranger).action
+    assert registry_status(registry=registry).answering
+
+
+def test_publish_verify_pull(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+    image_id = tiny.make("good")
+    lock = make_lock()
+    t0 = time.monotonic()
+    published = publish(engine=engine, registry=registry, image_id=image_id, lock=lock,
+                        verdict=make_verdict(image_id=image_id, lock=lock))
+    publish_s = time.monotonic() - t0
+    assert published.reference == f"{registry.addr}/{SKU}@{published.digest}"
+    assert tags(registry) == {"verified", published.tags[0], record_tag(published.digest)}  # temporary tag gone
+    assert set(configs(registry).values()) == {image_id}
+    assert not engine.image_exists(f"{registry.addr}/{SKU}:{published.tags[0]}")  # no local temporary tag either
+
+    t0 = time.monotonic()
+    result = verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _sku: lock.content_hash())
+    verify_s = time.monotonic() - t0
+    assert result.ok, result.line()
+    assert result.line().startswith(f"verified: {registry.addr}/{SKU}:verified -> {published.reference} ({SKU}, lock ")
+    # a newer lock makes the same digest unverified
+    stale = verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _sku: make_lock(salt="e").content_hash())
+    assert not stale.ok and "current lock" in stale.line()
+
+    engine.remove_image(published.reference, force=True)
+    result, pulled = pull_verified(sku=SKU, target=parse_target(registry.addr), engine=engine,
+                                   current_lock=lambda _sku: lock.content_hash())
+    assert pulled == image_id and result.reference == published.reference
+    engine.remove_image(published.reference, force=True)
+    print(f"\npublish {publish_s:.2f} s (push {published.push_s:.2f} s), verify {verify_s:.3f} s")
+
+
+def test_verify_catches_a_tag_moved_to_an_unrecorded_image(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+    lock = make_lock()
+    good = tiny.make("good")
+    publish(engine=engine, registry=registry, image_id=good, lock=lock, verdict=make_verdict(image_id=good, lock=lock))
+    # someone pushes another image straight to :verified, bypassing the gate
+    rogue = tiny.make("rogue")
+    ref = f"{registry.addr}/{SKU}:verified"
+    engine.tag(rogue, ref)
+    try:
+        engine.push(ref)
+    finally:
+        engine.remove_image(ref)
+    result = verify_reference(ref=ref, current_lock=lambda _sku: lock.content_hash())
+    assert not result.ok and "no verification record" in result.reason
+
+
+def test_refused_verdicts_push_nothing(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+    lock = make_lock()
+    image_id = tiny.make("refused")
+    other = tiny.make("other")
+    cases = {
+        "failed gate": make_verdict(image_id=image_id, lock=lock, decision="fail"),
+        "another image's pass": make_verdict(image_id=other, lock=lock),
+        "an older lock's pass": make_verdict(image_id=image_id, lock=make_lock(salt="f")),
+    }
+    for why, verdict in cases.items():
+        with pytest.raises(PublishError, match="refusing to publish"):
+            publish(engine=engine, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
+    assert tags(registry) == set(), "a refused publish must push nothing"
+
+
+@pytest.mark.skipif(not (REPO / ".skupin" / "builds" / "cpu-x86_64.json").is_file()
+                    or not (REPO / "skus" / "cpu-x86_64.lock.json").is_file(),
+                    reason="needs the CPU image's build record and lock (skupin build cpu-x86_64)")
+def test_end_to_end_cpu_image_publish_and_verify(engine: Engine, registry: LocalRegistry):
+    """The real CPU image with a verdict the real gate wrote for it (when one exists for this image and lock)."""
+    from builder.lockfile import read_lock
+    from builder.publish import find_verdict
+
+    record = json.loads((REPO / ".skupin" / "builds" / "cpu-x86_64.json").read_text(encoding="utf-8"))
+    lock = read_lock(REPO / "skus" / "cpu-x86_64.lock.json")
+    if not engine.image_exists(record["image_id"]):
+        pytest.skip("the CPU image of the build record is not on this engine")
+    path = find_verdict(sku="cpu-x86_64", image_id=record["image_id"], lock_sha256=lock.content_hash())
+    verdict = json.loads(path.read_text(encoding="utf-8")) if path else {}
+    if verdict.get("image_id") != record["image_id"] or verdict.get("decision") != "pass":
+        pytest.skip("no passing gate verdict for the CPU image and its current lock")
+    target = parse_target(registry.addr)
+    from builder.manifest import load_manifest
+
+    engine_version = load_manifest(REPO / "skus" / "cpu-x86_64.yaml").stack.engine.version
+    plan = plan_publish(sku="cpu-x86_64", engine_version=engine_version, lock=lock,
+                        image_id=record["image_id"], verdict=verdict_facts(verdict), target=target)
+    t0 = time.monotonic()
+    with RegistryClient(target.url) as client:
+        published = publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client,
+                                  untag=lambda r, t: untag_on_disk(registry=registry, repository=r, tag=t))
+        assert read_record(client=client, repository="cpu-x86_64", digest=published.digest).image_id == record["image_id"]
+    result = verify_reference(ref=f"{registry.addr}/cpu-x86_64:verified")
+    assert result.ok, result.line()
+    print(f"\nCPU image publish {time.monotonic() - t0:.1f} s (push {published.push_s:.1f} s): {result.line()}")
