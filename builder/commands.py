@@ -7,16 +7,18 @@ import argparse
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add every stage's subcommands; each stage module owns its own arguments and handler."""
-    _engine_base_build(sub)
     from builder.compat_refresh import add_commands as add_compat_refresh
+    from builder.publish_cli import add_commands as add_publish
     from builder.watch import add_commands as add_watch
+    from gates.gate_cli import add_commands as add_gate
+    from gates.reference_cli import add_commands as add_reference
 
+    _engine_base_build(sub)
+    add_reference(sub)
+    add_gate(sub)
+    add_publish(sub)
     add_compat_refresh(sub)
     add_watch(sub)
-    from gates.gate_cli import add_commands as add_gate
-    add_gate(sub)
-    from builder.publish_cli import add_commands as add_publish
-    add_publish(sub)
 
 
 def _engine_base_build(sub: argparse._SubParsersAction) -> None:
