@@ -104,6 +104,7 @@ def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec =
     """Read every covered release's wheel metadata from the index and turn it into compat rows."""
     say = progress or (lambda _m: None)
     label = _label(index.base_url)
+    _prefetch(index, spec)
     torch_rows: list[dict] = []
     engine_rows: list[dict] = []
     skipped: list[str] = []
@@ -141,6 +142,27 @@ def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec =
                                 "date": today})
             say(f"{engine} {version}: torch{reqs['torch'].specifier}")
     return Refreshed(torch_compiler=tuple(torch_rows), engine_torch=tuple(engine_rows), skipped=tuple(skipped))
+
+
+def _prefetch(index: IndexClient, spec: RefreshSpec, workers: int = 8) -> None:
+    """Fetch every covered wheel's metadata concurrently (the client caches it); errors surface later, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = [("torch", spec.torch_min), *spec.engines]
+    files = []
+    for name, low in wanted:
+        for version in index.versions(name):
+            if version >= Version(low) and (f := linux_x86_64_wheel(index.files(name, version), python=spec.python)):
+                files.append(f)
+
+    def fetch(file) -> None:
+        try:
+            index.core_metadata(file)
+        except NetworkError:
+            pass
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fetch, files))
 
 
 # ------------------------------------------------------------------ writing rows into compat.yaml
