@@ -1,0 +1,166 @@
+"""The gate on real images: the honest CPU image passes against the H200 reference; each swap fails for its reason.
+
+Derived images are a thin layer FROM the honest image (tests/integration/derived/Dockerfile), built
+without network. Every gate run must leave no container behind (checked here and by the engine
+fixture), also when the probe hangs past the deadline or crashes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from builder.check import resolve
+from builder.engine import Engine
+from gates.gate import gate_image
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
+DERIVED = Path(__file__).with_name("derived")
+PROBE_LABEL = "io.skupin.role=gate-probe"
+
+
+@pytest.fixture(scope="session")
+def stack():
+    return resolve(CPU_SKU, require_lock=True)
+
+
+@pytest.fixture(scope="session")
+def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
+    """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now."""
+    from builder.paths import STATE
+
+    record = Path(STATE) / "builds" / "cpu-x86_64.json"
+    if record.is_file():
+        data = json.loads(record.read_text())
+        if data.get("lock_sha256") == stack.lock.content_hash() and engine.image_exists(data["image_id"]):
+            return data["image_id"]
+    from builder.build import build_image
+
+    built = build_image(manifest=stack.manifest, manifest_path=CPU_SKU, lock=stack.lock, engine=engine,
+                        wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
+    return built.image_id
+
+
+@pytest.fixture(scope="session")
+def derive(engine: Engine, honest_image: str, tmp_path_factory) -> Iterator:
+    """derive(mode) -> image id of the honest image with one thing changed (built once per mode)."""
+    made: dict[str, str] = {}
+    context = tmp_path_factory.mktemp("derived-context")
+    for name in ("Dockerfile", "sitecustomize.py"):
+        shutil.copy(DERIVED / name, context / name)
+
+    def build(mode: str) -> str:
+        if mode not in made:
+            made[mode] = engine.build(context=context, dockerfile=context / "Dockerfile",
+                                      build_args={"BASE": honest_image, "MODE": mode})
+        return made[mode]
+
+    yield build
+    for image_id in made.values():
+        engine.remove_image(image_id, force=True)
+
+
+def _gate(stack, image: str, engine: Engine, out: Path):
+    verdict = gate_image(stack=stack, image=image, engine=engine, out=out)
+    assert not engine.containers(label=PROBE_LABEL), "a probe container was left behind"
+    assert (out / "verdict.json").is_file() and (out / "report.md").is_file()
+    return verdict
+
+
+def test_honest_image_passes_through_the_cli(honest_image: str, engine: Engine, tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "builder.cli", "gate", "cpu-x86_64", "--image", honest_image,
+                           "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    verdict = json.loads(proc.stdout)
+    assert verdict["decision"] == "pass"
+    assert [c["name"] for c in verdict["checks"]] == ["reference", "boot", "pins", "kernels", "model", "serve"]
+    assert [c["status"] for c in verdict["checks"]][:5] == ["pass"] * 5
+    assert verdict["image_id"] == honest_image
+    assert verdict["reference"]["gpu"] == "NVIDIA H200"
+    assert verdict["tolerance"]["entry"]["provenance"]["runs"] >= 4
+    assert len(verdict["prompts"]) == 64
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert not engine.containers(label=PROBE_LABEL)
+    print(f"honest gate wall time {wall:.1f} s; means {verdict['checks'][4]['details']['means']}")
+
+
+@pytest.mark.parametrize("mode, check, words", [
+    ("int4", "model", ""),
+    ("int8", "model", "prompts exceed"),
+    ("fp8", "model", "prompts exceed"),
+    ("int4-nibble", "model", ""),
+    ("silu", "kernels", "silu.float32: max error"),
+])
+def test_swapped_image_fails_for_the_right_reason(mode, check, words, derive, stack, engine: Engine, tmp_path: Path) -> None:
+    verdict = _gate(stack, derive(mode), engine, tmp_path)
+    failing = verdict.failing_check()
+    assert verdict.decision == "fail", verdict.reason
+    assert verdict.exit_code == 10
+    assert failing is not None and failing.name == check, verdict.reason
+    assert words in failing.reason
+    assert [c.status for c in verdict.checks[:3]] == ["pass", "pass", "pass"]  # reference, boot, pins
+    if check == "model":
+        assert verdict.check("kernels").status == "pass"
+        assert any(d.failed_by for d in verdict.model_decision) or "hard bound" in failing.reason
+    print(f"{mode}: {failing.name}: {failing.reason}")
+
+
+def test_pin_drift_fails_the_pin_check(derive, stack, engine: Engine, tmp_path: Path) -> None:
+    verdict = _gate(stack, derive("drift"), engine, tmp_path)
+    pins = verdict.check("pins")
+    assert verdict.decision == "fail" and verdict.exit_code == 10
+    assert pins.status == "fail"
+    assert "safetensors: image has 0.7.0, lock says 0.8.0" in pins.reason
+    assert verdict.check("kernels").status == "skipped"
+
+
+def _short_deadline(stack, seconds: int):
+    gate = stack.manifest.gate.model_copy(update={"deadline_s": seconds})
+    return stack.model_copy(update={"manifest": stack.manifest.model_copy(update={"gate": gate})})
+
+
+def test_a_hanging_probe_is_killed_at_the_deadline_and_removed(derive, stack, engine: Engine, tmp_path: Path) -> None:
+    image = derive("hang")
+    start = time.monotonic()
+    verdict = _gate(_short_deadline(stack, 15), image, engine, tmp_path)
+    assert time.monotonic() - start < 60
+    assert verdict.decision == "could_not_run" and verdict.exit_code == 11
+    assert verdict.check("boot").status == "error"
+    assert "deadline of 15 s" in verdict.check("boot").reason
+
+
+def test_a_crashing_probe_cannot_run_and_is_removed(derive, stack, engine: Engine, tmp_path: Path) -> None:
+    verdict = _gate(stack, derive("crash"), engine, tmp_path)
+    assert verdict.decision == "could_not_run" and verdict.exit_code == 11
+    assert "without usable outputs" in verdict.check("boot").reason
+
+
+def test_a_tampered_bundle_is_refused_before_anything_runs(stack, honest_image: str, engine: Engine, tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(REPO / stack.manifest.gate.reference, bundle)
+    data = bytearray((bundle / "tensors.safetensors").read_bytes())
+    data[-1] ^= 1
+    (bundle / "tensors.safetensors").write_bytes(bytes(data))
+    verdict = gate_image(stack=stack, image=honest_image, engine=engine, out=tmp_path / "out", reference=bundle)
+    assert verdict.decision == "could_not_run" and verdict.exit_code == 11
+    assert verdict.checks[0].name == "reference" and "does not match SHA256SUMS" in verdict.checks[0].reason
+    assert verdict.check("boot").status == "skipped"
+
+
+def test_a_bundle_for_another_dtype_is_refused(stack, honest_image: str, engine: Engine, tmp_path: Path) -> None:
+    verdict = gate_image(stack=stack, image=honest_image, engine=engine, out=tmp_path,
+                         reference=REPO / "gates/references/tiny-llama/h200-bfloat16")
+    assert verdict.decision == "could_not_run"
+    assert "dtype 'bfloat16', the SKU gates in 'float32'" in verdict.checks[0].reason

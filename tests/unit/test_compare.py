@@ -1,0 +1,140 @@
+"""gates/compare.py on synthetic probe tensors: statistics grow with the perturbation, ids are matched, NaN is seen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gates.compare import CompareError, kernel_errors, model_statistics, nonfinite_tensors
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+
+
+def probe_tensors(logits: np.ndarray, hidden: np.ndarray, ids: np.ndarray, *, k: int = 8, full: int = 2) -> dict:
+    """The probe's model.* tensors for given logits [P, T+1, V] (positions 0..T-1 predict ids 1..T)."""
+    lp = _log_softmax(logits[:, :-1].astype(np.float64)).astype(np.float32)
+    order = np.argsort(-lp, axis=-1, kind="stable")[..., :k]
+    top = np.take_along_axis(lp, order, -1)
+    target = np.take_along_axis(lp, ids[:, 1:, None], -1)[..., 0]
+    greedy = logits[:, -1:].argmax(-1).repeat(4, 1).astype(np.int32)
+    return {
+        "model.input_ids": ids.astype(np.int32),
+        "model.topk_ids": order.astype(np.int32),
+        "model.topk_logprobs": top,
+        "model.target_logprob": target.astype(np.float32),
+        "model.hidden": hidden.astype(np.float32),
+        "model.logprobs_full": lp[:full],
+        "model.greedy_ids": greedy,
+    }
+
+
+def synthetic(seed: int = 0, prompts: int = 12, positions: int = 10, vocab: int = 64, width: int = 16):
+    """(logits, hidden, ids) of a fake model; logits are a fixed projection of the hidden states."""
+    rng = np.random.default_rng(seed)
+    hidden = rng.standard_normal((prompts, positions + 1, width))
+    head = rng.standard_normal((width, vocab)) * 0.8
+    ids = rng.integers(0, vocab, size=(prompts, positions + 1))
+    return hidden, head, ids
+
+
+def candidate(hidden, head, ids, noise: float, seed: int = 1) -> dict:
+    rng = np.random.default_rng(seed)
+    h = hidden + noise * rng.standard_normal(hidden.shape)
+    return probe_tensors(h @ head, h, ids)
+
+
+@pytest.fixture()
+def model():
+    return synthetic()
+
+
+def test_identical_outputs_have_zero_distance(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    stats = model_statistics(ref, dict(ref))
+    for name in ("kl", "one_minus_cos", "logprob_l2", "max_abs"):
+        assert np.all(stats.per_prompt[name] == 0), name
+    assert np.all(stats.per_prompt["top1_agree"] == 1)
+    assert stats.nonfinite == ()
+    assert stats.greedy_same == 1.0
+    assert set(stats.available) >= {"kl", "kl_full", "one_minus_cos", "logprob_l2", "max_abs"}
+
+
+def test_every_statistic_grows_with_the_perturbation(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    small = model_statistics(ref, candidate(hidden, head, ids, 1e-4))
+    large = model_statistics(ref, candidate(hidden, head, ids, 1e-1))
+    for name in ("kl", "kl_full", "one_minus_cos", "logprob_l2", "max_abs"):
+        assert 0 < small.mean(name) < large.mean(name) / 100, name
+    assert large.mean("top1_agree") <= small.mean("top1_agree")
+
+
+def test_topk_kl_does_not_exceed_the_full_kl(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    stats = model_statistics(ref, candidate(hidden, head, ids, 5e-2))
+    full = stats.per_prompt["kl_full"][:2]
+    assert np.all(stats.per_prompt["kl"][:2] <= full * (1 + 1e-6))
+
+
+def test_candidate_topk_is_matched_by_id_not_position(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    cand = candidate(hidden, head, ids, 1e-3)
+    perm = np.random.default_rng(3).permutation(cand["model.topk_ids"].shape[-1])
+    shuffled = {**cand, "model.topk_ids": cand["model.topk_ids"][..., perm],
+                "model.topk_logprobs": cand["model.topk_logprobs"][..., perm]}
+    a, b = model_statistics(ref, cand), model_statistics(ref, shuffled)
+    for name in ("kl", "logprob_l2", "max_abs"):
+        np.testing.assert_allclose(a.per_prompt[name], b.per_prompt[name], rtol=1e-12)
+
+
+def test_a_constant_normalisation_error_does_not_count_as_kl(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    shifted = {**ref, "model.logprobs_full": ref["model.logprobs_full"] + np.float32(3e-6)}
+    assert np.all(model_statistics(ref, shifted).per_prompt["kl_full"][:2] < 1e-12)
+
+
+def test_nan_in_the_candidate_is_reported_not_hidden(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    cand = candidate(hidden, head, ids, 1e-3)
+    cand["model.hidden"][3, 2, 1] = np.nan
+    stats = model_statistics(ref, cand)
+    assert "model.hidden" in stats.nonfinite
+    assert "model.hidden" in nonfinite_tensors(cand)
+
+
+def test_other_prompts_cannot_be_compared(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    other = {**ref, "model.input_ids": ref["model.input_ids"] + 1}
+    with pytest.raises(CompareError, match="other prompts"):
+        model_statistics(ref, other)
+
+
+def test_missing_hidden_states_are_a_note_not_a_zero(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    cand = {k: v for k, v in candidate(hidden, head, ids, 1e-2).items() if k != "model.hidden"}
+    stats = model_statistics(ref, cand)
+    assert "one_minus_cos" not in stats.available
+    assert np.isnan(stats.per_prompt["one_minus_cos"]).all()
+    assert stats.notes
+
+
+def test_kernel_errors_are_scale_normalised_and_explain_problems():
+    ref = {"kernels.a.float32": np.array([[2.0, -4.0]], np.float32), "kernels.b.float32": np.ones(3, np.float32),
+           "kernels.c.float32": np.ones(2, np.float32), "kernels.d.float32": np.ones(2, np.float32)}
+    cand = {"kernels.a.float32": np.array([[2.0, -3.0]], np.float32), "kernels.b.float32": np.ones(4, np.float32),
+            "kernels.d.float32": np.array([1.0, np.inf], np.float32)}
+    results = {r.op: r for r in kernel_errors(ref, cand)}
+    assert results["a.float32"].rel_err == pytest.approx(0.25)
+    assert "shape" in results["b.float32"].problem
+    assert "did not produce" in results["c.float32"].problem
+    assert not results["d.float32"].finite

@@ -1,0 +1,103 @@
+"""gates/tolerance.py and gates/calibrate.py: entries per class, provenance, never loosening another class."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from builder.errors import GateCouldNotRun
+from gates.calibrate import HonestRun, derive_entry
+from gates.compare import kernel_errors, model_statistics
+from gates.gate import bundle_sha256, repo_root
+from gates.tolerance import (DEFAULT_PATH, Tolerances, ToleranceKey, dump_tolerances, load_tolerances, lookup,
+                             merge_entry, write_tolerances)
+from tests.unit.test_compare import candidate, probe_tensors, synthetic
+
+KEY = ToleranceKey(hardware_class="cpu-test", dtype="float32", model="tiny")
+SHA = "a" * 64
+
+
+def _runs(noises, kernel_noise=1e-7):
+    hidden, head, ids = synthetic()
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    ref["kernels.matmul.float32"] = np.linspace(-1, 1, 64, dtype=np.float32)
+    runs = []
+    for i, noise in enumerate(noises):
+        t = candidate(hidden, head, ids, noise, seed=10 + i)
+        t["kernels.matmul.float32"] = ref["kernels.matmul.float32"] + np.float32(kernel_noise * (i + 1))
+        runs.append(HonestRun(label=f"run {i}", tensors=t, env={"python": "3.11", "torch": "2.13", "cpu_model": "cpu"}))
+    return ref, runs, (hidden, head, ids)
+
+
+def _entry(key=KEY, noises=(1e-4, 2e-4, 1.5e-4), margin=4.0):
+    ref, runs, _ = _runs(noises)
+    return derive_entry(key=key, reference=ref, reference_sha256=SHA, runs=runs, margin=margin, image="sha256:x",
+                        date="2026-11-29T00:00:00+00:00")
+
+
+def test_thresholds_are_margin_times_the_largest_honest_value():
+    ref, runs, _ = _runs((1e-4, 2e-4, 1.5e-4))
+    entry = derive_entry(key=KEY, reference=ref, reference_sha256=SHA, runs=runs, margin=4.0, image="sha256:x")
+    largest = max(model_statistics(ref, r.tensors).per_prompt["logprob_l2"].max() for r in runs)
+    assert entry.model.per_prompt["logprob_l2"] == pytest.approx(4.0 * largest)
+    worst_kernel = max(kernel_errors(ref, r.tensors)[0].rel_err for r in runs)
+    assert worst_kernel > 2.0**-22
+    assert entry.kernels["matmul.float32"] == pytest.approx(4.0 * worst_kernel)
+    assert entry.provenance.runs == 3 and entry.provenance.margin == 4.0
+    assert 0.005 <= entry.model.honest_rate < 0.2  # upper bound of 0 exceedances in 36 prompts
+    assert set(entry.model.per_prompt) == {"kl", "one_minus_cos", "logprob_l2", "max_abs"}
+
+
+def test_a_bit_identical_calibration_still_gets_a_dtype_floor():
+    entry = _entry(noises=(0.0, 0.0))
+    assert all(v > 0 for v in entry.model.per_prompt.values())
+    assert all(v > 0 for v in entry.kernels.values())
+
+
+def test_calibration_refuses_a_single_run_or_a_margin_of_one():
+    ref, runs, _ = _runs((1e-4, 1e-4))
+    with pytest.raises(GateCouldNotRun):
+        derive_entry(key=KEY, reference=ref, reference_sha256=SHA, runs=runs[:1], margin=4, image="x")
+    with pytest.raises(GateCouldNotRun):
+        derive_entry(key=KEY, reference=ref, reference_sha256=SHA, runs=runs, margin=1.0, image="x")
+
+
+def test_file_round_trip(tmp_path):
+    tolerances = merge_entry(Tolerances(), _entry())
+    path = tmp_path / "tolerances.yaml"
+    write_tolerances(tolerances, path)
+    assert load_tolerances(path) == tolerances
+    assert "provenance" in path.read_text()
+
+
+def test_merge_adds_a_class_and_leaves_every_other_class_exactly_as_it_was():
+    other = _entry(key=ToleranceKey(hardware_class="gpu-x", dtype="float32", model="tiny"), noises=(1e-6, 2e-6))
+    before = merge_entry(Tolerances(), other)
+    after = merge_entry(before, _entry(noises=(1e-2, 2e-2)))  # a much noisier class
+    assert after.find(other.key) == other
+    assert dump_tolerances(before).split("gpu-x")[1][:2000] in dump_tolerances(after)
+    assert len(after.entries) == 2
+
+
+def test_replacing_a_class_with_looser_thresholds_needs_consent():
+    tight = merge_entry(Tolerances(), _entry(noises=(1e-5, 2e-5)))
+    loose = _entry(noises=(1e-2, 2e-2))
+    with pytest.raises(GateCouldNotRun, match="would loosen"):
+        merge_entry(tight, loose)
+    assert merge_entry(tight, loose, allow_looser=True).find(KEY) == loose
+    tighter = _entry(noises=(1e-6, 2e-6))
+    assert merge_entry(tight, tighter).find(KEY) == tighter
+
+
+def test_lookup_of_a_missing_class_says_how_to_calibrate():
+    with pytest.raises(GateCouldNotRun, match="skupin calibrate"):
+        lookup(Tolerances(), KEY)
+
+
+def test_the_committed_cpu_entry_matches_the_committed_reference_bundle():
+    tolerances = load_tolerances(DEFAULT_PATH)
+    entry = lookup(tolerances, ToleranceKey(hardware_class="cpu-x86_64", dtype="float32", model="tiny-llama"))
+    bundle = repo_root() / "gates/references/tiny-llama/h200-float32"
+    assert entry.provenance.reference_sha256 == bundle_sha256(bundle)
+    assert entry.provenance.runs >= 4 and entry.provenance.margin > 1
+    assert tolerances.hard_bounds.max_mean_kl == 0.5 and tolerances.hard_bounds.min_top1_agree == 0.8

@@ -1,0 +1,174 @@
+"""gates/verdict.py: binomial decision, hard bounds, pin drift, kernel bounds, check order; gates/report.py output."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from builder.lockfile import read_lock
+from builder.manifest import load_manifest
+from gates.compare import KernelResult, ModelStatistics
+from gates.report import write_report
+from gates.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
+from gates.verdict import (CheckResult, GateVerdict, binomial_sf, clopper_pearson_upper, decide, judge_kernels,
+                           judge_model, judge_pins)
+
+REPO = Path(__file__).resolve().parents[2]
+N = 64
+
+
+def entry(**model) -> ToleranceEntry:
+    thresholds = {"per_prompt": {"kl": 1.0, "logprob_l2": 1.0}, "mean": {"kl": 0.5, "logprob_l2": 0.5},
+                  "honest_rate": 0.01, "alpha": 1e-3} | model
+    return ToleranceEntry(
+        key=ToleranceKey(hardware_class="cpu-test", dtype="float32", model="tiny"),
+        kernels={"matmul.float32": 1e-6, "silu.float32": 1e-6},
+        model=ModelThresholds(**thresholds),
+        provenance=Provenance(runs=2, prompts_per_run=N, hosts=("h",), versions={}, variations=("a", "b"), date="d",
+                              method="m", margin=4.0, reference_sha256="b" * 64, image="x", honest_max={}))
+
+
+def stats(kl, l2=None, top1=None, nonfinite=()) -> ModelStatistics:
+    kl = np.asarray(kl, dtype=float)
+    n = len(kl)
+    per = {"kl": kl, "logprob_l2": np.asarray(l2 if l2 is not None else np.full(n, 0.1), float),
+           "max_abs": np.zeros(n), "one_minus_cos": np.full(n, np.nan), "kl_full": np.full(n, np.nan),
+           "top1_agree": np.asarray(top1 if top1 is not None else np.ones(n), float)}
+    return ModelStatistics(per_prompt=per, available=("kl", "logprob_l2", "max_abs", "top1_agree"), nonfinite=tuple(nonfinite))
+
+
+def test_binomial_tail_matches_the_definition():
+    assert binomial_sf(0, 10, 0.3) == 1.0
+    assert binomial_sf(11, 10, 0.3) == 0.0
+    assert binomial_sf(10, 10, 0.5) == pytest.approx(0.5**10)
+    assert binomial_sf(1, 64, 0.01) == pytest.approx(1 - 0.99**64)
+
+
+def test_clopper_pearson_upper_bound_of_zero_events_is_the_rule_of_three():
+    assert clopper_pearson_upper(0, 500) == pytest.approx(1 - 0.05 ** (1 / 500), rel=1e-6)
+    assert clopper_pearson_upper(5, 100) > 0.05
+
+
+def test_honest_prompts_pass():
+    check, decisions, prompts = judge_model(stats=stats(np.full(N, 0.1)), entry=entry(), hard=HardBounds())
+    assert check.status == "pass", check.reason
+    assert all(d.exceedances == 0 and not d.failed_by for d in decisions)
+    assert len(prompts) == N
+
+
+def test_one_noisy_prompt_is_tolerated_but_many_fail_the_binomial_test():
+    one = np.full(N, 0.1)
+    one[7] = 3.0
+    check, _, prompts = judge_model(stats=stats(one), entry=entry(), hard=HardBounds())
+    assert check.status == "pass", check.reason
+    assert prompts[7].exceeds == ("kl",)
+    many = np.full(N, 0.1)
+    many[:8] = 1.5
+    check, decisions, _ = judge_model(stats=stats(many), entry=entry(), hard=HardBounds())
+    assert check.status == "fail"
+    assert check.reason.startswith("kl: 8/64 prompts exceed")
+    assert "binomial" in next(d for d in decisions if d.stat == "kl").failed_by
+
+
+def test_a_uniform_shift_below_the_per_prompt_threshold_fails_on_the_mean():
+    check, decisions, _ = judge_model(stats=stats(np.full(N, 0.1), l2=np.full(N, 0.9)), entry=entry(), hard=HardBounds())
+    assert check.status == "fail"
+    assert next(d for d in decisions if d.stat == "logprob_l2").failed_by == ("mean",)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"nonfinite": ("model.hidden",)}, "NaN/Inf in model.hidden"),
+    ({"kl": np.full(N, 0.7)}, "mean KL 0.7 > hard bound 0.5"),
+    ({"top1": np.full(N, 0.5)}, "top-1 agreement 50.0% < hard bound 80%"),
+])
+def test_hard_bounds_need_no_calibration(kwargs, words):
+    s = stats(kwargs.pop("kl", np.full(N, 0.01)), **kwargs)
+    check, _, _ = judge_model(stats=s, entry=None, hard=HardBounds())
+    assert check.status == "fail"
+    assert words in check.reason
+
+
+def test_without_a_tolerance_only_hard_bounds_run_and_the_gate_cannot_pass():
+    check, _, _ = judge_model(stats=stats(np.full(N, 0.01)), entry=None, hard=HardBounds())
+    assert check.status == "error"
+
+
+def test_kernel_over_its_tolerance_fails_naming_the_op():
+    results = (KernelResult("matmul.float32", 5e-7, True), KernelResult("silu.float32", 7.8e-3, True))
+    check = judge_kernels(results=results, entry=entry())
+    assert check.status == "fail"
+    assert check.reason.startswith("silu.float32: max error 0.0078")
+    ok = judge_kernels(results=results[:1], entry=entry())
+    assert ok.status == "pass"
+
+
+@pytest.fixture()
+def cpu():
+    return load_manifest(REPO / "skus/cpu-x86_64.yaml"), read_lock(REPO / "skus/cpu-x86_64.lock.json")
+
+
+def _env_from_lock(lock, system=None):
+    return {"distributions": {p.name: p.version for p in lock.packages().values()},
+            "system_packages": system or {e.partition("=")[0]: e.partition("=")[2] for es in lock.system.values() for e in es}}
+
+
+def test_pins_pass_when_the_image_holds_exactly_the_lock(cpu):
+    manifest, lock = cpu
+    env = _env_from_lock(lock)
+    env["system_packages"]["g++-12"] = manifest.stack.compiler.source.version
+    check = judge_pins(env=env, manifest=manifest, lock=lock, gpu_host=False)
+    assert check.status == "pass", check.reason
+
+
+def test_pin_drift_names_the_package_and_both_versions(cpu):
+    manifest, lock = cpu
+    env = _env_from_lock(lock)
+    env["system_packages"]["g++-12"] = manifest.stack.compiler.source.version
+    env["distributions"]["safetensors"] = "0.7.0"
+    check = judge_pins(env=env, manifest=manifest, lock=lock, gpu_host=False)
+    assert check.status == "fail"
+    assert "safetensors: image has 0.7.0, lock says" in check.reason
+    del env["distributions"]["transformers"]
+    check = judge_pins(env=env, manifest=manifest, lock=lock, gpu_host=False)
+    assert any("transformers: not installed" in p for p in check.details["problems"])
+
+
+def test_gpu_host_driver_must_be_in_the_pinned_series():
+    manifest = load_manifest(REPO / "skus/nvidia-h200-vllm.yaml")
+    pins = {p.distribution: p.version for p in manifest.stack.pins().values() if p.is_python}
+    dists = {**pins, **{e.name: e.version for e in manifest.extras.python}}
+    series = manifest.stack.driver.version.split(".")[0]
+    ok = judge_pins(env={"distributions": dists, "driver": {"version": f"{series}.1.2"}}, manifest=manifest, lock=None, gpu_host=True)
+    assert ok.status == "pass", ok.reason
+    bad = judge_pins(env={"distributions": dists, "driver": {"version": "1.2.3"}}, manifest=manifest, lock=None, gpu_host=True)
+    assert bad.status == "fail" and "not in the pinned series" in bad.reason
+    none = judge_pins(env={"distributions": dists, "driver": {}}, manifest=manifest, lock=None, gpu_host=True)
+    assert none.status == "error"
+
+
+def test_the_first_failure_decides_and_errors_mean_could_not_run():
+    ok = CheckResult(name="boot", status="pass", reason="")
+    assert decide((ok, CheckResult(name="pins", status="fail", reason="drift")))[0] == "fail"
+    assert decide((ok, CheckResult(name="boot", status="error", reason="deadline")))[0] == "could_not_run"
+    assert decide((ok, CheckResult(name="serve", status="skipped", reason="")))[0] == "pass"
+
+
+def test_report_writes_json_markdown_and_a_png(tmp_path):
+    s = stats(np.linspace(0.01, 1.2, N))
+    check, decisions, prompts = judge_model(stats=s, entry=entry(), hard=HardBounds())
+    kern = judge_kernels(results=(KernelResult("matmul.float32", 5e-7, True),), entry=entry())
+    checks = (CheckResult(name="boot", status="pass", reason="ok"), kern, check)
+    decision, reason = decide(checks)
+    verdict = GateVerdict(sku="cpu-test", hardware_class="cpu-test", image="img", image_id="sha256:1", lock_hash=None,
+                          reference=None, tolerance=None, checks=checks, model_decision=decisions, prompts=prompts,
+                          decision=decision, reason=reason, timings={"total_s": 1.0}, tool_version="0", created="now")
+    paths = write_report(verdict=verdict, out=tmp_path)
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = paths["report"].read_text()
+    assert "## Model check" in text and "kl" in text and "plot.png" in text
+    again = GateVerdict.model_validate_json(paths["verdict"].read_text())
+    assert again.decision == verdict.decision and again.exit_code == verdict.exit_code
+    assert math.isclose(again.prompts[5].stats["kl"], prompts[5].stats["kl"])
