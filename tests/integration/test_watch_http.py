@@ -120,3 +120,21 @@ def test_base_image_point_release_from_registry(tmp_path, index_url):
     moves = {b.field: b.new for b in p.bumps}
     assert moves["base.image"].endswith(f":7.2.2-complete@{digests['7.2.2-complete']}")
     assert moves["stack.driver.version"] == "7.2.2"
+
+
+def test_apply_relocks_what_it_can_and_lists_the_rest(tmp_path, index_url):
+    from builder.errors import LockError
+
+    a = _sku(tmp_path / "a", **{"stack.engine.version": "0.27.0"})
+    b = _sku(tmp_path / "b", **{"stack.engine.version": "0.14.0", "stack.framework.version": "2.9.1",
+                                "stack.compiler.version": "3.5.1"})
+    locked: list[str] = []
+
+    def relock_fn(manifest, path):
+        if manifest.stack.engine.version == "0.14.1":
+            raise LockError("https://pypi.org/simple is not reachable")
+        locked.append(manifest.stack.engine.version)
+
+    report = watch(paths=[a, b], index_url=index_url, apply=True, relock_fn=relock_fn)
+    assert locked == ["0.27.1"] and report.relocked == ("nvidia-h200-vllm",)
+    assert len(report.stale_locks) == 1 and "not reachable" in report.stale_locks[0]
