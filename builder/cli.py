@@ -95,6 +95,28 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lock(args: argparse.Namespace) -> int:
+    from builder.lock import lock_sku
+    from builder.lockfile import image_tag, lock_path, write_lock
+    from builder.manifest import load_manifest
+    from builder.paths import sku_path
+    from builder.render import render
+
+    for sku in args.skus:
+        path = sku_path(sku)
+        manifest = load_manifest(path)
+        lock = lock_sku(
+            manifest=manifest, manifest_path=path, wheelhouse=args.wheelhouse, index_url=args.index_url,
+            ca_bundle=args.ca_bundle, dockerfile_sha256=render(manifest=manifest).sha256,
+            progress=lambda line, name=manifest.name: print(f"{name}: {line}", file=sys.stderr, flush=True),
+        )
+        write_lock(lock, lock_path(path))
+        counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
+        tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
+        _out(f"locked {manifest.name}: {len(lock.packages())} packages ({counts}) -> {lock_path(path)}; image {tag}")
+    return 0
+
+
 # ------------------------------------------------------------------ engine / base / build
 
 
@@ -181,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="with --out: copy locked wheelhouse wheels from DIR")
     p.add_argument("--unlocked", action="store_true", help="render from the pins alone, ignoring the lock")
     p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser("lock", help="resolve each layer's Python packages (pip, hashed) into skus/<sku>.lock.json")
+    p.add_argument("skus", nargs="+", metavar="SKU", help="SKU names (skus/<name>.yaml) or manifest paths")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels, preferred over the index (e.g. /opt/wheels)")
+    p.add_argument("--index-url", metavar="URL", help="a mirror used instead of PyPI")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="CA bundle pip trusts (default: SSL_CERT_FILE or the system's)")
+    p.set_defaults(func=cmd_lock)
 
     p = sub.add_parser("matrix", help="the CI matrix as JSON: one entry per SKU with runner labels")
     p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")

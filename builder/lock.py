@@ -492,7 +492,7 @@ def locked_base(manifest: SkuManifest) -> LockedBase:
 
 
 def resolve_target(
-    *, request: PipRequest, roots: Sequence[str], resolve: Resolver, env: Mapping[str, str], file: str,
+    *, request: PipRequest, plans: Sequence[LayerPlan], resolve: Resolver, env: Mapping[str, str], file: str,
     progress: Progress,
 ) -> tuple[dict[str, Resolved], str]:
     """One pip resolution of every pin, corrected for the target's markers; return what the target needs and pip's version.
@@ -500,10 +500,13 @@ def resolve_target(
     pip evaluates markers for the Python it runs on: a requirement the target has but the host lacks
     (or vice versa) is fed back to pip as an explicit requirement until the target's closure is complete.
     """
+    roots = tuple(r for plan in plans for r in plan.requirements)
     hints: tuple[str, ...] = ()
     for _ in range(MAX_MARKER_ROUNDS):
         report = resolve(request.model_copy(update={"requirements": (*request.requirements, *hints)}))
         resolved = parse_report(report, layer=request.layer)
+        for plan in plans:
+            check_pins(resolved, plan, file=file)
         found = closure(resolved, roots, env)
         todo = [r for r in (*found.missing, *found.conflicts) if r not in hints]
         if not found.missing and not found.conflicts:
@@ -592,10 +595,8 @@ def lock_sku(
         )
         started = time.monotonic()
         say(f"resolving {' '.join(roots)} for CPython {manifest.base.python} {manifest.base.platform}")
-        resolved, pip_version = resolve_target(request=request, roots=roots, resolve=resolve, env=env, file=file,
+        resolved, pip_version = resolve_target(request=request, plans=plans, resolve=resolve, env=env, file=file,
                                                progress=say)
-        for plan in plans:
-            check_pins(resolved, plan, file=file)
         layers = assign_layers(resolved=resolved, plans=plans, env=env)
         resolver = f"pip {pip_version}"
         counts = ", ".join(f"{k} {len(v)}" for k, v in layers.items())
