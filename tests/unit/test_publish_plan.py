@@ -1,0 +1,247 @@
+"""The publish planner, the record format, verify's judgement and the run summary: no Docker, no network."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from builder.errors import EngineError, NetworkError, PublishError
+from builder.index import Manifest
+from builder.lockfile import Lock, LockedBase
+from builder.pipeline import STAGES, RunSummary, StageResult
+from builder.publish import (OCI_MANIFEST, RECORD_MEDIA_TYPE, VERIFIED_TAG, VerificationRecord, parse_target,
+                             plan_publish, publish_image, record_artifact, record_tag, refusals, verdict_facts)
+from builder.registry import LocalRegistry, render_config
+from builder.verify import Verification
+
+IMAGE = "sha256:" + "1" * 64
+OTHER = "sha256:" + "2" * 64
+
+
+def lock(salt: str = "a", sku: str = "cpu-x86_64") -> Lock:
+    return Lock(sku=sku, manifest_sha256=salt * 64, python="3.11", platform="linux/amd64",
+                base=LockedBase(kind="bootstrap", reference="skupin-base/x:1", recipe_sha256="b" * 64),
+                layers={"framework": (), "compiler": (), "engine": (), "extras": ()}, dockerfile_sha256="c" * 64,
+                resolver="none", tool_version="0.1.0", created="2026-11-29T00:00:00Z")
+
+
+def verdict(*, image_id: str = IMAGE, lk: Lock | None = None, decision: str = "pass", model: str = "pass",
+            sku: str = "cpu-x86_64") -> dict:
+    lk = lk or lock()
+    checks = [{"name": n, "status": "pass", "reason": ""} for n in ("reference", "boot", "pins", "kernels")]
+    checks.append({"name": "model", "status": model, "reason": ""})
+    return {"sku": sku, "image_id": image_id, "lock_hash": lk.content_hash(), "decision": decision, "reason": "r",
+            "reference": {"path": "x", "sha256": "d" * 64}, "checks": checks, "created": "2026-11-29T21:00:00+00:00"}
+
+
+def plan(v: dict, *, lk: Lock | None = None, image_id: str = IMAGE):
+    return plan_publish(sku="cpu-x86_64", engine_version="5.24.0+local", lock=lk or lock(), image_id=image_id,
+                        verdict=verdict_facts(v), target=parse_target("127.0.0.1:5000"), push_tag="skupin-push-test")
+
+
+# ---------------------------------------------------------------- targets and tags
+
+
+@pytest.mark.parametrize("text, host, url, ns", [
+    ("127.0.0.1:5000", "127.0.0.1:5000", "http://127.0.0.1:5000", ""),
+    ("http://localhost:5000/", "localhost:5000", "http://localhost:5000", ""),
+    ("ghcr.io/Org/team", "ghcr.io", "https://ghcr.io", "org/team"),
+    ("https://reg.example:8443/x", "reg.example:8443", "https://reg.example:8443", "x"),
+])
+def test_parse_target(text, host, url, ns):
+    t = parse_target(text)
+    assert (t.host, t.url, t.namespace) == (host, url, ns)
+    assert t.reference("cpu-x86_64", digest=IMAGE) == f"{host}/{ns + '/' if ns else ''}cpu-x86_64@{IMAGE}"
+
+
+@pytest.mark.parametrize("bad", ["", "user@host:5000", "ftp://host", "host//x"])
+def test_parse_target_rejects(bad):
+    with pytest.raises(PublishError):
+        parse_target(bad)
+
+
+def test_record_tag():
+    assert record_tag("sha256:" + "ab" * 32) == "sha256-" + "ab" * 32 + ".verification"
+    with pytest.raises(PublishError):
+        record_tag("sha512:abc")
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_plan_for_a_passing_verdict_names_the_tags():
+    p = plan(verdict())
+    assert p.tags == (f"5.24.0_local-{lock().content_hash()[:12]}", VERIFIED_TAG)  # verified moves last
+    assert p.push_reference == "127.0.0.1:5000/cpu-x86_64:skupin-push-test"
+
+
+@pytest.mark.parametrize("v, lk, image_id, why", [
+    (verdict(decision="fail", model="fail"), None, IMAGE, "the gate did not pass"),
+    (verdict(image_id=OTHER), None, IMAGE, f"is for image {OTHER}"),
+    (verdict(), lock("e"), IMAGE, "current lock is"),
+    (verdict(sku="other"), None, IMAGE, "is for SKU other"),
+    (verdict(model="skipped"), None, IMAGE, "required checks did not pass: model (skipped)"),
+    (verdict(model="fail"), None, IMAGE, "checks did not pass: model fail"),  # decision says pass, a check failed
+    ({**verdict(), "reference": None}, None, IMAGE, "names no reference bundle"),
+])
+def test_plan_refuses(v, lk, image_id, why):
+    with pytest.raises(PublishError, match="refusing to publish") as err:
+        plan(v, lk=lk, image_id=image_id)
+    assert why in str(err.value)
+
+
+def test_refusals_lists_every_reason():
+    facts = verdict_facts(verdict(image_id=OTHER, decision="fail", model="fail"))
+    assert len(refusals(sku="cpu-x86_64", image_id=IMAGE, lock_sha256="0" * 64, verdict=facts)) == 5
+
+
+def test_verdict_facts_rejects_non_verdicts():
+    for bad in ({}, {"sku": "x"}, []):
+        with pytest.raises(PublishError):
+            verdict_facts(bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the record
+
+
+def _image_manifest(image_id: str = IMAGE) -> Manifest:
+    body = json.dumps({"schemaVersion": 2, "config": {"digest": image_id}}).encode()
+    return Manifest(media_type="application/vnd.docker.distribution.manifest.v2+json",
+                    digest="sha256:" + hashlib.sha256(body).hexdigest(), body=body)
+
+
+def _record(image: Manifest) -> VerificationRecord:
+    lk = lock()
+    return VerificationRecord(sku="cpu-x86_64", repository="cpu-x86_64", image_digest=image.digest, image_id=IMAGE,
+                              lock_sha256=lk.content_hash(), lock=lk.model_dump(mode="json"), bundle_sha256="d" * 64,
+                              gate_decision="pass", gate_date="2026-11-29", verdict=verdict(), tool_version="0.1.0",
+                              published="2026-11-29T22:00:00Z")
+
+
+def test_record_artifact_is_an_oci_manifest_with_subject_and_one_json_layer():
+    image = _image_manifest()
+    record = _record(image)
+    art = record_artifact(record=record, subject=image)
+    m = json.loads(art.manifest)
+    assert m["mediaType"] == OCI_MANIFEST and m["artifactType"] == RECORD_MEDIA_TYPE
+    assert m["subject"] == {"mediaType": image.media_type, "digest": image.digest, "size": len(image.body)}
+    (layer,) = m["layers"]
+    assert layer["digest"] == "sha256:" + hashlib.sha256(art.layer).hexdigest() and layer["size"] == len(art.layer)
+    assert m["config"]["digest"] == "sha256:" + hashlib.sha256(art.config).hexdigest()
+    assert VerificationRecord.model_validate_json(art.layer) == record
+
+
+# ---------------------------------------------------------------- executing with fakes: order and failure
+
+
+class FakeEngine:
+    def __init__(self, *, push_error: bool = False) -> None:
+        self.push_error, self.calls = push_error, []
+
+    def tag(self, image, ref):
+        self.calls.append(("tag", ref))
+
+    def push(self, ref, on_event=None):
+        self.calls.append(("push", ref))
+        if self.push_error:
+            raise EngineError("pushing failed: denied")
+        return IMAGE_MANIFEST.digest
+
+    def remove_image(self, ref, force=False):
+        self.calls.append(("untag-local", ref))
+        return True
+
+
+IMAGE_MANIFEST = _image_manifest()
+
+
+class FakeRegistry:
+    def __init__(self, *, down: bool = False) -> None:
+        self.down, self.manifests, self.blobs, self.log = down, {}, {}, []
+
+    def ping(self):
+        if self.down:
+            raise NetworkError("connection refused")
+
+    def get_manifest(self, repo, ref, accept=()):
+        if ref == IMAGE_MANIFEST.digest:
+            return IMAGE_MANIFEST
+        if ref not in self.manifests:
+            raise NetworkError("404")
+        body, media = self.manifests[ref]
+        return Manifest(media_type=media, digest="sha256:" + hashlib.sha256(body).hexdigest(), body=body)
+
+    def get_blob(self, repo, digest):
+        return self.blobs[digest]
+
+    def push_blob(self, repo, data):
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        self.blobs[digest] = data
+        return digest
+
+    def put_manifest(self, repo, ref, body, media_type):
+        self.manifests[ref] = (body, media_type)
+        self.log.append(ref)
+        return "sha256:" + hashlib.sha256(body).hexdigest()
+
+    def delete_tag(self, repo, tag):
+        self.log.append(f"delete {tag}")
+        return True
+
+
+def test_record_goes_in_before_the_human_tags_and_verified_last():
+    reg, eng = FakeRegistry(), FakeEngine()
+    p = plan(verdict())
+    out = publish_image(plan=p, verdict=verdict(), lock=lock(), engine=eng, client=reg)  # type: ignore[arg-type]
+    assert reg.log == [record_tag(IMAGE_MANIFEST.digest), p.version_tag, VERIFIED_TAG, "delete skupin-push-test"]
+    assert reg.manifests[VERIFIED_TAG][0] == IMAGE_MANIFEST.body  # the tag names exactly the pushed manifest
+    assert ("untag-local", p.push_reference) in eng.calls and out.leftover_tags == ()
+
+
+@pytest.mark.parametrize("fault", ["push", "registry down"])
+def test_a_failure_tags_nothing(fault):
+    reg, eng = FakeRegistry(down=fault == "registry down"), FakeEngine(push_error=fault == "push")
+    with pytest.raises(PublishError, match="nothing was"):
+        publish_image(plan=plan(verdict()), verdict=verdict(), lock=lock(), engine=eng, client=reg)  # type: ignore[arg-type]
+    assert not [r for r in reg.manifests if not r.startswith("skupin-push-")]
+    if fault == "push":
+        assert eng.calls[-1][0] == "untag-local"
+
+
+def test_a_pushed_manifest_of_another_image_is_not_tagged():
+    class Wrong(FakeEngine):
+        pass
+
+    reg = FakeRegistry()
+    other = _image_manifest(OTHER)
+    reg.get_manifest = lambda repo, ref, accept=(): other  # type: ignore[method-assign]
+    with pytest.raises(PublishError, match="not the gated image"):
+        publish_image(plan=plan(verdict()), verdict=verdict(), lock=lock(), engine=Wrong(), client=reg)  # type: ignore[arg-type]
+    assert reg.log == ["delete skupin-push-test"]
+
+
+# ---------------------------------------------------------------- registry config, verify line, run summary
+
+
+def test_registry_config_is_loopback_with_its_own_storage(tmp_path):
+    reg = LocalRegistry(addr="127.0.0.1:5000", folder=tmp_path)
+    text = render_config(reg)
+    assert "addr: 127.0.0.1:5000" in text and f"rootdirectory: {(tmp_path / 'data').resolve()}" in text
+    with pytest.raises(ValueError):
+        LocalRegistry(addr="0.0.0.0:5000", folder=tmp_path)
+
+
+def test_verification_lines():
+    ok = Verification(ok=True, ref="r:verified", reference=f"r@{IMAGE}", sku="s", lock_sha256="f" * 64, gate_date="D")
+    assert ok.line() == f"verified: r:verified -> r@{IMAGE} (s, lock ffffffffffff, gate passed D)"
+    assert Verification(ok=False, ref="r:x", reason="why").line() == "NOT verified: r:x: why"
+
+
+def test_run_summary_table():
+    rows = tuple(StageResult(stage=s, result="ok", seconds=1.0) for s in STAGES)
+    table = RunSummary(sku="cpu-x86_64", stages=rows, reference=f"r@{IMAGE}").table()
+    assert len(table) == len(STAGES) + 2 and table[-1].split()[:3] == ["total", "VERIFIED", "9.0"]
+    failed = RunSummary(sku="x", stages=rows[:2], error=PublishError("no")).table()
+    assert "FAILED" in failed[-1]
