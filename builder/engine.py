@@ -23,6 +23,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -39,6 +40,7 @@ DEFAULT_DOCKERD_LOG = Path("/var/log/skupin-dockerd.log")
 BUILDKIT_CLI_CANDIDATES = ("/usr/bin/docker", "docker")
 # Every container and build this tool makes carries this label, so cleanup can find leftovers.
 OWNER_LABEL = "io.skupin.owner"
+SESSION_LABEL = "io.skupin.session"
 
 OnEvent = Callable[[str], None]
 
@@ -277,6 +279,9 @@ class Engine:
         self._client = client
         self.socket = socket
         self._cli = cli
+        # Every container this Engine object creates carries SESSION_LABEL=<this id>, so a caller
+        # can find (only) its own leftovers on an engine other people use at the same time.
+        self.session = uuid.uuid4().hex[:16]
 
     # ------------------------------------------------------------ basics
 
@@ -324,6 +329,20 @@ class Engine:
         except docker.errors.APIError as exc:
             raise EngineError(f"history of {ref} failed: {exc.explanation or exc}") from exc
         return tuple(LayerInfo(id=str(r.get("Id", "")), created_by=str(r.get("CreatedBy", "")), size=int(r.get("Size") or 0)) for r in rows)
+
+    def unique_bytes(self, ref: str) -> int:
+        """Bytes of the image's layers that no other local image shares (`docker system df -v`)."""
+        info = self.inspect_image(ref)
+        if info is None:
+            raise EngineError(f"no image {ref}")
+        try:
+            images = self._client.df().get("Images") or []
+        except docker.errors.APIError as exc:
+            raise EngineError(f"docker system df failed: {exc.explanation or exc}") from exc
+        row = next((i for i in images if i.get("Id") == info.id), None)
+        if row is None:
+            raise EngineError(f"docker system df does not list {ref}")
+        return int(row.get("Size") or 0) - max(int(row.get("SharedSize") or 0), 0)
 
     def tag(self, image: str, tag: str) -> None:
         """Point `tag` (repo:tag) at `image`."""
@@ -428,7 +447,7 @@ class Engine:
             cap_drop=list(spec.cap_drop),
             security_opt=list(spec.security_opt),
             mounts=[_DockerMount(target=m.target, source=str(m.source), type="bind", read_only=m.read_only) for m in spec.mounts],
-            labels={OWNER_LABEL: "skupin", **spec.labels},
+            labels={OWNER_LABEL: "skupin", SESSION_LABEL: self.session, **spec.labels},
             detach=True,
         )
         if spec.entrypoint is not None:

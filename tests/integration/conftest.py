@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import OWNER_LABEL, DEFAULT_SOCKET, Engine, EngineError, connect
+from builder.engine import DEFAULT_SOCKET, SESSION_LABEL, Engine, EngineError, connect
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
@@ -23,9 +23,9 @@ def engine() -> Iterator[Engine]:
         eng = connect(socket=socket)
     except EngineError as exc:
         pytest.skip(f"no Docker engine answers on {socket} (start one with `skupin engine up`): {exc}")
-    before = set(eng.containers(label=OWNER_LABEL))
     yield eng
-    leftover = set(eng.containers(label=OWNER_LABEL)) - before
+    # Only containers this session's Engine made: other people may use the same engine right now.
+    leftover = eng.containers(label=f"{SESSION_LABEL}={eng.session}")
     for cid in leftover:  # should be none: every run removes its container
         subprocess.run([eng.cli(), "rm", "-f", cid], capture_output=True, check=False)
     eng.close()
