@@ -131,7 +131,7 @@ def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
                     variations: tuple[tuple[int, int], ...] = DEFAULT_VARIATIONS, margin: float = DEFAULT_MARGIN,
                     on_event: Callable[[str], None] = lambda _: None) -> ToleranceEntry:
     """Run the honest image `boots` x `variations` times in the gate's sandbox and derive the entry."""
-    from gates.gate import load_reference, probe_in_container, resolve_image
+    from gates.gate import load_reference, resolve_image
 
     manifest = stack.manifest
     meta, reference, ref_sha = load_reference(manifest=manifest)
@@ -140,16 +140,54 @@ def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
     for boot in range(boots):
         for batch, threads in variations:
             label = f"boot {boot + 1}, batch {batch}, threads {threads}"
-            on_event(f"honest run: {label}")
             run_out = Path(out) / f"run-{boot + 1}-b{batch}-t{threads}"
-            probe = probe_in_container(manifest=manifest, image=image_id, engine=engine, out=run_out,
-                                       batch_size=batch, threads=threads)
-            if probe.error:
-                raise GateCouldNotRun(f"honest run {label} could not run: {probe.error}")
-            runs.append(HonestRun(label=label, tensors=probe.tensors, env=probe.report.get("env", {})))
+            report, tensors = _reuse(run_out, image_id)
+            if report is None:
+                on_event(f"honest run: {label}")
+                report, tensors = _honest_run(manifest=manifest, image=image_id, engine=engine, out=run_out,
+                                              batch=batch, threads=threads, label=label)
+            else:
+                on_event(f"honest run: {label}: reusing the finished run in {run_out}")
+            runs.append(HonestRun(label=label, tensors=tensors, env=report.get("env", {})))
     key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
                        model=manifest.gate.model)
     entry = derive_entry(key=key, reference=reference, reference_sha256=ref_sha, runs=runs, margin=margin,
                          image=image_id)
     (Path(out) / "entry.json").write_text(json.dumps(entry.model_dump(mode="json"), indent=1) + "\n")
     return entry
+
+
+def _reuse(run_out: Path, image_id: str):
+    """(probe.json, tensors) of a finished honest run of the same image in `run_out` (resume), else (None, None)."""
+    from gates.gate import read_probe_outputs
+
+    marker = run_out / "image-id"
+    if not (run_out / "probe.json").is_file() or not marker.is_file() or marker.read_text().strip() != image_id:
+        return None, None
+    try:
+        report, tensors = read_probe_outputs(run_out)
+    except GateCouldNotRun:
+        return None, None
+    except Exception:  # noqa: BLE001 - an unreadable leftover is simply run again
+        return None, None
+    return (report, tensors) if report.get("status") == "ok" else (None, None)
+
+
+def _honest_run(*, manifest, image: str, engine, out: Path, batch: int, threads: int, label: str):
+    """One honest probe container (retried once when the engine fails underneath it)."""
+    from builder.errors import EngineError
+    from gates.gate import probe_in_container
+
+    for attempt in (1, 2):
+        try:
+            probe = probe_in_container(manifest=manifest, image=image, engine=engine, out=out, batch_size=batch,
+                                       threads=threads)
+        except EngineError as exc:
+            if attempt == 2:
+                raise GateCouldNotRun(f"honest run {label} could not run: {exc}") from exc
+            continue
+        if probe.error or probe.report.get("status") != "ok":
+            raise GateCouldNotRun(f"honest run {label} could not run: {probe.error or probe.report.get('checks')}")
+        (Path(out) / "image-id").write_text(image + "\n")
+        return probe.report, probe.tensors
+    raise AssertionError("unreachable")

@@ -176,7 +176,12 @@ def probe_in_container(*, manifest: SkuManifest, image: str, engine, out: Path, 
         spec = probe_spec(manifest=manifest, image=image, out=out, model_dir=model_dir, batch_size=batch_size,
                           threads=threads, checks=checks)
         deadline = float(deadline_s or manifest.gate.deadline_s)
-        result = engine.run(spec, deadline_s=deadline)
+        try:
+            result = engine.run(spec, deadline_s=deadline)
+        except EngineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine SDK's own errors (e.g. 409 when removed by someone else)
+            raise EngineError(f"running the probe container failed: {exc}") from exc
     tail = (result.stderr or result.stdout)[-3000:]
     (out / "container.log").write_text(f"exit {result.exit_code}\n--- stdout\n{result.stdout[-20000:]}\n"
                                        f"--- stderr\n{result.stderr[-20000:]}\n", encoding="utf-8")
