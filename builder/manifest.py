@@ -231,6 +231,15 @@ class Runtime(Model):
     env: dict[EnvName, SafeValue] = Field(default_factory=dict)
 
 
+class ServeGate(Model):
+    """The serve check's settings: load levels and the bound on a runtime regression vs a baseline image."""
+
+    concurrency: tuple[Annotated[int, Field(ge=1, le=4096)], ...] = Field(
+        (1, 2, 4), min_length=1, max_length=16, description="Concurrent requests per load level")
+    max_decode_regression: float | None = Field(
+        None, gt=0, lt=1, description="Fail when decode tok/s drops by more than this fraction vs the baseline image")
+
+
 class Gate(Model):
     """How the gate checks images of this SKU."""
 
@@ -245,6 +254,8 @@ class Gate(Model):
     bit_exact: bool = False
     deadline_s: int = Field(900, ge=10, le=86400)
     memory: MemSize = "8g"
+    # exclude=True: gate-time settings are not build inputs, so they stay out of manifest_digest (no stale locks).
+    serve: ServeGate | None = Field(None, exclude=True, description="Serve check settings (gates/serve.py); default ServeGate()")
 
 
 UpdateLevel = Literal["none", "patch", "minor", "major"]
