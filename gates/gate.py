@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 
 from builder import __version__
-from builder.errors import BundleError, EngineError, GateCouldNotRun, SkupinError
+from builder.errors import BundleError, EngineError, GateCouldNotRun
 from builder.manifest import SkuManifest
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
-from gates.verdict import (CheckResult, GateVerdict, ReferenceInfo, StatDecision, PromptResult, ToleranceInfo, decide,
-                           judge_kernels, judge_model, judge_pins)
+from gates.verdict import (CheckResult, GateVerdict, ReferenceInfo, ToleranceInfo, decide, judge_kernels, judge_model,
+                           judge_pins)
 
 OnEvent = Callable[[str], None]
 PROBE = Path(__file__).with_name("probe.py")
@@ -375,7 +375,3 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
 def write_verdict(verdict: GateVerdict, path: Path) -> None:
     """verdict.json: the verdict as stable JSON."""
     Path(path).write_text(verdict.model_dump_json(indent=1) + "\n", encoding="utf-8")
-
-
-__all__ = ["gate_image", "probe_in_container", "probe_spec", "load_reference", "resolve_image", "image_from_build_record",
-           "read_probe_outputs", "write_verdict", "ProbeRun", "SkupinError", "StatDecision", "PromptResult"]

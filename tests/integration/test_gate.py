@@ -55,6 +55,8 @@ def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
 def derive(engine: Engine, honest_image: str, tmp_path_factory) -> Iterator:
     """derive(mode) -> image id of the honest image with one thing changed (built once per mode)."""
     made: dict[str, str] = {}
+    base_tag = "skupin-test/gate-honest-base:latest"  # BuildKit resolves FROM by name, not by image id
+    engine.tag(honest_image, base_tag)
     context = tmp_path_factory.mktemp("derived-context")
     for name in ("Dockerfile", "sitecustomize.py"):
         shutil.copy(DERIVED / name, context / name)
@@ -62,12 +64,13 @@ def derive(engine: Engine, honest_image: str, tmp_path_factory) -> Iterator:
     def build(mode: str) -> str:
         if mode not in made:
             made[mode] = engine.build(context=context, dockerfile=context / "Dockerfile",
-                                      build_args={"BASE": honest_image, "MODE": mode})
+                                      build_args={"BASE": base_tag, "MODE": mode})
         return made[mode]
 
     yield build
     for image_id in made.values():
         engine.remove_image(image_id, force=True)
+    engine.remove_image(base_tag)
 
 
 def _gate(stack, image: str, engine: Engine, out: Path):
