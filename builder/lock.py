@@ -1,16 +1,17 @@
-"""Lock a SKU: resolve each Python layer with pip for the image's platform and Python, with sha256 hashes.
+"""Lock a SKU: resolve its Python layers with pip for the image's platform and Python, every file hashed.
 
 The resolver is pip's own (`pip install --dry-run --ignore-installed --report`), run in a
 subprocess isolated from this machine's pip configuration and aimed at the image's platform
-(`--platform/--python-version/--implementation/--abi`, wheels only). Layers are resolved
-cumulatively (framework; + compiler; + engine; + extras), each step constrained to the versions
-already chosen below it, and each package lands in the lowest layer that needs it.
+(`--platform/--python-version/--implementation/--abi`, wheels only). All pins are resolved
+together, so the set is consistent; each layer then holds what its pins add to the layers below
+(the dependency closure of framework; + compiler; + engine; + extras), so every package lands
+in the lowest layer that needs it and the layers are disjoint.
 
 pip evaluates environment markers against the interpreter it runs on, not the target Python
-(`--python-version` only changes tag and Requires-Python matching). So every resolution is
-checked against the target's marker environment: a requirement that applies to the image but was
-skipped is fed back to pip as an explicit requirement, and packages the image does not need (pulled
-by the host's markers) are dropped.
+(`--python-version` only changes tag and Requires-Python matching). So the resolution is checked
+against the target's marker environment: a requirement the image has but pip skipped (or
+violated) is fed back to pip as an explicit requirement, and packages the image does not need
+(pulled in by the host's markers) are dropped.
 """
 
 from __future__ import annotations
@@ -348,7 +349,10 @@ def closure(resolved: Mapping[str, Resolved], roots: Sequence[str], env: Mapping
             continue
         seen[name] = seen.get(name, set()) | want
         for line in item.requires_dist:
-            dep = Requirement(line)
+            try:
+                dep = Requirement(line)
+            except InvalidRequirement as exc:
+                raise LockError(f"{name} {item.version}: unreadable Requires-Dist {line!r}: {exc}") from exc
             if dep.marker is None or any(dep.marker.evaluate({**env, "extra": e}) for e in new):
                 stack.append((dep, name))
     return Closure(needed=frozenset(seen), missing=tuple(missing), conflicts=tuple(conflicts), why=tuple(why))

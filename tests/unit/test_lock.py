@@ -329,3 +329,17 @@ def test_lock_status(tmp_path, wheelhouse):
 
     lock_path(manifest_path).write_text("{not json")
     assert lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)[0] == "stale"
+
+
+def test_pip_failures_are_explained(tmp_path):
+    from builder.lock import _explain_failure, run_pip
+
+    request = PipRequest(layer="engine", requirements=("foo==1.0",), index_url="https://pypi.org/simple",
+                         python="3.12", abis=("cp312",), platforms=("manylinux_2_39_x86_64",))
+    text = _explain_failure(request, "ERROR: Could not find a version\nERROR: No matching distribution found for foo==1.0\n")
+    assert "no wheel of foo==1.0 for CPython 3.12" in text and "sdists are not allowed" in text
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ERROR: ResolutionImpossible: conflicting dependencies' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(LockError, match="cannot be installed together"):
+        run_pip(request, python=str(fake))
