@@ -6,8 +6,8 @@ output folder read-write; the container has no network, no capabilities, no-new-
 read-only root with a tmpfs /tmp, the SKU's memory limit and a pid limit, and is always removed
 (also at the deadline, on a crash or Ctrl-C: the engine adapter guarantees it). Its outputs are
 read back as JSON and safetensors with gates/tensorio.py; nothing is unpickled.
-Checks, in order, stopping at the first hard failure: reference, boot, pins, kernels, model
-(serve belongs to the serve gate).
+Checks, in order, stopping at the first hard failure: reference, boot, pins, kernels, model,
+serve (gates/serve.py: the engine's own server; `baseline` adds an interleaved A/B).
 """
 
 from __future__ import annotations
@@ -213,8 +213,13 @@ def _skip_rest(checks: list[CheckResult], names: tuple[str, ...], why: str) -> N
 
 
 def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _quiet,
-               tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None) -> GateVerdict:
-    """Gate `image` for the SKU of `stack` (a ResolvedStack) and write verdict.json, report.md and plot.png to `out`."""
+               tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
+               serve_perf=None) -> GateVerdict:
+    """Gate `image` for the SKU of `stack` (a ResolvedStack) and write verdict.json, report.md and plot.png to `out`.
+
+    `baseline` (an image) adds the serve check's interleaved A/B; `serve_perf` (gates.perf.PerfSettings)
+    overrides its load settings.
+    """
     from gates.report import write_report
 
     started = time.monotonic()
@@ -367,8 +372,22 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
         on_event(f"model: {model_check.status}: {model_check.reason}")
     else:
         checks.append(CheckResult(name="model", status="skipped", reason="model is not in the SKU's gate.checks"))
-    checks.append(CheckResult(name="serve", status="skipped",
-                              reason="the serve check runs in `skupin serve-gate` (issue 6), not here"))
+    if checks[-1].status not in ("pass", "skipped"):
+        return finish()
+
+    # serve: the engine's own server, greedy completions vs the reference, speed (gates/serve.py)
+    t0 = time.monotonic()
+    if "serve" in wanted:
+        from gates.serve import serve_check
+
+        on_event("serve: booting the engine's server in the sandbox")
+        serve = serve_check(manifest=manifest, image=state["image_id"], engine=engine, ref=ref, entry=entry,
+                            baseline=baseline, perf=serve_perf, on_event=on_event)
+        checks.append(serve)
+        timings["serve_s"] = round(time.monotonic() - t0, 3)
+        on_event(f"serve: {serve.status}: {serve.reason}")
+    else:
+        checks.append(CheckResult(name="serve", status="skipped", reason="serve is not in the SKU's gate.checks"))
     return finish()
 
 

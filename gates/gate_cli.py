@@ -45,7 +45,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else _default_out("gates", stack.manifest.name)
     verdict = gate_image(stack=stack, image=image, engine=engine, out=out, on_event=_event,
                          tolerances_path=Path(args.tolerances) if args.tolerances else DEFAULT_PATH,
-                         reference=Path(args.reference) if args.reference else None)
+                         reference=Path(args.reference) if args.reference else None,
+                         baseline=getattr(args, "baseline", None))
     if args.json:
         _emit(verdict.model_dump_json(indent=1))
     else:
@@ -88,6 +89,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR", help="where verdict.json, report.md, plot.png go (default .skupin/gates/SKU/TIME)")
     p.add_argument("--reference", metavar="DIR", help="reference bundle (default: the SKU's gate.reference)")
     p.add_argument("--tolerances", metavar="FILE", help="tolerance file (default gates/data/tolerances.yaml)")
+    p.add_argument("--baseline", metavar="REF", help="serve check: A/B the server's speed against this image "
+                                                    "(interleaved runs on this host; gate.serve.max_decode_regression bounds it)")
     p.set_defaults(func=cmd_gate)
 
     p = subparsers.add_parser("calibrate", help="derive the SKU's hardware-class tolerance from honest runs of its image")

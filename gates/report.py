@@ -34,7 +34,19 @@ def write_report(*, verdict: GateVerdict, out: Path) -> dict[str, Path]:
     if verdict.prompts or _kernel_rows(verdict):
         paths["plot"] = out / "plot.png"
         plot(verdict=verdict, path=paths["plot"])
-    paths["report"].write_text(markdown(verdict=verdict, plot_name="plot.png" if "plot" in paths else None), encoding="utf-8")
+    text = markdown(verdict=verdict, plot_name="plot.png" if "plot" in paths else None)
+    serve = verdict.check("serve")
+    if serve and serve.details:  # the serve check's section and its A/B plot (gates/ab.py)
+        from gates.ab import plot_serve, serve_markdown
+
+        paths["serve_plot"] = out / "serve.png"
+        drew = plot_serve(serve.details, paths["serve_plot"])
+        if not drew:
+            paths.pop("serve_plot")
+        marker = "\nHow to read this report"
+        extra = "\n".join(serve_markdown(serve.details, plot_name="serve.png" if drew else None)) + "\n"
+        text = text.replace(marker, extra + marker, 1) if marker in text else text + extra
+    paths["report"].write_text(text, encoding="utf-8")
     return paths
 
 
