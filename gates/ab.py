@@ -5,7 +5,8 @@ between them round by round in the order B A, A B, B A, ... (B = baseline, A = c
 slow drift of the host (thermal, noisy neighbours) hits both equally. Each round runs the full
 set of concurrency levels once per image. Per round and level the ratio is candidate / baseline
 of the median per-request decode tok/s (and of aggregate tok/s and TTFT p50). The headline decode
-ratio is, per round, the geometric mean over levels; the verdict reports its median over rounds
+ratio is, per round, the median over levels (robust to one level disturbed by a noisy neighbour);
+the verdict reports its median over rounds
 and the spread (min-max over rounds). With a bound `max_decode_regression` the A/B fails when the
 median decode ratio is below 1 - bound.
 """
@@ -51,7 +52,7 @@ class ABResult(Frozen):
     rounds: int
     order: tuple[str, ...] = Field(description="Per round, which image ran first: 'BA' or 'AB'")
     levels: tuple[ABLevel, ...]
-    decode_ratio: float = Field(description="Median over rounds of the per-round geometric mean decode ratio")
+    decode_ratio: float = Field(description="Median over rounds of the per-round median (over levels) decode ratio")
     decode_ratio_spread: tuple[float, float] = Field(description="(min, max) over rounds of that per-round ratio")
     bound: float | None = Field(description="max_decode_regression of the SKU (None: report only)")
     status: Literal["pass", "fail", "report"]
@@ -86,7 +87,7 @@ def ab_from_runs(*, candidate_runs: Sequence[PerfResult], baseline_runs: Sequenc
             d["aggregate"].append(_ratio(lv.aggregate_tok_s, other.aggregate_tok_s))
             d["ttft"].append(_ratio(lv.ttft_p50_s, other.ttft_p50_s))
             ratios.append(r)
-        per_round.append(_geomean(ratios))
+        per_round.append(float(np.median(ratios)) if ratios else float("nan"))
     cand_all, base_all = merge_perf(candidate_runs), merge_perf(baseline_runs)
     levels = []
     for c, d in sorted(per_level.items()):
@@ -138,3 +139,94 @@ def interleaved_ab(*, candidate: Callable[[PerfSettings], PerfResult], baseline:
 
 
 __all__ = ["ABLevel", "ABResult", "ab_from_runs", "interleaved_ab"]
+
+
+# ---------------------------------------------------------------- report pieces (used by gates/report.py)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{1000 * x:.1f}"
+
+
+def serve_markdown(details: dict, *, plot_name: str | None = None) -> list[str]:
+    """Markdown lines for the serve check's details: greedy comparison, speed table, cost, and the A/B table."""
+    if not details:
+        return []
+    lines = ["", "## Serve check", ""]
+    if details.get("launch"):
+        lines += [f"Server: `{' '.join(details['launch'])}` (ready in {details.get('ready_s', 0):.1f} s, no network; "
+                  "the client runs in its network namespace)."]
+    greedy = details.get("greedy") or {}
+    if greedy:
+        lines += ["", f"Greedy continuations: {greedy.get('match')}/{greedy.get('prompts')} equal the reference, "
+                  f"{greedy.get('near_tie')} accepted near ties, {greedy.get('diverged')} divergences; near-tie threshold "
+                  f"{greedy.get('near_tie_threshold', 0):.3g} ({greedy.get('near_tie_threshold_source', '')}); "
+                  f"compared by {', '.join(greedy.get('compared_by') or [])}."]
+    logprobs = details.get("logprobs")
+    lines += ["", f"Logprobs: {logprobs if isinstance(logprobs, str) else 'compared: ' + str(logprobs)}."]
+    perf = details.get("perf") or {}
+    if perf.get("levels"):
+        lines += ["", "| concurrency | TTFT p50 (ms) | TTFT p99 (ms) | prefill tok/s | decode tok/s per request | "
+                  "aggregate tok/s (reps) | spread |", "|---|---|---|---|---|---|---|"]
+        for lv in perf["levels"]:
+            reps = ", ".join(f"{a:.0f}" for a in lv.get("aggregate_tok_s_reps") or ())
+            lines.append(f"| {lv['concurrency']} | {_ms(lv['ttft_p50_s'])} | {_ms(lv['ttft_p99_s'])} | "
+                         f"{lv['prefill_tok_s']:.0f} | {lv['decode_tok_s_per_request']:.1f} | "
+                         f"{lv['aggregate_tok_s']:.1f} ({reps}) | {100 * lv['spread']:.0f}% |")
+    cost = details.get("cost")
+    if cost:
+        lines += ["", f"Cost: **${cost['usd_per_1m_output_tokens']:.3g} per 1M output tokens** at ${cost['hourly_usd']:g}/h, "
+                  f"utilisation {cost['utilisation']:.0%}, {cost['aggregate_tok_s']:.1f} tok/s (concurrency "
+                  f"{cost['concurrency']}); {cost['formula']}."]
+    ab = details.get("ab")
+    if ab:
+        lines += ["", f"### A/B vs `{ab['baseline_image'][:71]}`", "", f"{ab['summary']} (status {ab['status']}, "
+                  f"order per round {' '.join(ab['order'])}).", "",
+                  "| concurrency | decode tok/s cand / base | ratio (min-max) | aggregate ratio | TTFT p50 ms cand / base | TTFT ratio |",
+                  "|---|---|---|---|---|---|"]
+        for lv in ab["levels"]:
+            lines.append(f"| {lv['concurrency']} | {lv['candidate_decode_tok_s']:.1f} / {lv['baseline_decode_tok_s']:.1f} | "
+                         f"{lv['decode_ratio']:.3f} ({lv['decode_ratio_min']:.3f}-{lv['decode_ratio_max']:.3f}) | "
+                         f"{lv['aggregate_ratio']:.3f} | {_ms(lv['candidate_ttft_p50_s'])} / {_ms(lv['baseline_ttft_p50_s'])} | "
+                         f"{lv['ttft_ratio']:.3f} |")
+    if plot_name:
+        lines += ["", f"![serve speed: tok/s and TTFT per concurrency]({plot_name})"]
+    return lines
+
+
+def plot_serve(details: dict, path) -> bool:
+    """serve.png: decode and aggregate tok/s and TTFT p50 per concurrency (candidate, and baseline when A/B). False if no data."""
+    perf = (details or {}).get("perf") or {}
+    if not perf.get("levels"):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {"candidate": perf["levels"]}
+    ab = details.get("ab")
+    if ab:
+        series["baseline"] = ab["baseline"]["levels"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    for (name, levels), color in zip(series.items(), ("tab:blue", "tab:orange")):
+        xs = [lv["concurrency"] for lv in levels]
+        axes[0].plot(xs, [lv["aggregate_tok_s"] for lv in levels], "o-", color=color, label=f"{name} aggregate")
+        axes[0].plot(xs, [lv["decode_tok_s_per_request"] for lv in levels], "s--", color=color, label=f"{name} per request")
+        for lv in levels:
+            reps = lv.get("aggregate_tok_s_reps") or ()
+            axes[0].scatter([lv["concurrency"]] * len(reps), reps, s=8, color=color, alpha=0.5)
+        axes[1].plot(xs, [1000 * lv["ttft_p50_s"] for lv in levels], "o-", color=color, label=f"{name} p50")
+        axes[1].plot(xs, [1000 * lv["ttft_p99_s"] for lv in levels], "^:", color=color, label=f"{name} p99")
+    axes[0].set_title("output tok/s (dots: repetitions)", fontsize=10)
+    axes[1].set_title("time to first token (ms)", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("concurrency")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    title = ab["summary"] if ab else "serve speed"
+    fig.suptitle(title[:120], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
