@@ -234,17 +234,18 @@ def judge_pins(*, env: dict[str, Any], manifest: SkuManifest, lock: Lock | None,
 
 def judge_kernels(*, results: tuple[KernelResult, ...], entry: ToleranceEntry) -> CheckResult:
     """Every op within its calibrated max error; an op missing, misshaped or non-finite fails."""
-    rows, failures = {}, []
+    rows, ranked = {}, []
     for r in results:
         tol = entry.kernels.get(r.op)
         rows[r.op] = {"rel_err": r.rel_err, "tolerance": tol, "problem": r.problem}
         if r.problem:
-            failures.append(f"{r.op}: {r.problem}")
+            ranked.append((math.inf, f"{r.op}: {r.problem}"))
         elif tol is None:
-            failures.append(f"{r.op}: no calibrated tolerance in {entry.key.label()}")
+            ranked.append((math.inf, f"{r.op}: no calibrated tolerance in {entry.key.label()}"))
         elif r.rel_err is not None and r.rel_err > tol:
-            failures.append(f"{r.op}: max error {r.rel_err:.3g} (of the reference's max |value|) > tolerance {tol:.3g} "
-                            f"({r.rel_err / tol:.1f}x)")
+            ranked.append((r.rel_err / tol, f"{r.op}: max error {r.rel_err:.3g} (of the reference's max |value|) > "
+                                            f"tolerance {tol:.3g} ({r.rel_err / tol:.3g}x)"))
+    failures = [text for _, text in sorted(ranked, key=lambda x: -x[0])]  # the worst offender first
     if not results:
         return CheckResult(name="kernels", status="error", reason="the reference holds no kernel battery")
     if failures:

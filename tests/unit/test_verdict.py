@@ -103,6 +103,8 @@ def test_kernel_over_its_tolerance_fails_naming_the_op():
     assert check.reason.startswith("silu.float32: max error 0.0078")
     ok = judge_kernels(results=results[:1], entry=entry())
     assert ok.status == "pass"
+    both = judge_kernels(results=(KernelResult("matmul.float32", 3e-6, True), results[1]), entry=entry())
+    assert both.reason.startswith("silu.float32") and both.reason.endswith("(+1 more)")  # worst offender first
 
 
 @pytest.fixture()
