@@ -38,6 +38,7 @@ PROBE = Path(__file__).with_name("probe.py")
 PROBE_MOUNT = "/skupin/probe.py"
 MODEL_MOUNT = "/skupin/model"
 OUT_MOUNT = "/skupin/out"
+RUN_LABEL = "io.skupin.gate-run"
 MAX_REPORT_BYTES = 64 * 1024**2
 # Environment every probe container gets (the SKU's runtime env is applied on top, --threads below).
 SANDBOX_ENV = {
@@ -113,6 +114,11 @@ def resolve_image(*, engine, image: str) -> str:
 # ---------------------------------------------------------------- running the probe
 
 
+def run_label(out: Path) -> str:
+    """The value of the RUN_LABEL label on the probe container writing to `out` (find or clean up one run's container)."""
+    return hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+
+
 def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path, batch_size: int | None = None,
                threads: int = 0, checks: str = "env,kernels,model", probe: Path = PROBE):
     """The sandboxed container that runs the probe on `image` (see the module docstring)."""
@@ -136,7 +142,7 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
                 BindMount(source=model_dir.resolve(), target=MODEL_MOUNT, read_only=True),
                 BindMount(source=out.resolve(), target=OUT_MOUNT, read_only=False)),
         devices=tuple(runtime.devices), group_add=tuple(runtime.group_add), gpus=runtime.gpus == "all",
-        labels={"io.skupin.role": "gate-probe", "io.skupin.sku": manifest.name},
+        labels={"io.skupin.role": "gate-probe", "io.skupin.sku": manifest.name, RUN_LABEL: run_label(out)},
     )
 
 

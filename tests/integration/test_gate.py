@@ -19,14 +19,13 @@ import pytest
 
 from builder.check import resolve
 from builder.engine import Engine
-from gates.gate import gate_image
+from gates.gate import RUN_LABEL, gate_image, run_label
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
 DERIVED = Path(__file__).with_name("derived")
-PROBE_LABEL = "io.skupin.role=gate-probe"
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +74,7 @@ def derive(engine: Engine, honest_image: str, tmp_path_factory) -> Iterator:
 
 def _gate(stack, image: str, engine: Engine, out: Path):
     verdict = gate_image(stack=stack, image=image, engine=engine, out=out)
-    assert not engine.containers(label=PROBE_LABEL), "a probe container was left behind"
+    assert not engine.containers(label=f"{RUN_LABEL}={run_label(out / 'probe')}"), "the probe container was left behind"
     assert (out / "verdict.json").is_file() and (out / "report.md").is_file()
     return verdict
 
@@ -95,7 +94,7 @@ def test_honest_image_passes_through_the_cli(honest_image: str, engine: Engine, 
     assert verdict["tolerance"]["entry"]["provenance"]["runs"] >= 4
     assert len(verdict["prompts"]) == 64
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
-    assert not engine.containers(label=PROBE_LABEL)
+    assert not engine.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
     print(f"honest gate wall time {wall:.1f} s; means {verdict['checks'][4]['details']['means']}")
 
 
