@@ -29,6 +29,7 @@ class PipLayer(Frozen):
     """What one Python layer installs and from where (the template turns it into RUN lines)."""
 
     name: str
+    deps_requirements: str | None = None  # locked dependencies of the layer's pin, installed first (own cache step)
     requirements: str | None = None  # context path of the requirements file, None if nothing to install
     wheels: str | None = None  # context folder bound at build time (wheelhouse files of this layer)
     index: str
@@ -71,6 +72,10 @@ def _requirement(pkg: LockedPackage) -> str:
     return pkg.requirement()
 
 
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
 def _pin_requirement(pin: Pin) -> str:
     extras = f"[{','.join(pin.extras)}]" if pin.extras else ""
     return f"{pin.distribution}{extras}=={pin.version}"
@@ -105,9 +110,16 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
     wheels: dict[str, tuple[str, ...]] = {}
     for name in PY_LAYERS:
         git = next((p.source for p in pins[name] if isinstance(p.source, GitSource)), None)
+        deps: list[str] = []
         if lock is not None:
-            pkgs = lock.layers.get(name, ())
-            lines = [_requirement(p) for p in sorted(pkgs, key=lambda p: p.name.lower())]
+            pkgs = sorted(lock.layers.get(name, ()), key=lambda p: p.name.lower())
+            # The pin itself gets its own step after its dependencies, so a point release of the
+            # pin that keeps its dependencies rebuilds only that small step (and the ones above).
+            own = {_norm(p.distribution) for p in pins[name]}
+            lines = [_requirement(p) for p in pkgs if _norm(p.name) in own]
+            deps = [_requirement(p) for p in pkgs if _norm(p.name) not in own]
+            if not lines:
+                lines, deps = deps, []
             local = tuple(sorted(p.filename for p in pkgs if p.source == "wheelhouse"))
         else:
             lines = [_pin_requirement(p) for p in pins[name] if not isinstance(p.source, GitSource)]
@@ -118,13 +130,16 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
         req_path = f"{REQUIREMENTS_DIR}/{name}.txt" if lines else None
         if req_path:
             files[req_path] = "\n".join(lines) + "\n"
+        deps_path = f"{REQUIREMENTS_DIR}/{name}-deps.txt" if deps else None
+        if deps_path:
+            files[deps_path] = "\n".join(deps) + "\n"
         wheel_dir = f"{WHEELS_DIR}/{name}" if (local or uses_wheelhouse) else None
         if wheel_dir:
             wheels[wheel_dir] = local
         index, extra = _index_of(manifest, name)
         layers.append(
             PipLayer(
-                name=name, requirements=req_path, wheels=wheel_dir, index=index,
+                name=name, requirements=req_path, deps_requirements=deps_path, wheels=wheel_dir, index=index,
                 extra_indexes=extra, locked=lock is not None, git=git if lock is None else None,
             )
         )

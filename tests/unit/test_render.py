@@ -105,10 +105,16 @@ def _lock(manifest, tmp_path) -> Lock:
 def test_locked_render_installs_exactly_the_locked_set(tmp_path):
     manifest = _cpu()
     rendered = render(manifest=manifest, lock=_lock(manifest, tmp_path))
-    assert rendered.files["requirements/framework.txt"] == (
+    # The pin gets its own step after its dependencies: a point release of the pin alone
+    # leaves the dependency step cached.
+    assert rendered.files["requirements/framework-deps.txt"] == (
         "sympy @ https://files.example/sympy-1.14.0-py3-none-any.whl --hash=sha256:" + "b" * 64 + "\n"
-        "torch==2.13.0+cpu --hash=sha256:" + "a" * 64 + "\n"
     )
+    assert rendered.files["requirements/framework.txt"] == "torch==2.13.0+cpu --hash=sha256:" + "a" * 64 + "\n"
+    text = rendered.text
+    assert text.index("-r /opt/skupin/requirements/framework-deps.txt") < text.index(
+        "-r /opt/skupin/requirements/framework.txt")
+    assert "requirements/engine-deps.txt" not in rendered.files  # transformers alone: no separate deps step
     assert "requirements/extras.txt" not in rendered.files
     assert rendered.wheels == {"wheels/framework": ("torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl",)}
     runs = [ln for ln in rendered.text.splitlines() if "pip install" in ln]
