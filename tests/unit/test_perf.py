@@ -66,6 +66,9 @@ def test_ab_of_equal_runs_is_near_one_and_a_slow_candidate_fails_the_bound() -> 
     slow = ab_from_runs(candidate_runs=[perf(70.0)] * 3, baseline_runs=[perf(100.0)] * 3, bound=0.1,
                         candidate_image="a", baseline_image="b", order=["BA", "AB", "BA"])
     assert slow.status == "fail" and slow.decode_ratio == pytest.approx(0.7, rel=1e-6) and "below the bound" in slow.summary
+    noisy = ab_from_runs(candidate_runs=[perf(70.0), perf(85.0), perf(105.0)], baseline_runs=[perf(100.0)] * 3,
+                         bound=0.1, candidate_image="a", baseline_image="b", order=["BA", "AB", "BA"])
+    assert noisy.status == "pass" and "inconclusive" in noisy.summary and noisy.decode_ratio < 0.9
     unbound = ab_from_runs(candidate_runs=[perf(70.0)], baseline_runs=[perf(100.0)], bound=None, candidate_image="a",
                            baseline_image="b", order=["BA"])
     assert unbound.status == "report" and "no regression bound" in unbound.summary
