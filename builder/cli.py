@@ -231,9 +231,23 @@ def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
     commands.add_commands(sub)
 
 
+def _sigterm_as_interrupt() -> None:
+    """A cancelled CI job sends SIGTERM: unwind like Ctrl-C so builds and containers are cleaned up."""
+    import signal
+
+    def handler(_signum, _frame):
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. called from a test's worker thread)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _sigterm_as_interrupt()
     try:
         return args.func(args)
     except SkupinError as exc:

@@ -36,7 +36,24 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from urllib.parse import urljoin, urlparse
 
-import httpx
+import importlib.util
+import sys
+
+
+def _lazy_module(name: str):
+    """Import `name` on first attribute access: `skupin --help` and `check` never pay for httpx."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    loader = importlib.util.LazyLoader(spec.loader)
+    spec.loader = loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    loader.exec_module(module)
+    return module
+
+
+httpx = _lazy_module("httpx")
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, SecretStr

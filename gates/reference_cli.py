@@ -65,9 +65,13 @@ def cmd_fixture_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The fixtures of gates.fixture.SPECS, named here so that building the CLI does not import numpy
+# (tests/unit/test_fixture.py checks the two agree).
+FIXTURE_NAMES = ("llama-1k", "tiny-llama")
+
+
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `reference capture`, `reference verify` and `fixture generate` to the skupin CLI."""
-    from gates.fixture import SPECS
 
     ref = subparsers.add_parser("reference", help="capture and verify NVIDIA reference bundles")
     ref_sub = ref.add_subparsers(dest="reference_command", metavar="ACTION", required=True)
@@ -77,7 +81,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the SKU's gate dtype")
     p.add_argument("--batch-size", type=int, help="override the SKU's gate batch size")
     p.add_argument("--engine", default="transformers", choices=("transformers", "vllm", "sglang"))
-    p.add_argument("--model", choices=sorted(SPECS), help="fixture to capture (default: the SKU's gate.model)")
+    p.add_argument("--model", choices=FIXTURE_NAMES, help="fixture to capture (default: the SKU's gate.model)")
     p.add_argument("--model-dir", metavar="DIR", help="fixture folder (default: committed or freshly generated)")
     p.add_argument("--full-logprobs", type=int, default=4, help="prompts whose full-vocab logprobs are stored")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads for the probe (0: default)")
@@ -90,7 +94,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     fx = subparsers.add_parser("fixture", help="generate or check the seeded model fixtures")
     fx_sub = fx.add_subparsers(dest="fixture_command", metavar="ACTION", required=True)
     p = fx_sub.add_parser("generate", help="regenerate a fixture bit-identically (sha256 checked)")
-    p.add_argument("--name", default="tiny-llama", choices=sorted(SPECS))
+    p.add_argument("--name", default="tiny-llama", choices=FIXTURE_NAMES)
     p.add_argument("--out", metavar="DIR", help="folder (default: gates/fixtures/<name>)")
     p.add_argument("--check", action="store_true", help="only check an existing folder against the recorded sha256")
     p.set_defaults(func=cmd_fixture_generate)

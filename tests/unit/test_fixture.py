@@ -99,3 +99,10 @@ def test_measurement_fixture_is_recorded_and_large_enough():
     assert spec.hidden >= 1024
     assert set(fixture.EXPECTED["llama-1k"]) == set(fixture.EXPECTED["tiny-llama"])
     assert len(fixture.fixture_digest("llama-1k")) == 64
+
+
+def test_cli_fixture_choices_match_the_specs():
+    from gates.fixture import SPECS
+    from gates.reference_cli import FIXTURE_NAMES
+
+    assert sorted(FIXTURE_NAMES) == sorted(SPECS)
