@@ -58,3 +58,30 @@ def host_ca_bundle() -> Path | None:
             return Path(os.environ[key])
     default = Path("/etc/ssl/certs/ca-certificates.crt")
     return default if default.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def stack():
+    """The CPU SKU checked and locked (its committed lock)."""
+    from builder.check import resolve
+
+    return resolve(CPU_SKU, require_lock=True)
+
+
+@pytest.fixture(scope="session")
+def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
+    """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now (once)."""
+    import json
+
+    from builder.paths import STATE
+
+    record = Path(STATE) / "builds" / "cpu-x86_64.json"
+    if record.is_file():
+        data = json.loads(record.read_text())
+        if data.get("lock_sha256") == stack.lock.content_hash() and engine.image_exists(data["image_id"]):
+            return data["image_id"]
+    from builder.build import build_image
+
+    built = build_image(manifest=stack.manifest, manifest_path=CPU_SKU, lock=stack.lock, engine=engine,
+                        wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
+    return built.image_id

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from builder.check import resolve
 from builder.engine import Engine
 from gates.gate import RUN_LABEL, gate_image, run_label
 
@@ -26,28 +25,6 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
 DERIVED = Path(__file__).with_name("derived")
-
-
-@pytest.fixture(scope="session")
-def stack():
-    return resolve(CPU_SKU, require_lock=True)
-
-
-@pytest.fixture(scope="session")
-def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
-    """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now."""
-    from builder.paths import STATE
-
-    record = Path(STATE) / "builds" / "cpu-x86_64.json"
-    if record.is_file():
-        data = json.loads(record.read_text())
-        if data.get("lock_sha256") == stack.lock.content_hash() and engine.image_exists(data["image_id"]):
-            return data["image_id"]
-    from builder.build import build_image
-
-    built = build_image(manifest=stack.manifest, manifest_path=CPU_SKU, lock=stack.lock, engine=engine,
-                        wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
-    return built.image_id
 
 
 @pytest.fixture(scope="session")

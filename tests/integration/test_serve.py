@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from builder.check import resolve
 from builder.engine import Engine
 from builder.manifest import ServeGate
 from gates.gate import gate_image, load_reference
@@ -48,27 +47,6 @@ RUN set -eu; site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['p
     esac
 LABEL io.skupin.test-serve="${MODE}"
 """
-
-
-@pytest.fixture(scope="module")
-def stack():
-    return resolve(CPU_SKU, require_lock=True)
-
-
-@pytest.fixture(scope="module")
-def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
-    """The CPU SKU's image from its build record when it still exists, else built now."""
-    from builder.paths import STATE
-
-    record = Path(STATE) / "builds" / "cpu-x86_64.json"
-    if record.is_file():
-        data = json.loads(record.read_text())
-        if data.get("lock_sha256") == stack.lock.content_hash() and engine.image_exists(data["image_id"]):
-            return data["image_id"]
-    from builder.build import build_image
-
-    return build_image(manifest=stack.manifest, manifest_path=CPU_SKU, lock=stack.lock, engine=engine,
-                       wheelhouse=wheelhouse, ca_bundle=host_ca_bundle).image_id
 
 
 @pytest.fixture(scope="module")
