@@ -25,13 +25,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from builder.base import ensure_base
 from builder.engine import ContainerSpec, Engine
 from builder.errors import BuildError, EngineError, LockError
 from builder.lockfile import Lock, image_tag
 from builder.manifest import SkuManifest
+from builder.model import Frozen
 from builder.render import base_reference, render, write_context
 
 OnLine = Callable[[str], None]
@@ -44,10 +45,6 @@ LOG_TAIL_LINES = 30
 
 def _quiet(_: str) -> None:
     return None
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class StepTiming(Frozen):

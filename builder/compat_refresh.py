@@ -26,19 +26,16 @@ import yaml
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from builder.errors import CompatError, NetworkError
 from builder.index import PYPI_SIMPLE, IndexClient, linux_x86_64_wheel
+from builder.model import Frozen
 
 CUDA_RUNTIME = re.compile(r"^nvidia-cuda-runtime(-cu\d+)?$")
 TORCH_KEYS = ("torch", "family", "compiler", "requires", "cuda_runtime", "source", "date")
 ENGINE_KEYS = ("engine", "version", "torch", "source", "date")
 Progress = Callable[[str], None]
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class RefreshSpec(Frozen):

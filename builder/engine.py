@@ -30,9 +30,10 @@ from pathlib import Path
 import docker
 import docker.errors
 from docker.types import Mount as _DockerMount
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from builder.errors import BuildError, EngineError
+from builder.model import Frozen
 
 DEFAULT_SOCKET = Path("/var/run/docker.sock")
 DEFAULT_DOCKERD_LOG = Path("/var/log/skupin-dockerd.log")
@@ -47,10 +48,6 @@ OnEvent = Callable[[str], None]
 
 def _quiet(_: str) -> None:
     return None
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 # ---------------------------------------------------------------- readiness

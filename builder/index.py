@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import io
 import json
 import re
+import sys
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from urllib.parse import urljoin, urlparse
-
-import importlib.util
-import sys
 
 
 def _lazy_module(name: str):
@@ -56,9 +55,10 @@ def _lazy_module(name: str):
 httpx = _lazy_module("httpx")
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict, SecretStr
+from pydantic import SecretStr
 
 from builder.errors import NetworkError
+from builder.model import Frozen
 
 SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
 PYPI_SIMPLE = "https://pypi.org/simple"
@@ -73,10 +73,6 @@ MANIFEST_TYPES = (
     "application/vnd.docker.distribution.manifest.v2+json",
 )
 Sleep = Callable[[float], None]
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 # ------------------------------------------------------------------ shared transport

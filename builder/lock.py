@@ -32,12 +32,12 @@ from urllib.parse import unquote, urlparse
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict
 
 from builder import __version__
 from builder.errors import LockError, Problem
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock
 from builder.manifest import PYPI, Pin, SkuManifest, manifest_digest
+from builder.model import Frozen
 
 DEFAULT_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # glibc of each base distribution: the highest manylinux tag its wheels may carry.
@@ -53,10 +53,6 @@ GLIBC_FALLBACK = (2, 28)
 ARCH = {"linux/amd64": "x86_64", "linux/arm64": "aarch64"}
 MAX_MARKER_ROUNDS = 4
 Progress = Callable[[str], None]
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class PipRequest(Frozen):

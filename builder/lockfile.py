@@ -7,18 +7,15 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from builder.errors import LockError
 from builder.grammar import Name, Sha256
+from builder.model import Frozen
 
 LOCK_VERSION = 1
 # Python layers in build order, slowest- to fastest-moving.
 PY_LAYERS = ("framework", "compiler", "engine", "extras")
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class LockedPackage(Frozen):

@@ -254,8 +254,7 @@ class Gate(Model):
     bit_exact: bool = False
     deadline_s: int = Field(900, ge=10, le=86400)
     memory: MemSize = "8g"
-    # exclude=True: gate-time settings are not build inputs, so they stay out of manifest_digest (no stale locks).
-    serve: ServeGate | None = Field(None, exclude=True, description="Serve check settings (gates/serve.py); default ServeGate()")
+    serve: ServeGate | None = Field(None, description="Serve check settings (gates/serve.py); default ServeGate()")
 
 
 UpdateLevel = Literal["none", "patch", "minor", "major"]
@@ -443,10 +442,17 @@ def manifest_schema() -> dict[str, Any]:
     return schema
 
 
+# What the image is built from. Gate settings, cost and update policy are not build inputs, so
+# changing them leaves the lock fresh; the description reaches only a label, which the lock's
+# Dockerfile hash covers.
+BUILD_INPUTS = ("schema_version", "name", "accelerator", "base", "stack", "extras", "runtime")
+
+
 def manifest_digest(manifest: SkuManifest) -> str:
-    """sha256 of the manifest's canonical JSON: comments and key order do not change it."""
+    """sha256 of the canonical JSON of the manifest's build inputs: comments and key order do not change it."""
     import hashlib
     import json
 
-    blob = json.dumps(manifest.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+    data = manifest.model_dump(mode="json", include=set(BUILD_INPUTS))
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()

@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from builder.errors import PublishError, SkupinError
+from builder.model import Frozen
 
 OnEvent = Callable[[str], None]
 STAGES = ("check", "lock", "engine", "base", "build", "gate", "registry", "publish", "verify")
@@ -25,10 +26,6 @@ DEFAULT_WHEELHOUSE = Path("/opt/wheels")
 
 def _quiet(_: str) -> None:
     return None
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class RunOptions(Frozen):

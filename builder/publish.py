@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from builder import __version__
 from builder.errors import EngineError, NetworkError, PublishError
 from builder.index import Manifest, RegistryClient, registry_url
 from builder.lockfile import Lock, image_tag
+from builder.model import Frozen
 
 VERIFIED_TAG = "verified"
 PUSH_TAG_PREFIX = "skupin-push-"
@@ -52,10 +53,6 @@ Untag = Callable[[str, str], bool]  # (repository, tag) -> removed?
 
 def _quiet(_: str) -> None:
     return None
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 # ---------------------------------------------------------------- where to publish

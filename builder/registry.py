@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from builder.errors import NetworkError, PublishError
 from builder.index import RegistryClient
+from builder.model import Frozen
 
 DEFAULT_ADDR = "127.0.0.1:5000"
 BINARY = "docker-registry"
@@ -40,10 +41,6 @@ OnEvent = Callable[[str], None]
 
 def _quiet(_: str) -> None:
     return None
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class LocalRegistry(Frozen):

@@ -8,21 +8,17 @@ import shutil
 from pathlib import Path
 
 import jinja2
-from pydantic import BaseModel, ConfigDict
 
 from builder import __version__
 from builder.errors import BuildError
 from builder.grammar import URL_RE
 from builder.lockfile import PY_LAYERS, Lock, LockedPackage
 from builder.manifest import GitSource, Pin, SkuManifest
+from builder.model import Frozen
 from builder.paths import TEMPLATES
 
 WHEELS_DIR = "wheels"
 REQUIREMENTS_DIR = "requirements"
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class PipLayer(Frozen):

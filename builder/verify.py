@@ -10,19 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict
-
 from builder.errors import NetworkError, PublishError, SkupinError
 from builder.index import RegistryClient, parse_image_ref
 from builder.lockfile import Lock
+from builder.model import Frozen
 from builder.publish import VERIFIED_TAG, RegistryTarget, read_record, verdict_facts
 
 CurrentLock = Callable[[str], str]  # sku -> content hash of its committed lock (raises SkupinError when none)
 ClientFor = Callable[[str], RegistryClient]  # registry host -> client
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class Verification(Frozen):

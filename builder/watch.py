@@ -32,17 +32,13 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict
 
 from builder.errors import NetworkError, SkupinError
 from builder.index import IndexClient, RegistryClient, linux_x86_64_wheel, parse_image_ref
 from builder.manifest import Pin, SkuManifest, parse_manifest
+from builder.model import Frozen
 
 Progress = Callable[[str], None]
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class Bump(Frozen):

@@ -19,13 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from builder.model import Frozen
 from gates.perf import PerfResult, PerfSettings, merge_perf
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ABLevel(Frozen):

@@ -35,10 +35,11 @@ from typing import Any, Literal
 
 import httpx
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from builder.errors import EngineError, GateCouldNotRun
 from builder.manifest import ServeGate, SkuManifest
+from builder.model import Frozen
 
 OnEvent = Callable[[str], None]
 MODEL_MOUNT = "/skupin/model"
@@ -50,10 +51,6 @@ NOT_PROVIDED = "not provided by engine"
 
 def _quiet(_: str) -> None:
     return None
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 # ---------------------------------------------------------------- launch commands

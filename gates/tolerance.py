@@ -13,17 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from builder.errors import GateCouldNotRun
 from builder.grammar import Name
+from builder.model import Frozen
 
 FORMAT = "skupin-tolerances/1"
 DEFAULT_PATH = Path(__file__).with_name("data") / "tolerances.yaml"
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class HardBounds(Frozen):

@@ -14,11 +14,12 @@ import math
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from builder.errors import GateCouldNotRun, GateFailed
 from builder.lockfile import Lock
 from builder.manifest import SkuManifest
+from builder.model import Frozen
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics
 from gates.tolerance import HardBounds, ToleranceEntry
 
@@ -26,10 +27,6 @@ VERDICT_FORMAT = "skupin-verdict/1"
 Status = Literal["pass", "fail", "error", "skipped"]
 Decision = Literal["pass", "fail", "could_not_run"]
 CHECK_ORDER = ("boot", "pins", "kernels", "model", "serve")
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class CheckResult(Frozen):

@@ -100,7 +100,10 @@ def apply_weight_swap(model, swap: str) -> list[str]:
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and selected(name, scope, num_layers):
-                module.weight.copy_(quantize(module.weight.data))
+                w = module.weight.data
+                # the nibble swap draws its broken groups from a CPU generator: quantize that one on the CPU
+                q = quantize(w.cpu()).to(w.device) if swap == "int4-nibble" else quantize(w)
+                module.weight.copy_(q)
                 done.append(name)
     if not done:
         raise ValueError(f"swap {swap} matched no linear layer")
