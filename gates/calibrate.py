@@ -22,7 +22,7 @@ import numpy as np
 
 from builder import __version__
 from builder.errors import GateCouldNotRun
-from gates.compare import DECISION_STATS, kernel_errors, model_statistics
+from gates.compare import DECISION_STATS, KernelResult, ModelStatistics, kernel_errors, model_statistics
 from gates.tolerance import ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
 from gates.verdict import clopper_pearson_upper
 
@@ -55,10 +55,35 @@ def op_dtype(op: str) -> str:
     return last if last in KERNEL_FLOORS else "float32"
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """One honest run compared with the reference: its per-prompt statistics and kernel errors."""
+
+    label: str
+    stats: ModelStatistics
+    kernels: tuple[KernelResult, ...]
+    env: dict[str, Any]
+
+
+def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun) -> Measurement:
+    """Compare one honest run with the reference the way the gate does."""
+    return Measurement(label=run.label, stats=model_statistics(reference, run.tensors),
+                       kernels=kernel_errors(reference, run.tensors), env=run.env)
+
+
 def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], reference_sha256: str,
                  runs: list[HonestRun], margin: float, image: str, date: str | None = None) -> ToleranceEntry:
     """The tolerance entry of `key` from honest runs (see the module docstring for the method)."""
     if len(runs) < 2:
+        raise GateCouldNotRun("calibration needs at least two honest runs")
+    return derive_entry_from_measurements(key=key, measurements=[measure_run(reference=reference, run=r) for r in runs],
+                                          reference_sha256=reference_sha256, margin=margin, image=image, date=date)
+
+
+def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Measurement], reference_sha256: str,
+                                   margin: float, image: str, date: str | None = None) -> ToleranceEntry:
+    """The tolerance entry of `key` from already measured honest runs (what `derive_entry` does after comparing)."""
+    if len(measurements) < 2:
         raise GateCouldNotRun("calibration needs at least two honest runs")
     if margin <= 1:
         raise GateCouldNotRun(f"margin {margin} must be > 1")
@@ -68,8 +93,8 @@ def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], referen
     kernel_max: dict[str, float] = {}
     collected: dict[str, list[np.ndarray]] = {}
     prompts = 0
-    for run in runs:
-        stats = model_statistics(reference, run.tensors)
+    for run in measurements:
+        stats = run.stats
         if stats.nonfinite:
             raise GateCouldNotRun(f"honest run {run.label} has NaN/Inf in {', '.join(stats.nonfinite)}")
         prompts = stats.num_prompts
@@ -80,7 +105,7 @@ def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], referen
             collected.setdefault(s, []).append(values)
             per_prompt_max[s] = max(per_prompt_max.get(s, 0.0), float(values.max()))
             mean_max[s] = max(mean_max.get(s, 0.0), float(values.mean()))
-        for k in kernel_errors(reference, run.tensors):
+        for k in run.kernels:
             if k.problem:
                 raise GateCouldNotRun(f"honest run {run.label}: kernel {k.op}: {k.problem}")
             kernel_max[k.op] = max(kernel_max.get(k.op, 0.0), float(k.rel_err or 0.0))
@@ -91,10 +116,10 @@ def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], referen
     exceed = max(int(sum((v > per_prompt[s]).sum() for v in vals)) for s, vals in collected.items())
     honest_rate = max(clopper_pearson_upper(exceed, total), MIN_HONEST_RATE)
     provenance = Provenance(
-        runs=len(runs), prompts_per_run=prompts,
-        hosts=tuple(sorted({_host(r.env) for r in runs})),
-        versions=_versions(runs[0].env),
-        variations=tuple(r.label for r in runs),
+        runs=len(measurements), prompts_per_run=prompts,
+        hosts=tuple(sorted({_host(r.env) for r in measurements})),
+        versions=_versions(measurements[0].env),
+        variations=tuple(r.label for r in measurements),
         date=date or _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         method=(f"skupin calibrate {__version__}: honest runs of the image vs the reference bundle; threshold = "
                 f"max(margin x largest honest value, dtype floor) per statistic (per prompt and mean over prompts) "
