@@ -30,9 +30,13 @@ DEFAULT_MARGIN = 4.0
 MIN_HONEST_RATE = 0.005
 ALPHA = 1e-3
 # Smallest thresholds per compute dtype: about one rounding step of that dtype on the statistic.
+# bfloat16: 4 x what one bf16 rounding difference gives on tiny-llama (H200 eager vs sdpa attention, and
+# CPU bf16 vs H200 bf16, both ~ kl 9e-8, 1-cos 2.5e-5, logprob L2 0.0125, max |delta| 0.012; measured by
+# bench/detection). The earlier floors (kl 1e-9, 1-cos 1e-6, 1e-2) rejected every honest eager-attention
+# H200 run when the calibration runs were bit-identical to the reference (docs/BENCHMARKS.md, Detection power).
 MODEL_FLOORS: dict[str, dict[str, float]] = {
     "float32": {"kl": 1e-13, "one_minus_cos": 1e-12, "logprob_l2": 1e-5, "max_abs": 1e-5},
-    "bfloat16": {"kl": 1e-9, "one_minus_cos": 1e-6, "logprob_l2": 1e-2, "max_abs": 1e-2},
+    "bfloat16": {"kl": 2e-7, "one_minus_cos": 5e-5, "logprob_l2": 2.5e-2, "max_abs": 2.5e-2},
     "float16": {"kl": 1e-11, "one_minus_cos": 1e-8, "logprob_l2": 2e-3, "max_abs": 2e-3},
 }
 KERNEL_FLOORS = {"float32": 2.0**-22, "bfloat16": 2.0**-8, "float16": 2.0**-11}
