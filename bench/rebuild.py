@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheelhouse", type=Path, default=Path(os.environ.get("SKUPIN_WHEELHOUSE", "/opt/wheels")))
     ap.add_argument("--ca-bundle", type=Path, default=Path(os.environ.get("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt")))
     ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--cold", choices=("prune", "no-cache"), default="prune",
+                    help="how the cold build starts: prune the whole build cache (default; drops every "
+                         "project's cache on this engine) or build with --no-cache")
     args = ap.parse_args(argv)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     wheelhouse = args.wheelhouse if args.wheelhouse.is_dir() else None
@@ -85,9 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         cold_lock = read_lock(lock_path(cold_manifest))
 
         ensure_base(manifest=load_manifest(cold_manifest), engine=engine, on_event=say)
-        say("cold build (no cache)")
+        # A cold build starts from an empty build cache (pruned, then a normal build) rather than
+        # --no-cache: a --no-cache build does not reliably leave a cache the next build can use.
+        say(f"cold build ({args.cold})")
+        if args.cold == "prune":
+            engine.builder_prune()
         cold = build_image(manifest=load_manifest(cold_manifest), manifest_path=cold_manifest, lock=cold_lock,
-                           engine=engine, wheelhouse=wheelhouse, ca_bundle=ca, no_cache=True)
+                           engine=engine, wheelhouse=wheelhouse, ca_bundle=ca, no_cache=args.cold == "no-cache")
         say(f"cold: {cold.total_s:.1f} s")
         say("point-release build (with the cache of the cold build)")
         point = build_image(manifest=load_manifest(point_manifest), manifest_path=point_manifest, lock=point_lock,
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "image_bytes": point_info.size,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "engine": engine.ping()},
         "measured": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cold_method": args.cold,
         "notes": "total_s of build_image: base check + render + BuildKit build + image-vs-lock check in a container + tag",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
