@@ -73,37 +73,54 @@ def analyse_key(records: list[dict], hw: str, model: str, dtype: str) -> tuple[d
         if runs:
             out["per_prompt"][swap] = A.per_prompt_exceed(runs, entry)
             out["margins"][swap] = A.margins(runs, entry)
+    out["kernel_worst_over_tolerance"] = {
+        name: _kernel_worst(group, entry) for name, group in
+        [("honest", held)] + [(sw, [r for r in swapped if r["swap"] == sw]) for sw in SWAPS] if group}
     # where the held-out honest noise comes from: max / threshold per variation
     out["honest_by_variation"] = {A.label(r): A.honest_max_ratio([r], entry) for r in held}
     out["_entry"] = entry
     return out, raw
 
 
+def _kernel_worst(records: list[dict], entry) -> dict:
+    """The kernel op with the largest error / tolerance over these runs (min over runs of each run's worst)."""
+    worst = []
+    for r in records:
+        ratios = {op: v / entry.kernels[op] for op, v in r["kernels"].items() if v is not None and entry.kernels.get(op)}
+        op = max(ratios, key=ratios.get)
+        worst.append((ratios[op], op))
+    lo, hi = min(worst), max(worst)
+    return {"min_over_runs": A._sig(lo[0]), "op_at_min": lo[1], "max_over_runs": A._sig(hi[0]), "op_at_max": hi[1]}
+
+
 def plot(hw: str, keys: dict, path: Path) -> None:
-    """ROC-style: per statistic, fraction of prompts (top) and of 8-prompt means (bottom) above t x threshold."""
+    """ROC-style: per statistic and dtype, the fraction of held-out honest and swapped prompts (or 8-prompt means)
+    above t x the calibrated threshold; at t = 1 the honest curve is the false-reject rate, a swap's the catch rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(DECISION_STATS), figsize=(4.2 * len(DECISION_STATS), 7.5), squeeze=False)
-    grid = np.logspace(-3, 6, 400)
+    rows = [("bfloat16", 1), ("bfloat16", 8), ("float32", 1)]
+    fig, axes = plt.subplots(len(rows), len(DECISION_STATS), figsize=(4.2 * len(DECISION_STATS), 11), squeeze=False)
+    grid = np.logspace(-3, 12, 600)
     colors = dict(zip(SWAPS, plt.cm.tab10(np.linspace(0, 1, 10))))
     for col, stat in enumerate(DECISION_STATS):
-        for row, kind in enumerate(("per prompt", "mean of 8 prompts")):
+        for row, (dtype, n) in enumerate(rows):
+            kind = f"{dtype}, " + ("per prompt" if n == 1 else f"mean of {n} prompts")
             groups: dict[str, list[float]] = {}
             for name, (section, recs) in keys.items():
                 entry = section["_entry"]
-                if stat not in entry.model.per_prompt:
+                if stat not in entry.model.per_prompt or not name.endswith(dtype):
                     continue
-                thr = entry.model.per_prompt[stat] if row == 0 else entry.model.mean[stat]
+                thr = entry.model.per_prompt[stat] if n == 1 else entry.model.mean[stat]
                 _, held, swapped = A.split(recs)
                 for r in held + swapped:
                     if stat not in r["available"]:
                         continue
                     v = A.to_stats(r).per_prompt[stat]
-                    if row == 1:
-                        v = np.array([v[idx].mean() for idx in A.blocks(len(v), 8, seed=0)])
+                    if n > 1:
+                        v = np.array([v[idx].mean() for idx in A.blocks(len(v), n, seed=0)])
                     groups.setdefault(r["swap"] or "honest", []).extend((v / thr).tolist())
             ax = axes[row][col]
             for g, vals in groups.items():
@@ -118,7 +135,7 @@ def plot(hw: str, keys: dict, path: Path) -> None:
             ax.set_xlabel("t (x calibrated threshold)", fontsize=8)
             if col == 0:
                 ax.set_ylabel("fraction above t (honest = false reject, swap = caught)", fontsize=8)
-            if row == 0 and col == 0:
+            if col == 0:
                 ax.legend(fontsize=6, loc="lower left")
     fig.suptitle(f"{hw}: held-out honest vs swaps ({', '.join(keys)}); red line = calibrated threshold", fontsize=10)
     fig.tight_layout()
