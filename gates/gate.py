@@ -30,8 +30,17 @@ from builder.errors import BundleError, EngineError, GateCouldNotRun
 from builder.manifest import SkuManifest
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
-from gates.verdict import (CheckResult, GateVerdict, ReferenceInfo, ToleranceInfo, decide, judge_kernels, judge_model,
-                           judge_pins)
+from gates.verdict import (
+    CheckResult,
+    GateVerdict,
+    ReferenceInfo,
+    ToleranceInfo,
+    decide,
+    judge_kernels,
+    judge_model,
+    judge_pins,
+    kernel_hard_failures,
+)
 
 OnEvent = Callable[[str], None]
 PROBE = Path(__file__).with_name("probe.py")
@@ -342,11 +351,19 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
     # kernels
     t0 = time.monotonic()
     if "kernels" in wanted:
+        results = kernel_errors(ref, probe.tensors)
+        hard_kernel = kernel_hard_failures(results=results, hard=tolerances.hard_bounds)
+        if hard_kernel:
+            more = f" (+{len(hard_kernel) - 1} more)" if len(hard_kernel) > 1 else ""
+            checks.append(CheckResult(name="kernels", status="fail", reason=hard_kernel[0] + more,
+                                      details={"hard_bounds": hard_kernel}))
+            on_event(f"kernels: fail: {checks[-1].reason}")
+            return finish()
         if entry is None:
             checks.append(CheckResult(name="kernels", status="error", reason=tol_problem))
             return finish()
         problem = _probe_check_error(report, "kernels")
-        kern = judge_kernels(results=kernel_errors(ref, probe.tensors), entry=entry)
+        kern = judge_kernels(results=results, entry=entry)
         if problem and kern.status == "pass":
             kern = CheckResult(name="kernels", status="error", reason=f"the probe's kernel battery failed: {problem}")
         checks.append(kern)

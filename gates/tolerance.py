@@ -28,6 +28,10 @@ class HardBounds(Frozen):
 
     max_mean_kl: float = Field(0.5, gt=0, description="Fail when the mean KL over prompts exceeds this")
     min_top1_agree: float = Field(0.8, gt=0, le=1, description="Fail when top-1 agreement over all positions is lower")
+    max_fp32_elementwise_error: float = Field(
+        1e-4, gt=0, description="Fail when a float32 elementwise op of the kernel battery (SiLU, softmax, RMSNorm) or "
+        "the 4-bit dequantize is off by more than this, relative to the reference's max |value|; honest hardware "
+        "lands near 1e-7 (float32 rounding), a kernel off by one part in 128 at 8e-3")
 
 
 class ToleranceKey(Frozen):

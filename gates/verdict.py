@@ -229,6 +229,22 @@ def judge_pins(*, env: dict[str, Any], manifest: SkuManifest, lock: Lock | None,
 # ---------------------------------------------------------------- kernels
 
 
+# Ops whose float32 result is fixed up to rounding on any hardware: no calibration needed to judge them.
+ELEMENTWISE_FP32 = ("silu.float32", "softmax.float32", "rmsnorm.float32", "int4.dequant")
+
+
+def kernel_hard_failures(*, results: tuple[KernelResult, ...], hard: HardBounds) -> list[str]:
+    """Kernel errors no honest hardware makes: non-finite outputs, float32 elementwise ops far off."""
+    out = []
+    for r in results:
+        if not r.finite:
+            out.append(f"{r.op}: NaN/Inf in the output")
+        elif r.op in ELEMENTWISE_FP32 and r.rel_err is not None and r.rel_err > hard.max_fp32_elementwise_error:
+            out.append(f"{r.op}: max error {r.rel_err:.3g} > hard bound {hard.max_fp32_elementwise_error:.3g} "
+                       f"(needs no calibration)")
+    return out
+
+
 def judge_kernels(*, results: tuple[KernelResult, ...], entry: ToleranceEntry) -> CheckResult:
     """Every op within its calibrated max error; an op missing, misshaped or non-finite fails."""
     rows, ranked = {}, []

@@ -174,3 +174,19 @@ def test_report_writes_json_markdown_and_a_png(tmp_path):
     again = GateVerdict.model_validate_json(paths["verdict"].read_text())
     assert again.decision == verdict.decision and again.exit_code == verdict.exit_code
     assert math.isclose(again.prompts[5].stats["kl"], prompts[5].stats["kl"])
+
+
+def test_kernel_hard_bound_needs_no_calibration():
+    from gates.compare import KernelResult
+    from gates.verdict import kernel_hard_failures
+
+    honest = (KernelResult(op="silu.float32", rel_err=4e-8, finite=True),
+              KernelResult(op="softmax.float32", rel_err=1.7e-7, finite=True),
+              # TF32-like matmul error: left to the calibrated bound, not the hard one
+              KernelResult(op="matmul.float32", rel_err=1e-3, finite=True),
+              KernelResult(op="silu.bfloat16", rel_err=7.8e-3, finite=True))
+    assert kernel_hard_failures(results=honest, hard=HardBounds()) == []
+    wrong_silu = (KernelResult(op="silu.float32", rel_err=7.8e-3, finite=True),)
+    assert "silu.float32" in kernel_hard_failures(results=wrong_silu, hard=HardBounds())[0]
+    nan = (KernelResult(op="matmul.bfloat16", rel_err=None, finite=False),)
+    assert "NaN/Inf" in kernel_hard_failures(results=nan, hard=HardBounds())[0]
