@@ -196,12 +196,28 @@ def _gate(run: _Run) -> str:
     built = run.ctx["built"]
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(STATE) / "gates" / stack.manifest.name / stamp
-    verdict = gate_image(stack=stack, image=built.image, engine=run.ctx["engine"], out=out, on_event=run.say)
+    baseline = _verified_baseline(run, built.image_id)
+    if baseline:
+        run.say(f"serve A/B baseline: the currently verified image {baseline[:19]}")
+    verdict = gate_image(stack=stack, image=built.image, engine=run.ctx["engine"], out=out, on_event=run.say,
+                         baseline=baseline)
     if not (out / "verdict.json").is_file():
         raise PublishError(f"the gate wrote no {out / 'verdict.json'}")
     run.ctx["verdict_path"] = out / "verdict.json"
     raise_for_verdict(verdict)
     return f"{verdict.decision}: {verdict.reason[:100]} ({out / 'report.md'})"
+
+
+def _verified_baseline(run: _Run, image_id: str) -> str | None:
+    """The SKU's currently verified image, when this engine holds it and it is not the new build."""
+    from builder.publish import publish_target
+    from builder.verify import verified_image_id
+
+    target, _, _ = publish_target(run.options.registry, run.options.addr)
+    verified = verified_image_id(sku=run.ctx["stack"].manifest.name, target=target)
+    if verified and verified != image_id and run.ctx["engine"].image_exists(verified):
+        return verified
+    return None
 
 
 def _is_local(run: _Run) -> bool:

@@ -404,7 +404,7 @@ def _drop_push_tag(*, plan: PublishPlan, client: RegistryClient, untag: Untag | 
 # ---------------------------------------------------------------- a SKU, from its files (for the CLI and `run`)
 
 
-def _target_and_untag(registry: str | None, addr: str):
+def publish_target(registry: str | None, addr: str):
     """The registry to publish to; for our default local registry also the on-disk untag and the `up` hint."""
     from builder.registry import default_registry, untag_on_disk
 
@@ -456,7 +456,7 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
         raise PublishError(f"no gate verdict at {vpath}; fix: skupin gate {manifest.name}") from exc
     except (OSError, ValueError) as exc:
         raise PublishError(f"{vpath}: unreadable verdict: {exc}") from exc
-    target, untag, hint = _target_and_untag(registry, addr)
+    target, untag, hint = publish_target(registry, addr)
     plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
                         verdict=verdict_facts(verdict), target=target)
     with RegistryClient(target.url) as client:

@@ -129,3 +129,18 @@ def _record_image_id(result: Verification, target: RegistryTarget, client_for: C
     assert result.digest is not None
     with client_for(target.url) as client:
         return read_record(client=client, repository=target.repository(str(result.sku)), digest=result.digest).image_id
+
+
+def verified_image_id(*, sku: str, target: RegistryTarget, timeout: float = 3.0) -> str | None:
+    """The image id the record of `<sku>:verified` names (the SKU's currently verified image), or None.
+
+    Any lock: this is the baseline a new build is compared with, typically gated under the lock
+    before a point release. None when the registry does not answer or holds no such tag or record.
+    """
+    try:
+        with RegistryClient(target.url, retries=0, timeout=timeout) as client:
+            repository = target.repository(sku)
+            digest = client.resolve(repository, VERIFIED_TAG)
+            return read_record(client=client, repository=repository, digest=digest).image_id
+    except SkupinError:
+        return None

@@ -179,6 +179,21 @@ def test_publish_verify_pull(engine: Engine, registry: LocalRegistry, tiny: Tiny
     print(f"\npublish {publish_s:.2f} s (push {published.push_s:.2f} s), verify {verify_s:.3f} s")
 
 
+def test_verified_image_id_is_the_serve_baseline_even_under_a_newer_lock(engine: Engine, registry: LocalRegistry,
+                                                                        tiny: TinyImages):
+    from builder.verify import verified_image_id
+
+    target = parse_target(registry.addr)
+    assert verified_image_id(sku=SKU, target=target) is None  # nothing verified yet
+    image_id = tiny.make("baseline")
+    lock = make_lock()
+    publish(engine=engine, registry=registry, image_id=image_id, lock=lock,
+            verdict=make_verdict(image_id=image_id, lock=lock))
+    assert verified_image_id(sku=SKU, target=target) == image_id
+    registry_down(registry=registry)
+    assert verified_image_id(sku=SKU, target=target) is None  # a registry that does not answer: no baseline
+
+
 def test_verify_catches_a_tag_moved_to_an_unrecorded_image(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
     lock = make_lock()
     good = tiny.make("good")
