@@ -198,8 +198,14 @@ def test_interrupted_build_leaves_no_build_containers(engine: Engine, tmp_path: 
             started.set()
             threading.Timer(1.0, signal.pthread_kill, (main_thread, signal.SIGINT)).start()
 
-    with pytest.raises(KeyboardInterrupt):
-        engine.build(context=tmp_path, dockerfile=tmp_path / "Dockerfile", no_cache=True, on_line=on_line)
+    # pytest may run with SIGINT ignored (a background job of a non-interactive shell, as in CI):
+    # Ctrl-C's handler is what this test is about, so install it for the test's duration.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.build(context=tmp_path, dockerfile=tmp_path / "Dockerfile", no_cache=True, on_line=on_line)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert started.is_set()
     assert not _processes_with(marker)
 

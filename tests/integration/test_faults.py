@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -177,8 +176,11 @@ print("PUBLISHED", flush=True)
 
 def _run_and_interrupt(*, args: list[str], wait_for: str, engine: Engine, timeout: float = 60) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # A background job of a non-interactive shell starts with SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler: give the child the default disposition, as a terminal would.
     proc = subprocess.Popen([sys.executable, "-c", CHILD, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: list[str] = []
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
