@@ -28,7 +28,7 @@ import numpy as np
 from gates.calibrate import Measurement, derive_entry_from_measurements
 from gates.compare import ALL_STATS, DECISION_STATS, KernelResult, ModelStatistics
 from gates.tolerance import HardBounds, ToleranceEntry, ToleranceKey
-from gates.verdict import judge_kernels, judge_model
+from gates.verdict import judge_kernels, judge_model, kernel_hard_failures
 
 CALIBRATION_BATCHES = (1, 8)
 
@@ -96,7 +96,13 @@ def calibrate(*, records: list[dict], key: ToleranceKey, margin: float = 4.0, re
 
 def decide(*, stats: ModelStatistics, kernels: tuple[KernelResult, ...], entry: ToleranceEntry,
            hard: HardBounds = HardBounds()) -> str:
-    """The gate's decision on these statistics: 'pass', or what failed first ('kernels', 'hard', 'calibrated')."""
+    """The gate's decision: 'pass', or what failed first ('hard' bounds, calibrated 'kernels', 'calibrated' model).
+
+    In the gate's order: the kernel battery's hard bounds (no calibration), its calibrated
+    tolerances, then the model check (hard bounds first, then the calibrated decision).
+    """
+    if kernel_hard_failures(results=kernels, hard=hard):
+        return "hard"
     if judge_kernels(results=kernels, entry=entry).status != "pass":
         return "kernels"
     check, _, _ = judge_model(stats=stats, entry=entry, hard=hard)
