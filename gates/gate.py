@@ -227,191 +227,253 @@ def _skip_rest(checks: list[CheckResult], names: tuple[str, ...], why: str) -> N
     checks.extend(CheckResult(name=n, status="skipped", reason=why) for n in names if n not in done)
 
 
+class _Stop(Exception):
+    """A check did not pass: the remaining checks are skipped and the verdict is written."""
+
+
+@dataclass
+class _GateRun:
+    """The mutable state of one gate run, filled check by check (the verdict is built from it at the end)."""
+
+    stack: Any
+    image: str
+    engine: Any
+    out: Path
+    on_event: OnEvent
+    tolerances_path: Path
+    reference: Path | None
+    baseline: str | None
+    serve_perf: Any
+    checks: list[CheckResult] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    image_id: str | None = None
+    image_lock_label: str | None = None
+    reference_info: ReferenceInfo | None = None
+    tolerance_info: ToleranceInfo | None = None
+    decisions: tuple = ()
+    prompts: tuple = ()
+    probe_summary: dict[str, Any] = field(default_factory=dict)
+    ref: dict[str, np.ndarray] = field(default_factory=dict)
+    ref_sha: str = ""
+    tolerances: Any = None
+    entry: Any = None
+    tol_problem: str = ""
+    probe: ProbeRun | None = None
+
+    @property
+    def manifest(self) -> SkuManifest:
+        return self.stack.manifest
+
+    @property
+    def lock(self):
+        return self.stack.lock if getattr(self.stack, "lock_state", "") == "ok" else None
+
+    def wanted(self, check: str) -> bool:
+        return check in self.manifest.gate.checks
+
+    def add(self, result: CheckResult, *, stop_unless_pass: bool = True) -> None:
+        """Record a check's result; stop the run unless it passed (or was skipped)."""
+        self.checks.append(result)
+        self.on_event(f"{result.name}: {result.status}: {result.reason}")
+        if stop_unless_pass and result.status not in ("pass", "skipped"):
+            raise _Stop
+
+    def time(self, name: str, since: float) -> None:
+        self.timings[name] = round(time.monotonic() - since, 3)
+
+
+def _check_reference(run: _GateRun) -> None:
+    """The bundle's hashes, then its fit to the SKU (model, prompt set, dtype)."""
+    t0 = time.monotonic()
+    folder = Path(run.reference) if run.reference else repo_root() / run.manifest.gate.reference
+    try:
+        meta, run.ref, run.ref_sha = load_reference(manifest=run.manifest, folder=folder)
+    except BundleError as exc:
+        run.add(CheckResult(name="reference", status="error", reason=str(exc)))
+    gpu, engine, model = meta.get("gpu") or {}, meta.get("engine") or {}, meta.get("model") or {}
+    run.reference_info = ReferenceInfo(
+        path=str(folder), sha256=run.ref_sha, gpu=gpu.get("name"), driver=meta.get("driver"), torch=meta.get("torch"),
+        engine=f"{engine.get('name')} {engine.get('version')}", model=model.get("name"),
+        model_sha256=model.get("sha256"), prompts_sha256=(meta.get("prompts") or {}).get("sha256"),
+        dtype=meta.get("dtype"))
+    run.time("reference_s", t0)
+    run.add(CheckResult(name="reference", status="pass",
+                        reason=f"bundle {run.ref_sha[:12]} verified: {model.get('name')} {meta.get('dtype')} "
+                               f"on {gpu.get('name')}"))
+
+
+def _find_tolerance(run: _GateRun) -> None:
+    """The calibrated entry of the SKU's class x dtype x model; a missing one is not fatal before the hard bounds."""
+    run.tolerances = load_tolerances(run.tolerances_path)
+    m = run.manifest
+    key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype=m.gate.dtype, model=m.gate.model)
+    entry = run.tolerances.find(key)
+    if entry is None:
+        run.tol_problem = (f"no calibrated tolerance for {key.label()} in {run.tolerances_path}; "
+                           f"fix: skupin calibrate {m.name}")
+    elif entry.provenance.reference_sha256 != run.ref_sha:
+        run.tol_problem = (f"the tolerance of {key.label()} was calibrated against bundle "
+                           f"{entry.provenance.reference_sha256[:12]}, not {run.ref_sha[:12]}; "
+                           f"fix: skupin calibrate {m.name}")
+        entry = None
+    run.entry = entry
+    run.tolerance_info = ToleranceInfo(key=key.label(), source=str(run.tolerances_path),
+                                       entry=entry.model_dump(mode="json") if entry else None,
+                                       hard_bounds=run.tolerances.hard_bounds.model_dump())
+
+
+def _summarise_probe(probe: ProbeRun) -> dict[str, Any]:
+    report = probe.report
+    env = report.get("env") or {}
+    kept = ("status", "error", "wall_s", "load_s", "forward_s", "generate_s")
+    return {"exit_code": probe.exit_code, "seconds": probe.seconds, "device": report.get("device"),
+            "args": report.get("args"), "torch": env.get("torch"), "python": env.get("python"),
+            "engines": env.get("engines"), "cpu_capability": env.get("cpu_capability"),
+            "threads": env.get("threads"), "driver": env.get("driver"),
+            "checks": {k: {kk: vv for kk, vv in v.items() if kk in kept}
+                       for k, v in (report.get("checks") or {}).items()}}
+
+
+def _check_boot(run: _GateRun) -> None:
+    """Run the probe once in the sandbox: the image starts and reports its environment."""
+    t0 = time.monotonic()
+    try:
+        run.image_id = resolve_image(engine=run.engine, image=run.image)
+        info = run.engine.inspect_image(run.image)
+        run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256") if info else None
+        run.on_event(f"booting {run.image} ({run.image_id[:19]}) with the probe "
+                     f"(deadline {run.manifest.gate.deadline_s} s)")
+        run.probe = probe_in_container(manifest=run.manifest, image=run.image_id, engine=run.engine,
+                                       out=run.out / "probe")
+    except (GateCouldNotRun, EngineError, BundleError) as exc:
+        run.add(CheckResult(name="boot", status="error", reason=str(exc)))
+    run.time("probe_container_s", t0)
+    probe, report = run.probe, run.probe.report
+    run.probe_summary = _summarise_probe(probe)
+    if probe.error or _probe_check_error(report, "env"):
+        run.add(CheckResult(name="boot", status="error",
+                            reason=probe.error or f"the probe could not read the environment: "
+                                                  f"{_probe_check_error(report, 'env')}",
+                            details={"logs_tail": probe.logs_tail[-2000:]}))
+    env = report.get("env") or {}
+    run.add(CheckResult(name="boot", status="pass",
+                        reason=f"the image booted and the probe ran in {probe.seconds:.1f} s (python "
+                               f"{env.get('python')}, torch {env.get('torch')}, device {report.get('device')})"))
+
+
+def _check_pins(run: _GateRun) -> None:
+    """The versions the image really contains equal the lock; on a GPU host the driver series matches."""
+    if not run.wanted("boot"):
+        run.add(CheckResult(name="pins", status="skipped", reason="boot is not in the SKU's gate.checks"))
+        return
+    m, lock = run.manifest, run.lock
+    pins = judge_pins(env=run.probe.report.get("env") or {}, manifest=m, lock=lock, gpu_host=m.accelerator.vendor != "cpu")
+    if run.image_lock_label and lock and run.image_lock_label != lock.content_hash():
+        note = f"the image's lock label {run.image_lock_label[:12]} is not the current lock {lock.content_hash()[:12]}"
+        pins = pins.model_copy(update={"details": {**pins.details, "note": note}})
+    run.add(pins)
+
+
+def _check_kernels(run: _GateRun) -> None:
+    """Hard bounds first (no calibration), then every op against its calibrated tolerance."""
+    if not run.wanted("kernels"):
+        run.add(CheckResult(name="kernels", status="skipped", reason="kernels is not in the SKU's gate.checks"))
+        return
+    t0 = time.monotonic()
+    results = kernel_errors(run.ref, run.probe.tensors)
+    hard = kernel_hard_failures(results=results, hard=run.tolerances.hard_bounds)
+    if hard:
+        more = f" (+{len(hard) - 1} more)" if len(hard) > 1 else ""
+        run.add(CheckResult(name="kernels", status="fail", reason=hard[0] + more, details={"hard_bounds": hard}))
+    if run.entry is None:
+        run.add(CheckResult(name="kernels", status="error", reason=run.tol_problem))
+    result = judge_kernels(results=results, entry=run.entry)
+    problem = _probe_check_error(run.probe.report, "kernels")
+    if problem and result.status == "pass":
+        result = CheckResult(name="kernels", status="error", reason=f"the probe's kernel battery failed: {problem}")
+    run.time("kernels_s", t0)
+    run.add(result)
+
+
+def _check_model(run: _GateRun) -> None:
+    """Teacher-forced statistics per prompt against the reference: hard bounds, binomial tests, means."""
+    if not run.wanted("model"):
+        run.add(CheckResult(name="model", status="skipped", reason="model is not in the SKU's gate.checks"))
+        return
+    t0 = time.monotonic()
+    problem = _probe_check_error(run.probe.report, "model")
+    if problem:
+        run.add(CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}"))
+    try:
+        stats = model_statistics(run.ref, run.probe.tensors)
+    except CompareError as exc:
+        run.add(CheckResult(name="model", status="error", reason=str(exc)))
+    result, run.decisions, run.prompts = judge_model(stats=stats, entry=run.entry, hard=run.tolerances.hard_bounds)
+    if result.status == "error" and run.tol_problem:
+        result = result.model_copy(update={"reason": f"{run.tol_problem} (hard bounds passed)"})
+    run.time("model_s", t0)
+    run.add(result)
+
+
+def _check_serve(run: _GateRun) -> None:
+    """The engine's own server: greedy completions vs the reference, speed (gates/serve.py)."""
+    if not run.wanted("serve"):
+        run.add(CheckResult(name="serve", status="skipped", reason="serve is not in the SKU's gate.checks"))
+        return
+    from gates.serve import serve_check
+
+    t0 = time.monotonic()
+    run.on_event("serve: booting the engine's server in the sandbox")
+    result = serve_check(manifest=run.manifest, image=run.image_id, engine=run.engine, ref=run.ref, entry=run.entry,
+                         baseline=run.baseline, perf=run.serve_perf, on_event=run.on_event)
+    run.time("serve_s", t0)
+    run.add(result)
+
+
+CHECKS = (_check_reference, _find_tolerance, _check_boot, _check_pins, _check_kernels, _check_model, _check_serve)
+CHECK_NAMES = ("reference", "boot", "pins", "kernels", "model", "serve")
+
+
 def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _quiet,
                tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
                serve_perf=None) -> GateVerdict:
     """Gate `image` for the SKU of `stack` (a ResolvedStack) and write verdict.json, report.md and plot.png to `out`.
 
-    `baseline` (an image) adds the serve check's interleaved A/B; `serve_perf` (gates.perf.PerfSettings)
-    overrides its load settings.
+    Checks run in order and the first one that does not pass stops the rest. `baseline` (an image)
+    adds the serve check's interleaved A/B; `serve_perf` (gates.perf.PerfSettings) overrides its load.
     """
-    from gates.report import write_report
-
     started = time.monotonic()
     created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
-    manifest: SkuManifest = stack.manifest
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    lock = stack.lock if getattr(stack, "lock_state", "") == "ok" else None
-    timings: dict[str, float] = {}
-    checks: list[CheckResult] = []
-    state: dict[str, Any] = {"image_id": None, "label": None, "reference": None, "tolerance": None,
-                             "decisions": (), "prompts": (), "probe": {}}
-    order = ("reference", "boot", "pins", "kernels", "model", "serve")
-    wanted = set(manifest.gate.checks)
-
-    def finish() -> GateVerdict:
-        _skip_rest(checks, order, "not evaluated: an earlier check did not pass")
-        decision, reason = decide(tuple(checks))
-        timings["total_s"] = round(time.monotonic() - started, 3)
-        verdict = GateVerdict(
-            sku=manifest.name, hardware_class=manifest.accelerator.hardware_class, image=image,
-            image_id=state["image_id"], lock_hash=lock.content_hash() if lock else None,
-            image_lock_label=state["label"], reference=state["reference"], tolerance=state["tolerance"],
-            checks=tuple(checks), model_decision=state["decisions"], prompts=state["prompts"], decision=decision,
-            reason=reason, timings=timings, probe=state["probe"], tool_version=__version__, created=created)
-        t0 = time.monotonic()
-        write_report(verdict=verdict, out=out)
-        on_event(f"verdict: {decision}: {reason} (report {out / 'report.md'}; {time.monotonic() - t0:.1f} s)")
-        return verdict
-
-    # reference bundle: hashes, then fit to the SKU
-    t0 = time.monotonic()
-    ref_folder = Path(reference) if reference else repo_root() / manifest.gate.reference
+    run = _GateRun(stack=stack, image=image, engine=engine, out=out, on_event=on_event,
+                   tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf)
     try:
-        meta, ref, ref_sha = load_reference(manifest=manifest, folder=ref_folder)
-    except BundleError as exc:
-        checks.append(CheckResult(name="reference", status="error", reason=str(exc)))
-        return finish()
-    state["reference"] = ReferenceInfo(
-        path=str(ref_folder), sha256=ref_sha, gpu=(meta.get("gpu") or {}).get("name"), driver=meta.get("driver"),
-        torch=meta.get("torch"), engine=f"{(meta.get('engine') or {}).get('name')} {(meta.get('engine') or {}).get('version')}",
-        model=(meta.get("model") or {}).get("name"), model_sha256=(meta.get("model") or {}).get("sha256"),
-        prompts_sha256=(meta.get("prompts") or {}).get("sha256"), dtype=meta.get("dtype"))
-    checks.append(CheckResult(name="reference", status="pass",
-                              reason=f"bundle {ref_sha[:12]} verified: {meta.get('model', {}).get('name')} "
-                                     f"{meta.get('dtype')} on {(meta.get('gpu') or {}).get('name')}"))
-    timings["reference_s"] = round(time.monotonic() - t0, 3)
-    on_event(checks[-1].reason)
+        for check in CHECKS:
+            check(run)
+    except _Stop:
+        pass
+    return _finish(run, started=started, created=created)
 
-    # tolerance entry (a missing one is not fatal yet: the hard bounds still run)
-    tolerances = load_tolerances(tolerances_path)
-    key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype, model=manifest.gate.model)
-    entry = tolerances.find(key)
-    tol_problem = ""
-    if entry is None:
-        tol_problem = (f"no calibrated tolerance for {key.label()} in {tolerances_path}; "
-                       f"fix: skupin calibrate {manifest.name}")
-    elif entry.provenance.reference_sha256 != ref_sha:
-        tol_problem = (f"the tolerance of {key.label()} was calibrated against bundle "
-                       f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; fix: skupin calibrate {manifest.name}")
-        entry = None
-    state["tolerance"] = ToleranceInfo(key=key.label(), source=str(tolerances_path),
-                                       entry=entry.model_dump(mode="json") if entry else None,
-                                       hard_bounds=tolerances.hard_bounds.model_dump())
 
-    # boot: run the probe once in the sandbox
+def _finish(run: _GateRun, *, started: float, created: str) -> GateVerdict:
+    """Skip what did not run, decide, and write verdict.json, report.md and plot.png."""
+    from gates.report import write_report
+
+    _skip_rest(run.checks, CHECK_NAMES, "not evaluated: an earlier check did not pass")
+    decision, reason = decide(tuple(run.checks))
+    run.timings["total_s"] = round(time.monotonic() - started, 3)
+    lock = run.lock
+    verdict = GateVerdict(
+        sku=run.manifest.name, hardware_class=run.manifest.accelerator.hardware_class, image=run.image,
+        image_id=run.image_id, lock_hash=lock.content_hash() if lock else None, image_lock_label=run.image_lock_label,
+        reference=run.reference_info, tolerance=run.tolerance_info, checks=tuple(run.checks),
+        model_decision=run.decisions, prompts=run.prompts, decision=decision, reason=reason, timings=run.timings,
+        probe=run.probe_summary, tool_version=__version__, created=created)
     t0 = time.monotonic()
-    try:
-        state["image_id"] = resolve_image(engine=engine, image=image)
-        info = engine.inspect_image(image)
-        state["label"] = (info.labels or {}).get("io.skupin.lock-sha256") if info else None
-    except (GateCouldNotRun, EngineError) as exc:
-        checks.append(CheckResult(name="boot", status="error", reason=str(exc)))
-        return finish()
-    on_event(f"booting {image} ({state['image_id'][:19]}) with the probe (deadline {manifest.gate.deadline_s} s)")
-    try:
-        probe = probe_in_container(manifest=manifest, image=state["image_id"], engine=engine, out=out / "probe")
-    except (EngineError, BundleError) as exc:
-        checks.append(CheckResult(name="boot", status="error", reason=str(exc)))
-        return finish()
-    timings["probe_container_s"] = round(time.monotonic() - t0, 3)
-    report = probe.report
-    env = report.get("env") or {}
-    state["probe"] = {"exit_code": probe.exit_code, "seconds": probe.seconds, "device": report.get("device"),
-                      "args": report.get("args"), "torch": env.get("torch"), "python": env.get("python"),
-                      "engines": env.get("engines"), "cpu_capability": env.get("cpu_capability"),
-                      "threads": env.get("threads"), "driver": env.get("driver"),
-                      "checks": {k: {kk: vv for kk, vv in v.items() if kk in ("status", "error", "wall_s", "load_s",
-                                                                              "forward_s", "generate_s")}
-                                 for k, v in (report.get("checks") or {}).items()}}
-    if probe.error or _probe_check_error(report, "env"):
-        checks.append(CheckResult(name="boot", status="error", reason=probe.error or
-                                  f"the probe could not read the environment: {_probe_check_error(report, 'env')}",
-                                  details={"logs_tail": probe.logs_tail[-2000:]}))
-        return finish()
-    checks.append(CheckResult(name="boot", status="pass",
-                              reason=f"the image booted and the probe ran in {probe.seconds:.1f} s "
-                                     f"(python {env.get('python')}, torch {env.get('torch')}, device {report.get('device')})"))
-    on_event(checks[-1].reason)
-
-    # pins
-    if "boot" in wanted:
-        pins = judge_pins(env=env, manifest=manifest, lock=lock, gpu_host=manifest.accelerator.vendor != "cpu")
-        if state["label"] and lock and state["label"] != lock.content_hash():
-            pins = pins.model_copy(update={"details": {**pins.details, "note": f"the image's lock label {state['label'][:12]} "
-                                                                              f"is not the current lock {lock.content_hash()[:12]}"}})
-        checks.append(pins)
-        on_event(f"pins: {pins.status}: {pins.reason}")
-        if pins.status != "pass":
-            return finish()
-    else:
-        checks.append(CheckResult(name="pins", status="skipped", reason="boot is not in the SKU's gate.checks"))
-
-    # kernels
-    t0 = time.monotonic()
-    if "kernels" in wanted:
-        results = kernel_errors(ref, probe.tensors)
-        hard_kernel = kernel_hard_failures(results=results, hard=tolerances.hard_bounds)
-        if hard_kernel:
-            more = f" (+{len(hard_kernel) - 1} more)" if len(hard_kernel) > 1 else ""
-            checks.append(CheckResult(name="kernels", status="fail", reason=hard_kernel[0] + more,
-                                      details={"hard_bounds": hard_kernel}))
-            on_event(f"kernels: fail: {checks[-1].reason}")
-            return finish()
-        if entry is None:
-            checks.append(CheckResult(name="kernels", status="error", reason=tol_problem))
-            return finish()
-        problem = _probe_check_error(report, "kernels")
-        kern = judge_kernels(results=results, entry=entry)
-        if problem and kern.status == "pass":
-            kern = CheckResult(name="kernels", status="error", reason=f"the probe's kernel battery failed: {problem}")
-        checks.append(kern)
-        on_event(f"kernels: {kern.status}: {kern.reason}")
-        timings["kernels_s"] = round(time.monotonic() - t0, 3)
-        if kern.status != "pass":
-            return finish()
-    else:
-        checks.append(CheckResult(name="kernels", status="skipped", reason="kernels is not in the SKU's gate.checks"))
-
-    # model
-    t0 = time.monotonic()
-    if "model" in wanted:
-        problem = _probe_check_error(report, "model")
-        if problem:
-            checks.append(CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}"))
-            return finish()
-        try:
-            stats = model_statistics(ref, probe.tensors)
-        except CompareError as exc:
-            checks.append(CheckResult(name="model", status="error", reason=str(exc)))
-            return finish()
-        model_check, decisions, prompts = judge_model(stats=stats, entry=entry, hard=tolerances.hard_bounds)
-        if model_check.status == "error" and tol_problem:
-            model_check = model_check.model_copy(update={"reason": f"{tol_problem} (hard bounds passed)"})
-        checks.append(model_check)
-        state["decisions"], state["prompts"] = decisions, prompts
-        timings["model_s"] = round(time.monotonic() - t0, 3)
-        on_event(f"model: {model_check.status}: {model_check.reason}")
-    else:
-        checks.append(CheckResult(name="model", status="skipped", reason="model is not in the SKU's gate.checks"))
-    if checks[-1].status not in ("pass", "skipped"):
-        return finish()
-
-    # serve: the engine's own server, greedy completions vs the reference, speed (gates/serve.py)
-    t0 = time.monotonic()
-    if "serve" in wanted:
-        from gates.serve import serve_check
-
-        on_event("serve: booting the engine's server in the sandbox")
-        serve = serve_check(manifest=manifest, image=state["image_id"], engine=engine, ref=ref, entry=entry,
-                            baseline=baseline, perf=serve_perf, on_event=on_event)
-        checks.append(serve)
-        timings["serve_s"] = round(time.monotonic() - t0, 3)
-        on_event(f"serve: {serve.status}: {serve.reason}")
-    else:
-        checks.append(CheckResult(name="serve", status="skipped", reason="serve is not in the SKU's gate.checks"))
-    return finish()
+    write_report(verdict=verdict, out=run.out)
+    run.on_event(f"verdict: {decision}: {reason} (report {run.out / 'report.md'}; {time.monotonic() - t0:.1f} s)")
+    return verdict
 
 
 def write_verdict(verdict: GateVerdict, path: Path) -> None:
