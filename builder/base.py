@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from builder.apt import apt_install
 from builder.engine import Engine
 from builder.errors import BuildError, EngineError
 from builder.manifest import Bootstrap, SkuManifest
@@ -60,13 +61,7 @@ def _ensure_debootstrap(on_event: OnEvent) -> str:
     found = shutil.which("debootstrap") or (os.access("/usr/sbin/debootstrap", os.X_OK) and "/usr/sbin/debootstrap")
     if found:
         return str(found)
-    on_event("debootstrap not found: installing it (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "debootstrap"]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-            raise BuildError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{tail}")
+    apt_install("debootstrap", why="debootstrap not found", error=BuildError, on_event=on_event)
     return shutil.which("debootstrap") or "/usr/sbin/debootstrap"
 
 

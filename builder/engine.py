@@ -32,6 +32,7 @@ import docker.errors
 from docker.types import Mount as _DockerMount
 from pydantic import Field
 
+from builder.apt import apt_install
 from builder.errors import BuildError, EngineError
 from builder.model import Frozen
 
@@ -86,13 +87,7 @@ def _log_tail(path: Path, lines: int = 25) -> str:
 
 
 def _install_docker_io(on_event: OnEvent) -> None:
-    on_event("dockerd not found: installing Debian's docker.io (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "docker.io"]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-            raise EngineError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{tail}")
+    apt_install("docker.io", why="dockerd not found", error=EngineError, on_event=on_event)
 
 
 def ensure_engine(

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from builder.apt import apt_install
 from builder.errors import NetworkError, PublishError
 from builder.index import RegistryClient
 from builder.model import Frozen
@@ -163,13 +164,7 @@ def registry_status(*, registry: LocalRegistry) -> RegistryStatus:
 
 
 def _install(on_event: OnEvent) -> str:
-    on_event(f"{BINARY} not found: installing Debian's {APT_PACKAGE} (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", APT_PACKAGE]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-            raise PublishError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{tail}")
+    apt_install(APT_PACKAGE, why=f"{BINARY} not found", error=PublishError, on_event=on_event)
     path = shutil.which(BINARY)
     if path is None:
         raise PublishError(f"installed {APT_PACKAGE} but `{BINARY}` is still not on PATH")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -85,3 +86,27 @@ def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
     built = build_image(manifest=stack.manifest, manifest_path=CPU_SKU, lock=stack.lock, engine=engine,
                         wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
     return built.image_id
+
+
+@contextlib.contextmanager
+def derived_images(engine: Engine, *, honest_image: str, context: Path, base_tag: str) -> Iterator:
+    """build(mode) -> id of the honest image with one thing changed by context/Dockerfile's MODE (once per mode).
+
+    The honest image gets `base_tag` for the derived builds (BuildKit resolves FROM by name, not by
+    image id); every derived image and that tag are removed afterwards.
+    """
+    made: dict[str, str] = {}
+    engine.tag(honest_image, base_tag)
+
+    def build(mode: str) -> str:
+        if mode not in made:
+            made[mode] = engine.build(context=context, dockerfile=context / "Dockerfile",
+                                      build_args={"BASE": base_tag, "MODE": mode})
+        return made[mode]
+
+    try:
+        yield build
+    finally:
+        for image_id in made.values():
+            engine.remove_image(image_id, force=True)
+        engine.remove_image(base_tag)

@@ -19,6 +19,7 @@ import pytest
 
 from builder.engine import Engine
 from gates.gate import RUN_LABEL, gate_image, run_label
+from tests.integration.conftest import derived_images
 
 pytestmark = pytest.mark.integration
 
@@ -29,24 +30,13 @@ DERIVED = Path(__file__).with_name("derived")
 
 @pytest.fixture(scope="session")
 def derive(engine: Engine, honest_image: str, tmp_path_factory) -> Iterator:
-    """derive(mode) -> image id of the honest image with one thing changed (built once per mode)."""
-    made: dict[str, str] = {}
-    base_tag = "skupin-test/gate-honest-base:latest"  # BuildKit resolves FROM by name, not by image id
-    engine.tag(honest_image, base_tag)
+    """derive(mode) -> image id of the honest image with one thing changed (tests/integration/derived/)."""
     context = tmp_path_factory.mktemp("derived-context")
     for name in ("Dockerfile", "sitecustomize.py"):
         shutil.copy(DERIVED / name, context / name)
-
-    def build(mode: str) -> str:
-        if mode not in made:
-            made[mode] = engine.build(context=context, dockerfile=context / "Dockerfile",
-                                      build_args={"BASE": base_tag, "MODE": mode})
-        return made[mode]
-
-    yield build
-    for image_id in made.values():
-        engine.remove_image(image_id, force=True)
-    engine.remove_image(base_tag)
+    with derived_images(engine, honest_image=honest_image, context=context,
+                        base_tag="skupin-test/gate-honest-base:latest") as build:
+        yield build
 
 
 def _gate(stack, image: str, engine: Engine, out: Path):

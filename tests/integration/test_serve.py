@@ -23,6 +23,7 @@ from gates.gate import gate_image, load_reference
 from gates.perf import PerfSettings
 from gates.serve import NOT_PROVIDED, serve_check
 from gates.tolerance import ToleranceKey, load_tolerances
+from tests.integration.conftest import derived_images
 
 pytestmark = pytest.mark.integration
 
@@ -51,22 +52,11 @@ LABEL io.skupin.test-serve="${MODE}"
 
 @pytest.fixture(scope="module")
 def derive(engine: Engine, honest_image: str, tmp_path_factory) -> Iterator:
-    made: dict[str, str] = {}
     context = tmp_path_factory.mktemp("serve-derived")
     (context / "Dockerfile").write_text(DOCKERFILE)
-    base_tag = "skupin-test/serve-honest-base:latest"  # BuildKit resolves FROM by name, not by image id
-    engine.tag(honest_image, base_tag)
-
-    def build(mode: str) -> str:
-        if mode not in made:
-            made[mode] = engine.build(context=context, dockerfile=context / "Dockerfile",
-                                      build_args={"BASE": base_tag, "MODE": mode})
-        return made[mode]
-
-    yield build
-    for image_id in made.values():
-        engine.remove_image(image_id, force=True)
-    engine.remove_image(base_tag)
+    with derived_images(engine, honest_image=honest_image, context=context,
+                        base_tag="skupin-test/serve-honest-base:latest") as build:
+        yield build
 
 
 @pytest.fixture(scope="module")

@@ -95,8 +95,12 @@ def test_calibrate_and_decide_separate_honest_from_swaps():
     assert A.decide(stats=A.to_stats(swapped), kernels=A.to_kernels(swapped), entry=entry) == "calibrated"
     broken = record(role="swap", swap="int4-nibble", seed=7, scale=100, top1=0.5)
     assert A.decide(stats=A.to_stats(broken), kernels=A.to_kernels(broken), entry=entry) == "hard"
+    # a float32 SiLU off by 1e-2 breaks the kernel hard bound (1e-4) before any calibrated tolerance
     silu = record(role="swap", swap="silu", seed=8, scale=100, silu=1e-2)
-    assert A.decide(stats=A.to_stats(silu), kernels=A.to_kernels(silu), entry=entry) == "kernels"
+    assert A.decide(stats=A.to_stats(silu), kernels=A.to_kernels(silu), entry=entry) == "hard"
+    # under the hard bound but over its calibrated tolerance (4 x 1e-7): the calibrated kernel check
+    subtle = record(role="swap", swap="silu", seed=9, scale=100, silu=5e-5)
+    assert A.decide(stats=A.to_stats(subtle), kernels=A.to_kernels(subtle), entry=entry) == "kernels"
 
 
 def test_decisions_and_counts_over_prompt_blocks():
