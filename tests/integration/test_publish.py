@@ -225,33 +225,23 @@ def test_refused_verdicts_push_nothing(engine: Engine, registry: LocalRegistry, 
     assert tags(registry) == set(), "a refused publish must push nothing"
 
 
-@pytest.mark.skipif(not (REPO / ".skupin" / "builds" / "cpu-x86_64.json").is_file()
-                    or not (REPO / "skus" / "cpu-x86_64.lock.json").is_file(),
-                    reason="needs the CPU image's build record and lock (skupin build cpu-x86_64)")
-def test_end_to_end_cpu_image_publish_and_verify(engine: Engine, registry: LocalRegistry):
-    """The real CPU image with a verdict the real gate wrote for it (when one exists for this image and lock)."""
-    from builder.lockfile import read_lock
-    from builder.publish import find_verdict
+def test_end_to_end_cpu_image_gate_publish_and_verify(engine: Engine, registry: LocalRegistry, stack, honest_image,
+                                                      tmp_path: Path):
+    """The real CPU image, gated by the real gate, published with that verdict, verified by an operator."""
+    from gates.gate import gate_image
 
-    record = json.loads((REPO / ".skupin" / "builds" / "cpu-x86_64.json").read_text(encoding="utf-8"))
-    lock = read_lock(REPO / "skus" / "cpu-x86_64.lock.json")
-    if not engine.image_exists(record["image_id"]):
-        pytest.skip("the CPU image of the build record is not on this engine")
-    path = find_verdict(sku="cpu-x86_64", image_id=record["image_id"], lock_sha256=lock.content_hash())
-    verdict = json.loads(path.read_text(encoding="utf-8")) if path else {}
-    if verdict.get("image_id") != record["image_id"] or verdict.get("decision") != "pass":
-        pytest.skip("no passing gate verdict for the CPU image and its current lock")
-    target = parse_target(registry.addr)
-    from builder.manifest import load_manifest
-
-    engine_version = load_manifest(REPO / "skus" / "cpu-x86_64.yaml").stack.engine.version
-    plan = plan_publish(sku="cpu-x86_64", engine_version=engine_version, lock=lock,
-                        image_id=record["image_id"], verdict=verdict_facts(verdict), target=target)
+    verdict_obj = gate_image(stack=stack, image=honest_image, engine=engine, out=tmp_path / "gate")
+    assert verdict_obj.decision == "pass", verdict_obj.reason
+    verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text(encoding="utf-8"))
+    lock, target = stack.lock, parse_target(registry.addr)
+    plan = plan_publish(sku="cpu-x86_64", engine_version=stack.manifest.stack.engine.version, lock=lock,
+                        image_id=honest_image, verdict=verdict_facts(verdict), target=target)
     t0 = time.monotonic()
     with RegistryClient(target.url) as client:
         published = publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client,
                                   untag=lambda r, t: untag_on_disk(registry=registry, repository=r, tag=t))
-        assert read_record(client=client, repository="cpu-x86_64", digest=published.digest).image_id == record["image_id"]
+        assert read_record(client=client, repository="cpu-x86_64", digest=published.digest).image_id == honest_image
     result = verify_reference(ref=f"{registry.addr}/cpu-x86_64:verified")
     assert result.ok, result.line()
+    assert result.digest == published.digest
     print(f"\nCPU image publish {time.monotonic() - t0:.1f} s (push {published.push_s:.1f} s): {result.line()}")
