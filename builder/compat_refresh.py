@@ -96,6 +96,21 @@ def _label(index_url: str) -> str:
     return "PyPI" if "pypi.org" in index_url else index_url.rstrip("/")
 
 
+def _wheel_requiring(index: IndexClient, name: str, version: Version, dependency: str, *, python: str,
+                     skipped: list[str]):
+    """(wheel, applicable requirements) of `name`'s Linux x86_64 wheel when it requires `dependency`;
+    else None, with the reason appended to `skipped`."""
+    wheel = linux_x86_64_wheel(index.files(name, version), python=python)
+    if wheel is None:
+        skipped.append(f"{name} {version}: no Linux x86_64 wheel")
+        return None
+    reqs = applicable(index.core_metadata(wheel).get("requires-dist", ()), python=python)
+    if dependency not in reqs:
+        skipped.append(f"{name} {version}: {wheel.filename} does not require {dependency}")
+        return None
+    return wheel, reqs
+
+
 def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec = RefreshSpec(),
                 progress: Progress | None = None) -> Refreshed:
     """Read every covered release's wheel metadata from the index and turn it into compat rows."""
@@ -108,14 +123,10 @@ def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec =
     for version in index.versions("torch"):
         if version < Version(spec.torch_min):
             continue
-        wheel = linux_x86_64_wheel(index.files("torch", version), python=spec.python)
-        if wheel is None:
-            skipped.append(f"torch {version}: no Linux x86_64 wheel")
+        found = _wheel_requiring(index, "torch", version, "triton", python=spec.python, skipped=skipped)
+        if found is None:
             continue
-        reqs = applicable(index.core_metadata(wheel).get("requires-dist", ()), python=spec.python)
-        if "triton" not in reqs:
-            skipped.append(f"torch {version}: {wheel.filename} does not require triton")
-            continue
+        wheel, reqs = found
         rt = cuda_runtime(reqs)
         row = {"torch": str(version), "family": "cuda", "compiler": "triton", "requires": str(reqs["triton"].specifier),
                "cuda_runtime": rt, "source": f"{label} torch {version} Requires-Dist ({wheel.filename})",
@@ -126,14 +137,10 @@ def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec =
         for version in index.versions(engine):
             if version < Version(low):
                 continue
-            wheel = linux_x86_64_wheel(index.files(engine, version), python=spec.python)
-            if wheel is None:
-                skipped.append(f"{engine} {version}: no Linux x86_64 wheel")
+            found = _wheel_requiring(index, engine, version, "torch", python=spec.python, skipped=skipped)
+            if found is None:
                 continue
-            reqs = applicable(index.core_metadata(wheel).get("requires-dist", ()), python=spec.python)
-            if "torch" not in reqs:
-                skipped.append(f"{engine} {version}: {wheel.filename} does not require torch")
-                continue
+            wheel, reqs = found
             engine_rows.append({"engine": engine, "version": str(version), "torch": str(reqs["torch"].specifier),
                                 "source": f"{label} {engine} {version} Requires-Dist ({wheel.filename})",
                                 "date": today})
