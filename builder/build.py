@@ -2,7 +2,9 @@
 
 The flow of `build_image`:
 1. make sure the base exists (`builder.base.ensure_base`);
-2. render the Dockerfile with the lock and write the build context (wheelhouse wheels copied in);
+2. render the Dockerfile with the lock and sync the SKU's build context folder
+   (`.skupin/contexts/<sku>`, kept between builds and locked while in use, so that BuildKit
+   re-sends only what changed; wheelhouse wheels are hard-linked in);
 3. `docker build` through the engine adapter with no tag (`--iidfile`), the extra CA bundle
    passed as the BuildKit secret `skupin_ca` (trusted by pip during RUN steps only);
 4. parse BuildKit's plain progress into per-layer durations and cache hits, mapping each step
@@ -16,9 +18,11 @@ A failure at any step raises BuildError naming the layer with the tail of its lo
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import json
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -33,6 +37,7 @@ from builder.errors import BuildError, EngineError, LockError
 from builder.lockfile import Lock, image_tag
 from builder.manifest import SkuManifest
 from builder.model import Frozen
+from builder.paths import STATE
 from builder.render import base_reference, render, write_context
 
 OnLine = Callable[[str], None]
@@ -81,6 +86,11 @@ class BuiltImage(Frozen):
     steps: tuple[StepTiming, ...]
     cache_hits: int
     total_s: float
+    phases: dict[str, float] = Field(
+        default_factory=dict,
+        description="Wall seconds per phase: base (check or bootstrap), context (render + sync), "
+                    "buildkit (the `docker build`), verify (the image's Python vs. the lock), tag",
+    )
     size_bytes: int
     installed: dict[str, str] = Field(description="Distributions the image's own Python reports: name -> version")
     created: str
@@ -181,7 +191,17 @@ def _layer_of(name: str, instructions: list[tuple[str, str]], cursor: int) -> tu
         layer, text = instructions[i]
         if name == text or text.startswith(name) or name.startswith(text):
             return layer, i + 1
+    for i in order:  # BuildKit names steps with ENV/ARG values substituted: `$VIRTUAL_ENV` -> its value
+        layer, text = instructions[i]
+        if "$" in text and _with_variables(text).match(name):
+            return layer, i + 1
     return "unknown", cursor
+
+
+@functools.lru_cache(maxsize=256)
+def _with_variables(text: str) -> re.Pattern[str]:
+    parts = re.split(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", text)
+    return re.compile(".*?".join(re.escape(part) for part in parts))
 
 
 def layer_timings(steps: list[_Step]) -> tuple[LayerTiming, ...]:
@@ -278,6 +298,7 @@ def build_image(
     on_line: OnLine = _quiet,
     no_cache: bool = False,
     records: Path | None = None,
+    contexts: Path | None = None,
 ) -> BuiltImage:
     """Build, verify and tag the SKU's image from its lock; write the build record; see the module doc."""
     if lock.sku != manifest.name:
@@ -285,15 +306,26 @@ def build_image(
     if ca_bundle is not None and not ca_bundle.is_file():
         raise BuildError(f"--ca-bundle {ca_bundle}: no such file")
     start = time.monotonic()
+    phases: dict[str, float] = {}
+    mark = start
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[name] = round(now - mark, 3)
+        mark = now
+
     base_id = ensure_base(manifest=manifest, engine=engine, on_event=on_line)
+    phase("base")
     _refuse_stale(manifest=manifest, manifest_path=manifest_path, lock=lock)
     rendered = render(manifest=manifest, lock=lock)
     tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
     lock_hash = lock.content_hash()
     lines: list[str] = []
     sink = _sink(progress=progress, on_line=on_line, dockerfile=rendered.text, lines=lines)
-    with tempfile.TemporaryDirectory(prefix=f"skupin-ctx-{manifest.name}-") as tmp:
-        ctx = write_context(rendered=rendered, out=Path(tmp), wheelhouse=wheelhouse)
+    with _context_folder((contexts or STATE / "contexts") / manifest.name, on_line=on_line) as folder:
+        ctx = write_context(rendered=rendered, out=folder, wheelhouse=wheelhouse, prune=True)
+        phase("context")
         try:
             image_id = engine.build(
                 context=ctx,
@@ -305,9 +337,11 @@ def build_image(
             )
         except BuildError as exc:
             raise _failure(exc, dockerfile=rendered.text, ca_given=ca_bundle is not None) from exc
+    phase("buildkit")
     steps = parse_progress(lines, dockerfile=rendered.text)
     installed = installed_distributions(engine=engine, image=image_id)
     problems = compare_with_lock(installed=installed, lock=lock)
+    phase("verify")
     if problems:
         raise BuildError(
             f"image {image_id[:19]} of {manifest.name} does not contain its locked set ({len(problems)} difference(s)); not tagged:\n"
@@ -317,6 +351,7 @@ def build_image(
     info = engine.inspect_image(tag)
     if info is None:
         raise EngineError(f"tagged {image_id} as {tag} but the engine does not show it")
+    phase("tag")
     built = BuiltImage(
         sku=manifest.name,
         image=tag,
@@ -330,6 +365,7 @@ def build_image(
         steps=tuple(StepTiming(number=s.number, name=s.name[:200], layer=s.layer, seconds=s.seconds, cached=s.cached) for s in steps),
         cache_hits=sum(1 for s in steps if s.cached),
         total_s=round(time.monotonic() - start, 2),
+        phases=phases,
         size_bytes=info.size,
         installed=installed,
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -337,6 +373,22 @@ def build_image(
     if records is not None:
         write_record(built=built, folder=records)
     return built
+
+
+@contextlib.contextmanager
+def _context_folder(folder: Path, *, on_line: OnLine):
+    """The SKU's build-context folder, held under an exclusive lock for the whole build."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_line(f"waiting for another build of {folder.name} (context {folder} is in use)")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield folder
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _sink(*, progress: Progress, on_line: OnLine, dockerfile: str, lines: list[str]) -> OnLine:

@@ -38,7 +38,18 @@ def _engine_base_build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.set_defaults(func=cli.cmd_base)
 
-    p = sub.add_parser("build", help="build, verify (image's pip list == lock) and tag a SKU's image")
+    p = sub.add_parser(
+        "build", help="build, verify (image's pip list == lock) and tag a SKU's image",
+        description="Render the SKU's Dockerfile from its lock and build it with BuildKit, one step per pin "
+                    "after its locked dependencies (pip --no-deps --require-hashes), so a point release "
+                    "rebuilds only its own step and those above. Each pip step compiles bytecode for the "
+                    "files it installed with builder/bytecode.py, reusing unchanged files' code from a "
+                    "BuildKit cache mount. The build context is kept in .skupin/contexts/<sku> (locked "
+                    "while a build uses it) so BuildKit re-sends only what changed. After the build the "
+                    "image's own Python must report exactly the locked set; only then is the image "
+                    "tagged and the record written to .skupin/builds/<sku>.json (with per-layer and "
+                    "per-phase times).",
+    )
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels the lock takes from a wheelhouse")
     p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="extra CA bundle trusted by pip during the build only")

@@ -19,6 +19,22 @@ from builder.paths import TEMPLATES
 
 WHEELS_DIR = "wheels"
 REQUIREMENTS_DIR = "requirements"
+# Python files whose bytecode a pip step does not compile at build time (a regex for grep -P
+# over installed paths): per-architecture model modules that an engine imports only for the
+# model it serves. transformers keeps ~2,600 of its ~2,900 modules under models/<arch>/; compiling
+# them was ~8 s of CPU in every point-release rebuild, while a container compiles the one
+# architecture it loads in memory (docs/BENCHMARKS.md). models/auto, imported on every start,
+# stays compiled. Engines whose registry imports every model module at start (SGLang walks
+# sglang/srt/models) must not be listed here.
+LAZY_BYTECODE = r"/site-packages/transformers/models/(?!auto/)[^/]+/"
+# The in-build bytecode compiler (stdlib only), written into every build context under tools/.
+TOOLS_DIR = "tools"
+BYTECODE_TOOL = Path(__file__).with_name("bytecode.py")
+
+
+@functools.cache
+def _bytecode_tool_sha256() -> str:
+    return hashlib.sha256(BYTECODE_TOOL.read_bytes()).hexdigest()
 
 
 class PipLayer(Frozen):
@@ -59,6 +75,7 @@ def _environment() -> jinja2.Environment:
         autoescape=False,  # noqa: S701 - Dockerfiles, not HTML; values are grammar-checked
     )
     env.filters["dq"] = _escape_dq
+    env.globals["bytecode"] = {"folder": TOOLS_DIR, "name": BYTECODE_TOOL.name, "lazy": LAZY_BYTECODE, "sha256": _bytecode_tool_sha256()}
     return env
 
 
@@ -102,7 +119,7 @@ def _index_of(manifest: SkuManifest, layer: str) -> tuple[str, tuple[str, ...]]:
 def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dict[str, str], dict[str, tuple[str, ...]]]:
     pins = _layer_pins(manifest)
     layers: list[PipLayer] = []
-    files: dict[str, str] = {}
+    files: dict[str, str] = {f"{TOOLS_DIR}/{BYTECODE_TOOL.name}": BYTECODE_TOOL.read_text(encoding="utf-8")}
     wheels: dict[str, tuple[str, ...]] = {}
     for name in PY_LAYERS:
         git = next((p.source for p in pins[name] if isinstance(p.source, GitSource)), None)
@@ -182,27 +199,59 @@ def render(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDocker
     )
 
 
-def write_context(*, rendered: RenderedDockerfile, out: Path, wheelhouse: Path | None = None) -> Path:
-    """Write Dockerfile, requirement files and the layer's wheelhouse wheels into `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "Dockerfile").write_text(rendered.text, encoding="utf-8")
-    for rel, content in rendered.files.items():
-        path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content, encoding="utf-8")
+def write_context(*, rendered: RenderedDockerfile, out: Path, wheelhouse: Path | None = None, prune: bool = False) -> Path:
+    """Write Dockerfile, requirement files and the layer's wheelhouse wheels into `out`.
+
+    Unchanged files are left alone (same content, same mtime) and wheels are hard links where the
+    filesystem allows, so a build context kept between builds (see `build_image`) is re-sent to
+    BuildKit only where it changed: the 190 MB torch wheel is transferred once, not per build.
+    With `prune`, everything in `out` that the rendered context does not name is removed (only
+    for folders this tool owns). Every wheel is checked before anything is written.
+    """
+    wanted: dict[Path, str | Path] = {Path("Dockerfile"): rendered.text}
+    wanted.update({Path(rel): content for rel, content in rendered.files.items()})
     for folder, names in rendered.wheels.items():
-        target = out / folder
-        target.mkdir(parents=True, exist_ok=True)
-        (target / ".keep").write_text("", encoding="utf-8")
+        wanted[Path(folder) / ".keep"] = ""
         for name in names:
             if wheelhouse is None or not (wheelhouse / name).is_file():
                 where = wheelhouse or "(no --wheelhouse given)"
                 raise BuildError(f"wheel {name} of {folder} is locked from a wheelhouse but not in {where}; "
                                  "fix: pass --wheelhouse DIR holding it")
-            dest = target / name
-            if not dest.exists():
-                try:
-                    dest.hardlink_to(wheelhouse / name)
-                except OSError:
-                    shutil.copy2(wheelhouse / name, dest)
+            wanted[Path(folder) / name] = wheelhouse / name
+    out.mkdir(parents=True, exist_ok=True)
+    if prune:
+        _prune(out, keep=set(wanted))
+    for rel, source in wanted.items():
+        dest = out / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(source, Path):
+            _link_wheel(source, dest)
+        elif not dest.is_file() or dest.read_text(encoding="utf-8") != source:
+            dest.write_text(source, encoding="utf-8")
     return out
+
+
+def _link_wheel(source: Path, dest: Path) -> None:
+    src = source.stat()
+    if dest.is_file():
+        have = dest.stat()
+        if (have.st_ino, have.st_dev) == (src.st_ino, src.st_dev) or (have.st_size == src.st_size and have.st_mtime_ns == src.st_mtime_ns):
+            return
+        dest.unlink()
+    try:
+        dest.hardlink_to(source)
+    except OSError:
+        shutil.copy2(source, dest)
+
+
+def _prune(out: Path, *, keep: set[Path]) -> None:
+    """Remove files and folders under `out` that are not in `keep` (nor parents of it)."""
+    parents = {parent for rel in keep for parent in rel.parents}
+    for path in sorted(out.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        rel = path.relative_to(out)
+        if rel in keep or rel in parents:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()

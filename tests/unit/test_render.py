@@ -27,12 +27,29 @@ def _ids(paths):
 @pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
 def test_snapshot(path):
     """The rendered (pins-only) Dockerfile equals the committed snapshot (UPDATE_SNAPSHOTS=1 rewrites)."""
-    text = render(manifest=load_manifest(path)).text
+    # The bytecode tool's hash is checked by test_dockerfile_names_the_bytecode_tool_it_mounts, so
+    # an edit to builder/bytecode.py does not rewrite every snapshot.
+    text = re.sub(r"(tools/bytecode\.py \(sha256 )[0-9a-f]{16}\)", r"\1<builder/bytecode.py>)", render(manifest=load_manifest(path)).text)
     snap = SNAPSHOTS / f"{path.stem}.Dockerfile"
     if os.environ.get("UPDATE_SNAPSHOTS") == "1":
         snap.write_text(text, encoding="utf-8")
     assert snap.exists(), f"no snapshot for {path.stem}: run UPDATE_SNAPSHOTS=1 pytest tests/unit/test_render.py"
     assert text == snap.read_text(encoding="utf-8")
+
+
+def test_dockerfile_names_the_bytecode_tool_it_mounts():
+    """The tool's hash is part of the Dockerfile (so of its sha256, the lock and the image label),
+    and the context carries exactly that file."""
+    import hashlib
+
+    from builder.render import BYTECODE_TOOL
+
+    rendered = render(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))
+    digest = hashlib.sha256(BYTECODE_TOOL.read_bytes()).hexdigest()
+    assert f"tools/bytecode.py (sha256 {digest[:16]})" in rendered.text
+    assert rendered.files["tools/bytecode.py"] == BYTECODE_TOOL.read_text()
+    runs = [ln for ln in rendered.text.split("\nRUN ") if "pip install" in ln]
+    assert runs and all("--no-compile" in r and "/tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp" in r for r in runs)
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))

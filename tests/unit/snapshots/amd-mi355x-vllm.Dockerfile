@@ -1,6 +1,7 @@
 # Rendered by skupin 0.1.0 from skus/amd-mi355x-vllm.yaml: edit the manifest, not this file.
 # amd Instinct MI355X 288GB (gfx950, amd-cdna4)
 # driver rocm 7.2.1 | framework torch 2.11.0+rocm7.2 | compiler triton 3.6.0 | engine vllm 0.25.1
+# pip steps compile bytecode with tools/bytecode.py (sha256 <builder/bytecode.py>), from builder/bytecode.py
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock amd-mi355x-vllm`).
 ARG SKUPIN_BASE=docker.io/rocm/dev-ubuntu-24.04:7.2.1-complete@sha256:3db551c4e1229aac1857ac44fcb6141bb749f41348eb572452f11279153c13c3
 FROM ${SKUPIN_BASE}
@@ -25,17 +26,27 @@ ENV PATH=/opt/skupin/venv/bin:$PATH \
 
 # layer: framework
 COPY requirements/framework.txt /opt/skupin/requirements/framework.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://download.pytorch.org/whl/rocm7.2 --extra-index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/framework.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://download.pytorch.org/whl/rocm7.2 --extra-index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/framework.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: compiler
 COPY requirements/compiler.txt /opt/skupin/requirements/compiler.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://download.pytorch.org/whl/rocm7.2 --extra-index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/compiler.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://download.pytorch.org/whl/rocm7.2 --extra-index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/compiler.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: engine
 RUN --mount=type=secret,id=skupin_ca \

@@ -1,6 +1,7 @@
 # Rendered by skupin 0.1.0 from skus/cpu-x86_64.yaml: edit the manifest, not this file.
 # cpu x86_64 CPU (x86_64, cpu-x86_64)
 # driver none none | framework torch 2.13.0+cpu | compiler gcc 12.2.0 | engine transformers 5.24.0
+# pip steps compile bytecode with tools/bytecode.py (sha256 <builder/bytecode.py>), from builder/bytecode.py
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock cpu-x86_64`).
 ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
 FROM ${SKUPIN_BASE}
@@ -23,10 +24,15 @@ ENV PATH=/opt/skupin/venv/bin:$PATH \
 
 # layer: framework
 COPY requirements/framework.txt /opt/skupin/requirements/framework.txt
-RUN --mount=type=bind,source=wheels/framework,target=/tmp/skupin-wheels --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=wheels/framework,target=/tmp/skupin-wheels --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --find-links /tmp/skupin-wheels --index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/framework.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --find-links /tmp/skupin-wheels --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/framework.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: compiler
 RUN apt-get update \
@@ -36,17 +42,27 @@ ENV CXX=g++-12
 
 # layer: engine
 COPY requirements/engine.txt /opt/skupin/requirements/engine.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/engine.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/engine.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: extras
 COPY requirements/extras.txt /opt/skupin/requirements/extras.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/extras.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/extras.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: labels
 ENV OMP_NUM_THREADS="1"

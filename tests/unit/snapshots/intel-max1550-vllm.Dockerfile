@@ -1,6 +1,7 @@
 # Rendered by skupin 0.1.0 from skus/intel-max1550-vllm.yaml: edit the manifest, not this file.
 # intel Data Center GPU Max 1550 (xe-hpc, intel-xe-hpc)
 # driver intel-compute-runtime 25.48.36300.8 | framework torch 2.14.0+xpu | compiler triton 3.8.0 | engine vllm 0.33.0
+# pip steps compile bytecode with tools/bytecode.py (sha256 <builder/bytecode.py>), from builder/bytecode.py
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock intel-max1550-vllm`).
 ARG SKUPIN_BASE=docker.io/intel/oneapi-basekit:2025.3.2-0-devel-ubuntu24.04@sha256:79a5e333ff6f773793d124b78047001c51cbcd53035e5100313abf2f771af95a
 FROM ${SKUPIN_BASE}
@@ -28,17 +29,27 @@ ENV PATH=/opt/skupin/venv/bin:$PATH \
 
 # layer: framework
 COPY requirements/framework.txt /opt/skupin/requirements/framework.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://download.pytorch.org/whl/xpu --extra-index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/framework.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://download.pytorch.org/whl/xpu --extra-index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/framework.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: compiler
 COPY requirements/compiler.txt /opt/skupin/requirements/compiler.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://download.pytorch.org/whl/xpu --extra-index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/compiler.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://download.pytorch.org/whl/xpu --extra-index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/compiler.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: engine
 RUN --mount=type=secret,id=skupin_ca \

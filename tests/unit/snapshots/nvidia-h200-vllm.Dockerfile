@@ -1,6 +1,7 @@
 # Rendered by skupin 0.1.0 from skus/nvidia-h200-vllm.yaml: edit the manifest, not this file.
 # nvidia H200 SXM 141GB (sm_90, nvidia-hopper)
 # driver nvidia 580.95.05 | framework torch 2.13.0 | compiler triton 3.7.1 | engine vllm 0.32.0
+# pip steps compile bytecode with tools/bytecode.py (sha256 <builder/bytecode.py>), from builder/bytecode.py
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock nvidia-h200-vllm`).
 ARG SKUPIN_BASE=docker.io/nvidia/cuda:13.0.2-runtime-ubuntu24.04@sha256:6a0e31b59e70890446f2c17356d6efc0d54260090a8c63d6ca7c2ad049db95d2
 FROM ${SKUPIN_BASE}
@@ -25,24 +26,39 @@ ENV PATH=/opt/skupin/venv/bin:$PATH \
 
 # layer: framework
 COPY requirements/framework.txt /opt/skupin/requirements/framework.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/framework.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/framework.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: compiler
 COPY requirements/compiler.txt /opt/skupin/requirements/compiler.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/compiler.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/compiler.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: engine
 COPY requirements/engine.txt /opt/skupin/requirements/engine.txt
-RUN --mount=type=secret,id=skupin_ca \
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && pip install --only-binary=:all: --index-url https://pypi.org/simple \
-    -r /opt/skupin/requirements/engine.txt
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --only-binary=:all: --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/engine.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
 
 # layer: extras
 

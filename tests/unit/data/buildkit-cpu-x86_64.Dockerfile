@@ -1,0 +1,93 @@
+# Rendered by skupin 0.1.0 from skus/cpu-x86_64.yaml: edit the manifest, not this file.
+# cpu x86_64 CPU (x86_64, cpu-x86_64)
+# driver none none | framework torch 2.13.0+cpu | compiler gcc 12.2.0 | engine transformers 5.24.0
+# pip steps compile bytecode with tools/bytecode.py (sha256 a2ba358b627296eb), from builder/bytecode.py
+ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
+FROM ${SKUPIN_BASE}
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive \
+    LANG=C.UTF-8 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+# layer: base
+
+# layer: python
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates python3.11 python3.11-venv \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3.11 -m venv /opt/skupin/venv
+ENV PATH=/opt/skupin/venv/bin:$PATH \
+    VIRTUAL_ENV=/opt/skupin/venv
+
+# layer: framework
+COPY requirements/framework-deps.txt /opt/skupin/requirements/framework-deps.txt
+RUN --mount=type=bind,source=wheels/framework,target=/tmp/skupin-wheels --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
+    if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --no-deps --require-hashes --only-binary=:all: --find-links /tmp/skupin-wheels --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/framework-deps.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
+COPY requirements/framework.txt /opt/skupin/requirements/framework.txt
+RUN --mount=type=bind,source=wheels/framework,target=/tmp/skupin-wheels --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
+    if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --no-deps --require-hashes --only-binary=:all: --find-links /tmp/skupin-wheels --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/framework.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
+
+# layer: compiler
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++-12=12.2.0-14+deb12u1 libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+ENV CXX=g++-12
+
+# layer: engine
+COPY requirements/engine-deps.txt /opt/skupin/requirements/engine-deps.txt
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
+    if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --no-deps --require-hashes --only-binary=:all: --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/engine-deps.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
+COPY requirements/engine.txt /opt/skupin/requirements/engine.txt
+RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
+    if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
+ && touch /tmp/skupin-stamp \
+ && pip install --no-compile --progress-bar off --no-deps --require-hashes --only-binary=:all: --index-url https://pypi.org/simple \
+    -r /opt/skupin/requirements/engine.txt \
+ && python /tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' \
+    --cache /var/cache/skupin-bytecode "$VIRTUAL_ENV" \
+ && rm -f /tmp/skupin-stamp
+
+# layer: extras
+
+# layer: labels
+ENV OMP_NUM_THREADS="1"
+ARG SKUPIN_LOCK_HASH=unlocked
+ARG SKUPIN_DOCKERFILE_SHA256=unknown
+LABEL org.opencontainers.image.title="skupin/cpu-x86_64" \
+      org.opencontainers.image.description="x86_64 CPU, Debian 12, torch 2.13.0+cpu, transformers serve" \
+      org.opencontainers.image.vendor="skupin" \
+      org.opencontainers.image.version="5.24.0" \
+      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:d1d509563e47" \
+      io.skupin.sku="cpu-x86_64" \
+      io.skupin.hardware-class="cpu-x86_64" \
+      io.skupin.arch="x86_64" \
+      io.skupin.driver="none==none" \
+      io.skupin.framework="torch==2.13.0+cpu" \
+      io.skupin.compiler="gcc==12.2.0" \
+      io.skupin.engine="transformers==5.24.0" \
+      io.skupin.lock-sha256="${SKUPIN_LOCK_HASH}" \
+      io.skupin.dockerfile-sha256="${SKUPIN_DOCKERFILE_SHA256}"
