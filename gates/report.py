@@ -142,17 +142,18 @@ def plot(*, verdict: GateVerdict, path: Path) -> None:
         xs = [p.index for p in verdict.prompts if p.stats.get(stat) is not None]
         ys = [p.stats[stat] for p in verdict.prompts if p.stats.get(stat) is not None]
         d = thresholds.get(stat)
+        # The points go in before the reference lines: a line drawn on an axis with no data yet
+        # makes matplotlib autoscale to a single value ("identical low and high ylims").
         if stat == "top1_agree":
-            colors = ["tab:blue"] * len(xs)
+            ax.scatter(xs, ys, s=10, c=["tab:blue"] * len(xs))
             bound = verdict.tolerance.hard_bounds.get("min_top1_agree") if verdict.tolerance else None
             ax.set_ylim(-0.02, 1.02)
             if bound is not None:
                 ax.axhline(bound, color="tab:red", linestyle="--", label=f"hard bound {bound:.0%} (on the mean)")
         else:
-            colors = ["tab:red" if d and y > d.threshold else "tab:blue" for y in ys]
-            positive = [y for y in ys if y > 0]
-            if positive:
+            if any(y > 0 for y in ys):
                 ax.set_yscale("log")
+            ax.scatter(xs, [max(y, 1e-30) for y in ys], s=10, c=["tab:red" if d and y > d.threshold else "tab:blue" for y in ys])
             if d:
                 ax.axhline(d.threshold, color="tab:red", linestyle="--", label=f"per-prompt threshold {d.threshold:.2g}")
                 ax.axhline(d.mean_threshold, color="tab:orange", linestyle=":", label=f"mean bound {d.mean_threshold:.2g}")
@@ -160,7 +161,6 @@ def plot(*, verdict: GateVerdict, path: Path) -> None:
             mean = sum(ys) / len(ys)
             ax.axhline(mean if mean > 0 or stat == "top1_agree" else min([y for y in ys if y > 0] or [1e-30]),
                        color="tab:gray", linestyle=":", label=f"mean {mean:.2g}")
-        ax.scatter(xs, [max(y, 1e-30) if stat != "top1_agree" else y for y in ys], s=10, c=colors)
         ax.set_title(STAT_TITLES.get(stat, stat), fontsize=10)
         ax.set_xlabel("prompt")
         ax.legend(fontsize=7, loc="best")

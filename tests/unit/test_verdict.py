@@ -190,3 +190,17 @@ def test_kernel_hard_bound_needs_no_calibration():
     assert "silu.float32" in kernel_hard_failures(results=wrong_silu, hard=HardBounds())[0]
     nan = (KernelResult(op="matmul.bfloat16", rel_err=None, finite=False),)
     assert "NaN/Inf" in kernel_hard_failures(results=nan, hard=HardBounds())[0]
+
+
+def test_report_of_the_committed_example_plots_without_matplotlib_warnings(tmp_path):
+    """A real passing CPU verdict (docs/examples): reference lines drawn before any data made
+    matplotlib warn about identical y limits."""
+    import warnings
+
+    from builder.paths import REPO
+
+    verdict = GateVerdict.model_validate_json((REPO / "docs/examples/gate-cpu-x86_64/verdict.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = write_report(verdict=verdict, out=tmp_path)
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
