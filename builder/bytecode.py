@@ -42,11 +42,12 @@ HEADER_BYTES = 16  # magic, flags (0: timestamp-checked), source mtime, source s
 
 
 def new_sources(roots: list[Path], *, since_ns: int, lazy: re.Pattern[str] | None) -> list[Path]:
-    """Every *.py the step installed under the roots (modified after `since_ns`, not matched by
-    `lazy`), sorted. The files come from the RECORD of each distribution installed after
-    `since_ns` (a torch-sized venv is not walked); without any such RECORD the roots are walked."""
+    """Every *.py the step installed under the roots and not matched by `lazy`, sorted. The files
+    come from the RECORD of each distribution installed after `since_ns` (a torch-sized venv is
+    not walked); without any such RECORD the roots are walked for files modified after it."""
     found: set[str] = set()
     records = [r for root in roots for r in _new_records(root, since_ns)]
+    walked = not records
     if records:
         for site, record in records:
             try:
@@ -65,7 +66,8 @@ def new_sources(roots: list[Path], *, since_ns: int, lazy: re.Pattern[str] | Non
             st = os.stat(path)
         except OSError:
             continue
-        if st.st_mtime_ns > since_ns and not (lazy and lazy.search(path)):
+        # A file named by a new RECORD is this step's even if an installer kept the wheel's mtimes.
+        if (st.st_mtime_ns > since_ns or not walked) and not (lazy and lazy.search(path)):
             out.append(Path(path))
     return out
 

@@ -259,6 +259,11 @@ class RunningContainer:
             raise EngineError(f"waiting for container {self.id[:12]} failed: {exc}") from exc
 
 
+def _not_found(exc: "docker.errors.APIError") -> bool:
+    """The engine answered 404 (ImageNotFound, NotFound, or a bare APIError carrying the status)."""
+    return isinstance(exc, docker.errors.NotFound) or exc.status_code == 404
+
+
 def _is_timeout(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exc}".lower()
     return "timeout" in text or "timed out" in text
@@ -294,10 +299,8 @@ class Engine:
         """The local image `ref` (tag, id or name@digest), or None when absent."""
         try:
             a = self._client.api.inspect_image(ref)
-        except docker.errors.ImageNotFound:
-            return None
         except docker.errors.APIError as exc:
-            if exc.status_code == 404:
+            if _not_found(exc):
                 return None
             raise EngineError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
         cfg = a.get("Config") or {}
@@ -353,10 +356,8 @@ class Engine:
         try:
             self._client.api.remove_image(ref, force=force, noprune=False)
             return True
-        except docker.errors.ImageNotFound:
-            return False
         except docker.errors.APIError as exc:
-            if exc.status_code == 404:
+            if _not_found(exc):
                 return False
             raise EngineError(f"removing image {ref} failed: {exc.explanation or exc}") from exc
 

@@ -189,3 +189,15 @@ def test_a_venv_lib64_link_does_not_list_files_twice(tmp_path):
     (site / "pkg-1.dist-info").mkdir()
     (site / "pkg-1.dist-info/RECORD").write_text("pkg/__init__.py,sha256=a,6\n")
     assert bytecode.new_sources([venv], since_ns=stamp.stat().st_mtime_ns, lazy=None) == [site / "pkg/__init__.py"]
+
+
+def test_record_files_count_even_when_the_installer_kept_old_mtimes(tmp_path):
+    venv = tmp_path / "venv"
+    site = venv / "lib/python3.11/site-packages"
+    (site / "pkg").mkdir(parents=True)
+    (site / "pkg/__init__.py").write_text("A = 1\n")
+    os.utime(site / "pkg/__init__.py", (1_000_000, 1_000_000))  # the wheel's 1970s timestamp, kept
+    stamp = _stamp(tmp_path)
+    (site / "pkg-1.dist-info").mkdir()
+    (site / "pkg-1.dist-info/RECORD").write_text("pkg/__init__.py,sha256=a,6\n")
+    assert bytecode.new_sources([venv], since_ns=stamp.stat().st_mtime_ns, lazy=None) == [site / "pkg/__init__.py"]
