@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+from packaging.utils import canonicalize_name
 
 from builder.base import ensure_base
 from builder.build import build_image
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         cold_lock = read_lock(lock_path(cold_manifest))
         data = yaml.safe_load(SKU.read_text())
         old_version = data["stack"]["engine"]["version"]
-        engine_name = _canon_name(data["stack"]["engine"]["name"])
+        engine_name = canonicalize_name(data["stack"]["engine"]["name"])
         points: list[tuple[str, Path, Lock]] = []
         for version in versions:
             point_dir = Path(tmp, f"point-{version}")
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             point_manifest.write_text(yaml.safe_dump(data, sort_keys=False))
             say(f"locking the point release {old_version} -> {version}")
             point_lock = _lock_for(point_manifest, wheelhouse=wheelhouse, ca_bundle=ca)
-            others = {n: d for n, d in _lock_diff(cold_lock, point_lock).items() if _canon_name(n) != engine_name}
+            others = {n: d for n, d in _lock_diff(cold_lock, point_lock).items() if n != engine_name}  # lock keys are canonical
             if others:
                 say(f"{version}: its lock changes more than the engine ({others}); not a point release of the engine alone")
                 return 2
@@ -180,10 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result, indent=2))
     return 0
-
-
-def _canon_name(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
 
 
 if __name__ == "__main__":

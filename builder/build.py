@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
+from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from builder.base import ensure_base
@@ -258,10 +259,6 @@ _LIST_DISTS = (
 )
 
 
-def _canon(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def installed_distributions(*, engine: Engine, image: str, deadline_s: float = 120) -> dict[str, str]:
     """Ask the image's own Python (sandboxed: no network, read-only) for its installed distributions."""
     spec = ContainerSpec(image=image, entrypoint=("python", "-c", _LIST_DISTS), mem_limit="1g", user="65534:65534")
@@ -272,12 +269,12 @@ def installed_distributions(*, engine: Engine, image: str, deadline_s: float = 1
         data = json.loads(res.stdout)
     except json.JSONDecodeError as exc:
         raise BuildError(f"the image's Python printed no JSON list of distributions: {res.stdout[:500]!r}") from exc
-    return {_canon(k): str(v) for k, v in data.items()}
+    return {canonicalize_name(k): str(v) for k, v in data.items()}
 
 
 def compare_with_lock(*, installed: dict[str, str], lock: Lock) -> list[str]:
     """Every difference between what the image contains and what the lock says (empty = equal)."""
-    locked = {_canon(n): p.version for n, p in lock.packages().items()}
+    locked = {n: p.version for n, p in lock.packages().items()}  # keys already canonical
     problems = [f"{n}: locked {v}, image has {installed.get(n, 'nothing')}" for n, v in sorted(locked.items()) if installed.get(n) != v]
     problems += [f"{n}: image has {v}, not in the lock" for n, v in sorted(installed.items()) if n not in locked and n not in VENV_SEED]
     return problems

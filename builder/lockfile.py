@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
+from packaging.utils import canonicalize_name
 from pydantic import Field, ValidationError
 
 from builder.errors import LockError
@@ -68,11 +69,9 @@ class Lock(Frozen):
 
     def packages(self) -> dict[str, LockedPackage]:
         """Every locked Python package by normalised name."""
-        return {_norm(p.name): p for layer in self.layers.values() for p in layer}
+        return {canonicalize_name(p.name): p for layer in self.layers.values() for p in layer}
 
 
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def lock_path(manifest_path: Path) -> Path:

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import jinja2
+from packaging.utils import canonicalize_name
 
 from builder import __version__
 from builder.errors import BuildError
@@ -85,10 +86,6 @@ def _requirement(pkg: LockedPackage) -> str:
     return pkg.requirement()
 
 
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
 def _pin_requirement(pin: Pin) -> str:
     extras = f"[{','.join(pin.extras)}]" if pin.extras else ""
     return f"{pin.distribution}{extras}=={pin.version}"
@@ -128,9 +125,9 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
             pkgs = sorted(lock.layers.get(name, ()), key=lambda p: p.name.lower())
             # The pin itself gets its own step after its dependencies, so a point release of the
             # pin that keeps its dependencies rebuilds only that small step (and the ones above).
-            own = {_norm(p.distribution) for p in pins[name]}
-            lines = [_requirement(p) for p in pkgs if _norm(p.name) in own]
-            deps = [_requirement(p) for p in pkgs if _norm(p.name) not in own]
+            own = {canonicalize_name(p.distribution) for p in pins[name]}
+            lines = [_requirement(p) for p in pkgs if canonicalize_name(p.name) in own]
+            deps = [_requirement(p) for p in pkgs if canonicalize_name(p.name) not in own]
             if not lines:
                 lines, deps = deps, []
             local = tuple(sorted(p.filename for p in pkgs if p.source == "wheelhouse"))

@@ -14,6 +14,7 @@ import math
 from typing import Any, Literal
 
 import numpy as np
+from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from builder.errors import GateCouldNotRun, GateFailed
@@ -166,8 +167,6 @@ def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
 # ---------------------------------------------------------------- pins
 
 
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def driver_series(version: str) -> str:
@@ -177,14 +176,14 @@ def driver_series(version: str) -> str:
 
 def judge_pins(*, env: dict[str, Any], manifest: SkuManifest, lock: Lock | None, gpu_host: bool) -> CheckResult:
     """Versions the image really contains against the lock (or the manifest's pins when there is no lock)."""
-    dists = {_norm(k): v for k, v in (env.get("distributions") or {}).items()}
+    dists = {canonicalize_name(k): v for k, v in (env.get("distributions") or {}).items()}
     if not dists:
         return CheckResult(name="pins", status="error", reason="the probe reported no installed distributions")
     system = env.get("system_packages") or {}
     problems: list[str] = []
     expected: dict[str, str] = {}
     if lock is not None:
-        expected = {_norm(p.name): p.version for p in lock.packages().values()}
+        expected = {n: p.version for n, p in lock.packages().items()}
         for layer, entries in lock.system.items():
             for entry in entries:
                 name, _, version = entry.partition("=")
@@ -192,13 +191,13 @@ def judge_pins(*, env: dict[str, Any], manifest: SkuManifest, lock: Lock | None,
                     problems.append(f"apt {name}: image has {system.get(name) or 'nothing'}, lock says {version} ({layer})")
     for role, pin in manifest.stack.pins().items():
         if pin.is_python:
-            expected.setdefault(_norm(pin.distribution), pin.version)
+            expected.setdefault(canonicalize_name(pin.distribution), pin.version)
         elif pin.source.kind == "apt" and getattr(pin.source, "version", None):
             pkg, want = pin.source.package, pin.source.version
             if system and system.get(pkg) != want:
                 problems.append(f"{role} {pkg}: image has {system.get(pkg) or 'nothing'}, manifest pins {want}")
     for extra in manifest.extras.python:
-        expected.setdefault(_norm(extra.name), extra.version)
+        expected.setdefault(canonicalize_name(extra.name), extra.version)
     for name, version in sorted(expected.items()):
         have = dists.get(name)
         if have is None:
