@@ -103,7 +103,7 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
     model = v.check("model")
     if model and model.details.get("means"):
         means = model.details["means"]
-        lines += ["", f"Means over prompts: " + ", ".join(f"{k} {_g(val)}" for k, val in means.items()) +
+        lines += ["", "Means over prompts: " + ", ".join(f"{k} {_g(val)}" for k, val in means.items()) +
                   (f"; greedy continuations identical for {model.details['greedy_same']:.0%} of prompts"
                    if model.details.get("greedy_same") is not None else "")]
         for note in model.details.get("notes") or []:

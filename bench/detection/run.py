@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from bench.detection import analysis as A  # noqa: E402
-from bench.detection.swaps import BROKEN, DESCRIPTIONS, SWAPS  # noqa: E402
+from bench.detection.swaps import DESCRIPTIONS, SWAPS  # noqa: E402
 from gates.compare import DECISION_STATS  # noqa: E402
 from gates.tolerance import ToleranceKey  # noqa: E402
 

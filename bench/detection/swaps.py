@@ -73,7 +73,6 @@ DESCRIPTIONS = {
     "silu": "SiLU output x (1 + 2^-7) (a subtly wrong kernel)",
     "softmax": "softmax / attention probabilities x (1 + 2^-7) (a subtly wrong kernel)",
 }
-BROKEN = ("int4-nibble", "silu", "softmax")
 
 
 def selected(name: str, scope: str, num_layers: int) -> bool:
