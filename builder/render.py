@@ -34,8 +34,9 @@ BYTECODE_TOOL = Path(__file__).with_name("bytecode.py")
 
 
 @functools.cache
-def _bytecode_tool_sha256() -> str:
-    return hashlib.sha256(BYTECODE_TOOL.read_bytes()).hexdigest()
+def _bytecode_tool() -> str:
+    """The tool's text, read once per process (every render puts it in the context)."""
+    return BYTECODE_TOOL.read_text(encoding="utf-8")
 
 
 class PipLayer(Frozen):
@@ -76,7 +77,7 @@ def _environment() -> jinja2.Environment:
         autoescape=False,  # noqa: S701 - Dockerfiles, not HTML; values are grammar-checked
     )
     env.filters["dq"] = _escape_dq
-    env.globals["bytecode"] = {"folder": TOOLS_DIR, "name": BYTECODE_TOOL.name, "lazy": LAZY_BYTECODE, "sha256": _bytecode_tool_sha256()}
+    env.globals["bytecode"] = {"folder": TOOLS_DIR, "name": BYTECODE_TOOL.name, "lazy": LAZY_BYTECODE, "sha256": hashlib.sha256(_bytecode_tool().encode()).hexdigest()}
     return env
 
 
@@ -116,7 +117,7 @@ def _index_of(manifest: SkuManifest, layer: str) -> tuple[str, tuple[str, ...]]:
 def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dict[str, str], dict[str, tuple[str, ...]]]:
     pins = _layer_pins(manifest)
     layers: list[PipLayer] = []
-    files: dict[str, str] = {f"{TOOLS_DIR}/{BYTECODE_TOOL.name}": BYTECODE_TOOL.read_text(encoding="utf-8")}
+    files: dict[str, str] = {f"{TOOLS_DIR}/{BYTECODE_TOOL.name}": _bytecode_tool()}
     wheels: dict[str, tuple[str, ...]] = {}
     for name in PY_LAYERS:
         git = next((p.source for p in pins[name] if isinstance(p.source, GitSource)), None)
