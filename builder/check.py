@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from builder.errors import CompatError, ManifestError, Problem
-from builder.lockfile import Lock, lock_path, read_lock
+from builder.lockfile import Lock
 from builder.manifest import SkuManifest, parse_manifest
 
 
@@ -39,9 +39,8 @@ def _lock_state(manifest: SkuManifest, path: Path) -> tuple[Lock | None, str, st
     from builder.lock import lock_status
     from builder.render import render
 
-    dockerfile_sha = render(manifest=manifest).sha256
-    state, note = lock_status(manifest=manifest, manifest_path=path, dockerfile_sha256=dockerfile_sha)
-    lock = read_lock(lock_path(path)) if state != "unlocked" else None
+    state, note, lock = lock_status(manifest=manifest, manifest_path=path,
+                                    dockerfile_sha256=lambda: render(manifest=manifest).sha256)
     return lock, state, note
 
 

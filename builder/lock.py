@@ -619,19 +619,22 @@ def lock_sku(
 # ---------------------------------------------------------------- is a lock still current?
 
 
-def lock_status(*, manifest: SkuManifest, manifest_path: Path, dockerfile_sha256: str) -> tuple[str, str]:
-    """("ok" | "unlocked" | "stale", why) for the lock next to a manifest."""
+def lock_status(*, manifest: SkuManifest, manifest_path: Path,
+                dockerfile_sha256: str | Callable[[], str]) -> tuple[str, str, Lock | None]:
+    """("ok" | "unlocked" | "stale", why, the lock when it could be read) for the lock next to a
+    manifest. `dockerfile_sha256` may be a function: the Dockerfile is rendered only when a lock exists."""
     path = lock_path(manifest_path)
     if not path.exists():
-        return "unlocked", f"no {path.name}; run `skupin lock {manifest.name}`"
+        return "unlocked", f"no {path.name}; run `skupin lock {manifest.name}`", None
     try:
         lock = read_lock(path)
     except LockError as exc:
-        return "stale", f"{exc}; run `skupin lock {manifest.name}`"
-    reasons = stale_reasons(manifest=manifest, lock=lock, dockerfile_sha256=dockerfile_sha256)
+        return "stale", f"{exc}; run `skupin lock {manifest.name}`", None
+    sha = dockerfile_sha256() if callable(dockerfile_sha256) else dockerfile_sha256
+    reasons = stale_reasons(manifest=manifest, lock=lock, dockerfile_sha256=sha)
     if reasons:
-        return "stale", "; ".join(reasons) + f"; run `skupin lock {manifest.name}`"
-    return "ok", f"{path.name} {lock.content_hash()[:12]}"
+        return "stale", "; ".join(reasons) + f"; run `skupin lock {manifest.name}`", lock
+    return "ok", f"{path.name} {lock.content_hash()[:12]}", lock
 
 
 def stale_reasons(*, manifest: SkuManifest, lock: Lock, dockerfile_sha256: str) -> list[str]:

@@ -311,7 +311,7 @@ def test_lock_status(tmp_path, wheelhouse):
     manifest_path = tmp_path / "cpu-x86_64.yaml"
     manifest_path.write_text(CPU.read_text())
     manifest = load_manifest(manifest_path)
-    state, why = lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)
+    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)
     assert state == "unlocked" and "skupin lock cpu-x86_64" in why
 
     lock, _ = _lock_cpu(wheelhouse)
@@ -319,16 +319,22 @@ def test_lock_status(tmp_path, wheelhouse):
     assert read_lock(lock_path(manifest_path)) == lock
     assert lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)[0] == "ok"
 
-    state, why = lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256="e" * 64)
+    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256="e" * 64)
     assert state == "stale" and "Dockerfile" in why
 
     bumped = manifest.stack.engine.model_copy(update={"version": "5.25.0"})
     newer = manifest.model_copy(update={"stack": manifest.stack.model_copy(update={"engine": bumped})})
-    state, why = lock_status(manifest=newer, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)
+    state, why, _ = lock_status(manifest=newer, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)
     assert state == "stale" and "manifest changed" in why and "transformers==5.25.0" in why
 
     lock_path(manifest_path).write_text("{not json")
     assert lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)[0] == "stale"
+    # `skupin check` reports a damaged lock as stale instead of failing on a second read
+    from builder.check import check_file
+
+    report = check_file(manifest_path)
+    assert report.stack is not None and report.stack.lock_state == "stale" and report.stack.lock is None
+    assert "run `skupin lock" in report.stack.lock_note
 
 
 def test_pip_failures_are_explained(tmp_path):
