@@ -164,7 +164,7 @@ def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
 
     manifest = stack.manifest
     meta, reference, ref_sha = load_reference(manifest=manifest)
-    image_id = resolve_image(engine=engine, image=image)
+    image_id = resolve_image(engine=engine, image=image).id
     runs: list[HonestRun] = []
     for boot in range(boots):
         for batch, threads in variations:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from gates.verdict import (
     judge_pins,
     kernel_hard_failures,
 )
+
+if TYPE_CHECKING:
+    from builder.engine import ImageInfo
 
 OnEvent = Callable[[str], None]
 PROBE = Path(__file__).with_name("probe.py")
@@ -112,12 +115,12 @@ def image_from_build_record(sku: str) -> str:
         raise GateCouldNotRun(f"{path}: no build record for {sku}; fix: skupin build {sku}, or pass --image") from exc
 
 
-def resolve_image(*, engine, image: str) -> str:
-    """The id of local image `image`, or GateCouldNotRun."""
+def resolve_image(*, engine, image: str) -> ImageInfo:
+    """The ImageInfo (id, labels, ...) of local image `image`, or GateCouldNotRun."""
     info = engine.inspect_image(image)
     if info is None:
         raise GateCouldNotRun(f"image {image} is not on this engine; fix: build or load it first")
-    return info.id
+    return info
 
 
 # ---------------------------------------------------------------- running the probe
@@ -338,9 +341,9 @@ def _check_boot(run: _GateRun) -> None:
     """Run the probe once in the sandbox: the image starts and reports its environment."""
     t0 = time.monotonic()
     try:
-        run.image_id = resolve_image(engine=run.engine, image=run.image)
-        info = run.engine.inspect_image(run.image)
-        run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256") if info else None
+        info = resolve_image(engine=run.engine, image=run.image)
+        run.image_id = info.id
+        run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256")
         run.on_event(f"booting {run.image} ({run.image_id[:19]}) with the probe "
                      f"(deadline {run.manifest.gate.deadline_s} s)")
         run.probe = probe_in_container(manifest=run.manifest, image=run.image_id, engine=run.engine,
