@@ -131,29 +131,42 @@ def run_label(out: Path) -> str:
     return hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
 
 
+def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ...], command: tuple[str, ...],
+                 mounts: tuple, labels: dict[str, str], env: dict[str, str] | None = None):
+    """A container for an image under test with the gate's sandbox (probe and server alike): no network, no
+    capabilities, no-new-privileges, read-only root with a tmpfs /tmp, the SKU's memory limit, a pid limit, the
+    SKU's runtime (shm, ipc, devices, groups, GPUs) and SANDBOX_ENV + the SKU's runtime env (+ `env` on top)."""
+    from builder.engine import ContainerSpec
+
+    runtime = manifest.runtime
+    return ContainerSpec(
+        image=image, entrypoint=entrypoint, command=command, env={**SANDBOX_ENV, **runtime.env, **(env or {})},
+        network="none", read_only=True, tmpfs={"/tmp": "rw,exec,size=1g"}, mem_limit=manifest.gate.memory,
+        pids_limit=1024, shm_size=runtime.shm_size, ipc="host" if runtime.ipc == "host" else None,
+        cap_drop=("ALL",), security_opt=("no-new-privileges",), mounts=mounts,
+        devices=tuple(runtime.devices), group_add=tuple(runtime.group_add), gpus=runtime.gpus == "all",
+        labels=labels,
+    )
+
+
 def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path, batch_size: int | None = None,
                threads: int = 0, checks: str = "env,kernels,model", probe: Path = PROBE):
     """The sandboxed container that runs the probe on `image` (see the module docstring)."""
-    from builder.engine import BindMount, ContainerSpec
+    from builder.engine import BindMount
 
-    gate, runtime = manifest.gate, manifest.runtime
-    env = {**SANDBOX_ENV, **runtime.env}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
+    gate = manifest.gate
     args = ["--model", MODEL_MOUNT, "--prompts", f"{MODEL_MOUNT}/prompts.json", "--out", OUT_MOUNT,
             "--dtype", gate.dtype, "--batch-size", str(batch_size or gate.batch_size), "--device", "auto",
             "--engine", manifest.stack.engine.name if manifest.stack.engine.name in ("transformers", "vllm", "sglang")
             else "transformers", "--checks", checks]
     if threads:
         args += ["--threads", str(threads)]
-    return ContainerSpec(
-        image=image, entrypoint=("python3",), command=(PROBE_MOUNT, *args), env=env, network="none", read_only=True,
-        tmpfs={"/tmp": "rw,exec,size=1g"}, mem_limit=gate.memory, pids_limit=1024, shm_size=runtime.shm_size,
-        ipc="host" if runtime.ipc == "host" else None, cap_drop=("ALL",), security_opt=("no-new-privileges",),
+    return sandbox_spec(
+        manifest=manifest, image=image, entrypoint=("python3",), command=(PROBE_MOUNT, *args),
+        env={"OMP_NUM_THREADS": str(threads)} if threads else None,
         mounts=(BindMount(source=probe.resolve(), target=PROBE_MOUNT, read_only=True),
                 BindMount(source=model_dir.resolve(), target=MODEL_MOUNT, read_only=True),
                 BindMount(source=out.resolve(), target=OUT_MOUNT, read_only=False)),
-        devices=tuple(runtime.devices), group_add=tuple(runtime.group_add), gpus=runtime.gpus == "all",
         labels={"io.skupin.role": "gate-probe", "io.skupin.sku": manifest.name, RUN_LABEL: run_label(out)},
     )
 

@@ -40,9 +40,9 @@ from pydantic import Field
 from builder.errors import EngineError, GateCouldNotRun
 from builder.manifest import ServeGate, SkuManifest
 from builder.model import Frozen
+from gates.gate import MODEL_MOUNT
 
 OnEvent = Callable[[str], None]
-MODEL_MOUNT = "/skupin/model"
 SERVED_NAME = "skupin-model"
 DEFAULT_PORT = 8000
 CLONE_NEWNET = 0x40000000
@@ -95,18 +95,14 @@ def launch_command(*, manifest: SkuManifest, port: int = DEFAULT_PORT, model_dir
 
 
 def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: ServerLaunch, role: str = "gate-serve"):
-    """The sandboxed server container: no network, no capabilities, read-only root and model, the SKU's limits."""
-    from builder.engine import BindMount, ContainerSpec
-    from gates.gate import SANDBOX_ENV
+    """The sandboxed server container (gates.gate.sandbox_spec): no network, no capabilities, read-only root and
+    model, the SKU's limits."""
+    from builder.engine import BindMount
+    from gates.gate import sandbox_spec
 
-    runtime = manifest.runtime
-    return ContainerSpec(
-        image=image, entrypoint=(launch.argv[0],), command=launch.argv[1:], env={**SANDBOX_ENV, **runtime.env},
-        network="none", read_only=True, tmpfs={"/tmp": "rw,exec,size=1g"}, mem_limit=manifest.gate.memory,
-        pids_limit=1024, shm_size=runtime.shm_size, ipc="host" if runtime.ipc == "host" else None,
-        cap_drop=("ALL",), security_opt=("no-new-privileges",),
+    return sandbox_spec(
+        manifest=manifest, image=image, entrypoint=(launch.argv[0],), command=launch.argv[1:],
         mounts=(BindMount(source=Path(model_dir).resolve(), target=MODEL_MOUNT, read_only=True),),
-        devices=tuple(runtime.devices), group_add=tuple(runtime.group_add), gpus=runtime.gpus == "all",
         labels={"io.skupin.role": role, "io.skupin.sku": manifest.name},
     )
 
