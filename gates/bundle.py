@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from builder import __version__
@@ -44,13 +44,22 @@ def fixture_folder(*, name: str, model_dir: Path | None, scratch: Path) -> Path:
     return Path(model_dir)
 
 
+def probe_args(*, model_dir: str | Path, out: str | Path, dtype: str, batch_size: int, engine: str,
+               checks: str = "env,kernels,model", full_logprobs: int | None = None, threads: int = 0) -> list[str]:
+    """The probe's arguments (after the script path), for a host capture and the gate's container alike."""
+    args = ["--model", str(model_dir), "--prompts", str(PurePosixPath(model_dir) / "prompts.json"), "--out", str(out),
+            "--dtype", dtype, "--batch-size", str(batch_size), "--device", "auto", "--engine", engine,
+            "--checks", checks]
+    if full_logprobs is not None:
+        args += ["--full-logprobs", str(full_logprobs)]
+    return args + (["--threads", str(threads)] if threads else [])
+
+
 def probe_command(*, model_dir: Path, out: Path, dtype: str, batch_size: int, engine: str, full_logprobs: int,
                   threads: int = 0) -> list[str]:
     """The probe's argv for a capture on this host (the current Python, device auto)."""
-    cmd = [sys.executable, str(PROBE), "--model", str(model_dir), "--prompts", str(model_dir / "prompts.json"),
-           "--out", str(out), "--dtype", dtype, "--batch-size", str(batch_size), "--device", "auto",
-           "--engine", engine, "--checks", "env,kernels,model", "--full-logprobs", str(full_logprobs)]
-    return cmd + (["--threads", str(threads)] if threads else [])
+    return [sys.executable, str(PROBE), *probe_args(model_dir=model_dir, out=out, dtype=dtype, batch_size=batch_size,
+                                                    engine=engine, full_logprobs=full_logprobs, threads=threads)]
 
 
 def run_probe(*, cmd: list[str], timeout_s: int = DEFAULT_TIMEOUT_S) -> dict:

@@ -28,6 +28,7 @@ import numpy as np
 from builder import __version__
 from builder.errors import BundleError, EngineError, GateCouldNotRun
 from builder.manifest import SkuManifest
+from gates.bundle import PROBE, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
 from gates.verdict import (
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     from builder.engine import ImageInfo
 
 OnEvent = Callable[[str], None]
-PROBE = Path(__file__).with_name("probe.py")
 PROBE_MOUNT = "/skupin/probe.py"
 MODEL_MOUNT = "/skupin/model"
 OUT_MOUNT = "/skupin/out"
@@ -154,13 +154,10 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
     """The sandboxed container that runs the probe on `image` (see the module docstring)."""
     from builder.engine import BindMount
 
-    gate = manifest.gate
-    args = ["--model", MODEL_MOUNT, "--prompts", f"{MODEL_MOUNT}/prompts.json", "--out", OUT_MOUNT,
-            "--dtype", gate.dtype, "--batch-size", str(batch_size or gate.batch_size), "--device", "auto",
-            "--engine", manifest.stack.engine.name if manifest.stack.engine.name in ("transformers", "vllm", "sglang")
-            else "transformers", "--checks", checks]
-    if threads:
-        args += ["--threads", str(threads)]
+    gate, engine = manifest.gate, manifest.stack.engine.name
+    args = probe_args(model_dir=MODEL_MOUNT, out=OUT_MOUNT, dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
+                      engine=engine if engine in ("transformers", "vllm", "sglang") else "transformers", checks=checks,
+                      threads=threads)
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=("python3",), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,
