@@ -63,11 +63,6 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def _geomean(values: Sequence[float]) -> float:
-    good = [v for v in values if v > 0 and math.isfinite(v)]
-    return float(math.exp(sum(math.log(v) for v in good) / len(good))) if good else float("nan")
-
-
 def ab_from_runs(*, candidate_runs: Sequence[PerfResult], baseline_runs: Sequence[PerfResult], bound: float | None,
                  candidate_image: str, baseline_image: str, order: Sequence[str]) -> ABResult:
     """The A/B result from paired rounds (candidate_runs[i] and baseline_runs[i] ran in the same round)."""

@@ -195,8 +195,6 @@ def _reuse(run_out: Path, image_id: str):
         return None, None
     try:
         report, tensors = read_probe_outputs(run_out)
-    except GateCouldNotRun:
-        return None, None
     except Exception:  # noqa: BLE001 - an unreadable leftover is simply run again
         return None, None
     return (report, tensors) if report.get("status") == "ok" else (None, None)

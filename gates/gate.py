@@ -150,18 +150,17 @@ def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ..
 
 
 def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path, batch_size: int | None = None,
-               threads: int = 0, checks: str = "env,kernels,model", probe: Path = PROBE):
+               threads: int = 0):
     """The sandboxed container that runs the probe on `image` (see the module docstring)."""
     from builder.engine import BindMount
 
     gate, engine = manifest.gate, manifest.stack.engine.name
     args = probe_args(model_dir=MODEL_MOUNT, out=OUT_MOUNT, dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
-                      engine=engine if engine in ("transformers", "vllm", "sglang") else "transformers", checks=checks,
-                      threads=threads)
+                      engine=engine if engine in ("transformers", "vllm", "sglang") else "transformers", threads=threads)
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=("python3",), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,
-        mounts=(BindMount(source=probe.resolve(), target=PROBE_MOUNT, read_only=True),
+        mounts=(BindMount(source=PROBE.resolve(), target=PROBE_MOUNT, read_only=True),
                 BindMount(source=model_dir.resolve(), target=MODEL_MOUNT, read_only=True),
                 BindMount(source=out.resolve(), target=OUT_MOUNT, read_only=False)),
         labels={"io.skupin.role": "gate-probe", "io.skupin.sku": manifest.name, RUN_LABEL: run_label(out)},
@@ -191,8 +190,7 @@ def read_probe_outputs(out: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
 
 
 def probe_in_container(*, manifest: SkuManifest, image: str, engine, out: Path, batch_size: int | None = None,
-                       threads: int = 0, checks: str = "env,kernels,model", model_dir: Path | None = None,
-                       deadline_s: float | None = None) -> ProbeRun:
+                       threads: int = 0, model_dir: Path | None = None) -> ProbeRun:
     """Run the probe on `image` in the sandbox and read its outputs; failures come back in ProbeRun.error."""
     from gates.bundle import fixture_folder
 
@@ -202,8 +200,8 @@ def probe_in_container(*, manifest: SkuManifest, image: str, engine, out: Path, 
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
         model_dir = fixture_folder(name=manifest.gate.model, model_dir=model_dir, scratch=Path(scratch))
         spec = probe_spec(manifest=manifest, image=image, out=out, model_dir=model_dir, batch_size=batch_size,
-                          threads=threads, checks=checks)
-        deadline = float(deadline_s or manifest.gate.deadline_s)
+                          threads=threads)
+        deadline = float(manifest.gate.deadline_s)
         try:
             result = engine.run(spec, deadline_s=deadline)
         except EngineError:
@@ -487,8 +485,3 @@ def _finish(run: _GateRun, *, started: float, created: str) -> GateVerdict:
     write_report(verdict=verdict, out=run.out)
     run.on_event(f"verdict: {decision}: {reason} (report {run.out / 'report.md'}; {time.monotonic() - t0:.1f} s)")
     return verdict
-
-
-def write_verdict(verdict: GateVerdict, path: Path) -> None:
-    """verdict.json: the verdict as stable JSON."""
-    Path(path).write_text(verdict.model_dump_json(indent=1) + "\n", encoding="utf-8")

@@ -27,7 +27,6 @@ from gates.tolerance import HardBounds, ToleranceEntry
 VERDICT_FORMAT = "skupin-verdict/1"
 Status = Literal["pass", "fail", "error", "skipped"]
 Decision = Literal["pass", "fail", "could_not_run"]
-CHECK_ORDER = ("boot", "pins", "kernels", "model", "serve")
 
 
 class CheckResult(Frozen):
