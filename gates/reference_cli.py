@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from builder.errors import SkupinError
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def _sku_manifest(sku: str):
-    """Load a SKU given by name (skus/<name>.yaml under the repository) or by path."""
+    """Load a SKU given by name (skus/<name>.yaml) or by path; ManifestError (with a hint) when there is none."""
     from builder.manifest import load_manifest
+    from builder.paths import sku_path
 
-    path = Path(sku)
-    if not (path.suffix in (".yaml", ".yml") or "/" in sku):
-        path = REPO / "skus" / f"{sku}.yaml"
-    return load_manifest(path)
+    return load_manifest(sku_path(sku))
 
 
 def cmd_reference_capture(args: argparse.Namespace) -> int:
@@ -28,9 +25,7 @@ def cmd_reference_capture(args: argparse.Namespace) -> int:
     out = capture(manifest=manifest, out=Path(args.out), dtype=args.dtype, batch_size=args.batch_size,
                   model_dir=Path(args.model_dir) if args.model_dir else None, engine=args.engine,
                   full_logprobs=args.full_logprobs, threads=args.threads, model=args.model, command=["skupin", *sys.argv[1:]])
-    from gates.bundle import verify
-
-    meta = verify(folder=out)
+    meta = json.loads((out / "meta.json").read_text())  # capture() has just verified the bundle
     gpu = meta["gpu"]
     print(f"captured {out}: {meta['model']['name']} {meta['dtype']} batch {meta['batch_size']} on {gpu['name']} "
           f"(driver {meta['driver']}, cuda {meta['cuda']}, torch {meta['torch']}, triton {meta['triton']}, "
@@ -52,8 +47,9 @@ def cmd_reference_verify(args: argparse.Namespace) -> int:
 
 def cmd_fixture_generate(args: argparse.Namespace) -> int:
     from gates import fixture
+    from gates.bundle import FIXTURES
 
-    out = Path(args.out) if args.out else REPO / "gates" / "fixtures" / args.name
+    out = Path(args.out) if args.out else FIXTURES / args.name
     if args.check:
         hashes = fixture.check_fixture(name=args.name, folder=out)
         print(f"ok  {out}: fixture {args.name} matches its recorded sha256 ({fixture.digest_of(hashes)})")
