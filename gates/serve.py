@@ -448,14 +448,19 @@ def serve_settings(manifest: SkuManifest) -> ServeGate:
     return manifest.gate.serve or ServeGate()
 
 
+def prompt_input(launch: ServerLaunch, prompt: dict) -> str | list[int]:
+    """What a reference prompt is sent as: its token ids, except to `transformers serve`, which gets the text."""
+    return prompt["text"] if launch.engine == "transformers" else prompt["ids"]
+
+
 def greedy_completions(*, server: RunningServer, prompts: Sequence[dict], indices: Sequence[int],
                        max_tokens: int) -> list[Completion]:
     """Greedy completions of the chosen prompts, one at a time (the comparison needs no load)."""
     logprobs = 2 if server.launch.returns_logprobs else None
     out = []
     for i in indices:
-        prompt = prompts[i]["ids"] if server.launch.engine != "transformers" else prompts[i]["text"]
-        out.append(server.client.call(server.client.complete, prompt=prompt, max_tokens=max_tokens, logprobs=logprobs))
+        out.append(server.client.call(server.client.complete, prompt=prompt_input(server.launch, prompts[i]),
+                                      max_tokens=max_tokens, logprobs=logprobs))
     return out
 
 
@@ -524,8 +529,7 @@ def _serve(*, manifest, image, engine, ref, entry, baseline, folder, prompt_set,
         greedy.update(near_tie_threshold_source=provenance, seconds=round(greedy_s, 3), compared_by=sorted(
             {r.compared_by for r in results}), requested_logprobs=cand.launch.returns_logprobs)
         on_event(f"serve: greedy: {reason}")
-        perf_prompts = [prompts[i]["text"] if cand.launch.engine == "transformers" else prompts[i]["ids"]
-                        for i in indices[: perf.prompts]]
+        perf_prompts = [prompt_input(cand.launch, prompts[i]) for i in indices[: perf.prompts]]
         details: dict[str, Any] = {"engine": cand.launch.engine, "launch": list(cand.launch.argv),
                                    "ready_s": round(cand.ready_s, 3), "greedy": greedy,
                                    "logprobs": greedy["logprobs"] if provided else NOT_PROVIDED,
@@ -569,4 +573,4 @@ def _serve(*, manifest, image, engine, ref, entry, baseline, folder, prompt_set,
 
 __all__ = ["ServerLaunch", "launch_command", "server_spec", "enter_netns", "ServeClient", "Completion", "parse_stream",
            "wait_ready", "PromptServe", "near_tie_threshold", "reference_pieces", "compare_greedy", "judge_greedy",
-           "running_server", "greedy_completions", "serve_check", "serve_settings", "NOT_PROVIDED"]
+           "running_server", "prompt_input", "greedy_completions", "serve_check", "serve_settings", "NOT_PROVIDED"]

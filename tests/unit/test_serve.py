@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from builder.errors import GateCouldNotRun
 from builder.manifest import load_manifest
 from gates.serve import (NOT_PROVIDED, Completion, ServeClient, compare_greedy, judge_greedy, launch_command,
-                         near_tie_threshold, parse_stream, reference_pieces, server_spec, wait_ready)
+                         near_tie_threshold, parse_stream, prompt_input, reference_pieces, server_spec, wait_ready)
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"
@@ -66,6 +66,13 @@ def test_server_container_is_sandboxed() -> None:
     assert spec.entrypoint == ("transformers",) and spec.command[0] == "serve"
     assert all(mount.read_only for mount in spec.mounts)
     assert spec.env["OMP_NUM_THREADS"] == "1" and spec.env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_prompt_input_is_text_for_transformers_and_ids_otherwise() -> None:
+    prompt = {"text": "hello", "ids": [1, 2, 3]}
+    assert prompt_input(launch_command(manifest=manifest("cpu-x86_64")), prompt) == "hello"
+    assert prompt_input(launch_command(manifest=manifest("nvidia-h200-vllm")), prompt) == [1, 2, 3]
+    assert prompt_input(launch_command(manifest=manifest("nvidia-h200-sglang")), prompt) == [1, 2, 3]
 
 
 def test_unknown_engine_cannot_run() -> None:
