@@ -17,36 +17,24 @@ from builder.manifest import Bootstrap, SkuManifest
 
 OnEvent = Callable[[str], None]
 
-# Labels docker import gives a bootstrap base, so `docker inspect` says what made it.
-RECIPE_LABEL = "io.skupin.base.recipe-sha256"
-
-
 def _quiet(_: str) -> None:
     return None
 
 
-def base_reference(manifest: SkuManifest) -> str:
-    """The reference a Dockerfile's FROM uses for this SKU's base (local tag or name@digest)."""
-    if manifest.base.bootstrap is not None:
-        return manifest.base.bootstrap.local_tag()
-    assert manifest.base.image is not None
-    return str(manifest.base.image)
-
-
-def ensure_base(*, manifest: SkuManifest, engine: Engine, on_event: OnEvent = _quiet, workdir: Path | None = None) -> str:
+def ensure_base(*, manifest: SkuManifest, engine: Engine, on_event: OnEvent = _quiet) -> str:
     """Return the image id of the SKU's base, making it locally when it is missing.
 
     Bootstrap bases: reuse the local tag `Bootstrap.local_tag()` when present, else run
     debootstrap and `docker import` the tree. Image bases: use the local copy, else pull by
     digest (EngineError when no registry is reachable).
     """
-    ref = base_reference(manifest)
+    ref = manifest.base.reference
     info = engine.inspect_image(ref)
     if info is not None:
         on_event(f"base {ref} present ({info.id})")
         return info.id
     if manifest.base.bootstrap is not None:
-        return _bootstrap(recipe=manifest.base.bootstrap, engine=engine, on_event=on_event, workdir=workdir)
+        return _bootstrap(recipe=manifest.base.bootstrap, engine=engine, on_event=on_event)
     on_event(f"base {ref} not present locally: pulling by digest")
     try:
         return engine.pull(ref)
@@ -65,10 +53,10 @@ def _ensure_debootstrap(on_event: OnEvent) -> str:
     return shutil.which("debootstrap") or "/usr/sbin/debootstrap"
 
 
-def _bootstrap(*, recipe: Bootstrap, engine: Engine, on_event: OnEvent, workdir: Path | None) -> str:
+def _bootstrap(*, recipe: Bootstrap, engine: Engine, on_event: OnEvent) -> str:
     tool = _ensure_debootstrap(on_event)
     tag = recipe.local_tag()
-    with tempfile.TemporaryDirectory(prefix="skupin-base-", dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory(prefix="skupin-base-") as tmp:
         root = Path(tmp) / "rootfs"
         cmd = [tool, f"--variant={recipe.variant}"]
         if recipe.include:

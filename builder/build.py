@@ -1,6 +1,6 @@
 """Build a SKU's image from its lock: render, BuildKit build, verify the installed set, then tag.
 
-The flow of `build_image`:
+The flow of `build_image` (a lock that no longer matches the manifest is refused first):
 1. make sure the base exists (`builder.base.ensure_base`);
 2. render the Dockerfile with the lock and sync the SKU's build context folder
    (`.skupin/contexts/<sku>`, kept between builds and locked while in use, so that BuildKit
@@ -39,7 +39,7 @@ from builder.lockfile import Lock, image_tag
 from builder.manifest import SkuManifest
 from builder.model import Frozen
 from builder.paths import STATE
-from builder.render import base_reference, render, write_context
+from builder.render import render, write_context
 
 OnLine = Callable[[str], None]
 Progress = Literal["tty", "plain"]
@@ -207,16 +207,12 @@ def _with_variables(text: str) -> re.Pattern[str]:
 
 def layer_timings(steps: list[_Step]) -> tuple[LayerTiming, ...]:
     """Sum steps per layer, in the order layers first appear."""
-    order: list[str] = []
     agg: dict[str, list[_Step]] = {}
     for s in steps:
-        if s.layer not in agg:
-            order.append(s.layer)
-            agg[s.layer] = []
-        agg[s.layer].append(s)
+        agg.setdefault(s.layer, []).append(s)
     return tuple(
-        LayerTiming(name=n, seconds=round(sum(s.seconds for s in agg[n]), 2), cached=all(s.cached for s in agg[n]), steps=len(agg[n]))
-        for n in order
+        LayerTiming(name=n, seconds=round(sum(s.seconds for s in group), 2), cached=all(s.cached for s in group), steps=len(group))
+        for n, group in agg.items()
     )
 
 
@@ -295,13 +291,13 @@ def build_image(
     on_line: OnLine = _quiet,
     no_cache: bool = False,
     records: Path | None = None,
-    contexts: Path | None = None,
 ) -> BuiltImage:
     """Build, verify and tag the SKU's image from its lock; write the build record; see the module doc."""
     if lock.sku != manifest.name:
         raise BuildError(f"{manifest_path}: the lock is for SKU {lock.sku!r}, not {manifest.name!r}")
     if ca_bundle is not None and not ca_bundle.is_file():
         raise BuildError(f"--ca-bundle {ca_bundle}: no such file")
+    _refuse_stale(manifest=manifest, manifest_path=manifest_path, lock=lock)  # before any Docker work
     start = time.monotonic()
     phases: dict[str, float] = {}
     mark = start
@@ -314,20 +310,19 @@ def build_image(
 
     base_id = ensure_base(manifest=manifest, engine=engine, on_event=on_line)
     phase("base")
-    _refuse_stale(manifest=manifest, manifest_path=manifest_path, lock=lock)
     rendered = render(manifest=manifest, lock=lock)
     tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
     lock_hash = lock.content_hash()
     lines: list[str] = []
     sink = _sink(progress=progress, on_line=on_line, dockerfile=rendered.text, lines=lines)
-    with _context_folder((contexts or STATE / "contexts") / manifest.name, on_line=on_line) as folder:
+    with _context_folder(STATE / "contexts" / manifest.name, on_line=on_line) as folder:
         ctx = write_context(rendered=rendered, out=folder, wheelhouse=wheelhouse, prune=True)
         phase("context")
         try:
             image_id = engine.build(
                 context=ctx,
                 dockerfile=ctx / "Dockerfile",
-                build_args={"SKUPIN_BASE": base_reference(manifest), "SKUPIN_LOCK_HASH": lock_hash, "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
+                build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock_hash, "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
                 secrets={CA_SECRET_ID: ca_bundle} if ca_bundle else None,
                 no_cache=no_cache,
                 on_line=sink,
@@ -418,8 +413,4 @@ def _sink(*, progress: Progress, on_line: OnLine, dockerfile: str, lines: list[s
 def write_record(*, built: BuiltImage, folder: Path) -> Path:
     """Write the build record JSON (<folder>/<sku>.json, atomic replace) and return its path."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{built.sku}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(built.model_dump(mode="json"), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return built.write_json(folder / f"{built.sku}.json")

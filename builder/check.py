@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
 
 from builder.errors import CompatError, ManifestError, Problem
 from builder.lockfile import Lock
-from builder.manifest import SkuManifest, parse_manifest
+from builder.manifest import SkuManifest, display_path, parse_manifest
+from builder.model import Frozen
 
 
-class ResolvedStack(BaseModel):
+class ResolvedStack(Frozen):
     """A manifest that passed check, with its lock when one exists and is fresh."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     manifest: SkuManifest
     manifest_path: str
@@ -23,10 +21,8 @@ class ResolvedStack(BaseModel):
     lock_note: str = ""
 
 
-class SkuReport(BaseModel):
+class SkuReport(Frozen):
     """What check found for one manifest file."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     file: str
     stack: ResolvedStack | None
@@ -51,19 +47,12 @@ def check_file(path: Path, *, with_lock: bool = True) -> SkuReport:
     manifest, problems = parse_manifest(path)
     if manifest is None:
         return SkuReport(file=str(path), stack=None, manifest_problems=tuple(problems))
-    compat = check_compat(manifest=manifest, file=_display(path))
+    compat = check_compat(manifest=manifest, file=display_path(path))
     lock, state, note = None, "unlocked", ""
     if with_lock and not compat:
         lock, state, note = _lock_state(manifest, path)
     stack = ResolvedStack(manifest=manifest, manifest_path=str(path), lock=lock, lock_state=state, lock_note=note)
     return SkuReport(file=str(path), stack=stack, compat_problems=tuple(compat))
-
-
-def _display(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 def check_paths(paths: list[Path], *, with_lock: bool = True) -> list[SkuReport]:

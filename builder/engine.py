@@ -6,7 +6,7 @@ Its surface is small on purpose:
 - readiness: `ensure_engine()` makes sure an engine answers (installs Debian's docker.io and
   starts dockerd when nothing listens; never touches an engine that already answers);
 - images: `inspect_image`, `image_exists`, `tag`, `remove_image`, `pull`, `import_rootfs`,
-  `image_layers`;
+  `unique_bytes`;
 - sandboxed containers: `run(spec, deadline_s=...)` for one-shot commands and
   `container(spec)` (a context manager) for long-running ones (exec, logs, network-namespace
   pid); both ALWAYS remove the container, also on exceptions and Ctrl-C;
@@ -149,14 +149,6 @@ class ImageInfo(Frozen):
     size: int
     layers: tuple[str, ...] = Field(description="RootFS layer diff ids, bottom first")
     created: str
-
-
-class LayerInfo(Frozen):
-    """One entry of `docker history`: the instruction that made it and the bytes it added."""
-
-    id: str
-    created_by: str
-    size: int
 
 
 class BindMount(Frozen):
@@ -317,14 +309,6 @@ class Engine:
     def image_exists(self, ref: str) -> bool:
         return self.inspect_image(ref) is not None
 
-    def image_history(self, ref: str) -> tuple[LayerInfo, ...]:
-        """`docker history` of an image, newest first."""
-        try:
-            rows = self._client.api.history(ref)
-        except docker.errors.APIError as exc:
-            raise EngineError(f"history of {ref} failed: {exc.explanation or exc}") from exc
-        return tuple(LayerInfo(id=str(r.get("Id", "")), created_by=str(r.get("CreatedBy", "")), size=int(r.get("Size") or 0)) for r in rows)
-
     def unique_bytes(self, ref: str) -> int:
         """Bytes of the image's layers that no other local image shares (`docker system df -v`)."""
         info = self.inspect_image(ref)
@@ -483,8 +467,8 @@ class Engine:
         start = time.monotonic()
         with self.container(spec) as running:
             code = running.wait(deadline_s=deadline_s)
-            out = running._c.logs(stdout=True, stderr=False).decode("utf-8", "replace")
-            err = running._c.logs(stdout=False, stderr=True).decode("utf-8", "replace")
+            out = running.logs(stderr=False)
+            err = running.logs(stdout=False)
         return RunResult(exit_code=code, stdout=out, stderr=err, timed_out=code is None, seconds=round(time.monotonic() - start, 3))
 
     def containers(self, *, label: str | None = None, all: bool = True) -> tuple[str, ...]:  # noqa: A002
@@ -517,7 +501,6 @@ class Engine:
         dockerfile: Path,
         build_args: Mapping[str, str] | None = None,
         secrets: Mapping[str, Path] | None = None,
-        labels: Mapping[str, str] | None = None,
         no_cache: bool = False,
         on_line: OnEvent = _quiet,
     ) -> str:
@@ -536,8 +519,6 @@ class Engine:
                 cmd += ["--build-arg", f"{k}={v}"]
             for k, path in (secrets or {}).items():
                 cmd += ["--secret", f"id={k},src={path}"]
-            for k, v in (labels or {}).items():
-                cmd += ["--label", f"{k}={v}"]
             if no_cache:
                 cmd.append("--no-cache")
             cmd.append(str(context))

@@ -36,7 +36,7 @@ from packaging.version import InvalidVersion, Version
 from builder import __version__
 from builder.errors import LockError, Problem
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock
-from builder.manifest import PYPI, Pin, SkuManifest, manifest_digest
+from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
 from builder.model import Frozen
 
 DEFAULT_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -132,13 +132,6 @@ def target_environment(manifest: SkuManifest) -> dict[str, str]:
 # ---------------------------------------------------------------- the plan (pure)
 
 
-def _display(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
 def _pin_requirement(pin: Pin) -> str:
     extras = f"[{','.join(pin.extras)}]" if pin.extras else ""
     if pin.source.kind == "url":
@@ -162,7 +155,7 @@ def plan_layers(
     *, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None, index_url: str | None = None
 ) -> tuple[LayerPlan, ...]:
     """The Python layers to resolve, in order; LockError for sources that cannot be locked here."""
-    file, sku = _display(manifest_path), manifest.name
+    file, sku = display_path(manifest_path), manifest.name
     pins = manifest.stack.pins()
     mirror = (lambda url: index_url if index_url and url == PYPI else url)
     plans: list[LayerPlan] = []
@@ -238,7 +231,7 @@ def unreachable_sources(
     *, manifest: SkuManifest, manifest_path: Path, index_url: str | None, reachable: Callable[[str], bool]
 ) -> list[Problem]:
     """A problem for every remote source this machine does not reach."""
-    file, sku = _display(manifest_path), manifest.name
+    file, sku = display_path(manifest_path), manifest.name
     answers: dict[str, bool] = {}
     problems = []
     for field, kind, url in source_urls(manifest=manifest, index_url=index_url):
@@ -485,9 +478,9 @@ def locked_base(manifest: SkuManifest) -> LockedBase:
     """The base of the lock: the image reference and digest, or the bootstrap recipe's local tag and hash."""
     base = manifest.base
     if base.image:
-        return LockedBase(kind="image", reference=base.image, digest=base.image.rsplit("@", 1)[1])
+        return LockedBase(kind="image", reference=base.reference, digest=base.image.rsplit("@", 1)[1])
     assert base.bootstrap is not None  # Base's validator guarantees one origin
-    return LockedBase(kind="bootstrap", reference=base.bootstrap.local_tag(),
+    return LockedBase(kind="bootstrap", reference=base.reference,
                       recipe_sha256=base.bootstrap.recipe_sha256())
 
 
@@ -553,7 +546,7 @@ def lockable_plans(
         problems += unreachable_sources(manifest=manifest, manifest_path=manifest_path, index_url=index_url,
                                         reachable=reachable)
     if problems:
-        raise LockError(f"{_display(manifest_path)}: cannot be locked on this machine", tuple(problems))
+        raise LockError(f"{display_path(manifest_path)}: cannot be locked on this machine", tuple(problems))
     return plans
 
 
@@ -575,7 +568,7 @@ def lock_sku(
     its pins add to the layers below (the closure of framework; + compiler; + engine; + extras).
     """
     say = progress or (lambda _msg: None)
-    file = _display(manifest_path)
+    file = display_path(manifest_path)
     plans = lockable_plans(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse,
                            index_url=index_url, reachable=reachable or tcp_reachable)
     layers: dict[str, tuple[LockedPackage, ...]] = {layer: () for layer in PY_LAYERS}

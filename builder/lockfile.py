@@ -97,9 +97,7 @@ def read_lock(path: Path) -> Lock:
 
 def write_lock(lock: Lock, path: Path) -> None:
     """Write a lock as stable, diff-friendly JSON (atomic replace)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(lock.model_dump(mode="json"), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    lock.write_json(path)
 
 
 def image_tag(*, sku: str, engine_version: str, lock: Lock, repository: str = "skupin") -> str:

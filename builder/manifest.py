@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from builder.errors import ManifestError, Problem
+from builder.model import Frozen
 from builder.grammar import (
     DebName,
     DebVersion,
@@ -30,10 +31,8 @@ SCHEMA_VERSION = 1
 PYPI = "https://pypi.org/simple"
 
 
-class Model(BaseModel):
-    """Base of every manifest object: immutable, unknown keys rejected."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+# Base of every manifest object: immutable, unknown keys rejected.
+Model = Frozen
 
 
 # ---------------------------------------------------------------- accelerator and base
@@ -86,6 +85,11 @@ class Base(Model):
         if (self.image is None) == (self.bootstrap is None):
             raise ValueError("give exactly one of base.image (pinned by digest) or base.bootstrap")
         return self
+
+    @property
+    def reference(self) -> str:
+        """What the Dockerfile's FROM uses: the pinned image, or the bootstrap recipe's local tag."""
+        return self.image if self.image is not None else self.bootstrap.local_tag()  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- where a pin comes from
@@ -295,7 +299,8 @@ class SkuManifest(Model):
 # ---------------------------------------------------------------- loading with every problem named
 
 
-def _display(path: Path) -> str:
+def display_path(path: Path) -> str:
+    """`path` relative to the working folder when it lies below it (for messages), else as given."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
@@ -397,7 +402,7 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def parse_manifest(path: Path) -> tuple[SkuManifest | None, list[Problem]]:
     """Parse one manifest; return it (or None) and every problem found, never raising."""
-    file = _display(path)
+    file = display_path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -430,7 +435,7 @@ def load_manifest(path: Path) -> SkuManifest:
     """Load one manifest or raise ManifestError listing every problem."""
     manifest, problems = parse_manifest(path)
     if manifest is None:
-        raise ManifestError(f"{_display(path)}: invalid manifest", tuple(problems))
+        raise ManifestError(f"{display_path(path)}: invalid manifest", tuple(problems))
     return manifest
 
 

@@ -157,14 +157,6 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
     return layers, files, wheels
 
 
-def base_reference(manifest: SkuManifest) -> str:
-    """The FROM reference: the pinned image, or the local tag of the bootstrap recipe."""
-    if manifest.base.image:
-        return manifest.base.image
-    assert manifest.base.bootstrap is not None  # guaranteed by Base's validator
-    return manifest.base.bootstrap.local_tag()
-
-
 def render(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDockerfile:
     """Render the Dockerfile of a SKU; with a lock each layer installs exactly its locked set."""
     layers, files, wheels = _plan(manifest, lock)
@@ -172,7 +164,7 @@ def render(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDocker
         "sku": manifest,
         "pins": manifest.stack.pins(),
         "python": manifest.base.python,
-        "base_ref": base_reference(manifest),
+        "base_ref": manifest.base.reference,
         "locked": lock is not None,
         "layers": {layer.name: layer for layer in layers},
         "system_extras": [
