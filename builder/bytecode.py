@@ -38,7 +38,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 MAGIC = importlib.util.MAGIC_NUMBER
-HEADER_BYTES = 16  # magic, flags (0: timestamp-checked), source mtime, source size
 
 
 def new_sources(roots: list[Path], *, since_ns: int, lazy: re.Pattern[str] | None) -> list[Path]:
