@@ -226,8 +226,7 @@ def _refuse_stale(*, manifest: SkuManifest, manifest_path: Path, lock: Lock) -> 
                         f"fix: run `skupin lock {manifest.name}`")
 
 
-def _failure(exc: BuildError, *, dockerfile: str, ca_given: bool = True) -> BuildError:
-    lines: list[str] = getattr(exc, "lines_seen", [])
+def _failure(exc: BuildError, *, lines: list[str], dockerfile: str, ca_given: bool = True) -> BuildError:
     steps = parse_progress(lines, dockerfile=dockerfile)
     failed = next((s for s in steps if s.error), None)
     if failed is None:
@@ -328,7 +327,7 @@ def build_image(
                 on_line=sink,
             )
         except BuildError as exc:
-            raise _failure(exc, dockerfile=rendered.text, ca_given=ca_bundle is not None) from exc
+            raise _failure(exc, lines=lines, dockerfile=rendered.text, ca_given=ca_bundle is not None) from exc
     phase("buildkit")
     steps = parse_progress(lines, dockerfile=rendered.text)
     installed = installed_distributions(engine=engine, image=image_id)

@@ -507,8 +507,8 @@ class Engine:
         """Build with BuildKit (`docker build --progress=plain --iidfile`); return the image id.
 
         No tag is given: the caller tags only after every check passed, so a failed build
-        leaves no tag. Every output line goes to `on_line`. On failure raises BuildError whose
-        `.lines_seen` holds every line (the caller maps the failed step to its layer). On
+        leaves no tag. Every output line goes to `on_line` (the caller keeps what it needs, e.g. to
+        map a failed step to its layer). On failure raises BuildError with the exit code. On
         Ctrl-C the CLI is interrupted and waited for, which cancels the build in the engine
         (BuildKit's build containers end with the client's session).
         """
@@ -522,18 +522,15 @@ class Engine:
             if no_cache:
                 cmd.append("--no-cache")
             cmd.append(str(context))
-            lines: list[str] = []
-            code = self._stream(cmd, lines=lines, on_line=on_line)
+            code = self._stream(cmd, on_line=on_line)
             if code != 0:
-                err = BuildError(f"docker build exited with code {code}")
-                err.lines_seen = lines  # type: ignore[attr-defined]
-                raise err
+                raise BuildError(f"docker build exited with code {code}")
             try:
                 return iidfile.read_text(encoding="utf-8").strip()
             except OSError as exc:
                 raise BuildError("docker build succeeded but wrote no image id") from exc
 
-    def _stream(self, cmd: list[str], *, lines: list[str], on_line: OnEvent) -> int:
+    def _stream(self, cmd: list[str], *, on_line: OnEvent) -> int:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=self._cli_env(), start_new_session=True, text=True, errors="replace", bufsize=1,
@@ -542,9 +539,7 @@ class Engine:
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
-                line = raw.rstrip("\n")
-                lines.append(line)
-                on_line(line)
+                on_line(raw.rstrip("\n"))
             return proc.wait()
         except BaseException:
             _interrupt(proc)
