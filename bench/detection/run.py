@@ -59,8 +59,9 @@ def analyse_key(records: list[dict], hw: str, model: str, dtype: str) -> tuple[d
     }
     raw: dict = {}
     for n in SIZES:
-        section = {"honest": A.count(A.decisions(records=held, entry=entry, size=n), positive=False), "swaps": {}}
-        raw.setdefault(n, {})["honest"] = A.decisions(records=held, entry=entry, size=n)
+        honest = A.decisions(records=held, entry=entry, size=n)
+        section = {"honest": A.count(honest, positive=False), "swaps": {}}
+        raw.setdefault(n, {})["honest"] = honest
         for swap in SWAPS:
             runs = [r for r in swapped if r["swap"] == swap]
             if runs:

@@ -96,8 +96,9 @@ def _num(x) -> float | None:
 def measure(reference: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> dict:
     """Per-prompt statistics and kernel errors of a run against the reference (JSON-ready)."""
     stats = model_statistics(reference, tensors)
-    kernels = {k.op: (_num(k.rel_err) if k.rel_err is not None else None) for k in kernel_errors(reference, tensors)}
-    problems = {k.op: k.problem for k in kernel_errors(reference, tensors) if k.problem}
+    errors = kernel_errors(reference, tensors)
+    kernels = {k.op: (_num(k.rel_err) if k.rel_err is not None else None) for k in errors}
+    problems = {k.op: k.problem for k in errors if k.problem}
     return {"stats": {s: [_num(v) for v in stats.per_prompt[s]] for s in ALL_STATS},
             "available": list(stats.available), "nonfinite": list(stats.nonfinite),
             "kernels": kernels, "kernel_problems": problems}
