@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+from builder.paths import PYPI_SIMPLE
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Add every stage's subcommands; each stage module owns its own arguments and handler."""
-    from builder.compat_refresh import add_commands as add_compat_refresh
+    """Add every stage's subcommands. Only argument parsers are built here: a handler imports
+    its stage module when the command runs, so `skupin --help` or `skupin check` does not load
+    pydantic models, the index client or packaging for commands it does not run."""
     from builder.publish_cli import add_commands as add_publish
-    from builder.watch import add_commands as add_watch
     from gates.gate_cli import add_commands as add_gate
     from gates.reference_cli import add_commands as add_reference
 
@@ -17,14 +22,48 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_reference(sub)
     add_gate(sub)
     add_publish(sub)
-    add_compat_refresh(sub)
-    add_watch(sub)
+    _compat(sub)
+    _watch(sub)
+
+
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The handler `module.name`, imported only when its command runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), name)(args)
+
+    return run
+
+
+def _watch(sub: argparse._SubParsersAction) -> None:
+    """`skupin watch` (builder/watch.py)."""
+    p = sub.add_parser("watch", help="find point releases the update policies allow; propose (or apply) coupled bumps")
+    p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
+    p.add_argument("--index-url", help="PEP 691 index for every pin (default: each pin's own source)")
+    p.add_argument("--registry-url", help="registry for base-image tags (default: the image's own registry)")
+    p.add_argument("--apply", action="store_true", help="rewrite the manifests (comments kept) and relock them")
+    p.add_argument("--no-lock", action="store_true", help="with --apply: do not relock; list the locks as stale")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="wheelhouse for relocking wheelhouse pins")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="the report as JSON")
+    out.add_argument("--markdown", action="store_true", help="the report as a pull-request body")
+    p.set_defaults(func=_lazy("builder.watch", "cmd_watch"))
+
+
+def _compat(sub: argparse._SubParsersAction) -> None:
+    """`skupin compat refresh` (builder/compat_refresh.py)."""
+    p = sub.add_parser("compat", help="compatibility data: regenerate it from the packages' own metadata")
+    csub = p.add_subparsers(dest="compat_command", metavar="SUBCOMMAND", required=True)
+    r = csub.add_parser("refresh", help="rewrite the torch->triton/CUDA and engine->torch rows from wheel metadata")
+    r.add_argument("--index-url", default=PYPI_SIMPLE, help="PEP 691 index (default: PyPI; a mirror works)")
+    r.add_argument("--out", metavar="FILE", help="write here instead of builder/data/compat.yaml")
+    r.add_argument("--compat", metavar="FILE", help="the compatibility file to start from (default: builder/data/compat.yaml)")
+    r.add_argument("--json", action="store_true", help="a JSON report")
+    r.set_defaults(func=_lazy("builder.compat_refresh", "cmd_refresh"))
 
 
 def _engine_base_build(sub: argparse._SubParsersAction) -> None:
     """`engine up`, `base SKU`, `build SKU` (builder/engine.py, base.py, build.py)."""
-    from pathlib import Path
-
     from builder import cli
 
     p = sub.add_parser("engine", help="the Docker engine: `engine up` starts (and if needed installs) it")

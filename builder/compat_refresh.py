@@ -292,15 +292,3 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     sys.stdout.write(f"{'wrote' if report.changed else 'unchanged'} {report.out}: {report.torch_rows} torch rows, "
                      f"{report.engine_rows} engine rows from {args.index_url} in {report.seconds:.1f} s\n")
     return 0
-
-
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """`skupin compat refresh`."""
-    p = sub.add_parser("compat", help="compatibility data: regenerate it from the packages' own metadata")
-    csub = p.add_subparsers(dest="compat_command", metavar="SUBCOMMAND", required=True)
-    r = csub.add_parser("refresh", help="rewrite the torch->triton/CUDA and engine->torch rows from wheel metadata")
-    r.add_argument("--index-url", default=PYPI_SIMPLE, help="PEP 691 index (default: PyPI; a mirror works)")
-    r.add_argument("--out", metavar="FILE", help="write here instead of builder/data/compat.yaml")
-    r.add_argument("--compat", metavar="FILE", help="the compatibility file to start from (default: builder/data/compat.yaml)")
-    r.add_argument("--json", action="store_true", help="a JSON report")
-    r.set_defaults(func=cmd_refresh)

@@ -59,9 +59,9 @@ from pydantic import SecretStr
 
 from builder.errors import NetworkError
 from builder.model import Frozen
+from builder.paths import PYPI_SIMPLE
 
 SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
-PYPI_SIMPLE = "https://pypi.org/simple"
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_RETRIES = 3
 MAX_RETRY_AFTER = 30.0

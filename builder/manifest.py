@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from builder.errors import ManifestError, Problem
 from builder.model import Frozen
+from builder.paths import PYPI_SIMPLE
 from builder.grammar import (
     DebName,
     DebVersion,
@@ -28,7 +29,7 @@ from builder.grammar import (
 )
 
 SCHEMA_VERSION = 1
-PYPI = "https://pypi.org/simple"
+PYPI = PYPI_SIMPLE
 
 
 # Base of every manifest object: immutable, unknown keys rejected.

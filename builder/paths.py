@@ -11,6 +11,9 @@ REPO = Path(os.environ.get("SKUPIN_ROOT", Path(__file__).resolve().parents[1]))
 SKUS = REPO / "skus"
 TEMPLATES = REPO / "templates"
 STATE = Path(os.environ.get("SKUPIN_STATE", REPO / ".skupin"))
+# Defaults that CLI argument parsers need: kept here (stdlib only) so building the CLI stays light.
+PYPI_SIMPLE = "https://pypi.org/simple"
+REGISTRY_ADDR = "127.0.0.1:5000"  # the local registry `skupin registry up` runs
 
 
 def manifest_files(paths: list[Path]) -> list[Path]:

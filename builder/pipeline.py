@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from builder.errors import PublishError, SkupinError
+from builder.paths import REGISTRY_ADDR
 from builder.model import Frozen
 
 OnEvent = Callable[[str], None]
@@ -33,7 +34,7 @@ class RunOptions(Frozen):
 
     sku: str = "cpu-x86_64"
     registry: str | None = Field(None, description="host[:port][/namespace]; None = the local registry, started if needed")
-    addr: str = "127.0.0.1:5000"
+    addr: str = REGISTRY_ADDR
     wheelhouse: Path | None = None
     ca_bundle: Path | None = None
     no_cache: bool = False

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from builder.errors import PublishError, SkupinError  # noqa: F401
+from builder.errors import PublishError
 
 
 def _out(line: str = "") -> None:
@@ -117,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """`registry`, `publish`, `verify`, `pull`, `run`."""
-    from builder.registry import DEFAULT_ADDR
+    from builder.paths import REGISTRY_ADDR as DEFAULT_ADDR
 
     p = sub.add_parser("registry", help="the default local OCI registry: up, down, status (127.0.0.1:5000)")
     rsub = p.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
@@ -160,5 +160,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cache", action="store_true", help="build every layer again")
     p.set_defaults(func=cmd_run)
 
-
-__all__ = ["add_commands", "SkupinError"]

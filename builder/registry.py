@@ -33,8 +33,9 @@ from builder.apt import apt_install
 from builder.errors import NetworkError, PublishError
 from builder.index import RegistryClient
 from builder.model import Frozen
+from builder.paths import REGISTRY_ADDR
 
-DEFAULT_ADDR = "127.0.0.1:5000"
+DEFAULT_ADDR = REGISTRY_ADDR
 BINARY = "docker-registry"
 APT_PACKAGE = "docker-registry"
 OnEvent = Callable[[str], None]

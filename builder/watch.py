@@ -478,18 +478,3 @@ def cmd_watch(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n".join(text_report(report)) + "\n")
     return 9 if any(p.state == "error" for p in report.proposals) else 0
-
-
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """`skupin watch`."""
-    p = sub.add_parser("watch", help="find point releases the update policies allow; propose (or apply) coupled bumps")
-    p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
-    p.add_argument("--index-url", help="PEP 691 index for every pin (default: each pin's own source)")
-    p.add_argument("--registry-url", help="registry for base-image tags (default: the image's own registry)")
-    p.add_argument("--apply", action="store_true", help="rewrite the manifests (comments kept) and relock them")
-    p.add_argument("--no-lock", action="store_true", help="with --apply: do not relock; list the locks as stale")
-    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="wheelhouse for relocking wheelhouse pins")
-    out = p.add_mutually_exclusive_group()
-    out.add_argument("--json", action="store_true", help="the report as JSON")
-    out.add_argument("--markdown", action="store_true", help="the report as a pull-request body")
-    p.set_defaults(func=cmd_watch)

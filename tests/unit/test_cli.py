@@ -93,3 +93,16 @@ def test_schema_is_json_and_committed_copy_is_fresh(capsys):
     assert printed == manifest_schema()
     committed = json.loads((SKUS / "schema.json").read_text())
     assert committed == printed, "skus/schema.json is stale: run `skupin schema --write`"
+
+
+def test_building_the_cli_does_not_import_the_stages():
+    """`skupin --help` stays fast: handlers import their stage (pydantic models, the index client,
+    packaging) only when their command runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from builder.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('builder.watch', 'builder.compat_refresh', 'builder.index', 'builder.registry', "
+            "'builder.manifest', 'pydantic', 'packaging') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
