@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pydantic import Field
+
 from builder.errors import NetworkError, PublishError, SkupinError
 from builder.index import RegistryClient, parse_image_ref
 from builder.lockfile import Lock
@@ -31,6 +33,7 @@ class Verification(Frozen):
     lock_sha256: str | None = None
     gate_date: str | None = None
     reason: str = ""
+    image_id: str | None = Field(None, exclude=True)  # the record's image id; not part of `verify --json`
 
     def line(self) -> str:
         if self.ok:
@@ -79,7 +82,7 @@ def verify_reference(*, ref: str, current_lock: CurrentLock = committed_lock_has
 
 def _judge(*, ref, pinned, digest, record, client, repository, current_lock) -> Verification:
     base = dict(ref=ref, reference=pinned, digest=digest, sku=record.sku, lock_sha256=record.lock_sha256,
-                gate_date=record.gate_date)
+                gate_date=record.gate_date, image_id=record.image_id)
     no = lambda why: Verification(ok=False, reason=why, **base)  # noqa: E731
     if record.image_digest != digest:
         return no(f"the record is for {record.image_digest}, not {digest}")
@@ -120,15 +123,10 @@ def pull_verified(*, sku: str, target: RegistryTarget, engine, current_lock: Cur
     if not result.ok or result.reference is None:
         raise PublishError(result.line())
     image_id = engine.pull(result.reference)
-    if image_id != (record_id := _record_image_id(result, target, client_for)):
-        raise PublishError(f"pulled {result.reference} but the engine has image {image_id}, the record says {record_id}")
+    if image_id != result.image_id:
+        raise PublishError(f"pulled {result.reference} but the engine has image {image_id}, "
+                           f"the record says {result.image_id}")
     return result, image_id
-
-
-def _record_image_id(result: Verification, target: RegistryTarget, client_for: ClientFor) -> str:
-    assert result.digest is not None
-    with client_for(target.url) as client:
-        return read_record(client=client, repository=target.repository(str(result.sku)), digest=result.digest).image_id
 
 
 def verified_image_id(*, sku: str, target: RegistryTarget, timeout: float = 3.0) -> str | None:

@@ -239,6 +239,14 @@ def test_verification_lines():
     assert Verification(ok=False, ref="r:x", reason="why").line() == "NOT verified: r:x: why"
 
 
+def test_verification_json_leaves_out_image_id():
+    """`verify --json` prints model_dump(mode="json"); the carried image id is not part of it."""
+    fields = dict(ok=True, ref="r:verified", reference=f"r@{IMAGE}", sku="s", lock_sha256="f" * 64, gate_date="D")
+    carried = Verification(**fields, image_id=IMAGE)
+    assert carried.image_id == IMAGE
+    assert json.dumps(carried.model_dump(mode="json")) == json.dumps(Verification(**fields).model_dump(mode="json"))
+
+
 def test_run_summary_table():
     rows = tuple(StageResult(stage=s, result="ok", seconds=1.0) for s in STAGES)
     table = RunSummary(sku="cpu-x86_64", stages=rows, reference=f"r@{IMAGE}").table()
