@@ -37,7 +37,7 @@ from pydantic import Field
 
 from builder import __version__
 from builder.errors import EngineError, NetworkError, PublishError
-from builder.index import Manifest, RegistryClient, registry_url
+from builder.index import Manifest, RegistryClient, registry_url, sha256_digest
 from builder.lockfile import Lock, image_tag
 from builder.model import Frozen
 
@@ -226,10 +226,9 @@ class Artifact(Frozen):
 
 def record_artifact(*, record: VerificationRecord, subject: Manifest) -> Artifact:
     """Encode a record as an OCI image manifest (artifactType, one JSON layer, subject = the image)."""
-    import hashlib
 
     def desc(media: str, data: bytes) -> dict[str, Any]:
-        return {"mediaType": media, "digest": "sha256:" + hashlib.sha256(data).hexdigest(), "size": len(data)}
+        return {"mediaType": media, "digest": sha256_digest(data), "size": len(data)}
 
     config = _canonical({"sku": record.sku, "image_digest": record.image_digest, "format": record.format})
     layer = _canonical(record.model_dump(mode="json"))
