@@ -42,11 +42,9 @@ TARGET_RATIO = 0.05
 
 def _lock_for(manifest_path: Path, *, wheelhouse: Path | None, ca_bundle: Path | None) -> Lock:
     from builder.lock import lock_sku
-    from builder.render import render
 
-    manifest = load_manifest(manifest_path)
-    return lock_sku(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse,
-                    dockerfile_sha256=render(manifest=manifest).sha256, ca_bundle=ca_bundle)
+    return lock_sku(manifest=load_manifest(manifest_path), manifest_path=manifest_path, wheelhouse=wheelhouse,
+                    ca_bundle=ca_bundle)
 
 
 def _lock_diff(a: Lock, b: Lock) -> dict[str, str]:

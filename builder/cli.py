@@ -96,21 +96,19 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_lock(args: argparse.Namespace) -> int:
-    from builder.lock import lock_sku
-    from builder.lockfile import image_tag, lock_path, write_lock
+    from builder.lock import relock
+    from builder.lockfile import image_tag, lock_path
     from builder.manifest import load_manifest
     from builder.paths import sku_path
-    from builder.render import render
 
     for sku in args.skus:
         path = sku_path(sku)
         manifest = load_manifest(path)
-        lock = lock_sku(
+        lock = relock(
             manifest=manifest, manifest_path=path, wheelhouse=args.wheelhouse, index_url=args.index_url,
-            ca_bundle=args.ca_bundle, dockerfile_sha256=render(manifest=manifest).sha256,
+            ca_bundle=args.ca_bundle,
             progress=lambda line, name=manifest.name: print(f"{name}: {line}", file=sys.stderr, flush=True),
         )
-        write_lock(lock, lock_path(path))
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
         tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
         _out(f"locked {manifest.name}: {len(lock.packages())} packages ({counts}) -> {lock_path(path)}; image {tag}")

@@ -35,7 +35,7 @@ from packaging.version import InvalidVersion, Version
 
 from builder import __version__
 from builder.errors import LockError, Problem
-from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock
+from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
 from builder.model import Frozen
 
@@ -555,7 +555,7 @@ def lock_sku(
     manifest: SkuManifest,
     manifest_path: Path,
     wheelhouse: Path | None,
-    dockerfile_sha256: str,
+    dockerfile_sha256: str | None = None,
     index_url: str | None = None,
     progress: Progress | None = None,
     ca_bundle: Path | None = None,
@@ -602,11 +602,28 @@ def lock_sku(
         base=locked_base(manifest),
         layers=layers,
         system=_system(manifest),
-        dockerfile_sha256=dockerfile_sha256,
+        dockerfile_sha256=dockerfile_sha256 or _pins_dockerfile_sha256(manifest),
         resolver=resolver,
         tool_version=__version__,
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
+
+
+def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None = None, index_url: str | None = None,
+           progress: Progress | None = None, ca_bundle: Path | None = None) -> Lock:
+    """`lock_sku` and write the lock next to the manifest (what `skupin lock`, `skupin run` and
+    `skupin watch --apply` do)."""
+    lock = lock_sku(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse, index_url=index_url,
+                    progress=progress, ca_bundle=ca_bundle)
+    write_lock(lock, lock_path(manifest_path))
+    return lock
+
+
+def _pins_dockerfile_sha256(manifest: SkuManifest) -> str:
+    """The hash a lock records and `check` compares: the pins-only render of the manifest."""
+    from builder.render import render
+
+    return render(manifest=manifest).sha256
 
 
 # ---------------------------------------------------------------- is a lock still current?

@@ -141,9 +141,8 @@ def _ca_bundle(run: _Run) -> Path | None:
 def _lock(run: _Run) -> str:
     from builder.check import resolve
     from builder.errors import LockError
-    from builder.lock import lock_sku
-    from builder.lockfile import lock_path, write_lock
-    from builder.render import render
+    from builder.lock import relock
+    from builder.lockfile import lock_path
 
     stack, path = run.ctx["stack"], run.ctx["path"]
     if stack.lock_state == "ok":
@@ -151,9 +150,8 @@ def _lock(run: _Run) -> str:
     if stack.lock_state == "stale":
         raise LockError(f"{path}: the lock is stale: {stack.lock_note}")
     manifest = stack.manifest
-    lock = lock_sku(manifest=manifest, manifest_path=path, wheelhouse=_wheelhouse(run),
-                    dockerfile_sha256=render(manifest=manifest).sha256, progress=run.say, ca_bundle=_ca_bundle(run))
-    write_lock(lock, lock_path(path))
+    lock = relock(manifest=manifest, manifest_path=path, wheelhouse=_wheelhouse(run), progress=run.say,
+                  ca_bundle=_ca_bundle(run))
     run.ctx["stack"] = resolve(path, require_lock=True)
     return f"wrote {lock_path(path).name} ({lock.content_hash()[:12]})"
 
@@ -175,11 +173,11 @@ def _base(run: _Run) -> str:
 
 def _build(run: _Run) -> str:
     from builder.build import build_image
-    from builder.lockfile import lock_path, read_lock
     from builder.paths import STATE
 
     stack, path = run.ctx["stack"], run.ctx["path"]
-    built = build_image(manifest=stack.manifest, manifest_path=path, lock=read_lock(lock_path(path)),
+    assert stack.lock is not None  # _lock left a fresh, locked stack or raised
+    built = build_image(manifest=stack.manifest, manifest_path=path, lock=stack.lock,
                         engine=run.ctx["engine"], wheelhouse=_wheelhouse(run), ca_bundle=_ca_bundle(run),
                         progress="plain", on_line=run.say, no_cache=run.options.no_cache, records=STATE / "builds")
     run.ctx["built"] = built
@@ -188,12 +186,11 @@ def _build(run: _Run) -> str:
 
 
 def _gate(run: _Run) -> str:
-    from builder.check import resolve
     from builder.paths import STATE
     from gates.gate import gate_image
     from gates.verdict import raise_for_verdict
 
-    stack = resolve(run.ctx["path"], require_lock=True)
+    stack = run.ctx["stack"]  # the locked stack _lock left (or re-resolved after locking)
     built = run.ctx["built"]
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(STATE) / "gates" / stack.manifest.name / stamp

@@ -33,10 +33,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from builder.errors import NetworkError, SkupinError
-from builder.index import IndexClient, RegistryClient, linux_x86_64_wheel, parse_image_ref
+from builder.errors import SkupinError
+from builder.index import IndexClient, RegistryClient, parse_image_ref
 from builder.manifest import Pin, SkuManifest, parse_manifest
 from builder.model import Frozen
+from builder.paths import PYPI_SIMPLE
 
 Progress = Callable[[str], None]
 
@@ -102,9 +103,8 @@ class _Context:
 
     def index(self, pin: Pin) -> IndexClient:
         src = pin.source
-        url = self.index_url or getattr(src, "url", None) or getattr(src, "index", None) or "https://pypi.org/simple"
-        if src.kind == "git":
-            url = self.index_url or "https://pypi.org/simple"
+        # a git source has neither url nor index: its dependencies come from PyPI
+        url = self.index_url or getattr(src, "url", None) or getattr(src, "index", None) or PYPI_SIMPLE
         if url not in self._indexes:
             self._indexes[url] = IndexClient(url, ca_bundle=self.ca_bundle, timeout=self.timeout)
         return self._indexes[url]
@@ -123,11 +123,7 @@ class _Context:
         """The specifier the release's Linux x86_64 wheel puts on `dist` (None when it has no such requirement)."""
         from builder.compat_refresh import applicable
 
-        ix = self.index(pin)
-        wheel = linux_x86_64_wheel(ix.files(pin.distribution, version))
-        if wheel is None:
-            raise NetworkError(f"{pin.distribution} {version}: no Linux x86_64 wheel on {ix.base_url}")
-        reqs = applicable(ix.core_metadata(wheel).get("requires-dist", ()), python="3.12")
+        reqs = applicable(self.index(pin).requires_dist(pin.distribution, version), python="3.12")
         req: Requirement | None = reqs.get(canonicalize_name(dist))
         return req.specifier if req is not None else None
 
@@ -345,8 +341,9 @@ def _description(text: str, bumps: tuple[Bump, ...]) -> dict[str, str]:
     return {"description": new} if new != desc else {}
 
 
-def apply_proposal(proposal: Proposal) -> Path:
-    """Rewrite one manifest in place: only the bumped scalars (and the description's version tokens) change."""
+def apply_proposal(proposal: Proposal) -> tuple[Path, SkuManifest]:
+    """Rewrite one manifest in place: only the bumped scalars (and the description's version tokens)
+    change. Returns the path and the rewritten manifest, validated before it replaced the file."""
     from builder.errors import ManifestError
     from builder.yamledit import set_scalars
 
@@ -362,7 +359,7 @@ def apply_proposal(proposal: Proposal) -> Path:
         if manifest is None or problems:
             raise ManifestError(f"{path}: the bump would make the manifest invalid", tuple(problems))
         tmp.replace(path)
-    return path
+    return path, manifest
 
 
 Relock = Callable[[SkuManifest, Path], None]
@@ -370,13 +367,9 @@ Relock = Callable[[SkuManifest, Path], None]
 
 def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None) -> None:
     """Lock one SKU with builder.lock (raises LockError when its sources are unreachable)."""
-    from builder.lock import lock_sku
-    from builder.lockfile import lock_path, write_lock
-    from builder.render import render
+    from builder.lock import relock as lock_and_write
 
-    lock = lock_sku(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse,
-                    dockerfile_sha256=render(manifest=manifest).sha256)
-    write_lock(lock, lock_path(path))
+    lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse)
 
 
 def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str | None = None,
@@ -402,10 +395,9 @@ def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str 
         for p in proposals:
             if p.state != "bump":
                 continue
-            path = apply_proposal(p)
+            path, manifest = apply_proposal(p)
             applied.append(p.sku)
-            manifest, _ = parse_manifest(path)
-            if relock_fn is None or manifest is None:
+            if relock_fn is None:
                 stale.append(f"{p.sku}: not relocked (run `skupin lock {p.sku}`)")
                 continue
             try:
