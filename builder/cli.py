@@ -131,7 +131,7 @@ def _progress_printer(mode: str) -> Callable[[str], None]:
 def cmd_engine_up(args: argparse.Namespace) -> int:
     from builder.engine import ensure_engine
 
-    status = ensure_engine(deadline_s=args.deadline, on_event=lambda s: print(s, file=sys.stderr, flush=True))
+    status = ensure_engine(deadline_s=args.deadline, on_event=_progress_printer("plain"))
     _out(json.dumps(status.model_dump(mode="json")) if args.json else f"engine {status.server_version} on {status.socket}: {status.action}")
     return 0
 
@@ -143,7 +143,7 @@ def cmd_base(args: argparse.Namespace) -> int:
     from builder.paths import sku_path
 
     manifest = load_manifest(sku_path(args.sku))
-    image_id = ensure_base(manifest=manifest, engine=connect(), on_event=lambda s: print(s, file=sys.stderr, flush=True))
+    image_id = ensure_base(manifest=manifest, engine=connect(), on_event=_progress_printer("plain"))
     _out(image_id)
     return 0
 
@@ -218,15 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write", action="store_true", help="write skus/schema.json instead of printing")
     p.set_defaults(func=cmd_schema)
 
-    _add_optional_commands(sub)
-    return parser
-
-
-def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
-    """Commands of the other stages, each registered by the module that implements it."""
-    from builder import commands
+    from builder import commands  # the other stages' commands, each with a lazily imported handler
 
     commands.add_commands(sub)
+    return parser
 
 
 def _sigterm_as_interrupt() -> None:

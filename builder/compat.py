@@ -15,10 +15,11 @@ from typing import Literal
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from builder.errors import CompatError, Problem
 from builder.manifest import Pin, SkuManifest
+from builder.model import Frozen
 
 COMPAT_PATH = Path(__file__).with_name("data") / "compat.yaml"
 REFRESH = "run `skupin compat refresh` or add a row to builder/data/compat.yaml"
@@ -26,10 +27,8 @@ REFRESH = "run `skupin compat refresh` or add a row to builder/data/compat.yaml"
 Family = Literal["cuda", "rocm", "xpu", "cpu"]
 
 
-class Row(BaseModel):
+class Row(Frozen):
     """Base of every data row: immutable, unknown keys rejected, provenance required."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     source: str
     date: datetime.date
@@ -85,10 +84,8 @@ class VariantRow(Row):
     series: str | None = None
 
 
-class CompatData(BaseModel):
+class CompatData(Frozen):
     """All compatibility rows, as loaded from builder/data/compat.yaml."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     schema_version: Literal[1]
     families: tuple[FamilyRow, ...]

@@ -34,7 +34,7 @@ import re
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urljoin, urlparse
 
@@ -657,8 +657,3 @@ class RegistryClient:
         response = self._send("DELETE", f"/v2/{repo}/manifests/{tag}", scope=self._scope(repo, push=True),
                               ok=(200, 202, 400, 404, 405))
         return response.status_code in (200, 202)
-
-    def iter_repositories(self) -> Iterator[str]:
-        """The registry's catalog (`/v2/_catalog`), where the registry allows it."""
-        response = self._send("GET", "/v2/_catalog", scope="registry:catalog:*")
-        yield from response.json().get("repositories") or []

@@ -57,10 +57,6 @@ class LocalRegistry(Frozen):
         return f"http://{self.addr}"
 
     @property
-    def host(self) -> str:
-        return self.addr
-
-    @property
     def config_path(self) -> Path:
         return self.folder / "config.yml"
 
