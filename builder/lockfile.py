@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError
 
 from builder.errors import LockError
 from builder.grammar import Name, Sha256
-from builder.model import Frozen
+from builder.model import Frozen, canonical_json
 
 LOCK_VERSION = 1
 # Python layers in build order, slowest- to fastest-moving.
@@ -64,8 +64,7 @@ class Lock(Frozen):
     def content_hash(self) -> str:
         """sha256 of the canonical JSON without the creation time: the same lock, the same hash."""
         data = self.model_dump(mode="json", exclude={"created"})
-        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()
+        return hashlib.sha256(canonical_json(data)).hexdigest()
 
     def packages(self) -> dict[str, LockedPackage]:
         """Every locked Python package by normalised name."""

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from builder.errors import ManifestError, Problem
-from builder.model import Frozen
+from builder.model import Frozen, canonical_json
 from builder.paths import PYPI_SIMPLE
 from builder.grammar import (
     DebName,
@@ -61,10 +61,8 @@ class Bootstrap(Model):
     def recipe_sha256(self) -> str:
         """sha256 of the recipe's canonical JSON: the same recipe names the same local base."""
         import hashlib
-        import json
 
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()
+        return hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
 
     def local_tag(self) -> str:
         """The local image tag `skupin base` gives this recipe, e.g. skupin-base/debian-bookworm-minbase:1a2b3c4d5e6f."""
@@ -457,8 +455,6 @@ BUILD_INPUTS = ("schema_version", "name", "accelerator", "base", "stack", "extra
 def manifest_digest(manifest: SkuManifest) -> str:
     """sha256 of the canonical JSON of the manifest's build inputs: comments and key order do not change it."""
     import hashlib
-    import json
 
     data = manifest.model_dump(mode="json", include=set(BUILD_INPUTS))
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()
+    return hashlib.sha256(canonical_json(data)).hexdigest()

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+
+def canonical_json(data: Any) -> bytes:
+    """Canonical JSON bytes (sorted keys, no whitespace, ASCII): what content hashes and records are made of."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
 class Frozen(BaseModel):

@@ -39,7 +39,7 @@ from builder import __version__
 from builder.errors import EngineError, NetworkError, PublishError
 from builder.index import Manifest, RegistryClient, registry_url, sha256_digest
 from builder.lockfile import Lock, image_tag
-from builder.model import Frozen
+from builder.model import Frozen, canonical_json
 
 VERIFIED_TAG = "verified"
 PUSH_TAG_PREFIX = "skupin-push-"
@@ -212,10 +212,6 @@ def record_tag(digest: str) -> str:
     return f"sha256-{hexpart}.verification"
 
 
-def _canonical(data: Any) -> bytes:
-    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-
-
 class Artifact(Frozen):
     """The record as an OCI artifact: config blob, layer blob, manifest bytes."""
 
@@ -230,8 +226,8 @@ def record_artifact(*, record: VerificationRecord, subject: Manifest) -> Artifac
     def desc(media: str, data: bytes) -> dict[str, Any]:
         return {"mediaType": media, "digest": sha256_digest(data), "size": len(data)}
 
-    config = _canonical({"sku": record.sku, "image_digest": record.image_digest, "format": record.format})
-    layer = _canonical(record.model_dump(mode="json"))
+    config = canonical_json({"sku": record.sku, "image_digest": record.image_digest, "format": record.format})
+    layer = canonical_json(record.model_dump(mode="json"))
     manifest = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
@@ -242,7 +238,7 @@ def record_artifact(*, record: VerificationRecord, subject: Manifest) -> Artifac
         "annotations": {"io.skupin.sku": record.sku, "io.skupin.lock-sha256": record.lock_sha256,
                         "org.opencontainers.image.created": record.published},
     }
-    return Artifact(config=config, layer=layer, manifest=_canonical(manifest))
+    return Artifact(config=config, layer=layer, manifest=canonical_json(manifest))
 
 
 def read_record(*, client: RegistryClient, repository: str, digest: str) -> VerificationRecord:

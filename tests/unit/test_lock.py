@@ -25,6 +25,7 @@ from builder.lock import (
 )
 from builder.lockfile import PY_LAYERS, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
+from builder.model import canonical_json
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -145,6 +146,14 @@ def test_same_inputs_same_content_hash(wheelhouse):
     assert first.content_hash() == second.content_hash()
     changed = first.model_copy(update={"dockerfile_sha256": "e" * 64})
     assert changed.content_hash() != first.content_hash()
+
+
+def test_canonical_json_bytes(wheelhouse):
+    """The canonical form every content hash is made of: sorted keys, no whitespace, ASCII escapes."""
+    assert canonical_json({"b": 1, "a": [1, "\u00e9"], "c": None}) == b'{"a":[1,"\\u00e9"],"b":1,"c":null}'
+    lk, _ = _lock_cpu(wheelhouse)
+    data = lk.model_dump(mode="json", exclude={"created"})
+    assert lk.content_hash() == hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------- refusals
