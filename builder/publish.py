@@ -430,8 +430,7 @@ def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> Path | None:
 def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,
                 engine, on_event: OnEvent = _quiet) -> PublishedImage:
     """Load the SKU, its current lock, its built image and verdict; plan and publish (used by `publish` and `run`)."""
-    from builder.index import RegistryClient
-    from builder.lockfile import image_tag, lock_path, read_lock
+    from builder.lockfile import lock_path, read_lock
     from builder.manifest import load_manifest
     from builder.paths import sku_path
 
