@@ -359,8 +359,3 @@ def load_prompts(path: Path) -> dict:
     if any(len(p["ids"]) != doc["seq_len"] for p in doc["prompts"]):
         raise BundleError(f"{path}: every prompt must have seq_len={doc['seq_len']} ids")
     return doc
-
-
-def prompts_sha256(path: Path) -> str:
-    """The prompt-set hash recorded in bundles: sha256 of the prompts.json bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
