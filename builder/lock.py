@@ -16,6 +16,7 @@ violated) is fed back to pip as an explicit requirement, and packages the image 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -151,13 +152,18 @@ def _index_field(layer: str, pin: Pin | None) -> tuple[str, str | None]:
     return f"stack.{layer}.source.url", None
 
 
+def _mirrored(url: str, *, index_url: str | None) -> str:
+    """PyPI replaced by `--index-url` (a mirror) when one is given; other indexes kept."""
+    return index_url if index_url and url == PYPI else url
+
+
 def plan_layers(
     *, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None, index_url: str | None = None
 ) -> tuple[LayerPlan, ...]:
     """The Python layers to resolve, in order; LockError for sources that cannot be locked here."""
     file, sku = display_path(manifest_path), manifest.name
     pins = manifest.stack.pins()
-    mirror = (lambda url: index_url if index_url and url == PYPI else url)
+    mirror = functools.partial(_mirrored, index_url=index_url)
     plans: list[LayerPlan] = []
     problems: list[Problem] = []
     for layer in PY_LAYERS:
@@ -203,7 +209,7 @@ def plan_layers(
 def source_urls(*, manifest: SkuManifest, index_url: str | None = None) -> tuple[tuple[str, str, str], ...]:
     """Every remote source a lock needs: (manifest field, kind, URL)."""
     found: list[tuple[str, str, str]] = []
-    mirror = (lambda url: index_url if index_url and url == PYPI else url)
+    mirror = functools.partial(_mirrored, index_url=index_url)
     for layer, pin in manifest.stack.pins().items():
         if layer not in PY_LAYERS or not pin.is_python:
             continue
