@@ -384,7 +384,7 @@ def _context_folder(folder: Path, *, on_line: OnLine):
 
 def _sink(*, progress: Progress, on_line: OnLine, dockerfile: str, lines: list[str]) -> OnLine:
     """Collect every line; pass all of them on (plain) or one status line per step event (tty)."""
-    instructions = dockerfile_instructions(dockerfile)
+    instructions = dockerfile_instructions(dockerfile) if progress == "tty" else []  # only tty maps steps live
     names: dict[str, str] = {}
     cursor = [0]
 
