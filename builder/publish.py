@@ -411,20 +411,33 @@ def publish_target(registry: str | None, addr: str):
     return target, None, hint
 
 
-def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> Path | None:
+def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, dict | None] | None:
     """The newest verdict under .skupin/gates/<sku>/ for this image and lock (else the newest at all, so
-    the refusal can say why); None when the SKU was never gated. An older pass never hides a newer fail."""
+    the refusal can say why) with its parsed data (None when that file could not be read); None when the
+    SKU was never gated. An older pass never hides a newer fail."""
     from builder.paths import STATE
 
     found = sorted((STATE / "gates" / sku).glob("**/verdict.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in found:
+    newest: dict | None = None
+    for i, path in enumerate(found):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
+        if i == 0:
+            newest = data
         if data.get("image_id") == image_id and data.get("lock_hash") == lock_sha256:
-            return path
-    return found[0] if found else None
+            return path, data
+    return (found[0], newest) if found else None
+
+
+def _read_verdict(path: Path, sku: str) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise PublishError(f"no gate verdict at {path}; fix: skupin gate {sku}") from exc
+    except (OSError, ValueError) as exc:
+        raise PublishError(f"{path}: unreadable verdict: {exc}") from exc
 
 
 def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,
@@ -441,15 +454,13 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     info = engine.inspect_image(ref)
     if info is None:
         raise PublishError(f"image {ref} is not on this engine; fix: skupin build {manifest.name}")
-    vpath = verdict_path or find_verdict(sku=manifest.name, image_id=info.id, lock_sha256=lock.content_hash())
-    if vpath is None:
+    found = (verdict_path, None) if verdict_path else find_verdict(sku=manifest.name, image_id=info.id,
+                                                                   lock_sha256=lock.content_hash())
+    if found is None:
         raise PublishError(f"{manifest.name} was never gated (no verdict under .skupin/gates/); fix: skupin gate {manifest.name}")
-    try:
-        verdict = json.loads(vpath.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise PublishError(f"no gate verdict at {vpath}; fix: skupin gate {manifest.name}") from exc
-    except (OSError, ValueError) as exc:
-        raise PublishError(f"{vpath}: unreadable verdict: {exc}") from exc
+    vpath, verdict = found
+    if verdict is None:  # given on the command line, or the newest verdict could not be read
+        verdict = _read_verdict(vpath, manifest.name)
     target, untag, hint = publish_target(registry, addr)
     plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
                         verdict=verdict_facts(verdict), target=target)

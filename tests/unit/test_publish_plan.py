@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 
@@ -11,8 +12,9 @@ from builder.errors import EngineError, NetworkError, PublishError
 from builder.index import Manifest
 from builder.lockfile import Lock, LockedBase
 from builder.pipeline import STAGES, RunSummary, StageResult
-from builder.publish import (OCI_MANIFEST, RECORD_MEDIA_TYPE, VERIFIED_TAG, VerificationRecord, parse_target,
-                             plan_publish, publish_image, record_artifact, record_tag, refusals, verdict_facts)
+from builder.publish import (OCI_MANIFEST, RECORD_MEDIA_TYPE, VERIFIED_TAG, VerificationRecord, find_verdict,
+                             parse_target, plan_publish, publish_image, record_artifact, record_tag, refusals,
+                             verdict_facts)
 from builder.registry import LocalRegistry, render_config
 from builder.verify import Verification
 
@@ -237,6 +239,28 @@ def test_verification_lines():
     ok = Verification(ok=True, ref="r:verified", reference=f"r@{IMAGE}", sku="s", lock_sha256="f" * 64, gate_date="D")
     assert ok.line() == f"verified: r:verified -> r@{IMAGE} (s, lock ffffffffffff, gate passed D)"
     assert Verification(ok=False, ref="r:x", reason="why").line() == "NOT verified: r:x: why"
+
+
+def test_find_verdict_returns_the_parsed_data(tmp_path, monkeypatch):
+    monkeypatch.setattr("builder.paths.STATE", tmp_path)
+    assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64) is None
+    gates = tmp_path / "gates" / "s"
+
+    def put(name: str, text: str, mtime: int):
+        (gates / name).mkdir(parents=True)
+        path = gates / name / "verdict.json"
+        path.write_text(text, encoding="utf-8")
+        os.utime(path, (mtime, mtime))
+        return path
+
+    match = {"image_id": IMAGE, "lock_hash": "f" * 64, "decision": "pass"}
+    older = put("a", json.dumps(match), 100)
+    other = {"image_id": IMAGE, "lock_hash": "e" * 64, "decision": "fail"}
+    newer = put("b", json.dumps(other), 200)
+    assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64) == (older, match)
+    assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="d" * 64) == (newer, other)  # none matches: the newest
+    broken = put("c", "{not json", 300)
+    assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="d" * 64) == (broken, None)  # publish_sku reports it
 
 
 def test_verification_json_leaves_out_image_id():
