@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,24 +161,30 @@ def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
                     variations: tuple[tuple[int, int], ...] = DEFAULT_VARIATIONS, margin: float = DEFAULT_MARGIN,
                     on_event: Callable[[str], None] = lambda _: None) -> ToleranceEntry:
     """Run the honest image `boots` x `variations` times in the gate's sandbox and derive the entry."""
+    from gates.bundle import fixture_folder
     from gates.gate import load_reference, resolve_image
 
     manifest = stack.manifest
     meta, reference, ref_sha = load_reference(manifest=manifest)
     image_id = resolve_image(engine=engine, image=image).id
     runs: list[HonestRun] = []
-    for boot in range(boots):
-        for batch, threads in variations:
-            label = f"boot {boot + 1}, batch {batch}, threads {threads}"
-            run_out = Path(out) / f"run-{boot + 1}-b{batch}-t{threads}"
-            report, tensors = _reuse(run_out, image_id)
-            if report is None:
-                on_event(f"honest run: {label}")
-                report, tensors = _honest_run(manifest=manifest, image=image_id, engine=engine, out=run_out,
-                                              batch=batch, threads=threads, label=label)
-            else:
-                on_event(f"honest run: {label}: reusing the finished run in {run_out}")
-            runs.append(HonestRun(label=label, tensors=tensors, env=report.get("env", {})))
+    # The fixture is resolved (and checked, or generated) once, at the first run that needs it, for every run.
+    with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
+        model_dir: Path | None = None
+        for boot in range(boots):
+            for batch, threads in variations:
+                label = f"boot {boot + 1}, batch {batch}, threads {threads}"
+                run_out = Path(out) / f"run-{boot + 1}-b{batch}-t{threads}"
+                report, tensors = _reuse(run_out, image_id)
+                if report is None:
+                    on_event(f"honest run: {label}")
+                    if model_dir is None:
+                        model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
+                    report, tensors = _honest_run(manifest=manifest, image=image_id, engine=engine, out=run_out,
+                                                  batch=batch, threads=threads, label=label, model_dir=model_dir)
+                else:
+                    on_event(f"honest run: {label}: reusing the finished run in {run_out}")
+                runs.append(HonestRun(label=label, tensors=tensors, env=report.get("env", {})))
     key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
                        model=manifest.gate.model)
     entry = derive_entry(key=key, reference=reference, reference_sha256=ref_sha, runs=runs, margin=margin,
@@ -200,7 +207,7 @@ def _reuse(run_out: Path, image_id: str):
     return (report, tensors) if report.get("status") == "ok" else (None, None)
 
 
-def _honest_run(*, manifest, image: str, engine, out: Path, batch: int, threads: int, label: str):
+def _honest_run(*, manifest, image: str, engine, out: Path, batch: int, threads: int, label: str, model_dir: Path):
     """One honest probe container (retried once when the engine fails underneath it)."""
     from builder.errors import EngineError
     from gates.gate import probe_in_container
@@ -208,7 +215,7 @@ def _honest_run(*, manifest, image: str, engine, out: Path, batch: int, threads:
     for attempt in (1, 2):
         try:
             probe = probe_in_container(manifest=manifest, image=image, engine=engine, out=out, batch_size=batch,
-                                       threads=threads)
+                                       threads=threads, model_dir=model_dir)
         except EngineError as exc:
             if attempt == 2:
                 raise GateCouldNotRun(f"honest run {label} could not run: {exc}") from exc

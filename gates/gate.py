@@ -12,6 +12,7 @@ serve (gates/serve.py: the engine's own server; `baseline` adds an interleaved A
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -28,7 +29,7 @@ import numpy as np
 from builder import __version__
 from builder.errors import BundleError, EngineError, GateCouldNotRun
 from builder.manifest import SkuManifest
-from gates.bundle import PROBE, probe_args
+from gates.bundle import PROBE, fixture_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
 from gates.verdict import (
@@ -191,14 +192,18 @@ def read_probe_outputs(out: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
 
 def probe_in_container(*, manifest: SkuManifest, image: str, engine, out: Path, batch_size: int | None = None,
                        threads: int = 0, model_dir: Path | None = None) -> ProbeRun:
-    """Run the probe on `image` in the sandbox and read its outputs; failures come back in ProbeRun.error."""
-    from gates.bundle import fixture_folder
+    """Run the probe on `image` in the sandbox and read its outputs; failures come back in ProbeRun.error.
 
+    `model_dir` is a fixture folder already checked by gates.bundle.fixture_folder (a gate or calibration run
+    resolves it once); without it the SKU's fixture is resolved and checked here, for this probe only.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o777)  # the image's user may not be root  # noqa: S103
-    with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
-        model_dir = fixture_folder(name=manifest.gate.model, model_dir=model_dir, scratch=Path(scratch))
+    with contextlib.ExitStack() as scope:
+        if model_dir is None:
+            scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-fixture-"))
+            model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
         spec = probe_spec(manifest=manifest, image=image, out=out, model_dir=model_dir, batch_size=batch_size,
                           threads=threads)
         deadline = float(manifest.gate.deadline_s)
@@ -270,6 +275,8 @@ class _GateRun:
     entry: Any = None
     tol_problem: str = ""
     probe: ProbeRun | None = None
+    scratch: Path | None = None
+    model_dir: Path | None = None
 
     @property
     def manifest(self) -> SkuManifest:
@@ -354,8 +361,9 @@ def _check_boot(run: _GateRun) -> None:
         run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256")
         run.on_event(f"booting {run.image} ({run.image_id[:19]}) with the probe "
                      f"(deadline {run.manifest.gate.deadline_s} s)")
+        run.model_dir = fixture_folder(name=run.manifest.gate.model, model_dir=None, scratch=run.scratch)
         run.probe = probe_in_container(manifest=run.manifest, image=run.image_id, engine=run.engine,
-                                       out=run.out / "probe")
+                                       out=run.out / "probe", model_dir=run.model_dir)
     except (GateCouldNotRun, EngineError, BundleError) as exc:
         run.add(CheckResult(name="boot", status="error", reason=str(exc)))
     run.time("probe_container_s", t0)
@@ -436,7 +444,7 @@ def _check_serve(run: _GateRun) -> None:
     t0 = time.monotonic()
     run.on_event("serve: booting the engine's server in the sandbox")
     result = serve_check(manifest=run.manifest, image=run.image_id, engine=run.engine, ref=run.ref, entry=run.entry,
-                         baseline=run.baseline, perf=run.serve_perf, on_event=run.on_event)
+                         baseline=run.baseline, model_dir=run.model_dir, perf=run.serve_perf, on_event=run.on_event)
     run.time("serve_s", t0)
     run.add(result)
 
@@ -459,11 +467,14 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
     out.mkdir(parents=True, exist_ok=True)
     run = _GateRun(stack=stack, image=image, engine=engine, out=out, on_event=on_event,
                    tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf)
-    try:
-        for check in CHECKS:
-            check(run)
-    except _Stop:
-        pass
+    # One fixture folder for the whole run (boot resolves it, serve reuses it): a generated fixture lives here.
+    with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
+        run.scratch = Path(scratch)
+        try:
+            for check in CHECKS:
+                check(run)
+        except _Stop:
+            pass
     return _finish(run, started=started, created=created)
 
 

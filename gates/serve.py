@@ -467,7 +467,11 @@ def greedy_completions(*, server: RunningServer, prompts: Sequence[dict], indice
 def serve_check(*, manifest: SkuManifest, image: str, engine, ref: dict[str, np.ndarray], entry,
                 baseline: str | None = None, model_dir: Path | None = None, perf=None, ab_rounds: int = 3,
                 ready_deadline_s: float = 180.0, on_event: OnEvent = _quiet):
-    """Run the serve check of `image` (optionally A/B against `baseline`): a CheckResult named 'serve'."""
+    """Run the serve check of `image` (optionally A/B against `baseline`): a CheckResult named 'serve'.
+
+    `model_dir` is a fixture folder already checked by gates.bundle.fixture_folder (the gate resolves it once);
+    without it the SKU's fixture is resolved and checked here.
+    """
     import tempfile
 
     from gates.bundle import fixture_folder
@@ -482,8 +486,12 @@ def serve_check(*, manifest: SkuManifest, image: str, engine, ref: dict[str, np.
         threshold, provenance = near_tie_threshold(entry)
     except GateCouldNotRun as exc:
         return CheckResult(name="serve", status="error", reason=str(exc))
-    with tempfile.TemporaryDirectory(prefix="skupin-serve-") as scratch:
-        folder = fixture_folder(name=manifest.gate.model, model_dir=model_dir, scratch=Path(scratch))
+    with contextlib.ExitStack() as scope:
+        folder = model_dir
+        if folder is None:
+            scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-serve-"))
+            folder = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
+        folder = Path(folder)
         prompt_set = load_prompts(folder / "prompts.json")
         try:
             return _serve(manifest=manifest, image=image, engine=engine, ref=ref, entry=entry, baseline=baseline,
