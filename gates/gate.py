@@ -382,9 +382,6 @@ def _check_boot(run: _GateRun) -> None:
 
 def _check_pins(run: _GateRun) -> None:
     """The versions the image really contains equal the lock; on a GPU host the driver series matches."""
-    if not run.wanted("boot"):
-        run.add(CheckResult(name="pins", status="skipped", reason="boot is not in the SKU's gate.checks"))
-        return
     m, lock = run.manifest, run.lock
     pins = judge_pins(env=run.probe.report.get("env") or {}, manifest=m, lock=lock, gpu_host=m.accelerator.vendor != "cpu")
     if run.image_lock_label and lock and run.image_lock_label != lock.content_hash():
@@ -395,9 +392,6 @@ def _check_pins(run: _GateRun) -> None:
 
 def _check_kernels(run: _GateRun) -> None:
     """Hard bounds first (no calibration), then every op against its calibrated tolerance."""
-    if not run.wanted("kernels"):
-        run.add(CheckResult(name="kernels", status="skipped", reason="kernels is not in the SKU's gate.checks"))
-        return
     t0 = time.monotonic()
     results = kernel_errors(run.ref, run.probe.tensors)
     hard = kernel_hard_failures(results=results, hard=run.tolerances.hard_bounds)
@@ -416,9 +410,6 @@ def _check_kernels(run: _GateRun) -> None:
 
 def _check_model(run: _GateRun) -> None:
     """Teacher-forced statistics per prompt against the reference: hard bounds, binomial tests, means."""
-    if not run.wanted("model"):
-        run.add(CheckResult(name="model", status="skipped", reason="model is not in the SKU's gate.checks"))
-        return
     t0 = time.monotonic()
     problem = _probe_check_error(run.probe.report, "model")
     if problem:
@@ -436,9 +427,6 @@ def _check_model(run: _GateRun) -> None:
 
 def _check_serve(run: _GateRun) -> None:
     """The engine's own server: greedy completions vs the reference, speed (gates/serve.py)."""
-    if not run.wanted("serve"):
-        run.add(CheckResult(name="serve", status="skipped", reason="serve is not in the SKU's gate.checks"))
-        return
     from gates.serve import serve_check
 
     t0 = time.monotonic()
@@ -449,8 +437,18 @@ def _check_serve(run: _GateRun) -> None:
     run.add(result)
 
 
-CHECKS = (_check_reference, _find_tolerance, _check_boot, _check_pins, _check_kernels, _check_model, _check_serve)
-CHECK_NAMES = ("reference", "boot", "pins", "kernels", "model", "serve")
+# (check, the name of the result it records or "" for none, the gate.checks entry it needs or None for always):
+# a check whose entry is not in the SKU's gate.checks is recorded as skipped and not run.
+CHECKS: tuple[tuple[Callable[[_GateRun], None], str, str | None], ...] = (
+    (_check_reference, "reference", None),
+    (_find_tolerance, "", None),
+    (_check_boot, "boot", None),
+    (_check_pins, "pins", "boot"),
+    (_check_kernels, "kernels", "kernels"),
+    (_check_model, "model", "model"),
+    (_check_serve, "serve", "serve"),
+)
+CHECK_NAMES = tuple(name for _, name, _ in CHECKS if name)
 
 
 def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _quiet,
@@ -471,8 +469,11 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
         run.scratch = Path(scratch)
         try:
-            for check in CHECKS:
-                check(run)
+            for check, name, needs in CHECKS:
+                if needs is None or run.wanted(needs):
+                    check(run)
+                else:
+                    run.add(CheckResult(name=name, status="skipped", reason=f"{needs} is not in the SKU's gate.checks"))
         except _Stop:
             pass
     return _finish(run, started=started, created=created)
