@@ -93,11 +93,16 @@ def bundle_sha256(folder: Path) -> str:
     return hashlib.sha256((Path(folder) / "SHA256SUMS").read_bytes()).hexdigest()
 
 
+def reference_folder(*, manifest: SkuManifest, folder: Path | None = None) -> Path:
+    """The reference bundle folder: `folder` when given, else the SKU's gate.reference under the repository."""
+    return Path(folder) if folder else repo_root() / manifest.gate.reference
+
+
 def load_reference(*, manifest: SkuManifest, folder: Path | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray], str]:
     """Verify the SKU's reference bundle (hashes, model, prompt set, dtype) and read it: (meta, tensors, sha256)."""
     from gates.bundle import load_bundle
 
-    folder = Path(folder) if folder else repo_root() / manifest.gate.reference
+    folder = reference_folder(manifest=manifest, folder=folder)
     if not folder.is_dir():
         raise BundleError(f"{folder}: reference bundle folder is missing (gate.reference of {manifest.name})")
     meta, tensors = load_bundle(folder=folder, manifest=manifest)
@@ -270,7 +275,6 @@ class _GateRun:
     prompts: tuple = ()
     probe_summary: dict[str, Any] = field(default_factory=dict)
     ref: dict[str, np.ndarray] = field(default_factory=dict)
-    ref_sha: str = ""
     tolerances: Any = None
     entry: Any = None
     tol_problem: str = ""
@@ -303,20 +307,20 @@ class _GateRun:
 def _check_reference(run: _GateRun) -> None:
     """The bundle's hashes, then its fit to the SKU (model, prompt set, dtype)."""
     t0 = time.monotonic()
-    folder = Path(run.reference) if run.reference else repo_root() / run.manifest.gate.reference
+    folder = reference_folder(manifest=run.manifest, folder=run.reference)
     try:
-        meta, run.ref, run.ref_sha = load_reference(manifest=run.manifest, folder=folder)
+        meta, run.ref, ref_sha = load_reference(manifest=run.manifest, folder=folder)
     except BundleError as exc:
         run.add(CheckResult(name="reference", status="error", reason=str(exc)))
     gpu, engine, model = meta.get("gpu") or {}, meta.get("engine") or {}, meta.get("model") or {}
     run.reference_info = ReferenceInfo(
-        path=str(folder), sha256=run.ref_sha, gpu=gpu.get("name"), driver=meta.get("driver"), torch=meta.get("torch"),
+        path=str(folder), sha256=ref_sha, gpu=gpu.get("name"), driver=meta.get("driver"), torch=meta.get("torch"),
         engine=f"{engine.get('name')} {engine.get('version')}", model=model.get("name"),
         model_sha256=model.get("sha256"), prompts_sha256=(meta.get("prompts") or {}).get("sha256"),
         dtype=meta.get("dtype"))
     run.time("reference_s", t0)
     run.add(CheckResult(name="reference", status="pass",
-                        reason=f"bundle {run.ref_sha[:12]} verified: {model.get('name')} {meta.get('dtype')} "
+                        reason=f"bundle {ref_sha[:12]} verified: {model.get('name')} {meta.get('dtype')} "
                                f"on {gpu.get('name')}"))
 
 
@@ -326,12 +330,13 @@ def _find_tolerance(run: _GateRun) -> None:
     m = run.manifest
     key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype=m.gate.dtype, model=m.gate.model)
     entry = run.tolerances.find(key)
+    ref_sha = run.reference_info.sha256
     if entry is None:
         run.tol_problem = (f"no calibrated tolerance for {key.label()} in {run.tolerances_path}; "
                            f"fix: skupin calibrate {m.name}")
-    elif entry.provenance.reference_sha256 != run.ref_sha:
+    elif entry.provenance.reference_sha256 != ref_sha:
         run.tol_problem = (f"the tolerance of {key.label()} was calibrated against bundle "
-                           f"{entry.provenance.reference_sha256[:12]}, not {run.ref_sha[:12]}; "
+                           f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; "
                            f"fix: skupin calibrate {m.name}")
         entry = None
     run.entry = entry
