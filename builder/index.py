@@ -31,6 +31,7 @@ import importlib.util
 import io
 import json
 import re
+import ssl
 import sys
 import time
 import zipfile
@@ -83,7 +84,7 @@ class _Http:
 
     def __init__(self, *, timeout: float, retries: int, ca_bundle: Path | str | None, backoff: float,
                  sleep: Sleep | None, what: str, transport: httpx.BaseTransport | None = None) -> None:
-        verify: bool | str = str(ca_bundle) if ca_bundle else True
+        verify: bool | ssl.SSLContext = ssl.create_default_context(cafile=str(ca_bundle)) if ca_bundle else True
         self.client = httpx.Client(timeout=timeout, verify=verify, follow_redirects=True, transport=transport,
                                    headers={"User-Agent": "skupin (+https://skupin.dev)"})
         self.retries = max(0, retries)
