@@ -1,0 +1,182 @@
+"""The host's wheel store: each locked wheel is fetched once, checked against the lock, and linked into build contexts.
+
+A locked build never downloads inside BuildKit. Before the build, `fetch_wheels` makes sure every
+wheel of the lock is in the store (`.skupin/wheels/<sha256[:2]>/<sha256>/<filename>`, content-
+addressed, so a file there was checked when it was written and is trusted by its path alone):
+
+- a wheel already in the store costs one `stat`;
+- a wheel found in the wheelhouse (`--wheelhouse DIR`, by file name) is hashed once and hard-linked
+  in (copied across filesystems). This is how air-gapped builders work: a wheelhouse holding
+  every locked file means no network at all. A wheel the lock took from a wheelhouse
+  (`source: wheelhouse`) must be there;
+- any other wheel is downloaded from the URL the lock recorded, a few at a time, streamed to a
+  temporary file while hashed, and kept only if its sha256 is the lock's.
+
+The extra CA bundle (`--ca-bundle`) is trusted by these downloads; it never enters a build.
+The store is shared by every SKU and kept between builds: after a point release only the new
+engine wheel is fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from builder.errors import BuildError, NetworkError
+from builder.lockfile import LockedPackage
+from builder.paths import STATE
+
+STORE = STATE / "wheels"
+DEFAULT_JOBS = 4
+CHUNK = 1 << 20
+OnEvent = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+def store_path(store: Path, pkg: LockedPackage) -> Path:
+    """Where the store keeps the exact file a locked package names."""
+    return store / pkg.sha256[:2] / pkg.sha256 / pkg.filename
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_wheels(
+    packages: Iterable[LockedPackage],
+    *,
+    store: Path = STORE,
+    wheelhouse: Path | None = None,
+    ca_bundle: Path | None = None,
+    on_event: OnEvent = _quiet,
+    jobs: int = DEFAULT_JOBS,
+    timeout: float = 60.0,
+    retries: int = 3,
+    backoff: float = 0.5,
+) -> dict[str, Path]:
+    """Make sure every package's wheel is in the store; sha256 -> stored file.
+
+    Everything that cannot work (a wheelhouse file missing, a package with no URL) is reported
+    together before anything is fetched; a download that fails or does not hash to the lock's
+    sha256 raises NetworkError / BuildError and leaves nothing behind in the store.
+    """
+    unique = list({p.sha256: p for p in packages}.values())
+    missing = [p for p in unique if not store_path(store, p).is_file()]
+    local: list[tuple[LockedPackage, Path]] = []
+    remote: list[LockedPackage] = []
+    problems: list[str] = []
+    for pkg in missing:
+        candidate = wheelhouse / pkg.filename if wheelhouse is not None else None
+        if candidate is not None and candidate.is_file():
+            local.append((pkg, candidate))
+        elif pkg.source == "wheelhouse":
+            where = wheelhouse or "(no --wheelhouse given)"
+            problems.append(f"{pkg.filename}: locked from a wheelhouse but not in {where}; fix: pass --wheelhouse DIR holding it")
+        elif not pkg.url or not pkg.url.startswith(("https://", "http://")):
+            problems.append(f"{pkg.filename}: the lock records no download URL ({pkg.url or 'none'}); "
+                            "fix: relock, or put the file in a --wheelhouse")
+        else:
+            remote.append(pkg)
+    if problems:
+        raise BuildError("cannot gather the locked wheels:\n  " + "\n  ".join(problems))
+    on_event(f"wheels: {len(unique)} locked, {len(unique) - len(missing)} in the store {store}"
+             + (f", {len(local)} from the wheelhouse" if local else "")
+             + (f", {len(remote)} to download" if remote else ""))
+    for pkg, path in local:
+        _store_local(pkg, path, store)
+    if remote:
+        _download_all(remote, store=store, ca_bundle=ca_bundle, on_event=on_event, jobs=jobs, timeout=timeout, retries=retries,
+                      backoff=backoff)
+    return {p.sha256: store_path(store, p) for p in unique}
+
+
+def _store_local(pkg: LockedPackage, path: Path, store: Path) -> None:
+    got = file_sha256(path)
+    if got != pkg.sha256:
+        raise BuildError(f"{path}: sha256 {got}, but the lock says {pkg.sha256} for {pkg.name} {pkg.version}; "
+                         "fix: put the locked file in the wheelhouse, or relock against it")
+    dest = store_path(store, pkg)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    tmp.unlink(missing_ok=True)
+    try:
+        tmp.hardlink_to(path)
+    except OSError:
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, dest)
+
+
+def _download_all(pkgs: list[LockedPackage], *, store: Path, ca_bundle: Path | None, on_event: OnEvent, jobs: int,
+                  timeout: float, retries: int, backoff: float) -> None:
+    from builder.index import _Http
+
+    http = _Http(timeout=timeout, retries=retries, ca_bundle=ca_bundle, backoff=backoff, sleep=None, what="wheel download")
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(pkgs)))) as pool:
+            futures = [pool.submit(_download, http, pkg, store) for pkg in pkgs]
+            errors = []
+            for pkg, future in zip(pkgs, futures):
+                try:
+                    size, seconds = future.result()
+                    on_event(f"fetched {pkg.filename} ({size / 1e6:.1f} MB, {seconds:.1f} s)")
+                except (NetworkError, BuildError, OSError) as exc:
+                    errors.append(str(exc))
+    finally:
+        http.close()
+    if errors:
+        raise NetworkError("could not fetch every locked wheel (nothing was built):\n  " + "\n  ".join(errors))
+
+
+def _download(http, pkg: LockedPackage, store: Path) -> tuple[int, float]:
+    """Stream one wheel into the store; retried like every request; checked against the lock."""
+    import httpx
+
+    from builder.index import RETRY_STATUS, _safe
+
+    assert pkg.url is not None
+    url = pkg.url.split("#")[0]
+    dest = store_path(store, pkg)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    last = ""
+    for attempt in range(http.retries + 1):
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        digest, size = hashlib.sha256(), 0
+        try:
+            with os.fdopen(fd, "wb") as handle, http.client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    last = f"HTTP {response.status_code}"
+                    if response.status_code in RETRY_STATUS and attempt < http.retries:
+                        http.sleep(http._delay(attempt, response))
+                        continue
+                    raise NetworkError(f"{pkg.filename}: GET {_safe(url)} answered {last}")
+                for chunk in response.iter_bytes(CHUNK):
+                    handle.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+            if digest.hexdigest() != pkg.sha256:
+                raise BuildError(f"{pkg.filename}: downloaded from {_safe(url)} with sha256 {digest.hexdigest()}, "
+                                 f"but the lock says {pkg.sha256}; the index now serves another file: check the "
+                                 "mirror, or relock")
+            os.replace(tmp, dest)
+            return size, time.monotonic() - start
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+            if attempt < http.retries:
+                http.sleep(http._delay(attempt, None))
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    raise NetworkError(f"{pkg.filename}: GET {_safe(url)} failed after {http.retries + 1} attempt(s): {last}")

@@ -1,0 +1,68 @@
+"""builder/wheels.py without a network: the store, the wheelhouse, and what is refused before any download."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from builder.errors import BuildError
+from builder.lockfile import LockedPackage
+from builder.wheels import fetch_wheels, store_path
+
+
+def _pkg(name: str, data: bytes, *, source: str = "index", url: str | None = "https://files.example/x.whl") -> LockedPackage:
+    return LockedPackage(name=name, version="1.0", filename=f"{name}-1.0-py3-none-any.whl",
+                         sha256=hashlib.sha256(data).hexdigest(), url=url, source=source)
+
+
+def test_a_wheel_in_the_store_costs_no_download(tmp_path):
+    store = tmp_path / "store"
+    pkg = _pkg("a", b"wheel a")
+    stored = store_path(store, pkg)
+    stored.parent.mkdir(parents=True)
+    stored.write_bytes(b"wheel a")
+    events: list[str] = []
+    # The URL cannot be reached: a download attempt would fail.
+    got = fetch_wheels([pkg.model_copy(update={"url": "https://127.0.0.1:9/a.whl"})], store=store, on_event=events.append)
+    assert got == {pkg.sha256: stored}
+    assert events == [f"wheels: 1 locked, 1 in the store {store}"]
+
+
+def test_wheelhouse_files_are_checked_and_linked_into_the_store(tmp_path):
+    house, store = tmp_path / "house", tmp_path / "store"
+    house.mkdir()
+    pkg = _pkg("torch", b"the torch wheel", source="wheelhouse", url=None)
+    (house / pkg.filename).write_bytes(b"the torch wheel")
+    events: list[str] = []
+    got = fetch_wheels([pkg, pkg], store=store, wheelhouse=house, on_event=events.append)
+    stored = got[pkg.sha256]
+    assert stored == store / pkg.sha256[:2] / pkg.sha256 / pkg.filename
+    assert stored.stat().st_ino == (house / pkg.filename).stat().st_ino  # a hard link, not a copy
+    assert events == [f"wheels: 1 locked, 0 in the store {store}, 1 from the wheelhouse"]
+    assert [p.name for p in stored.parent.iterdir()] == [pkg.filename]  # no temporary file left
+
+
+def test_a_wheelhouse_file_with_another_hash_is_refused(tmp_path):
+    house, store = tmp_path / "house", tmp_path / "store"
+    house.mkdir()
+    pkg = _pkg("torch", b"locked bytes", source="wheelhouse", url=None)
+    (house / pkg.filename).write_bytes(b"other bytes")
+    with pytest.raises(BuildError) as err:
+        fetch_wheels([pkg], store=store, wheelhouse=house)
+    assert f"{house / pkg.filename}: sha256 {hashlib.sha256(b'other bytes').hexdigest()}" in str(err.value)
+    assert f"the lock says {pkg.sha256}" in str(err.value)
+    assert not store_path(store, pkg).exists()
+
+
+def test_everything_that_cannot_be_gathered_is_reported_together_before_any_download(tmp_path):
+    missing = _pkg("torch", b"t", source="wheelhouse", url=None)
+    no_url = _pkg("odd", b"o", url=None)
+    git = _pkg("vllm", b"v", url="git+https://github.com/vllm-project/vllm@v0.25.1")
+    with pytest.raises(BuildError) as err:
+        fetch_wheels([missing, no_url, git, _pkg("fine", b"f", url="https://127.0.0.1:9/fine.whl")], store=tmp_path / "s")
+    text = str(err.value)
+    assert "torch-1.0-py3-none-any.whl: locked from a wheelhouse but not in (no --wheelhouse given)" in text
+    assert "odd-1.0-py3-none-any.whl: the lock records no download URL (none)" in text
+    assert "vllm-1.0-py3-none-any.whl: the lock records no download URL (git+https://" in text
+    assert not (tmp_path / "s").exists()  # nothing was attempted
