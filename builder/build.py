@@ -2,16 +2,19 @@
 
 The flow of `build_image` (a lock that no longer matches the manifest is refused first):
 1. make sure the base exists (`builder.base.ensure_base`);
-2. render the Dockerfile with the lock and sync the SKU's build context folder
+2. gather every locked wheel in the host's wheel store (`builder.wheels`: from the wheelhouse or
+   downloaded, each checked against the lock's sha256; the extra CA bundle is trusted here);
+3. render the Dockerfile with the lock and sync the SKU's build context folder
    (`.skupin/contexts/<sku>`, kept between builds and locked while in use, so that BuildKit
-   re-sends only what changed; wheelhouse wheels are hard-linked in);
-3. `docker build` through the engine adapter with no tag (`--iidfile`), the extra CA bundle
-   passed as the BuildKit secret `skupin_ca` (trusted by pip during RUN steps only);
-4. parse BuildKit's plain progress into per-layer durations and cache hits, mapping each step
+   re-sends only what changed; each step's wheels are hard-linked from the store);
+4. `docker build` through the engine adapter with no tag (`--iidfile`); locked steps need no
+   network (the CA bundle is still passed as the BuildKit secret `skupin_ca`, which only an
+   unlocked render's pip steps use);
+5. parse BuildKit's plain progress into per-layer durations and cache hits, mapping each step
    to the `# layer: NAME` comment above its instruction;
-5. ask the image's own Python (in a sandboxed container) for its installed distributions and
+6. ask the image's own Python (in a sandboxed container) for its installed distributions and
    fail unless they equal the lock;
-6. only then tag the content-addressed tag (`builder.lockfile.image_tag`) and write the build
+7. only then tag the content-addressed tag (`builder.lockfile.image_tag`) and write the build
    record (`.skupin/builds/<sku>.json`).
 A failure at any step raises BuildError naming the layer with the tail of its log; no tag is made.
 """
@@ -40,6 +43,7 @@ from builder.manifest import SkuManifest
 from builder.model import Frozen
 from builder.paths import STATE
 from builder.render import render, write_context
+from builder.wheels import STORE, fetch_wheels
 
 OnLine = Callable[[str], None]
 Progress = Literal["tty", "plain"]
@@ -290,6 +294,7 @@ def build_image(
     on_line: OnLine = _quiet,
     no_cache: bool = False,
     records: Path | None = None,
+    wheel_store: Path | None = None,
 ) -> BuiltImage:
     """Build, verify and tag the SKU's image from its lock; write the build record; see the module doc."""
     if lock.sku != manifest.name:
@@ -314,8 +319,13 @@ def build_image(
     lock_hash = lock.content_hash()
     lines: list[str] = []
     sink = _sink(progress=progress, on_line=on_line, dockerfile=rendered.text, lines=lines)
+    stored = fetch_wheels(
+        (p for layer in lock.layers.values() for p in layer), store=wheel_store or STORE, wheelhouse=wheelhouse,
+        ca_bundle=ca_bundle, on_event=on_line,
+    )
+    phase("wheels")
     with _context_folder(STATE / "contexts" / manifest.name, on_line=on_line) as folder:
-        ctx = write_context(rendered=rendered, out=folder, wheelhouse=wheelhouse, prune=True)
+        ctx = write_context(rendered=rendered, out=folder, wheels=stored, prune=True)
         phase("context")
         try:
             image_id = engine.build(

@@ -63,8 +63,15 @@ def cmd_render(args: argparse.Namespace) -> int:
     lock = None if args.unlocked else stack.lock if stack.lock_state == "ok" else None
     rendered = render(manifest=stack.manifest, lock=lock)
     if args.out:
-        out = write_context(rendered=rendered, out=Path(args.out), wheelhouse=args.wheelhouse)
-        _out(f"wrote {out / 'Dockerfile'} and {len(rendered.files)} context file(s); sha256 {rendered.sha256}")
+        stored = {}
+        if lock is not None:  # a locked context holds each step's wheels: `docker build DIR` needs no network
+            from builder.wheels import fetch_wheels
+
+            stored = fetch_wheels((p for layer in lock.layers.values() for p in layer), wheelhouse=args.wheelhouse,
+                                  ca_bundle=args.ca_bundle, on_event=lambda line: print(line, file=sys.stderr))
+        out = write_context(rendered=rendered, out=Path(args.out), wheels=stored)
+        _out(f"wrote {out / 'Dockerfile'} and {len(rendered.files)} context file(s) and {len(stored)} wheel(s); "
+             f"sha256 {rendered.sha256}")
     else:
         sys.stdout.write(rendered.text)
     return 0
@@ -198,7 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("render", help="print a SKU's Dockerfile (no Docker daemon needed)")
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--out", metavar="DIR", help="write the Dockerfile and its context files to DIR instead")
-    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="with --out: copy locked wheelhouse wheels from DIR")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR",
+                   help="with --out: take locked wheels from DIR first; the rest are downloaded into the wheel store "
+                        "(.skupin/wheels), checked against the lock")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="with --out: CA bundle the wheel downloads trust")
     p.add_argument("--unlocked", action="store_true", help="render from the pins alone, ignoring the lock")
     p.set_defaults(func=cmd_render)
 

@@ -79,19 +79,24 @@ def _engine_base_build(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "build", help="build, verify (image's pip list == lock) and tag a SKU's image",
-        description="Render the SKU's Dockerfile from its lock and build it with BuildKit, one step per pin "
-                    "after its locked dependencies (pip --no-deps --require-hashes), so a point release "
-                    "rebuilds only its own step and those above. Each pip step compiles bytecode for the "
-                    "files it installed with builder/bytecode.py, reusing unchanged files' code from a "
-                    "BuildKit cache mount. The build context is kept in .skupin/contexts/<sku> (locked "
+        description="Gather every locked wheel in the host's wheel store (.skupin/wheels: taken from "
+                    "--wheelhouse or downloaded, each checked against the lock's sha256), render the SKU's "
+                    "Dockerfile from its lock and build it with BuildKit, one step per pin after its locked "
+                    "dependencies, so a point release rebuilds only its own step and those above. Each step "
+                    "binds exactly its wheels and installs them with builder/wheel_install.py (hashes checked "
+                    "again, pypa installer, no resolver, no network), then compiles their bytecode with "
+                    "builder/bytecode.py, reusing unchanged files' code from a BuildKit cache mount. The build context is kept in .skupin/contexts/<sku> (locked "
                     "while a build uses it) so BuildKit re-sends only what changed. After the build the "
                     "image's own Python must report exactly the locked set; only then is the image "
                     "tagged and the record written to .skupin/builds/<sku>.json (with per-layer and "
                     "per-phase times).",
     )
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
-    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels the lock takes from a wheelhouse")
-    p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="extra CA bundle trusted by pip during the build only")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR",
+                   help="local wheels, used before any download (needed for wheels locked from a wheelhouse; "
+                        "holding every locked wheel means no network at all)")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE",
+                   help="extra CA bundle trusted by the wheel downloads (never by the image)")
     p.add_argument("--json", action="store_true", help="print the build record as JSON")
     p.add_argument("--progress", choices=("auto", "tty", "plain"), default="auto", help="live view on a terminal or plain lines (default auto)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")

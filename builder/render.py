@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import jinja2
@@ -12,7 +13,6 @@ from packaging.utils import canonicalize_name
 
 from builder import __version__
 from builder.errors import BuildError
-from builder.grammar import URL_RE
 from builder.lockfile import PY_LAYERS, Lock, LockedPackage
 from builder.manifest import GitSource, Pin, SkuManifest
 from builder.model import Frozen
@@ -28,24 +28,50 @@ REQUIREMENTS_DIR = "requirements"
 # stays compiled. Engines whose registry imports every model module at start (SGLang walks
 # sglang/srt/models) must not be listed here.
 LAZY_BYTECODE = r"/site-packages/transformers/models/(?!auto/)[^/]+/"
-# The in-build bytecode compiler (stdlib only), written into every build context under tools/.
+# The in-build tools, written into every build context under tools/ and bind-mounted into each
+# pip step (never shipped): the bytecode compiler, the locked-step installer, and the pure-Python
+# package of pypa `installer` that the latter uses (the host's copy, pinned in pyproject.toml).
 TOOLS_DIR = "tools"
 BYTECODE_TOOL = Path(__file__).with_name("bytecode.py")
+INSTALL_TOOL = Path(__file__).with_name("wheel_install.py")
 
 
 @functools.cache
-def _bytecode_tool() -> str:
-    """The tool's text, read once per process (every render puts it in the context)."""
-    return BYTECODE_TOOL.read_text(encoding="utf-8")
+def _tools() -> dict[str, str]:
+    """Context path -> text of every tool file, read once per process."""
+    import installer
+
+    files = {f"{TOOLS_DIR}/{tool.name}": tool.read_text(encoding="utf-8") for tool in (BYTECODE_TOOL, INSTALL_TOOL)}
+    package = Path(installer.__file__).parent
+    for path in sorted(package.rglob("*.py")):  # not the Windows launchers (_scripts/*.exe)
+        files[f"{TOOLS_DIR}/installer/{path.relative_to(package).as_posix()}"] = path.read_text(encoding="utf-8")
+    return files
+
+
+@functools.cache
+def _tools_info() -> dict[str, str]:
+    import installer
+
+    digest = hashlib.sha256()
+    for rel, text in sorted(_tools().items()):
+        digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
+    return {"folder": TOOLS_DIR, "bytecode": BYTECODE_TOOL.name, "install": INSTALL_TOOL.name, "lazy": LAZY_BYTECODE,
+            "installer": installer.__version__, "sha256": digest.hexdigest()}
+
+
+class PipStep(Frozen):
+    """One RUN step of a Python layer: a requirements file and, when locked, the folder of its wheels."""
+
+    requirements: str  # context path of the requirements file
+    wheels: str | None = None  # context folder bound at build time
 
 
 class PipLayer(Frozen):
     """What one Python layer installs and from where (the template turns it into RUN lines)."""
 
     name: str
-    deps_requirements: str | None = None  # locked dependencies of the layer's pin, installed first (own cache step)
-    requirements: str | None = None  # context path of the requirements file, None if nothing to install
-    wheels: str | None = None  # context folder bound at build time (wheelhouse files of this layer)
+    steps: tuple[PipStep, ...] = ()  # dependencies first (their own cache step), then the pin
+    wheels: str | None = None  # unlocked: a wheelhouse folder pip may take files from
     index: str
     extra_indexes: tuple[str, ...] = ()
     locked: bool
@@ -59,7 +85,7 @@ class RenderedDockerfile(Frozen):
     text: str
     sha256: str
     files: dict[str, str]  # context-relative path -> text content
-    wheels: dict[str, tuple[str, ...]]  # context folder (wheels/<layer>) -> wheel file names from the wheelhouse
+    wheels: dict[str, dict[str, str]]  # context folder (wheels/<step>) -> {wheel file name: sha256} it must hold
     locked: bool
 
 
@@ -77,14 +103,8 @@ def _environment() -> jinja2.Environment:
         autoescape=False,  # noqa: S701 - Dockerfiles, not HTML; values are grammar-checked
     )
     env.filters["dq"] = _escape_dq
-    env.globals["bytecode"] = {"folder": TOOLS_DIR, "name": BYTECODE_TOOL.name, "lazy": LAZY_BYTECODE, "sha256": hashlib.sha256(_bytecode_tool().encode()).hexdigest()}
+    env.globals["tools"] = _tools_info()
     return env
-
-
-def _requirement(pkg: LockedPackage) -> str:
-    if pkg.url and pkg.source != "wheelhouse" and URL_RE.fullmatch(pkg.url.split("#")[0]):
-        return f"{pkg.name} @ {pkg.url.split('#')[0]} --hash=sha256:{pkg.sha256}"
-    return pkg.requirement()
 
 
 def _pin_requirement(pin: Pin) -> str:
@@ -114,44 +134,51 @@ def _index_of(manifest: SkuManifest, layer: str) -> tuple[str, tuple[str, ...]]:
     return primary, extras
 
 
-def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dict[str, str], dict[str, tuple[str, ...]]]:
+def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dict[str, str], dict[str, dict[str, str]]]:
     pins = _layer_pins(manifest)
     layers: list[PipLayer] = []
-    files: dict[str, str] = {f"{TOOLS_DIR}/{BYTECODE_TOOL.name}": _bytecode_tool()}
-    wheels: dict[str, tuple[str, ...]] = {}
+    files: dict[str, str] = dict(_tools())
+    wheels: dict[str, dict[str, str]] = {}
     for name in PY_LAYERS:
         git = next((p.source for p in pins[name] if isinstance(p.source, GitSource)), None)
-        deps: list[str] = []
+        groups: list[tuple[str, list[LockedPackage] | list[str]]] = []
         if lock is not None:
             pkgs = sorted(lock.layers.get(name, ()), key=lambda p: p.name.lower())
             # The pin itself gets its own step after its dependencies, so a point release of the
-            # pin that keeps its dependencies rebuilds only that small step (and the ones above).
+            # pin that keeps its dependencies rebuilds only that small step (and the ones above);
+            # each step binds only its own wheels, so its cache key does not see the others'.
             own = {canonicalize_name(p.distribution) for p in pins[name]}
-            lines = [_requirement(p) for p in pkgs if canonicalize_name(p.name) in own]
-            deps = [_requirement(p) for p in pkgs if canonicalize_name(p.name) not in own]
-            if not lines:
-                lines, deps = deps, []
-            local = tuple(sorted(p.filename for p in pkgs if p.source == "wheelhouse"))
+            mine = [p for p in pkgs if canonicalize_name(p.name) in own]
+            deps = [p for p in pkgs if canonicalize_name(p.name) not in own]
+            if not mine:
+                mine, deps = deps, []
+            groups = [(f"{name}-deps", deps), (name, mine)]
         else:
             lines = [_pin_requirement(p) for p in pins[name] if not isinstance(p.source, GitSource)]
             if name == "extras":
                 lines = [f"{p.name}=={p.version}" for p in manifest.extras.python]
-            local = ()
-        uses_wheelhouse = any(p.source.kind == "wheelhouse" for p in pins[name])
-        req_path = f"{REQUIREMENTS_DIR}/{name}.txt" if lines else None
-        if req_path:
-            files[req_path] = "\n".join(lines) + "\n"
-        deps_path = f"{REQUIREMENTS_DIR}/{name}-deps.txt" if deps else None
-        if deps_path:
-            files[deps_path] = "\n".join(deps) + "\n"
-        wheel_dir = f"{WHEELS_DIR}/{name}" if (local or uses_wheelhouse) else None
-        if wheel_dir:
-            wheels[wheel_dir] = local
+            groups = [(name, lines)]
+        steps = []
+        for stem, entries in groups:
+            if not entries:
+                continue
+            req_path = f"{REQUIREMENTS_DIR}/{stem}.txt"
+            if lock is not None:
+                files[req_path] = "".join(f"{p.requirement()}\n" for p in entries)  # type: ignore[union-attr]
+                wheels[f"{WHEELS_DIR}/{stem}"] = {p.filename: p.sha256 for p in entries}  # type: ignore[union-attr]
+                steps.append(PipStep(requirements=req_path, wheels=f"{WHEELS_DIR}/{stem}"))
+            else:
+                files[req_path] = "\n".join(entries) + "\n"  # type: ignore[arg-type]
+                steps.append(PipStep(requirements=req_path))
+        unlocked_wheels = None
+        if lock is None and any(p.source.kind == "wheelhouse" for p in pins[name]):
+            unlocked_wheels = f"{WHEELS_DIR}/{name}"
+            wheels[unlocked_wheels] = {}
         index, extra = _index_of(manifest, name)
         layers.append(
             PipLayer(
-                name=name, requirements=req_path, deps_requirements=deps_path, wheels=wheel_dir, index=index,
-                extra_indexes=extra, locked=lock is not None, git=git if lock is None else None,
+                name=name, steps=tuple(steps), wheels=unlocked_wheels, index=index, extra_indexes=extra,
+                locked=lock is not None, git=git if lock is None else None,
             )
         )
     return layers, files, wheels
@@ -189,9 +216,11 @@ def render(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDocker
     )
 
 
-def write_context(*, rendered: RenderedDockerfile, out: Path, wheelhouse: Path | None = None, prune: bool = False) -> Path:
-    """Write Dockerfile, requirement files and the layer's wheelhouse wheels into `out`.
+def write_context(*, rendered: RenderedDockerfile, out: Path, wheels: Mapping[str, Path] | None = None,
+                  prune: bool = False) -> Path:
+    """Write Dockerfile, requirement and tool files and each step's wheels into `out`.
 
+    `wheels` maps sha256 -> a file holding it (the wheel store, `builder.wheels.fetch_wheels`).
     Unchanged files are left alone (same content, same mtime) and wheels are hard links where the
     filesystem allows, so a build context kept between builds (see `build_image`) is re-sent to
     BuildKit only where it changed: the 190 MB torch wheel is transferred once, not per build.
@@ -200,14 +229,19 @@ def write_context(*, rendered: RenderedDockerfile, out: Path, wheelhouse: Path |
     """
     wanted: dict[Path, str | Path] = {Path("Dockerfile"): rendered.text}
     wanted.update({Path(rel): content for rel, content in rendered.files.items()})
+    missing = []
     for folder, names in rendered.wheels.items():
-        wanted[Path(folder) / ".keep"] = ""
-        for name in names:
-            if wheelhouse is None or not (wheelhouse / name).is_file():
-                where = wheelhouse or "(no --wheelhouse given)"
-                raise BuildError(f"wheel {name} of {folder} is locked from a wheelhouse but not in {where}; "
-                                 "fix: pass --wheelhouse DIR holding it")
-            wanted[Path(folder) / name] = wheelhouse / name
+        if not names:
+            wanted[Path(folder) / ".keep"] = ""
+        for name, sha in names.items():
+            source = (wheels or {}).get(sha)
+            if source is None or not source.is_file():
+                missing.append(f"{folder}/{name}")
+                continue
+            wanted[Path(folder) / name] = source
+    if missing:
+        raise BuildError(f"{len(missing)} locked wheel(s) not gathered for the context: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else "") + "; fix: fetch them first (builder.wheels.fetch_wheels)")
     out.mkdir(parents=True, exist_ok=True)
     if prune:
         _prune(out, keep=set(wanted))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -65,13 +66,16 @@ def marker_ca(tmp_path_factory: pytest.TempPathFactory, host_ca_bundle: Path | N
 @pytest.fixture(scope="module")
 def built(engine: Engine, sku_dir: Path, wheelhouse: Path | None, marker_ca: tuple[Path, str],
           tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    """The CPU SKU built cold (no cache), so the build really ran with the marker CA as its secret."""
+    """The CPU SKU built cold (no cache) from an empty wheel store, so every wheel really was
+    downloaded trusting the marker CA (and the secret was offered to BuildKit too)."""
     path = sku_dir / CPU_SKU.name
     lines: list[str] = []
     result = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)),
                          engine=engine, wheelhouse=wheelhouse, ca_bundle=marker_ca[0], progress="plain",
-                         on_line=lines.append, no_cache=True, records=tmp_path_factory.mktemp("records"))
+                         on_line=lines.append, no_cache=True, records=tmp_path_factory.mktemp("records"),
+                         wheel_store=tmp_path_factory.mktemp("wheels"))
     assert any("DONE" in line for line in lines)
+    assert any(line.startswith("fetched transformers-") for line in lines)
     return result
 
 
@@ -154,10 +158,13 @@ def test_rebuild_is_all_cache_and_same_image(engine: Engine, built: BuiltImage, 
     assert record["image"] == built.image and record["image_id"] == built.image_id
 
 
-def _corrupt(lock: Lock, *, layer: str, name: str) -> Lock:
-    pkgs = tuple(p.model_copy(update={"sha256": "0" * 64}) if p.name == name else p for p in lock.layers[layer])
-    assert pkgs != lock.layers[layer], f"{name} is not in the {layer} layer"
-    return lock.model_copy(update={"layers": {**lock.layers, layer: pkgs}})
+def _broken_engine_wheel(lock: Lock, house: Path) -> Lock:
+    """A lock whose engine wheel is a file the host can hash and gather but that is no wheel: only
+    the build step that installs it can find out."""
+    tf = next(p for p in lock.layers["engine"] if p.name == "transformers")
+    (house / tf.filename).write_bytes(b"this is not a zip archive")
+    broken = tf.model_copy(update={"sha256": hashlib.sha256(b"this is not a zip archive").hexdigest(), "source": "wheelhouse", "url": None})
+    return lock.model_copy(update={"layers": {**lock.layers, "engine": tuple(broken if p is tf else p for p in lock.layers["engine"])}})
 
 
 def test_failing_step_names_layer_exit_code_5_and_no_tag(engine: Engine, built: BuiltImage, sku_dir: Path,
@@ -166,24 +173,45 @@ def test_failing_step_names_layer_exit_code_5_and_no_tag(engine: Engine, built: 
                                                           tags_to_remove: list[str]) -> None:
     from builder.cli import main
 
+    house = tmp_path / "house"
+    house.mkdir()
+    for wheel in (wheelhouse.glob("*.whl") if wheelhouse else ()):
+        (house / wheel.name).hardlink_to(wheel)
     shutil.copy(sku_dir / CPU_SKU.name, tmp_path / CPU_SKU.name)
-    bad = _corrupt(read_lock(lock_path(sku_dir / CPU_SKU.name)), layer="engine", name="transformers")
+    bad = _broken_engine_wheel(read_lock(lock_path(sku_dir / CPU_SKU.name)), house)
     write_lock(bad, lock_path(tmp_path / CPU_SKU.name))
     manifest = load_manifest(tmp_path / CPU_SKU.name)
     tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=bad)
     tags_to_remove.append(tag)
     with pytest.raises(BuildError) as err:
         build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=bad, engine=engine,
-                    wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
+                    wheelhouse=house, ca_bundle=host_ca_bundle, wheel_store=tmp_path / "store")
     assert "layer 'engine' failed" in str(err.value)
-    assert "hash" in str(err.value).lower()  # the tail of pip's log says why
+    assert "transformers-5.24.0-py3-none-any.whl: cannot install: BadZipFile" in str(err.value)  # the tail of the step's log says why
     assert not engine.image_exists(tag)
-    argv = ["build", str(tmp_path / CPU_SKU.name), "--progress", "plain"]
-    argv += ["--wheelhouse", str(wheelhouse)] if wheelhouse else []
+    argv = ["build", str(tmp_path / CPU_SKU.name), "--progress", "plain", "--wheelhouse", str(house)]
     argv += ["--ca-bundle", str(host_ca_bundle)] if host_ca_bundle else []
     assert main(argv) == 5
     assert "layer 'engine' failed" in capsys.readouterr().err
     assert not engine.image_exists(tag)
+
+
+def test_a_wheel_that_does_not_match_the_lock_stops_the_build_before_buildkit(engine: Engine, built: BuiltImage, sku_dir: Path,
+                                                                              wheelhouse: Path | None, tmp_path: Path) -> None:
+    house = tmp_path / "house"
+    house.mkdir()
+    for wheel in (wheelhouse.glob("*.whl") if wheelhouse else ()):
+        (house / wheel.name).hardlink_to(wheel)
+    lock = read_lock(lock_path(sku_dir / CPU_SKU.name))
+    tf = next(p for p in lock.layers["engine"] if p.name == "transformers")
+    (house / tf.filename).write_bytes(b"a tampered wheel")
+    shutil.copy(sku_dir / CPU_SKU.name, tmp_path / CPU_SKU.name)
+    manifest = load_manifest(tmp_path / CPU_SKU.name)
+    lines: list[str] = []
+    with pytest.raises(BuildError, match=f"{house / tf.filename}: sha256 [0-9a-f]{{64}}, but the lock says {tf.sha256}"):
+        build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=lock, engine=engine, wheelhouse=house,
+                    wheel_store=tmp_path / "store", on_line=lines.append, progress="plain")
+    assert not any(line.startswith("#") for line in lines)  # BuildKit never started
 
 
 def test_interrupted_build_leaves_no_build_containers(engine: Engine, tmp_path: Path) -> None:
@@ -220,3 +248,27 @@ def _processes_with(text: str) -> list[str]:
         if text in cmd:
             found.append(f"{pid}: {cmd}")
     return found
+
+
+def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(engine: Engine, built: BuiltImage, sku_dir: Path,
+                                                                            wheelhouse: Path | None, host_ca_bundle: Path | None,
+                                                                            tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`skupin render --out DIR` gathers each step's wheels next to the Dockerfile, so a plain
+    `docker build DIR` reproduces the image (here from the build cache of `built`)."""
+    from builder.cli import main
+
+    out = tmp_path / "ctx"
+    argv = ["render", str(sku_dir / CPU_SKU.name), "--out", str(out)]
+    argv += ["--wheelhouse", str(wheelhouse)] if wheelhouse else []
+    argv += ["--ca-bundle", str(host_ca_bundle)] if host_ca_bundle else []
+    assert main(argv) == 0
+    lock = read_lock(lock_path(sku_dir / CPU_SKU.name))
+    assert f"and {len(lock.packages())} wheel(s)" in capsys.readouterr().out
+    for req in (out / "requirements").glob("*.txt"):
+        step = out / "wheels" / req.stem
+        hashes = sorted(line.split("sha256:")[1] for line in req.read_text().splitlines() if line)
+        assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in step.iterdir()) == hashes, req.name
+    assert sum(len(list(p.iterdir())) for p in (out / "wheels").iterdir()) == len(lock.packages())
+    image_id = engine.build(context=out, dockerfile=out / "Dockerfile",
+                            build_args={"SKUPIN_LOCK_HASH": lock.content_hash(), "SKUPIN_DOCKERFILE_SHA256": built.dockerfile_sha256})
+    assert image_id == built.image_id

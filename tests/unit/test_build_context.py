@@ -35,26 +35,26 @@ def test_a_step_with_a_different_substituted_value_is_not_matched_to_the_wrong_l
     assert [(s.layer, s.seconds) for s in steps] == [("engine", 1.5), ("unknown", 0.1)]
 
 
-def _rendered(files: dict[str, str], wheels: dict[str, tuple[str, ...]] | None = None) -> RenderedDockerfile:
+def _rendered(files: dict[str, str], wheels: dict[str, dict[str, str]] | None = None) -> RenderedDockerfile:
     return RenderedDockerfile(sku="x", text="FROM scratch\n", sha256="0" * 64, files=files, wheels=wheels or {}, locked=True)
 
 
 def test_kept_context_rewrites_only_what_changed_and_prunes_the_rest(tmp_path):
-    house = tmp_path / "house"
-    house.mkdir()
-    (house / "a-1-py3-none-any.whl").write_bytes(b"wheel a")
+    stored = tmp_path / "store" / "a-1-py3-none-any.whl"
+    stored.parent.mkdir()
+    stored.write_bytes(b"wheel a")
     out = tmp_path / "ctx"
-    write_context(rendered=_rendered({"requirements/engine.txt": "a==1\n"}, {"wheels/framework": ("a-1-py3-none-any.whl",)}),
-                  out=out, wheelhouse=house, prune=True)
+    write_context(rendered=_rendered({"requirements/engine.txt": "a==1\n"}, {"wheels/framework": {"a-1-py3-none-any.whl": "a" * 64}}),
+                  out=out, wheels={"a" * 64: stored}, prune=True)
     wheel = out / "wheels/framework/a-1-py3-none-any.whl"
-    assert wheel.stat().st_ino == (house / "a-1-py3-none-any.whl").stat().st_ino  # hard link, not a copy
+    assert wheel.stat().st_ino == stored.stat().st_ino  # hard link, not a copy
     req = out / "requirements/engine.txt"
     os.utime(req, ns=(1, 1))
     (out / "stale.txt").write_text("left from an older render")
     (out / "requirements/old-deps.txt").write_text("b==2\n")
 
     write_context(rendered=_rendered({"requirements/engine.txt": "a==1\n", "requirements/engine-deps.txt": "c==3\n"}),
-                  out=out, wheelhouse=house, prune=True)
+                  out=out, wheels={"a" * 64: stored}, prune=True)
     assert req.stat().st_mtime_ns == 1  # same content: not rewritten, so BuildKit does not re-send it
     assert (out / "requirements/engine-deps.txt").read_text() == "c==3\n"
     assert not (out / "stale.txt").exists() and not (out / "requirements/old-deps.txt").exists()
@@ -68,9 +68,9 @@ def test_kept_context_is_untouched_when_a_wheel_is_missing(tmp_path):
     out = tmp_path / "ctx"
     write_context(rendered=_rendered({"requirements/engine.txt": "a==1\n"}), out=out, prune=True)
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
-    with pytest.raises(Exception, match="not in"):
-        write_context(rendered=_rendered({"requirements/other.txt": "b\n"}, {"wheels/framework": ("gone.whl",)}),
-                      out=out, wheelhouse=tmp_path, prune=True)
+    with pytest.raises(Exception, match="not gathered for the context: wheels/framework/gone.whl"):
+        write_context(rendered=_rendered({"requirements/other.txt": "b\n"}, {"wheels/framework": {"gone.whl": "f" * 64}}),
+                      out=out, wheels={}, prune=True)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from builder.errors import BuildError
 from builder.lockfile import Lock, LockedBase, LockedPackage
 from builder.manifest import load_manifest
 from builder.paths import REPO, SKUS
@@ -27,9 +28,9 @@ def _ids(paths):
 @pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
 def test_snapshot(path):
     """The rendered (pins-only) Dockerfile equals the committed snapshot (UPDATE_SNAPSHOTS=1 rewrites)."""
-    # The bytecode tool's hash is checked by test_dockerfile_names_the_bytecode_tool_it_mounts, so
-    # an edit to builder/bytecode.py does not rewrite every snapshot.
-    text = re.sub(r"(tools/bytecode\.py \(sha256 )[0-9a-f]{16}\)", r"\1<builder/bytecode.py>)", render(manifest=load_manifest(path)).text)
+    # The tools' hash is checked by test_dockerfile_names_the_tools_it_mounts, so an edit to
+    # builder/bytecode.py or builder/wheel_install.py does not rewrite every snapshot.
+    text = re.sub(r"(; tools sha256 )[0-9a-f]{16}$", r"\1<tools>", render(manifest=load_manifest(path)).text, flags=re.M)
     snap = SNAPSHOTS / f"{path.stem}.Dockerfile"
     if os.environ.get("UPDATE_SNAPSHOTS") == "1":
         snap.write_text(text, encoding="utf-8")
@@ -37,18 +38,29 @@ def test_snapshot(path):
     assert text == snap.read_text(encoding="utf-8")
 
 
-def test_dockerfile_names_the_bytecode_tool_it_mounts():
-    """The tool's hash is part of the Dockerfile (so of its sha256, the lock and the image label),
-    and the context carries exactly that file."""
+def test_dockerfile_names_the_tools_it_mounts(tmp_path):
+    """The tools' hash is part of the Dockerfile (so of its sha256, the lock and the image label),
+    and the context carries exactly those files: both tools and pypa installer's package."""
     import hashlib
 
-    from builder.render import BYTECODE_TOOL
+    import installer
 
-    rendered = render(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))
-    digest = hashlib.sha256(BYTECODE_TOOL.read_bytes()).hexdigest()
-    assert f"tools/bytecode.py (sha256 {digest[:16]})" in rendered.text
-    assert rendered.files["tools/bytecode.py"] == BYTECODE_TOOL.read_text()
-    runs = [ln for ln in rendered.text.split("\nRUN ") if "pip install" in ln]
+    from builder.render import BYTECODE_TOOL, INSTALL_TOOL
+
+    manifest = _cpu()
+    for rendered in (render(manifest=manifest), render(manifest=manifest, lock=_lock(manifest, tmp_path))):
+        tools = {rel: text for rel, text in rendered.files.items() if rel.startswith("tools/")}
+        digest = hashlib.sha256()
+        for rel, text in sorted(tools.items()):
+            digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
+        assert f"(pypa installer {installer.__version__}) and tools/bytecode.py; tools sha256 {digest.hexdigest()[:16]}" in rendered.text
+        assert tools["tools/bytecode.py"] == BYTECODE_TOOL.read_text()
+        assert tools["tools/wheel_install.py"] == INSTALL_TOOL.read_text()
+        package = Path(installer.__file__).parent
+        assert {rel for rel in tools if rel.startswith("tools/installer/")} == {
+            f"tools/installer/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")}
+    unlocked = render(manifest=manifest).text.split("\nRUN ")
+    runs = [r for r in unlocked if "pip install" in r]
     assert runs and all("--no-compile" in r and "/tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp" in r for r in runs)
 
 
@@ -124,30 +136,46 @@ def test_locked_render_installs_exactly_the_locked_set(tmp_path):
     rendered = render(manifest=manifest, lock=_lock(manifest, tmp_path))
     # The pin gets its own step after its dependencies: a point release of the pin alone
     # leaves the dependency step cached.
-    assert rendered.files["requirements/framework-deps.txt"] == (
-        "sympy @ https://files.example/sympy-1.14.0-py3-none-any.whl --hash=sha256:" + "b" * 64 + "\n"
-    )
+    assert rendered.files["requirements/framework-deps.txt"] == "sympy==1.14.0 --hash=sha256:" + "b" * 64 + "\n"
     assert rendered.files["requirements/framework.txt"] == "torch==2.13.0+cpu --hash=sha256:" + "a" * 64 + "\n"
     text = rendered.text
-    assert text.index("-r /opt/skupin/requirements/framework-deps.txt") < text.index(
-        "-r /opt/skupin/requirements/framework.txt")
+    assert text.index(" /opt/skupin/requirements/framework-deps.txt\n") < text.index(" /opt/skupin/requirements/framework.txt\n")
     assert "requirements/engine-deps.txt" not in rendered.files  # transformers alone: no separate deps step
     assert "requirements/extras.txt" not in rendered.files
-    assert rendered.wheels == {"wheels/framework": ("torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl",)}
-    runs = [ln for ln in rendered.text.splitlines() if "pip install" in ln]
-    assert runs and all("--no-deps --require-hashes" in ln for ln in runs)
-    assert "UNLOCKED" not in rendered.text
+    # Each step binds only its own wheels (so its cache key sees only them), named with their hashes.
+    assert rendered.wheels == {
+        "wheels/framework-deps": {"sympy-1.14.0-py3-none-any.whl": "b" * 64},
+        "wheels/framework": {"torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl": "a" * 64},
+        "wheels/engine": {"transformers-5.24.0-py3-none-any.whl": "c" * 64},
+    }
+    runs = [r for r in text.split("\nRUN ")[1:] if "skupin-tools" in r]
+    assert len(runs) == 3
+    for run, step in zip(runs, ("framework-deps", "framework", "engine")):
+        assert run.startswith(f"--mount=type=bind,source=wheels/{step},target=/tmp/skupin-wheels ")
+        assert "python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels" in run
+        assert run.rstrip().endswith(f"/opt/skupin/requirements/{step}.txt") or f"/opt/skupin/requirements/{step}.txt\n" in run
+    # No pip, no index, no secret: a locked step needs no network.
+    assert "pip install" not in text and "skupin_ca" not in text and "pypi.org" not in text
+    assert "UNLOCKED" not in text
 
 
-def test_write_context_copies_locked_wheels_and_refuses_missing(tmp_path):
+def test_write_context_links_each_steps_wheels_and_refuses_missing(tmp_path):
     manifest = _cpu()
     rendered = render(manifest=manifest, lock=_lock(manifest, tmp_path))
-    house = tmp_path / "house"
-    house.mkdir()
-    with pytest.raises(Exception, match="torch-2.13.0"):
-        write_context(rendered=rendered, out=tmp_path / "ctx1", wheelhouse=house)
-    (house / "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl").write_bytes(b"wheel")
-    out = write_context(rendered=rendered, out=tmp_path / "ctx2", wheelhouse=house)
+    files = {}
+    for name, sha in (("torch", "a"), ("sympy", "b")):
+        files[sha * 64] = tmp_path / f"{name}.whl"
+        files[sha * 64].write_bytes(name.encode())
+    with pytest.raises(BuildError, match="transformers-5.24.0-py3-none-any.whl") as err:
+        write_context(rendered=rendered, out=tmp_path / "ctx1", wheels=files)
+    assert "wheels/engine/" in str(err.value)
+    assert not (tmp_path / "ctx1").exists()  # checked before anything is written
+    files["c" * 64] = tmp_path / "tf.whl"
+    files["c" * 64].write_bytes(b"tf")
+    out = write_context(rendered=rendered, out=tmp_path / "ctx2", wheels=files)
     assert (out / "Dockerfile").read_text() == rendered.text
-    assert (out / "wheels/framework/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl").read_bytes() == b"wheel"
-    assert (out / "requirements/engine.txt").read_text().startswith("transformers @ ")
+    torch = out / "wheels/framework/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"
+    assert torch.read_bytes() == b"torch" and torch.stat().st_ino == files["a" * 64].stat().st_ino  # a hard link
+    assert sorted(p.name for p in (out / "wheels").iterdir()) == ["engine", "framework", "framework-deps"]
+    assert [p.name for p in (out / "wheels/engine").iterdir()] == ["transformers-5.24.0-py3-none-any.whl"]
+    assert (out / "requirements/engine.txt").read_text() == "transformers==5.24.0 --hash=sha256:" + "c" * 64 + "\n"

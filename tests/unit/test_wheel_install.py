@@ -6,6 +6,7 @@ import base64
 import csv
 import hashlib
 import io
+import subprocess
 import sys
 import sysconfig
 import zipfile
@@ -155,3 +156,31 @@ def test_the_tool_needs_only_the_standard_library_bytecode_and_installer():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= set(sys.stdlib_module_names) | {"__future__", "bytecode", "installer"}, imported
+
+
+def test_the_rendered_tools_folder_works_alone_in_a_fresh_venv(tmp_path):
+    """What a build step runs: the context's tools/ (both tools and installer's package) with a
+    venv's own Python, which has neither skupin nor installer installed."""
+    from builder.manifest import load_manifest
+    from builder.paths import SKUS
+    from builder.render import render
+
+    rendered = render(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))
+    for rel, text in rendered.files.items():
+        if rel.startswith("tools/"):
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / rel).write_text(text)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    python = tmp_path / "venv/bin/python"
+    wheels = tmp_path / "wheels"
+    _, sha = make_wheel(wheels, "hello", "0.1", {"hello.py": "WORD = 'hi'\n"}, scripts={"hello": "hello:main"})
+    req = _requirements(tmp_path, [f"hello==0.1 --hash=sha256:{sha}"])
+
+    run = subprocess.run([str(python), str(tmp_path / "tools/wheel_install.py"), "--wheels", str(wheels), str(req)],
+                         capture_output=True, text=True, check=False)
+
+    assert run.returncode == 0, run.stderr
+    check = subprocess.run([str(python), "-c", "import hello, importlib.metadata as m; print(hello.WORD, m.version('hello'))"],
+                           capture_output=True, text=True, check=True)
+    assert check.stdout.strip() == "hi 0.1"
+    assert (tmp_path / "venv/bin/hello").is_file()

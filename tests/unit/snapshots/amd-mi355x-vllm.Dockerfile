@@ -1,7 +1,7 @@
 # Rendered by skupin 0.1.0 from skus/amd-mi355x-vllm.yaml: edit the manifest, not this file.
 # amd Instinct MI355X 288GB (gfx950, amd-cdna4)
 # driver rocm 7.2.1 | framework torch 2.11.0+rocm7.2 | compiler triton 3.6.0 | engine vllm 0.25.1
-# pip steps compile bytecode with tools/bytecode.py (sha256 <builder/bytecode.py>), from builder/bytecode.py
+# locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock amd-mi355x-vllm`).
 ARG SKUPIN_BASE=docker.io/rocm/dev-ubuntu-24.04:7.2.1-complete@sha256:3db551c4e1229aac1857ac44fcb6141bb749f41348eb572452f11279153c13c3
 FROM ${SKUPIN_BASE}

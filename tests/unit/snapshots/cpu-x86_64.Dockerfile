@@ -1,7 +1,7 @@
 # Rendered by skupin 0.1.0 from skus/cpu-x86_64.yaml: edit the manifest, not this file.
 # cpu x86_64 CPU (x86_64, cpu-x86_64)
 # driver none none | framework torch 2.13.0+cpu | compiler gcc 12.2.0 | engine transformers 5.24.0
-# pip steps compile bytecode with tools/bytecode.py (sha256 <builder/bytecode.py>), from builder/bytecode.py
+# locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock cpu-x86_64`).
 ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
 FROM ${SKUPIN_BASE}
