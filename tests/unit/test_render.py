@@ -139,7 +139,7 @@ def test_locked_render_installs_exactly_the_locked_set(tmp_path):
     assert rendered.files["requirements/framework-deps.txt"] == "sympy==1.14.0 --hash=sha256:" + "b" * 64 + "\n"
     assert rendered.files["requirements/framework.txt"] == "torch==2.13.0+cpu --hash=sha256:" + "a" * 64 + "\n"
     text = rendered.text
-    assert text.index(" /opt/skupin/requirements/framework-deps.txt\n") < text.index(" /opt/skupin/requirements/framework.txt\n")
+    assert text.index("--keep /opt/skupin/requirements/framework-deps.txt") < text.index("--keep /opt/skupin/requirements/framework.txt")
     assert "requirements/engine-deps.txt" not in rendered.files  # transformers alone: no separate deps step
     assert "requirements/extras.txt" not in rendered.files
     # Each step binds only its own wheels (so its cache key sees only them), named with their hashes.
@@ -151,9 +151,13 @@ def test_locked_render_installs_exactly_the_locked_set(tmp_path):
     runs = [r for r in text.split("\nRUN ")[1:] if "skupin-tools" in r]
     assert len(runs) == 3
     for run, step in zip(runs, ("framework-deps", "framework", "engine")):
-        assert run.startswith(f"--mount=type=bind,source=wheels/{step},target=/tmp/skupin-wheels ")
-        assert "python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels" in run
-        assert run.rstrip().endswith(f"/opt/skupin/requirements/{step}.txt") or f"/opt/skupin/requirements/{step}.txt\n" in run
+        # One step, one layer: its wheels and its requirements file are bound, the tool keeps a copy.
+        assert run.startswith(f"--mount=type=bind,source=wheels/{step},target=/tmp/skupin-wheels "
+                              f"--mount=type=bind,source=requirements/{step}.txt,target=/tmp/skupin-requirements.txt ")
+        assert (f"python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels --keep /opt/skupin/requirements/{step}.txt"
+                in run)
+        assert run.split("\n")[3].endswith(" /tmp/skupin-requirements.txt")
+    assert "COPY requirements/" not in text
     # No pip, no index, no secret: a locked step needs no network.
     assert "pip install" not in text and "skupin_ca" not in text and "pypi.org" not in text
     assert "UNLOCKED" not in text

@@ -78,8 +78,9 @@ def test_installs_exactly_the_locked_wheels_with_scripts_records_and_bytecode(tm
     _, dep_sha = make_wheel(wheels, "tiny-dep", "1.0", {"tiny_dep.py": "A = 1\n"})
     req = _requirements(tmp_path, ["# locked", f"tiny-dep==1.0 --hash=sha256:{dep_sha}", f"transformers==5.24.0 --hash=sha256:{tf_sha}"])
 
-    assert _run(tmp_path, req, wheels, prefix) == 0
+    assert _run(tmp_path, req, wheels, prefix, "--keep", str(prefix / "requirements/engine.txt")) == 0
 
+    assert (prefix / "requirements/engine.txt").read_text() == req.read_text()
     out = capsys.readouterr().out
     assert "installed 2 wheel(s)" in out and "tiny-dep==1.0, transformers==5.24.0" in out
     assert (site / "transformers/cli.py").read_text() == "def main():\n    return 0\n"
@@ -97,6 +98,20 @@ def test_installs_exactly_the_locked_wheels_with_scripts_records_and_bytecode(tm
     assert not (site / "transformers/models/llama/__pycache__").exists()
     assert (site / pycache.format("tiny_dep")).is_file()
     assert "bytecode: 4 new files: 0 from the cache, 4 compiled" in out
+
+
+def test_files_compile_in_worker_processes_while_the_rest_unpacks(tmp_path, capsys):
+    prefix, site = _prefix(tmp_path)
+    wheels = tmp_path / "wheels"
+    files = {f"many/m{i}.py": f"V = {i}\n" for i in range(100)} | {"many/bad.py": "print 'py2'\n"}
+    _, sha = make_wheel(wheels, "many", "1.0", files)
+    req = _requirements(tmp_path, [f"many==1.0 --hash=sha256:{sha}"])
+    assert _run(tmp_path, req, wheels, prefix, "--jobs", "3") == 0
+    assert "bytecode: 101 new files: 0 from the cache, 100 compiled, 1 left without bytecode" in capsys.readouterr().out
+    assert len(list((site / "many/__pycache__").iterdir())) == 100
+    # A second install of the same files (a rebuild) takes every code object from the cache.
+    assert _run(tmp_path, req, wheels, prefix, "--jobs", "2") == 0
+    assert "101 new files: 100 from the cache, 0 compiled, 1 left without bytecode" in capsys.readouterr().out
 
 
 def test_an_installed_older_version_is_replaced_by_its_record(tmp_path, capsys):
@@ -129,7 +144,8 @@ def test_wheels_that_do_not_match_the_lock_stop_the_step_before_anything_is_inst
     else:
         lines = [f"notgood==1.0 --hash=sha256:{sha}"]
 
-    assert _run(tmp_path, _requirements(tmp_path, lines), wheels, prefix) == 3
+    assert _run(tmp_path, _requirements(tmp_path, lines), wheels, prefix, "--keep", str(tmp_path / "kept.txt")) == 3
+    assert not (tmp_path / "kept.txt").exists()
 
     err = capsys.readouterr().err
     assert "wheels do not match the locked requirements" in err
