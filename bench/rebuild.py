@@ -1,13 +1,18 @@
 """Benchmark: cold build of the CPU SKU vs. the rebuild after an engine point release, in one run.
 
-    python -m bench.rebuild [--to 5.23.0,5.22.2,5.22.1] [--wheelhouse /opt/wheels] [--ca-bundle FILE]
+    python -m bench.rebuild [--to 5.23.0,5.22.2,5.22.1,5.22.0,5.21.1] [--wheelhouse /opt/wheels] [--ca-bundle FILE]
 
-1. cold: the CPU SKU from its lock with an empty build cache (`--cold prune`, the default);
+1. cold: the CPU SKU from its lock with an empty build cache (`--cold prune`, the default) and an
+   empty wheel store (every locked wheel is downloaded; torch comes from the wheelhouse);
 2. point releases: for each `--to` version, the same manifest with only `stack.engine.version`
    changed and a lock made for it (`builder.lock.lock_sku`), built with the cache of step 1
-   (and of the point releases before it). A version whose lock changes more than the engine is
+   (and of the point releases before it) and the same wheel store. A version whose lock changes more than the engine is
    refused. `point_release_s` is the median over the versions (one build each), and every
    build is listed.
+Before every timed build the bench flushes the page cache's dirty pages (`sync`) and waits until
+the kernel's I/O pressure (/proc/pressure/io, `some avg10`) is below 2% or 30 s have passed, so a
+build is not measured while the previous one's writes (2 GB after the cold build) still drain;
+what it waited for is recorded with each build.
 Writes bench/results/rebuild.json (cold_s, point_release_s, ratio, new_layer_bytes, ...) and
 prints it. Target: ratio <= 0.05 and only the engine layer and above rebuilt.
 """
@@ -22,6 +27,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -38,6 +44,32 @@ REPO = Path(__file__).resolve().parents[1]
 SKU = REPO / "skus" / "cpu-x86_64.yaml"
 RESULT = REPO / "bench" / "results" / "rebuild.json"
 TARGET_RATIO = 0.05
+DEFAULT_TO = "5.23.0,5.22.2,5.22.1,5.22.0,5.21.1"
+QUIET_IO_PCT = 2.0
+SETTLE_MAX_S = 30.0
+
+
+def io_pressure() -> float | None:
+    """`some avg10` of /proc/pressure/io (percent of the last 10 s some task waited on I/O); None without PSI."""
+    try:
+        first = Path("/proc/pressure/io").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    return float(dict(kv.split("=") for kv in first.split()[1:])["avg10"])
+
+
+def settle(say) -> dict[str, float | None]:
+    """sync, then wait (at most SETTLE_MAX_S) for the I/O pressure to fall below QUIET_IO_PCT."""
+    start = time.monotonic()
+    os.sync()
+    pressure = io_pressure()
+    while pressure is not None and pressure >= QUIET_IO_PCT and time.monotonic() - start < SETTLE_MAX_S:
+        time.sleep(1.0)
+        pressure = io_pressure()
+    waited = round(time.monotonic() - start, 1)
+    if waited >= 1:
+        say(f"waited {waited} s for the disk to settle (I/O pressure {pressure}%)")
+    return {"waited_s": waited, "io_pressure_avg10": pressure}
 
 
 def _lock_for(manifest_path: Path, *, wheelhouse: Path | None, ca_bundle: Path | None) -> Lock:
@@ -56,8 +88,8 @@ def _lock_diff(a: Lock, b: Lock) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--to", default="5.23.0,5.22.2,5.22.1",
-                    help="comma-separated engine versions, one point-release build each (default 5.23.0,5.22.2,5.22.1)")
+    ap.add_argument("--to", default=DEFAULT_TO,
+                    help=f"comma-separated engine versions, one point-release build each (default {DEFAULT_TO})")
     ap.add_argument("--wheelhouse", type=Path, default=Path(os.environ.get("SKUPIN_WHEELHOUSE", "/opt/wheels")))
     ap.add_argument("--ca-bundle", type=Path, default=Path(os.environ.get("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt")))
     ap.add_argument("--out", type=Path, default=RESULT)
@@ -109,26 +141,30 @@ def main(argv: list[str] | None = None) -> int:
         say(f"cold build ({args.cold})")
         if args.cold == "prune":
             engine.builder_prune()
-        os.sync()
+        cold_settle = settle(say)
+        # The cold build also starts with an empty wheel store: it downloads every locked wheel
+        # (torch comes from the wheelhouse); the point releases then reuse that store.
+        store = Path(tmp, "wheels")
         cold = build_image(manifest=load_manifest(cold_manifest), manifest_path=cold_manifest, lock=cold_lock,
-                           engine=engine, wheelhouse=wheelhouse, ca_bundle=ca, no_cache=args.cold == "no-cache")
+                           engine=engine, wheelhouse=wheelhouse, ca_bundle=ca, no_cache=args.cold == "no-cache",
+                           wheel_store=store)
         say(f"cold: {cold.total_s:.1f} s")
         builds = []
         for version, point_manifest, point_lock in points:
             # Each build starts with no dirty pages of the one before it being written back
             # under it (the cold build leaves ~2 GB): measurements do not bleed into each other.
-            os.sync()
+            quiet = settle(say)
             say(f"point-release build {old_version} -> {version} (with the cache of the cold build)")
             built = build_image(manifest=load_manifest(point_manifest), manifest_path=point_manifest, lock=point_lock,
-                                engine=engine, wheelhouse=wheelhouse, ca_bundle=ca)
+                                engine=engine, wheelhouse=wheelhouse, ca_bundle=ca, wheel_store=store)
             say(f"point release {version}: {built.total_s:.1f} s")
-            builds.append((version, point_lock, built))
+            builds.append((version, point_lock, built, quiet))
 
     cold_info = engine.inspect_image(cold.image_id)
     assert cold_info is not None
     build_s = lambda b: round(sum(layer.seconds for layer in b.layers), 2)  # noqa: E731
     rows = []
-    for version, point_lock, built in builds:
+    for version, point_lock, built, quiet in builds:
         info = engine.inspect_image(built.image_id)
         assert info is not None
         rows.append({
@@ -143,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             "new_layers": len([d for d in info.layers if d not in set(cold_info.layers)]),
             "new_layer_bytes": engine.unique_bytes(built.image_id),
             "image_bytes": info.size,
+            "settle": quiet,
         })
         engine.remove_image(built.image, force=False)  # the bench's point-release tags; the cold tag is the SKU's own
     point_s = statistics.median(r["seconds"] for r in rows)
@@ -159,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "only_engine_and_above_rebuilt": all(set(r["rebuilt_layers"]) <= {"base", "engine", "extras", "labels", "export"} for r in rows),
         "cold_buildkit_s": build_s(cold),
         "cold_phases": cold.phases,
+        "cold_settle": cold_settle,
         "cold_layers": {layer.name: layer.seconds for layer in cold.layers},
         "point_releases": rows,
         # kept flat for readers of the first version of this file: the first point release
