@@ -7,9 +7,9 @@ The flow of `build_image` (a lock that no longer matches the manifest is refused
 3. render the Dockerfile with the lock and sync the SKU's build context folder
    (`.skupin/contexts/<sku>`, kept between builds and locked while in use, so that BuildKit
    re-sends only what changed; each step's wheels are hard-linked from the store);
-4. `docker build` through the engine adapter with no tag (`--iidfile`); locked steps need no
-   network (the CA bundle is still passed as the BuildKit secret `skupin_ca`, which only an
-   unlocked render's pip steps use);
+4. `docker build` through the engine adapter with no tag (`--iidfile`); the locked steps need
+   no network and no CA (the CA bundle reaches BuildKit, as the secret `skupin_ca`, only if the
+   Dockerfile mounts it);
 5. parse BuildKit's plain progress into per-layer durations and cache hits, mapping each step
    to the `# layer: NAME` comment above its instruction;
 6. ask the image's own Python (in a sandboxed container) for its installed distributions and
@@ -332,7 +332,7 @@ def build_image(
                 context=ctx,
                 dockerfile=ctx / "Dockerfile",
                 build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock_hash, "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
-                secrets={CA_SECRET_ID: ca_bundle} if ca_bundle else None,
+                secrets={CA_SECRET_ID: ca_bundle} if ca_bundle and f"id={CA_SECRET_ID}" in rendered.text else None,
                 no_cache=no_cache,
                 on_line=sink,
             )

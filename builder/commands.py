@@ -84,9 +84,9 @@ def _engine_base_build(sub: argparse._SubParsersAction) -> None:
                     "Dockerfile from its lock and build it with BuildKit, one step per pin after its locked "
                     "dependencies, so a point release rebuilds only its own step and those above. Each step "
                     "binds exactly its wheels and installs them with builder/wheel_install.py (hashes checked "
-                    "again, pypa installer, no resolver, no network), then compiles their bytecode with "
-                    "builder/bytecode.py, reusing unchanged files' code from a BuildKit cache mount. The build context is kept in .skupin/contexts/<sku> (locked "
-                    "while a build uses it) so BuildKit re-sends only what changed. After the build the "
+                    "again, pypa installer, no resolver, no network), compiling each Python file as it is "
+                    "written with builder/bytecode.py (unchanged files' code comes from a BuildKit cache "
+                    "mount). The build context is kept in .skupin/contexts/<sku> (locked while a build uses it) so BuildKit re-sends only what changed. After the build the "
                     "image's own Python must report exactly the locked set; only then is the image "
                     "tagged and the record written to .skupin/builds/<sku>.json (with per-layer and "
                     "per-phase times).",

@@ -68,7 +68,7 @@ def marker_ca(tmp_path_factory: pytest.TempPathFactory, host_ca_bundle: Path | N
 def built(engine: Engine, sku_dir: Path, wheelhouse: Path | None, marker_ca: tuple[Path, str],
           tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
     """The CPU SKU built cold (no cache) from an empty wheel store, so every wheel really was
-    downloaded trusting the marker CA (and the secret was offered to BuildKit too)."""
+    downloaded trusting the marker CA."""
     path = sku_dir / CPU_SKU.name
     lines: list[str] = []
     result = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)),
