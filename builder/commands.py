@@ -24,6 +24,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_publish(sub)
     _compat(sub)
     _watch(sub)
+    _wheels(sub)
+
+
+def _wheels(sub: argparse._SubParsersAction) -> None:
+    """`skupin wheels prune` (builder/wheels.py)."""
+    p = sub.add_parser("wheels", help="the wheel store (.skupin/wheels) that builds gather locked wheels into")
+    wsub = p.add_subparsers(dest="wheels_command", metavar="SUBCOMMAND", required=True)
+    r = wsub.add_parser("prune", help="remove stored wheels that no lock names",
+                        description="Remove every wheel in the store whose sha256 is in none of the locks next to "
+                                    "the given manifests (default: skus/), and partial downloads. The next build of "
+                                    "a SKU whose lock names a removed wheel downloads it again.")
+    r.add_argument("paths", nargs="*", default=[], help="manifest files or folders whose locks keep their wheels (default: skus/)")
+    r.add_argument("--store", metavar="DIR", help="the store (default: .skupin/wheels, or $SKUPIN_STATE/wheels)")
+    r.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    r.set_defaults(func=_lazy("builder.wheels", "cmd_wheels"))
 
 
 def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:

@@ -19,6 +19,7 @@ engine wheel is fetched.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -180,3 +181,46 @@ def _download(http, pkg: LockedPackage, store: Path) -> tuple[int, float]:
         finally:
             Path(tmp).unlink(missing_ok=True)
     raise NetworkError(f"{pkg.filename}: GET {_safe(url)} failed after {http.retries + 1} attempt(s): {last}")
+
+
+def prune_store(store: Path, *, keep: set[str], dry_run: bool = False) -> tuple[list[Path], int]:
+    """Remove every stored wheel whose sha256 is not in `keep` (and stray partial downloads);
+    the files removed (or that would be, with `dry_run`) and their bytes."""
+    removed: list[Path] = []
+    size = 0
+    if not store.is_dir():
+        return removed, size
+    for folder in sorted(p for p in store.glob("??/*") if p.is_dir()):
+        entries = list(folder.iterdir())
+        stale = entries if folder.name not in keep else [e for e in entries if e.name.endswith(".part")]
+        for entry in stale:
+            removed.append(entry)
+            size += entry.stat().st_size
+            if not dry_run:
+                entry.unlink()
+        if not dry_run:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty
+                folder.parent.rmdir()
+    return removed, size
+
+
+def cmd_wheels(args) -> int:
+    """`skupin wheels prune`: drop stored wheels that no lock under the given paths names."""
+    from builder.lockfile import lock_path, read_lock
+    from builder.paths import manifest_files
+
+    keep: set[str] = set()
+    locks = [lock_path(m) for m in manifest_files([Path(p) for p in args.paths])]
+    for path in locks:
+        if path.is_file():
+            keep |= {p.sha256 for p in read_lock(path).packages().values()}
+    store = Path(args.store) if args.store else STORE
+    removed, size = prune_store(store, keep=keep, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        print(f"{verb} {path.name}")
+    kept = sum(1 for _ in store.glob("??/*/*")) if store.is_dir() else 0
+    print(f"{verb} {len(removed)} file(s), {size / 1e6:.1f} MB; {kept - (len(removed) if args.dry_run else 0)} "
+          f"wheel(s) kept in {store}, named by {sum(1 for p in locks if p.is_file())} lock(s)")
+    return 0

@@ -66,3 +66,35 @@ def test_everything_that_cannot_be_gathered_is_reported_together_before_any_down
     assert "odd-1.0-py3-none-any.whl: the lock records no download URL (none)" in text
     assert "vllm-1.0-py3-none-any.whl: the lock records no download URL (git+https://" in text
     assert not (tmp_path / "s").exists()  # nothing was attempted
+
+
+def test_prune_keeps_what_the_locks_name_and_drops_the_rest(tmp_path, capsys):
+    import shutil
+
+    from builder.cli import main
+    from builder.lockfile import lock_path, read_lock
+    from builder.paths import SKUS
+
+    skus = tmp_path / "skus"
+    skus.mkdir()
+    shutil.copy(SKUS / "cpu-x86_64.yaml", skus)
+    shutil.copy(lock_path(SKUS / "cpu-x86_64.yaml"), skus)
+    locked = next(iter(read_lock(lock_path(skus / "cpu-x86_64.yaml")).packages().values()))
+    store = tmp_path / "store"
+    kept = store_path(store, locked)
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"locked")
+    (kept.parent / f".{kept.name}.123.part").write_bytes(b"half")  # an interrupted download
+    old = _pkg("transformers", b"an older engine wheel")
+    stale = store_path(store, old)
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an older engine wheel")
+
+    assert main(["wheels", "prune", str(skus), "--store", str(store), "--dry-run"]) == 0
+    assert "would remove 2 file(s)" in capsys.readouterr().out and stale.exists()
+
+    assert main(["wheels", "prune", str(skus), "--store", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {old.filename}" in out and "removed 2 file(s), 0.0 MB; 1 wheel(s) kept" in out
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]
+    assert not stale.parent.exists() and not stale.parent.parent.exists()
