@@ -30,9 +30,11 @@ import hashlib
 import importlib.util
 import io
 import json
+import os
 import re
 import ssl
 import sys
+import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Mapping
@@ -123,6 +125,39 @@ class _Http:
             raise NetworkError(f"{self.what}: {method} {_safe(url)} answered HTTP {response.status_code}"
                                f"{_excerpt(response)}" + (f" after {attempt + 1} attempts" if attempt else ""))
         raise NetworkError(f"{self.what}: {method} {_safe(url)}: {last}")  # pragma: no cover
+
+
+    def download(self, url: str, folder: Path, *, prefix: str) -> tuple[Path, str, int]:
+        """Stream a GET into a new temporary file in `folder`, with the retries of `request` (each
+        attempt starts the file again); (that file, its sha256, its size). The caller keeps or
+        removes it; on an error nothing is left behind."""
+        last = ""
+        for attempt in range(self.retries + 1):
+            fd, name = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".part")
+            tmp, digest, size, status = Path(name), hashlib.sha256(), 0, 0
+            try:
+                with os.fdopen(fd, "wb") as handle, self.client.stream("GET", url) as response:
+                    status = response.status_code
+                    if status == 200:
+                        for chunk in response.iter_bytes(1 << 20):
+                            handle.write(chunk)
+                            digest.update(chunk)
+                            size += len(chunk)
+                        return tmp, digest.hexdigest(), size
+                    last = f"HTTP {status}"
+                    if status not in RETRY_STATUS or attempt == self.retries:
+                        raise NetworkError(f"{self.what}: GET {_safe(url)} answered {last}")
+                    delay = self._delay(attempt, response)
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                delay = self._delay(attempt, None)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            tmp.unlink(missing_ok=True)
+            if attempt < self.retries:
+                self.sleep(delay)
+        raise NetworkError(f"{self.what}: GET {_safe(url)} failed after {self.retries + 1} attempt(s): {last}")
 
 
 def _safe(url: str) -> str:

@@ -23,7 +23,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -142,45 +141,26 @@ def _download_all(pkgs: list[LockedPackage], *, store: Path, ca_bundle: Path | N
 
 
 def _download(http, pkg: LockedPackage, store: Path) -> tuple[int, float]:
-    """Stream one wheel into the store; retried like every request; checked against the lock."""
-    import httpx
-
-    from builder.index import RETRY_STATUS, _safe
-
+    """Stream one wheel into the store (retried like every request); kept only with the lock's sha256."""
     assert pkg.url is not None
     url = pkg.url.split("#")[0]
     dest = store_path(store, pkg)
     dest.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    last = ""
-    for attempt in range(http.retries + 1):
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-        digest, size = hashlib.sha256(), 0
-        try:
-            with os.fdopen(fd, "wb") as handle, http.client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    last = f"HTTP {response.status_code}"
-                    if response.status_code in RETRY_STATUS and attempt < http.retries:
-                        http.sleep(http._delay(attempt, response))
-                        continue
-                    raise NetworkError(f"{pkg.filename}: GET {_safe(url)} answered {last}")
-                for chunk in response.iter_bytes(CHUNK):
-                    handle.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-            if digest.hexdigest() != pkg.sha256:
-                raise BuildError(f"{pkg.filename}: downloaded from {_safe(url)} with sha256 {digest.hexdigest()}, "
-                                 f"but the lock says {pkg.sha256}; the index now serves another file: check the "
-                                 "mirror, or relock")
-            os.replace(tmp, dest)
-            return size, time.monotonic() - start
-        except (httpx.TransportError, httpx.TimeoutException) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-            if attempt < http.retries:
-                http.sleep(http._delay(attempt, None))
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    raise NetworkError(f"{pkg.filename}: GET {_safe(url)} failed after {http.retries + 1} attempt(s): {last}")
+    try:
+        tmp, sha, size = http.download(url, dest.parent, prefix=f".{dest.name}.")
+    except NetworkError as exc:
+        raise NetworkError(f"{pkg.filename}: {exc}") from exc
+    try:
+        if sha != pkg.sha256:
+            from builder.index import _safe
+
+            raise BuildError(f"{pkg.filename}: downloaded from {_safe(url)} with sha256 {sha}, but the lock says "
+                             f"{pkg.sha256}; the index now serves another file: check the mirror, or relock")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return size, time.monotonic() - start
 
 
 def prune_store(store: Path, *, keep: set[str], dry_run: bool = False) -> tuple[list[Path], int]:
@@ -216,11 +196,11 @@ def cmd_wheels(args) -> int:
         if path.is_file():
             keep |= {p.sha256 for p in read_lock(path).packages().values()}
     store = Path(args.store) if args.store else STORE
+    stored = sum(1 for _ in store.glob("??/*/*"))
     removed, size = prune_store(store, keep=keep, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path.name}")
-    kept = sum(1 for _ in store.glob("??/*/*")) if store.is_dir() else 0
-    print(f"{verb} {len(removed)} file(s), {size / 1e6:.1f} MB; {kept - (len(removed) if args.dry_run else 0)} "
-          f"wheel(s) kept in {store}, named by {sum(1 for p in locks if p.is_file())} lock(s)")
+    print(f"{verb} {len(removed)} file(s), {size / 1e6:.1f} MB; {stored - len(removed)} wheel(s) kept in {store}, "
+          f"named by {sum(1 for p in locks if p.is_file())} lock(s)")
     return 0
