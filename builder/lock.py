@@ -17,7 +17,6 @@ violated) is fed back to pip as an explicit requirement, and packages the image 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import socket
@@ -39,6 +38,7 @@ from builder.errors import LockError, Problem
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
 from builder.model import Frozen
+from builder.wheels import file_sha256
 
 DEFAULT_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # glibc of each base distribution: the highest manylinux tag its wheels may carry.
@@ -252,14 +252,6 @@ def unreachable_sources(
 # ---------------------------------------------------------------- reading pip's report (pure)
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _report_hash(download_info: Mapping) -> str | None:
     info = download_info.get("archive_info") or {}
     hashes = info.get("hashes") or {}
@@ -288,7 +280,7 @@ def parse_report(report: Mapping, *, layer: str) -> dict[str, Resolved]:
         if parsed.scheme == "file":
             local = Path(unquote(parsed.path))
             try:
-                sha, where, source = _sha256_file(local), None, "wheelhouse"
+                sha, where, source = file_sha256(local), None, "wheelhouse"
             except OSError as exc:
                 problems.append(f"{name} {version}: cannot hash wheelhouse file {local}: {exc}")
                 continue
