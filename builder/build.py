@@ -320,7 +320,7 @@ def build_image(
     lines: list[str] = []
     sink = _sink(progress=progress, on_line=on_line, dockerfile=rendered.text, lines=lines)
     stored = fetch_wheels(
-        (p for layer in lock.layers.values() for p in layer), store=wheel_store or STORE, wheelhouse=wheelhouse,
+        lock.packages().values(), store=wheel_store or STORE, wheelhouse=wheelhouse,
         ca_bundle=ca_bundle, on_event=on_line,
     )
     phase("wheels")

@@ -67,7 +67,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         if lock is not None:  # a locked context holds each step's wheels: `docker build DIR` needs no network
             from builder.wheels import fetch_wheels
 
-            stored = fetch_wheels((p for layer in lock.layers.values() for p in layer), wheelhouse=args.wheelhouse,
+            stored = fetch_wheels(lock.packages().values(), wheelhouse=args.wheelhouse,
                                   ca_bundle=args.ca_bundle, on_event=lambda line: print(line, file=sys.stderr))
         out = write_context(rendered=rendered, out=Path(args.out), wheels=stored)
         _out(f"wrote {out / 'Dockerfile'} and {len(rendered.files)} context file(s) and {len(stored)} wheel(s); "

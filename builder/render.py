@@ -13,7 +13,7 @@ from packaging.utils import canonicalize_name
 
 from builder import __version__
 from builder.errors import BuildError
-from builder.lockfile import PY_LAYERS, Lock, LockedPackage
+from builder.lockfile import PY_LAYERS, Lock
 from builder.manifest import GitSource, Pin, SkuManifest
 from builder.model import Frozen
 from builder.paths import TEMPLATES
@@ -141,7 +141,7 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
     wheels: dict[str, dict[str, str]] = {}
     for name in PY_LAYERS:
         git = next((p.source for p in pins[name] if isinstance(p.source, GitSource)), None)
-        groups: list[tuple[str, list[LockedPackage] | list[str]]] = []
+        steps = []
         if lock is not None:
             pkgs = sorted(lock.layers.get(name, ()), key=lambda p: p.name.lower())
             # The pin itself gets its own step after its dependencies, so a point release of the
@@ -152,24 +152,18 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
             deps = [p for p in pkgs if canonicalize_name(p.name) not in own]
             if not mine:
                 mine, deps = deps, []
-            groups = [(f"{name}-deps", deps), (name, mine)]
+            for stem, group in ((f"{name}-deps", deps), (name, mine)):
+                if group:
+                    files[f"{REQUIREMENTS_DIR}/{stem}.txt"] = "".join(f"{p.requirement()}\n" for p in group)
+                    wheels[f"{WHEELS_DIR}/{stem}"] = {p.filename: p.sha256 for p in group}
+                    steps.append(PipStep(requirements=f"{REQUIREMENTS_DIR}/{stem}.txt", wheels=f"{WHEELS_DIR}/{stem}"))
         else:
             lines = [_pin_requirement(p) for p in pins[name] if not isinstance(p.source, GitSource)]
             if name == "extras":
                 lines = [f"{p.name}=={p.version}" for p in manifest.extras.python]
-            groups = [(name, lines)]
-        steps = []
-        for stem, entries in groups:
-            if not entries:
-                continue
-            req_path = f"{REQUIREMENTS_DIR}/{stem}.txt"
-            if lock is not None:
-                files[req_path] = "".join(f"{p.requirement()}\n" for p in entries)  # type: ignore[union-attr]
-                wheels[f"{WHEELS_DIR}/{stem}"] = {p.filename: p.sha256 for p in entries}  # type: ignore[union-attr]
-                steps.append(PipStep(requirements=req_path, wheels=f"{WHEELS_DIR}/{stem}"))
-            else:
-                files[req_path] = "\n".join(entries) + "\n"  # type: ignore[arg-type]
-                steps.append(PipStep(requirements=req_path))
+            if lines:
+                files[f"{REQUIREMENTS_DIR}/{name}.txt"] = "\n".join(lines) + "\n"
+                steps.append(PipStep(requirements=f"{REQUIREMENTS_DIR}/{name}.txt"))
         unlocked_wheels = None
         if lock is None and any(p.source.kind == "wheelhouse" for p in pins[name]):
             unlocked_wheels = f"{WHEELS_DIR}/{name}"
