@@ -42,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bytecode.py and installer/ sit next to this file
 
 import bytecode  # noqa: E402 - after the path it is found on
+from installer.utils import canonicalize_name, parse_wheel_filename  # noqa: E402
 
 REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)\s+--hash=sha256:([0-9a-f]{64})$")
 INSTALLER_NAME = b"skupin\n"
@@ -52,11 +53,6 @@ class StepError(Exception):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
-
-
-def canonical(name: str) -> str:
-    """PEP 503 normalised name."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def parse_requirements(path: Path) -> list[tuple[str, str, str]]:
@@ -100,8 +96,11 @@ def match_wheels(requirements: list[tuple[str, str, str]], folder: Path) -> list
         if wheel is None:
             problems.append(f"{name}=={version}: no wheel in {folder} has sha256 {sha}")
             continue
-        parts = wheel.name[:-4].split("-") if wheel.name.endswith(".whl") else []
-        if len(parts) < 5 or canonical(parts[0]) != canonical(name) or parts[1] != version.replace("-", "_"):
+        try:
+            parsed = parse_wheel_filename(wheel.name)
+        except ValueError:
+            parsed = None
+        if parsed is None or canonicalize_name(parsed.distribution) != canonicalize_name(name) or parsed.version != version.replace("-", "_"):
             problems.append(f"{name}=={version}: its hash names {wheel.name}, which is not a wheel of {name} {version}")
             continue
         out.append((name, version, wheel))
@@ -124,7 +123,7 @@ def uninstall(name: str, site: Path) -> str | None:
     prefix = site.parents[2] if len(site.parents) > 2 else site
     for info in sorted(site.glob("*.dist-info")):
         dist, _, version = info.name[: -len(".dist-info")].partition("-")
-        if canonical(dist) != canonical(name):
+        if canonicalize_name(dist) != canonicalize_name(name):
             continue
         folders: set[Path] = set()
         record = info / "RECORD"
@@ -193,8 +192,8 @@ class Compiler:
         return counts
 
 
-def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler: Compiler | None = None) -> list[Path]:
-    """Install each wheel with pypa installer (handing each written file to `compiler`); the RECORD paths."""
+def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler: Compiler | None = None) -> None:
+    """Install each wheel with pypa installer, handing each written file to `compiler`."""
     from installer import install as install_wheel
     from installer.destinations import SchemeDictionaryDestination
     from installer.sources import WheelFile
@@ -209,7 +208,6 @@ def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler
     paths = scheme(prefix)
     site = Path(paths["purelib"])
     interpreter = os.path.join(paths["scripts"], "python") if prefix else sys.executable
-    records = []
     for name, version, wheel in wheels:
         replaced = uninstall(name, site)
         if replaced is not None:
@@ -218,14 +216,8 @@ def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler
         try:
             with WheelFile.open(wheel) as source:
                 install_wheel(source, destination, {"INSTALLER": INSTALLER_NAME})
-                info = source.dist_info_dir
         except Exception as exc:  # noqa: BLE001 - installer raises several types: name the wheel
             raise StepError(f"{wheel.name}: cannot install: {type(exc).__name__}: {exc}", 4) from exc
-        roots = [Path(paths[key]) for key in ("purelib", "platlib") if (Path(paths[key]) / info).is_dir()]
-        if not roots:
-            raise StepError(f"{wheel.name}: installed, but {info} is in neither purelib nor platlib", 4)
-        records.append(roots[0] / info / "RECORD")
-    return records
 
 
 def main(argv: list[str] | None = None) -> int:
