@@ -1,0 +1,121 @@
+"""Read what an image under test produced: bounded, never following a link, never blocking on a FIFO.
+
+Everything a container under test writes or prints is hostile input (docs/GATE.md, threat model).
+These helpers are the only way the gate turns such bytes into Python values:
+
+- ``read_regular_file(path, max_bytes=...)`` opens with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink is
+  refused, a FIFO never blocks), accepts regular files only and reads at most ``max_bytes``;
+- ``load_json(data, source=..., max_bytes=..., max_depth=...)`` refuses oversized or too deeply
+  nested documents *before* parsing (json's recursive decoder would otherwise raise
+  RecursionError or burn memory), and rejects NaN/Infinity and duplicate keys.
+
+Every refusal is an ``UntrustedInputError`` (a BundleError: exit 11, "could not run") naming the
+source and why, so a malformed output always ends in a verdict instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from builder.errors import BundleError
+
+MAX_JSON_BYTES = 64 * 1024**2
+MAX_JSON_DEPTH = 64
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+class UntrustedInputError(BundleError):
+    """Bytes from an image under test were refused: too large, too deep, not JSON, a link, not a file."""
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of arrays/objects in a JSON text (strings skipped; linear time, no recursion)."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_STRING.sub(b'""', data)):
+        if bracket in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:60]!r}")
+        out[key] = value
+    return out
+
+
+def load_json(data: bytes | str, *, source: str, max_bytes: int = MAX_JSON_BYTES,
+              max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse untrusted JSON with size and depth limits; UntrustedInputError naming `source` otherwise."""
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if len(raw) > max_bytes:
+        raise UntrustedInputError(f"{source}: {len(raw)} bytes of JSON exceed the limit of {max_bytes}")
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise UntrustedInputError(f"{source}: JSON nested {depth} levels deep, more than the limit of {max_depth}")
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UntrustedInputError(f"{source}: not valid JSON: {exc}") from exc
+
+
+def read_regular_file(path: Path | str, *, max_bytes: int, dir_fd: int | None = None) -> bytes:
+    """The bytes of a regular file, opened without following a link and without blocking on a FIFO.
+
+    `path` is relative to `dir_fd` when one is given (a folder opened with ``open_folder``).
+    UntrustedInputError for a link, a FIFO, a device, a folder, a missing file or more than `max_bytes`.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise UntrustedInputError(f"{path}: cannot be opened as a regular file: {exc.strerror or exc}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UntrustedInputError(f"{path}: not a regular file")
+        if info.st_size > max_bytes:
+            raise UntrustedInputError(f"{path}: {info.st_size} bytes exceed the limit of {max_bytes}")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # it grew while being read
+        raise UntrustedInputError(f"{path}: more than {max_bytes} bytes")
+    return data
+
+
+def open_folder(path: Path | str) -> int:
+    """A descriptor of a real folder (not a link to one), for ``read_regular_file(name, dir_fd=...)``."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UntrustedInputError(f"{path}: not a folder: {exc.strerror or exc}") from exc
+
+
+def printable(text: str, limit: int = 300) -> str:
+    """`text` cut to `limit` characters with control characters escaped (safe for one log line)."""
+    cut = text[:limit]
+    escaped = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in cut)
+    return escaped + ("..." if len(text) > limit else "")
