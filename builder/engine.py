@@ -17,6 +17,7 @@ Its surface is small on purpose:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import signal
@@ -251,6 +252,27 @@ class RunningContainer:
             raise EngineError(f"waiting for container {self.id[:12]} failed: {exc}") from exc
 
 
+class _ChunkReader(io.RawIOBase):
+    """A read-only file over an iterator of byte chunks (the engine's streamed responses)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks, self._left = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        while not self._left:
+            try:
+                self._left = next(self._chunks)
+            except StopIteration:
+                return 0
+        n = min(len(buffer), len(self._left))
+        buffer[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
+
+
 def _not_found(exc: "docker.errors.APIError") -> bool:
     """The engine answered 404 (ImageNotFound, NotFound, or a bare APIError carrying the status)."""
     return isinstance(exc, docker.errors.NotFound) or exc.status_code == 404
@@ -322,6 +344,35 @@ class Engine:
         if row is None:
             raise EngineError(f"docker system df does not list {ref}")
         return int(row.get("Size") or 0) - max(int(row.get("SharedSize") or 0), 0)
+
+    def image_config(self, ref: str) -> dict:
+        """The image's config (Env, Entrypoint, Cmd, WorkingDir, User, ...) as the engine stores it."""
+        try:
+            return dict(self._client.api.inspect_image(ref).get("Config") or {})
+        except docker.errors.APIError as exc:
+            raise EngineError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
+
+    def layer_dirs(self, ref: str) -> tuple[Path, ...] | None:
+        """The folders holding each layer of `ref` on this machine, bottom first, when the engine stores them
+        with overlay2 on a local disk this process can read; None otherwise (then use `save_image`)."""
+        try:
+            data = self._client.api.inspect_image(ref).get("GraphDriver") or {}
+        except docker.errors.APIError as exc:
+            raise EngineError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
+        paths = data.get("Data") or {}
+        if data.get("Name") != "overlay2" or not paths.get("UpperDir"):
+            return None
+        lower = [p for p in str(paths.get("LowerDir") or "").split(":") if p]
+        dirs = tuple(Path(p) for p in [*reversed(lower), str(paths["UpperDir"])])
+        return dirs if all(d.is_dir() and not d.is_symlink() for d in dirs) else None
+
+    def save_image(self, ref: str) -> io.RawIOBase:
+        """`docker save ref` as a stream (the image's layers as tar files, for engines not on this disk)."""
+        try:
+            chunks = self._client.api.get_image(ref, chunk_size=1 << 20)
+        except docker.errors.APIError as exc:
+            raise EngineError(f"saving image {ref} failed: {exc.explanation or exc}") from exc
+        return _ChunkReader(iter(chunks))
 
     def tag(self, image: str, tag: str) -> None:
         """Point `tag` (repo:tag) at `image`."""
