@@ -48,8 +48,6 @@ from builder.wheels import STORE, fetch_wheels
 OnLine = Callable[[str], None]
 Progress = Literal["tty", "plain"]
 CA_SECRET_ID = "skupin_ca"
-# Distributions a fresh venv brings along; allowed in the image even when the lock omits them.
-VENV_SEED = frozenset({"pip", "setuptools"})
 LOG_TAIL_LINES = 30
 
 
@@ -275,7 +273,7 @@ def compare_with_lock(*, installed: dict[str, str], lock: Lock) -> list[str]:
     """Every difference between what the image contains and what the lock says (empty = equal)."""
     locked = {n: p.version for n, p in lock.packages().items()}  # keys already canonical
     problems = [f"{n}: locked {v}, image has {installed.get(n, 'nothing')}" for n, v in sorted(locked.items()) if installed.get(n) != v]
-    problems += [f"{n}: image has {v}, not in the lock" for n, v in sorted(installed.items()) if n not in locked and n not in VENV_SEED]
+    problems += [f"{n}: image has {v}, not in the lock" for n, v in sorted(installed.items()) if n not in locked]
     return problems
 
 

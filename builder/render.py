@@ -12,6 +12,7 @@ import jinja2
 from packaging.utils import canonicalize_name
 
 from builder import __version__
+from builder.engines import serve_launch
 from builder.errors import BuildError
 from builder.lockfile import PY_LAYERS, Lock
 from builder.manifest import GitSource, Pin, SkuManifest
@@ -19,6 +20,8 @@ from builder.model import Frozen
 from builder.paths import TEMPLATES
 
 WHEELS_DIR = "wheels"
+# The image's Python environment (gates/integrity.py checks it file by file).
+VENV = "/opt/skupin/venv"
 REQUIREMENTS_DIR = "requirements"
 # Python files whose bytecode a pip step does not compile at build time (a regex for grep -P
 # over installed paths): per-architecture model modules that an engine imports only for the
@@ -192,6 +195,8 @@ def render(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDocker
             f"{p.name}={p.version}" if p.version else p.name for p in manifest.extras.system
         ],
         "env": sorted(manifest.runtime.env.items()),
+        "venv": VENV,
+        "serve": serve_launch(manifest=manifest),
         "tool_version": __version__,
     }
     try:

@@ -40,11 +40,9 @@ from pydantic import Field
 from builder.errors import EngineError, GateCouldNotRun
 from builder.manifest import ServeGate, SkuManifest
 from builder.model import Frozen
-from gates.gate import MODEL_MOUNT
+from builder.engines import MODEL_MOUNT, SERVE_ENGINES, SERVE_PORT, ServerLaunch, serve_launch
 
 OnEvent = Callable[[str], None]
-SERVED_NAME = "skupin-model"
-DEFAULT_PORT = 8000
 CLONE_NEWNET = 0x40000000
 NOT_PROVIDED = "not provided by engine"
 
@@ -56,42 +54,13 @@ def _quiet(_: str) -> None:
 # ---------------------------------------------------------------- launch commands
 
 
-class ServerLaunch(Frozen):
-    """How one engine's OpenAI-compatible server is started and addressed."""
-
-    engine: Literal["transformers", "vllm", "sglang"]
-    argv: tuple[str, ...] = Field(description="The production launch command, entrypoint first")
-    port: int
-    model_id: str = Field(description="The `model` field requests must name")
-    health_path: str = "/health"
-    returns_logprobs: bool = Field(description="Whether the engine honours `logprobs` on /v1/completions")
-    request_extra: dict[str, Any] = Field(default_factory=dict, description="Engine-specific request fields")
-
-
-def launch_command(*, manifest: SkuManifest, port: int = DEFAULT_PORT, model_dir: str = MODEL_MOUNT,
-                   host: str = "127.0.0.1") -> ServerLaunch:
-    """The engine server command of the SKU, as production would run it, serving `model_dir` on host:port."""
-    engine = manifest.stack.engine.name
-    dtype = manifest.gate.dtype
-    if engine == "transformers":
-        device = "cpu" if manifest.accelerator.vendor == "cpu" else "auto"
-        return ServerLaunch(engine="transformers", port=port, model_id=model_dir, returns_logprobs=False,
-                            argv=("transformers", "serve", model_dir, "--host", host, "--port", str(port),
-                                  "--dtype", dtype, "--device", device, "--log-level", "info"))
-    if engine == "vllm":
-        return ServerLaunch(engine="vllm", port=port, model_id=SERVED_NAME, returns_logprobs=True,
-                            request_extra={"ignore_eos": True, "return_tokens_as_token_ids": True},
-                            argv=("vllm", "serve", model_dir, "--host", host, "--port", str(port), "--dtype", dtype,
-                                  "--served-model-name", SERVED_NAME, "--seed", "0", "--max-logprobs", "20",
-                                  "--disable-log-requests"))
-    if engine == "sglang":
-        return ServerLaunch(engine="sglang", port=port, model_id=SERVED_NAME, returns_logprobs=True,
-                            request_extra={"ignore_eos": True},
-                            argv=("python3", "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host,
-                                  "--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME,
-                                  "--random-seed", "0"))
-    raise GateCouldNotRun(f"{manifest.name}: no serve launch command for engine {engine!r} "
-                          "(known: transformers, vllm, sglang)")
+def launch_command(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: str = MODEL_MOUNT) -> ServerLaunch:
+    """The image's own server command (builder/engines.py: its Dockerfile CMD), or GateCouldNotRun."""
+    launch = serve_launch(manifest=manifest, port=port, model_dir=model_dir)
+    if launch is None:
+        raise GateCouldNotRun(f"{manifest.name}: no serve launch command for engine {manifest.stack.engine.name!r} "
+                              f"(known: {', '.join(SERVE_ENGINES)})")
+    return launch
 
 
 def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: ServerLaunch, role: str = "gate-serve"):

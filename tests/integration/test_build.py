@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.build import VENV_SEED, BuiltImage, build_image
+from builder.build import BuiltImage, build_image
 from builder.engine import ContainerSpec, Engine
 from builder.errors import BuildError
 from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
@@ -99,17 +99,18 @@ def test_labels_name_sku_pins_lock_and_dockerfile(engine: Engine, built: BuiltIm
     assert built.image == image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
 
 
-def test_image_pip_list_equals_the_lock(engine: Engine, built: BuiltImage, sku_dir: Path) -> None:
+def test_image_distributions_equal_the_lock(engine: Engine, built: BuiltImage, sku_dir: Path) -> None:
     lock = read_lock(lock_path(sku_dir / CPU_SKU.name))
-    out = _python(engine, built.image, "import subprocess, sys; sys.stdout.write(subprocess.run("
-                  "[sys.executable, '-m', 'pip', 'list', '--format', 'json', '--disable-pip-version-check'],"
-                  " capture_output=True, text=True, check=True).stdout)")
+    out = _python(engine, built.image, "import importlib.metadata as m, json, sys; json.dump("
+                  "[[d.metadata['Name'], d.version] for d in m.distributions()], sys.stdout)")
     norm = lambda n: n.lower().replace("_", "-").replace(".", "-")  # noqa: E731
-    listed = {norm(d["name"]): d["version"] for d in json.loads(out)}
+    listed = {norm(name): version for name, version in json.loads(out)}
     locked = {norm(n): p.version for n, p in lock.packages().items()}
-    # everything pip lists is locked at that version, except the venv's own pip/setuptools when unlocked
-    assert {n: v for n, v in listed.items() if n in locked or n not in VENV_SEED} == locked
+    # exactly the lock: a locked image's venv is made without pip, so nothing else is installed
+    assert listed == locked
     assert listed["torch"] == lock.packages()["torch"].version
+    pip = _python(engine, built.image, "import importlib.util; print(importlib.util.find_spec('pip') is None)")
+    assert pip.strip() == "True"
 
 
 def test_final_image_does_not_trust_the_build_ca(engine: Engine, built: BuiltImage, marker_ca: tuple[Path, str]) -> None:

@@ -163,6 +163,23 @@ def test_locked_render_installs_exactly_the_locked_set(tmp_path):
     assert "UNLOCKED" not in text
 
 
+def test_a_locked_image_has_no_pip_and_serves_by_default(tmp_path):
+    import json
+
+    from builder.engines import serve_launch
+
+    manifest = _cpu()
+    text = render(manifest=manifest, lock=_lock(manifest, tmp_path)).text
+    # Only locked wheels in the venv (gates/integrity.py accounts for every file): no pip, no activate scripts.
+    assert " -m venv --without-pip /opt/skupin/venv \\\n && rm -f /opt/skupin/venv/bin/activate* " in text
+    cmd = next(line for line in text.splitlines() if line.startswith("CMD "))
+    assert json.loads(cmd[4:]) == list(serve_launch(manifest=manifest).argv)
+    assert json.loads(cmd[4:])[:3] == ["transformers", "serve", "/model"] and "EXPOSE 8000" in text
+    assert text.index("CMD ") < text.index("LABEL ")  # labels last
+    unlocked = render(manifest=manifest).text
+    assert " -m venv /opt/skupin/venv" in unlocked  # pins-only renders keep pip: they install with it
+
+
 def test_write_context_links_each_steps_wheels_and_refuses_missing(tmp_path):
     manifest = _cpu()
     rendered = render(manifest=manifest, lock=_lock(manifest, tmp_path))

@@ -39,21 +39,21 @@ def prompts() -> list[dict]:
 
 def test_transformers_launch_is_the_cli_serve_command() -> None:
     launch = launch_command(manifest=manifest("cpu-x86_64"))
-    assert " ".join(launch.argv) == ("transformers serve /skupin/model --host 127.0.0.1 --port 8000 "
+    assert " ".join(launch.argv) == ("transformers serve /model --host 0.0.0.0 --port 8000 "
                                      "--dtype float32 --device cpu --log-level info")
-    assert launch.model_id == "/skupin/model" and not launch.returns_logprobs
+    assert launch.model_id == "/model" and not launch.returns_logprobs
 
 
 def test_vllm_launch_text() -> None:
     launch = launch_command(manifest=manifest("nvidia-h200-vllm"))
-    assert " ".join(launch.argv) == ("vllm serve /skupin/model --host 127.0.0.1 --port 8000 --dtype bfloat16 "
+    assert " ".join(launch.argv) == ("vllm serve /model --host 0.0.0.0 --port 8000 --dtype bfloat16 "
                                      "--served-model-name skupin-model --seed 0 --max-logprobs 20 --disable-log-requests")
     assert launch.returns_logprobs and launch.request_extra["return_tokens_as_token_ids"] is True
 
 
 def test_sglang_launch_text() -> None:
     launch = launch_command(manifest=manifest("nvidia-h200-sglang"))
-    assert " ".join(launch.argv) == ("python3 -m sglang.launch_server --model-path /skupin/model --host 127.0.0.1 "
+    assert " ".join(launch.argv) == ("python3 -m sglang.launch_server --model-path /model --host 0.0.0.0 "
                                      "--port 8000 --dtype bfloat16 --served-model-name skupin-model --random-seed 0")
     assert launch.model_id == "skupin-model"
 

@@ -20,7 +20,8 @@ ENV PYTORCH_ROCM_ARCH=gfx950 \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates git python3.12 python3.12-venv python3.12-dev build-essential \
  && rm -rf /var/lib/apt/lists/* \
- && python3.12 -m venv /opt/skupin/venv
+ && python3.12 -m venv /opt/skupin/venv \
+ && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/skupin/venv
 
@@ -59,6 +60,8 @@ RUN --mount=type=secret,id=skupin_ca \
 
 # layer: labels
 ENV VLLM_WORKER_MULTIPROC_METHOD="spawn"
+EXPOSE 8000
+CMD ["vllm", "serve", "/model", "--host", "0.0.0.0", "--port", "8000", "--dtype", "bfloat16", "--served-model-name", "skupin-model", "--seed", "0", "--max-logprobs", "20", "--disable-log-requests"]
 ARG SKUPIN_LOCK_HASH=unlocked
 ARG SKUPIN_DOCKERFILE_SHA256=unknown
 LABEL org.opencontainers.image.title="skupin/amd-mi355x-vllm" \

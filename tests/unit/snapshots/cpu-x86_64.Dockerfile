@@ -18,7 +18,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates python3.11 python3.11-venv \
  && rm -rf /var/lib/apt/lists/* \
- && python3.11 -m venv /opt/skupin/venv
+ && python3.11 -m venv /opt/skupin/venv \
+ && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/skupin/venv
 
@@ -66,6 +67,8 @@ RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
 
 # layer: labels
 ENV OMP_NUM_THREADS="1"
+EXPOSE 8000
+CMD ["transformers", "serve", "/model", "--host", "0.0.0.0", "--port", "8000", "--dtype", "float32", "--device", "cpu", "--log-level", "info"]
 ARG SKUPIN_LOCK_HASH=unlocked
 ARG SKUPIN_DOCKERFILE_SHA256=unknown
 LABEL org.opencontainers.image.title="skupin/cpu-x86_64" \

@@ -20,7 +20,8 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates python3.12 python3.12-venv python3.12-dev build-essential \
  && rm -rf /var/lib/apt/lists/* \
- && python3.12 -m venv /opt/skupin/venv
+ && python3.12 -m venv /opt/skupin/venv \
+ && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/skupin/venv
 
@@ -63,6 +64,8 @@ RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
 # layer: extras
 
 # layer: labels
+EXPOSE 8000
+CMD ["python3", "-m", "sglang.launch_server", "--model-path", "/model", "--host", "0.0.0.0", "--port", "8000", "--dtype", "bfloat16", "--served-model-name", "skupin-model", "--random-seed", "0"]
 ARG SKUPIN_LOCK_HASH=unlocked
 ARG SKUPIN_DOCKERFILE_SHA256=unknown
 LABEL org.opencontainers.image.title="skupin/nvidia-h200-sglang" \
