@@ -17,6 +17,13 @@ from builder.manifest import SkuManifest
 from builder.model import Frozen
 
 MODEL_MOUNT = "/model"
+# What each engine's probe adapter returns besides the teacher-forced top-k logprobs (gates/probe.py): a
+# candidate that leaves out one of these loses a statistic, so the gate fails it instead of skipping it.
+ENGINE_OUTPUTS: dict[str, frozenset[str]] = {
+    "transformers": frozenset({"hidden", "logprobs_full"}),  # final hidden states, full-vocabulary logprobs
+    "vllm": frozenset({"logprobs_full"}),
+    "sglang": frozenset({"logprobs_full"}),
+}
 SERVE_PORT = 8000
 SERVED_NAME = "skupin-model"
 SERVE_ENGINES = ("transformers", "vllm", "sglang")

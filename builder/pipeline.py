@@ -198,7 +198,7 @@ def _gate(run: _Run) -> str:
     if baseline:
         run.say(f"serve A/B baseline: the currently verified image {baseline[:19]}")
     verdict = gate_image(stack=stack, image=built.image, engine=run.ctx["engine"], out=out, on_event=run.say,
-                         baseline=baseline)
+                         baseline=baseline, wheelhouse=_wheelhouse(run))
     if not (out / "verdict.json").is_file():
         raise PublishError(f"the gate wrote no {out / 'verdict.json'}")
     run.ctx["verdict_path"] = out / "verdict.json"

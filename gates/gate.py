@@ -6,8 +6,9 @@ output folder read-write; the container has no network, no capabilities, no-new-
 read-only root with a tmpfs /tmp, the SKU's memory limit and a pid limit, and is always removed
 (also at the deadline, on a crash or Ctrl-C: the engine adapter guarantees it). Its outputs are
 read back as JSON and safetensors with gates/tensorio.py; nothing is unpickled.
-Checks, in order, stopping at the first hard failure: reference, boot, pins, kernels, model,
-serve (gates/serve.py: the engine's own server; `baseline` adds an interleaved A/B).
+Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
+the image runs: its files are its lock, gates/integrity.py), boot, kernels, model, serve
+(gates/serve.py: the engine's own server; `baseline` adds an interleaved A/B).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from builder import __version__
-from builder.errors import BundleError, EngineError, GateCouldNotRun
+from builder.errors import BundleError, EngineError, GateCouldNotRun, SkupinError
+from builder.engines import ENGINE_OUTPUTS, MODEL_MOUNT, serve_launch
 from builder.manifest import SkuManifest
 from gates.bundle import PROBE, fixture_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
@@ -49,7 +51,6 @@ if TYPE_CHECKING:
 
 OnEvent = Callable[[str], None]
 PROBE_MOUNT = "/skupin/probe.py"
-MODEL_MOUNT = "/skupin/model"
 OUT_MOUNT = "/skupin/out"
 RUN_LABEL = "io.skupin.gate-run"
 MAX_REPORT_BYTES = 64 * 1024**2
@@ -107,6 +108,12 @@ def load_reference(*, manifest: SkuManifest, folder: Path | None = None) -> tupl
         raise BundleError(f"{folder}: reference bundle folder is missing (gate.reference of {manifest.name})")
     meta, tensors = load_bundle(folder=folder, manifest=manifest)
     return meta, tensors, bundle_sha256(folder)
+
+
+def default_wheelhouse() -> Path | None:
+    """$SKUPIN_WHEELHOUSE when set (where locked wheelhouse-only files such as the CPU torch wheel lie)."""
+    value = os.environ.get("SKUPIN_WHEELHOUSE")
+    return Path(value) if value else None
 
 
 def image_from_build_record(sku: str) -> str:
@@ -265,6 +272,7 @@ class _GateRun:
     reference: Path | None
     baseline: str | None
     serve_perf: Any
+    wheelhouse: Path | None = None
     checks: list[CheckResult] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     image_id: str | None = None
@@ -361,9 +369,6 @@ def _check_boot(run: _GateRun) -> None:
     """Run the probe once in the sandbox: the image starts and reports its environment."""
     t0 = time.monotonic()
     try:
-        info = resolve_image(engine=run.engine, image=run.image)
-        run.image_id = info.id
-        run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256")
         run.on_event(f"booting {run.image} ({run.image_id[:19]}) with the probe "
                      f"(deadline {run.manifest.gate.deadline_s} s)")
         run.model_dir = fixture_folder(name=run.manifest.gate.model, model_dir=None, scratch=run.scratch)
@@ -386,13 +391,35 @@ def _check_boot(run: _GateRun) -> None:
 
 
 def _check_pins(run: _GateRun) -> None:
-    """The versions the image really contains equal the lock; on a GPU host the driver series matches."""
+    """Before anything runs: the image's files are exactly its lock, read from its layers (gates/integrity.py);
+    on a GPU host the host's driver is in the pinned series (read on the host, not from inside the image)."""
+    from builder.paths import STATE
+    from gates.integrity import inspect_image_files
+    from gates.probe import host_driver
+
+    t0 = time.monotonic()
     m, lock = run.manifest, run.lock
-    pins = judge_pins(env=run.probe.report.get("env") or {}, manifest=m, lock=lock, gpu_host=m.accelerator.vendor != "cpu")
-    if run.image_lock_label and lock and run.image_lock_label != lock.content_hash():
-        note = f"the image's lock label {run.image_lock_label[:12]} is not the current lock {lock.content_hash()[:12]}"
-        pins = pins.model_copy(update={"details": {**pins.details, "note": note}})
-    run.add(pins)
+    try:
+        info = resolve_image(engine=run.engine, image=run.image)
+    except (GateCouldNotRun, EngineError) as exc:
+        run.add(CheckResult(name="pins", status="error", reason=str(exc)))
+    run.image_id = info.id
+    run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256")
+    if lock is None:
+        run.add(CheckResult(name="pins", status="error",
+                            reason=f"{m.name} has no current lock, so the image's files cannot be checked against one; "
+                                   f"fix: skupin lock {m.name}"))
+    launch = serve_launch(manifest=m)
+    run.on_event(f"pins: checking the files of {run.image} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
+    try:
+        report = inspect_image_files(engine=run.engine, image_id=info.id, lock=lock, state=Path(STATE),
+                                     expected_cmd=launch.argv if launch else None, wheelhouse=run.wheelhouse,
+                                     on_event=run.on_event)
+    except SkupinError as exc:
+        run.add(CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}"))
+    run.time("pins_s", t0)
+    gpu_host = m.accelerator.vendor != "cpu"
+    run.add(judge_pins(report=report, manifest=m, host_driver=host_driver() if gpu_host else None, gpu_host=gpu_host))
 
 
 def _check_kernels(run: _GateRun) -> None:
@@ -419,6 +446,13 @@ def _check_model(run: _GateRun) -> None:
     problem = _probe_check_error(run.probe.report, "model")
     if problem:
         run.add(CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}"))
+    engine = run.manifest.stack.engine.name
+    missing = sorted(f"model.{name}" for name in ENGINE_OUTPUTS.get(engine, ())
+                     if f"model.{name}" in run.ref and f"model.{name}" not in run.probe.tensors)
+    if missing:
+        run.add(CheckResult(name="model", status="fail",
+                            reason=f"the candidate returned no {', '.join(missing)}, which the {engine} engine provides: "
+                                   "a statistic would be lost, so the model check fails instead of skipping it"))
     try:
         stats = model_statistics(run.ref, run.probe.tensors)
     except CompareError as exc:
@@ -447,8 +481,8 @@ def _check_serve(run: _GateRun) -> None:
 CHECKS: tuple[tuple[Callable[[_GateRun], None], str, str | None], ...] = (
     (_check_reference, "reference", None),
     (_find_tolerance, "", None),
+    (_check_pins, "pins", None),
     (_check_boot, "boot", None),
-    (_check_pins, "pins", "boot"),
     (_check_kernels, "kernels", "kernels"),
     (_check_model, "model", "model"),
     (_check_serve, "serve", "serve"),
@@ -458,7 +492,7 @@ CHECK_NAMES = tuple(name for _, name, _ in CHECKS if name)
 
 def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _quiet,
                tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
-               serve_perf=None) -> GateVerdict:
+               serve_perf=None, wheelhouse: Path | None = None) -> GateVerdict:
     """Gate `image` for the SKU of `stack` (a ResolvedStack) and write verdict.json, report.md and plot.png to `out`.
 
     Checks run in order and the first one that does not pass stops the rest. `baseline` (an image)
@@ -469,7 +503,8 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run = _GateRun(stack=stack, image=image, engine=engine, out=out, on_event=on_event,
-                   tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf)
+                   tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
+                   wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse())
     # One fixture folder for the whole run (boot resolves it, serve reuses it): a generated fixture lives here.
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
         run.scratch = Path(scratch)

@@ -46,7 +46,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     verdict = gate_image(stack=stack, image=image, engine=engine, out=out, on_event=_event,
                          tolerances_path=Path(args.tolerances) if args.tolerances else DEFAULT_PATH,
                          reference=Path(args.reference) if args.reference else None,
-                         baseline=getattr(args, "baseline", None))
+                         baseline=getattr(args, "baseline", None),
+                         wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
     if args.json:
         _emit(verdict.model_dump_json(indent=1))
     else:
@@ -81,8 +82,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `gate` and `calibrate` to the skupin CLI."""
-    p = subparsers.add_parser("gate", help="boot an image, check its pins, compare its outputs with the NVIDIA reference",
-                              description="Exit 0: pass; 10: the image failed the gate; 11: the gate could not run.")
+    p = subparsers.add_parser("gate", help="check an image's files against its lock, boot it, compare its outputs with the NVIDIA reference",
+                              description="Checks, in order: reference, pins (static: the image's files are its lock, "
+                                          "read from its layers before anything runs), boot, kernels, model, serve. "
+                                          "Exit 0: pass; 10: the image failed the gate; 11: the gate could not run.")
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--image", metavar="REF", help="image to gate (default: the SKU's build record); any local image works")
     p.add_argument("--json", action="store_true", help="print the verdict JSON on stdout (progress goes to stderr)")
@@ -91,6 +94,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tolerances", metavar="FILE", help="tolerance file (default gates/data/tolerances.yaml)")
     p.add_argument("--baseline", metavar="REF", help="serve check: A/B the server's speed against this image "
                                                     "(interleaved runs on this host; gate.serve.max_decode_regression bounds it)")
+    p.add_argument("--wheelhouse", metavar="DIR",
+                   help="where locked wheels with no download URL lie (pins compares the image with every locked wheel; "
+                        "default $SKUPIN_WHEELHOUSE; wheels already in the wheel store need nothing)")
     p.set_defaults(func=cmd_gate)
 
     p = subparsers.add_parser("calibrate", help="derive the SKU's hardware-class tolerance from honest runs of its image")

@@ -50,6 +50,27 @@ def write_report(*, verdict: GateVerdict, out: Path) -> dict[str, Path]:
     return paths
 
 
+def _pins_section(pins) -> list[str]:
+    """What the static check accounted for, and each file that is not the lock (docs/GATE.md, Static integrity)."""
+    if pins is None or not pins.details.get("counts"):
+        return []
+    d = pins.details
+    c = d["counts"]
+    lines = ["", "## Image files against the lock", "",
+             f"{c.get('wheel_files_verified', 0)} files of locked wheels, {c.get('debian_files_verified', 0)} Debian files "
+             f"({c.get('debian_packages_host_records', 0)} packages checked against this host's dpkg records, "
+             f"{c.get('debian_packages_image_records', 0)} against the image's own), {c.get('bytecode_verified', 0)} "
+             f"bytecode files (recompiled with {d.get('interpreter') or 'no interpreter'}), {c.get('base_files', 0)} files "
+             f"of the locked base; {c.get('unowned_data', 0)} unowned data files."]
+    if d.get("findings"):
+        more = sum(d.get("finding_kinds", {}).values()) - len(d["findings"])
+        lines += ["", "Not the lock:", ""] + [f"- {line}" for line in d["findings"]]
+        lines += [f"- ... and {more} more"] if more > 0 else []
+    if d.get("unverifiable"):
+        lines += ["", "Could not be checked here:", ""] + [f"- {line}" for line in d["unverifiable"]]
+    return lines
+
+
 def _kernel_rows(verdict: GateVerdict) -> dict:
     check = verdict.check("kernels")
     return (check.details.get("ops") or {}) if check else {}
@@ -79,9 +100,7 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
               "", "## Checks (in order; the first failure stops the rest)", "",
               "| check | result | reason |", "|---|---|---|"]
     lines += [f"| {c.name} | {ICON[c.status]} | {c.reason.replace('|', '/')} |" for c in v.checks]
-    pins = v.check("pins")
-    if pins and pins.details.get("problems"):
-        lines += ["", "### Pin drift", ""] + [f"- {p}" for p in pins.details["problems"]]
+    lines += _pins_section(v.check("pins"))
     kernels = _kernel_rows(v)
     if kernels:
         lines += ["", "## Kernel battery", "", "Error = max |candidate - reference| / max |reference|.", "",

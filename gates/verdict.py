@@ -22,6 +22,8 @@ from builder.lockfile import Lock
 from builder.manifest import SkuManifest
 from builder.model import Frozen
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics
+from gates.integrity import IntegrityReport
+from gates.integrity import summary as integrity_summary
 from gates.tolerance import HardBounds, ToleranceEntry
 
 VERDICT_FORMAT = "skupin-verdict/1"
@@ -166,62 +168,41 @@ def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
 # ---------------------------------------------------------------- pins
 
 
-
-
 def driver_series(version: str) -> str:
     """The series of a driver version: its first component (580.95.05 -> 580)."""
     return version.split(".", 1)[0]
 
 
-def judge_pins(*, env: dict[str, Any], manifest: SkuManifest, lock: Lock | None, gpu_host: bool) -> CheckResult:
-    """Versions the image really contains against the lock (or the manifest's pins when there is no lock)."""
-    dists = {canonicalize_name(k): v for k, v in (env.get("distributions") or {}).items()}
-    if not dists:
-        return CheckResult(name="pins", status="error", reason="the probe reported no installed distributions")
-    system = env.get("system_packages") or {}
-    problems: list[str] = []
-    expected: dict[str, str] = {}
-    if lock is not None:
-        expected = {n: p.version for n, p in lock.packages().items()}
-        for layer, entries in lock.system.items():
-            for entry in entries:
-                name, _, version = entry.partition("=")
-                if version and system.get(name) != version:
-                    problems.append(f"apt {name}: image has {system.get(name) or 'nothing'}, lock says {version} ({layer})")
-    for role, pin in manifest.stack.pins().items():
-        if pin.is_python:
-            expected.setdefault(canonicalize_name(pin.distribution), pin.version)
-        elif pin.source.kind == "apt" and getattr(pin.source, "version", None):
-            pkg, want = pin.source.package, pin.source.version
-            if system and system.get(pkg) != want:
-                problems.append(f"{role} {pkg}: image has {system.get(pkg) or 'nothing'}, manifest pins {want}")
-    for extra in manifest.extras.python:
-        expected.setdefault(canonicalize_name(extra.name), extra.version)
-    for name, version in sorted(expected.items()):
-        have = dists.get(name)
-        if have is None:
-            problems.append(f"{name}: not installed, {'lock' if lock else 'manifest'} says {version}")
-        elif have != version:
-            problems.append(f"{name}: image has {have}, {'lock' if lock else 'manifest'} says {version}")
+def judge_pins(*, report: IntegrityReport, manifest: SkuManifest, host_driver: dict[str, Any] | None,
+               gpu_host: bool) -> CheckResult:
+    """The image's files against its lock (gates/integrity.py), and on a GPU host the host driver's series."""
+    kinds: dict[str, int] = {}
+    for finding in report.findings:
+        kinds[finding.kind] = kinds.get(finding.kind, 0) + 1
+    details: dict[str, Any] = {"counts": report.counts, "interpreter": report.interpreter,
+                               "finding_kinds": kinds, "findings": [f.line() for f in report.findings[:50]],
+                               "unverifiable": list(report.unverifiable), "unowned_data": list(report.unowned_data)}
+    problems = [f.line() for f in report.findings]
     driver_pin = manifest.stack.driver
-    details: dict[str, Any] = {"checked": len(expected), "against": "lock" if lock else "manifest pins (no lock)"}
     if driver_pin.name != "none" and gpu_host:
-        host = (env.get("driver") or {}).get("version")
+        host = (host_driver or {}).get("version")
         details["host_driver"] = host
         if not host:
             return CheckResult(name="pins", status="error", reason="the host reports no accelerator driver",
                                details=details)
         if driver_series(host) != driver_series(driver_pin.version):
-            problems.append(f"host driver {host} is not in the pinned series {driver_series(driver_pin.version)} "
-                            f"({driver_pin.name} {driver_pin.version})")
+            problems.insert(0, f"host driver {host} is not in the pinned series {driver_series(driver_pin.version)} "
+                               f"({driver_pin.name} {driver_pin.version})")
     elif driver_pin.name != "none":
         details["host_driver"] = "not checked: not a GPU host"
     if problems:
-        details["problems"] = problems
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        return CheckResult(name="pins", status="fail", reason=f"version drift: {problems[0]}{more}", details=details)
-    return CheckResult(name="pins", status="pass",
-                       reason=f"{len(expected)} distributions match the {details['against']}", details=details)
+        return CheckResult(name="pins", status="fail", reason=f"the image is not its lock: {problems[0]}{more}",
+                           details=details)
+    if report.unverifiable:
+        return CheckResult(name="pins", status="error", reason=report.unverifiable[0], details=details)
+    return CheckResult(name="pins", status="pass", reason=f"the image's files are the lock: {integrity_summary(report)}",
+                       details=details)
 
 
 # ---------------------------------------------------------------- kernels

@@ -2,7 +2,7 @@
 
 The weight quantizers (INT4 RTN g128, INT8 per-channel, FP8 e4m3 per-tensor, INT4 with nibbles
 swapped in 5% of groups) and the SiLU patch are the very functions the gate's integration test
-bakes into derived images (tests/integration/derived/sitecustomize.py, loaded here by path so there
+bakes into derived images (tests/integration/derived/swap.py, loaded here by path so there
 is one copy of them). Added here: FP8 e4m3 per output channel, partial swaps (INT8 in one quarter
 of the layers, INT4 in the MLP only) and a softmax off by a small factor. Needs torch only (it
 also runs on the NVIDIA reference machine, which has no skupin dependencies).
@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-DERIVED = Path(__file__).resolve().parents[2] / "tests" / "integration" / "derived" / "sitecustomize.py"
+DERIVED = Path(__file__).resolve().parents[2] / "tests" / "integration" / "derived" / "swap.py"
 KERNEL_FACTOR = 1.0 + 2.0**-7
 
 

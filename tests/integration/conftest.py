@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -98,15 +99,89 @@ def derived_images(engine: Engine, *, honest_image: str, context: Path, base_tag
     made: dict[str, str] = {}
     engine.tag(honest_image, base_tag)
 
-    def build(mode: str) -> str:
-        if mode not in made:
-            made[mode] = engine.build(context=context, dockerfile=context / "Dockerfile",
-                                      build_args={"BASE": base_tag, "MODE": mode})
-        return made[mode]
+    def build(mode: str, **args: str) -> str:
+        key = mode + repr(sorted(args.items()))
+        if key not in made:
+            made[key] = engine.build(context=context, dockerfile=context / "Dockerfile",
+                                     build_args={"BASE": base_tag, "MODE": mode, **args})
+        return made[key]
 
     try:
         yield build
     finally:
         for image_id in made.values():
+            engine.remove_image(image_id, force=True)
+        engine.remove_image(base_tag)
+
+
+@dataclass(frozen=True)
+class Swapped:
+    """A locked swap: the image, the test lock that names its swap wheel, and the folder holding that wheel."""
+
+    image: str
+    lock: object
+    wheelhouse: Path
+
+    def stack(self, stack):
+        return stack.model_copy(update={"lock": self.lock})
+
+
+class Derived:
+    """Tampered images FROM the honest one (tests/integration/tampered.py): `tamper(mode)` for changes outside
+    the lock, `swap(mode)` for a locked test wheel that changes the numbers. Each is built once per session."""
+
+    def __init__(self, build, *, lock, workdir: Path) -> None:
+        self._build, self.lock, self.workdir = build, lock, workdir
+        self._made: dict[str, str] = {}
+        self._swaps: dict[str, Swapped] = {}
+
+    def tamper(self, mode: str) -> str:
+        from tests.integration import tampered
+
+        if mode not in self._made:
+            wheels, reqs = [], ""
+            if mode == "extra":
+                wheel = tampered.make_wheel(self.workdir, name="skupin-test-extra", version="1.0",
+                                            files={"skupin_test_extra.py": b"VALUE = 1\n"})
+                pkg = tampered.wheel_package(wheel, name="skupin-test-extra", version="1.0")
+                wheels, reqs = [wheel], tampered.requirement(pkg)
+            context = tampered.write_context(self.workdir / f"tamper-{mode}", wheels=wheels, requirements=reqs)
+            label = "0" * 64 if mode == "label" else self.lock.content_hash()
+            self._made[mode] = self._build(context, mode, label)
+        return self._made[mode]
+
+    def swap(self, mode: str) -> Swapped:
+        from tests.integration import tampered
+
+        if mode not in self._swaps:
+            house = self.workdir / f"swap-{mode}"
+            house.mkdir(parents=True, exist_ok=True)
+            wheel = tampered.swap_wheel(house, mode)
+            pkg = tampered.wheel_package(wheel, name=tampered.SWAP_DIST, version=wheel.name.split("-")[1])
+            lock = tampered.lock_with(self.lock, pkg)
+            context = tampered.write_context(self.workdir / f"swap-context-{mode}", wheels=[wheel],
+                                             requirements=tampered.requirement(pkg))
+            self._swaps[mode] = Swapped(image=self._build(context, "locked", lock.content_hash()), lock=lock,
+                                        wheelhouse=house)
+        return self._swaps[mode]
+
+
+@pytest.fixture(scope="session")
+def derived(engine: Engine, honest_image: str, stack, tmp_path_factory) -> Iterator[Derived]:
+    """Tampered images of the honest CPU image for the whole session (removed at the end)."""
+    made: list[str] = []
+    base_tag = "skupin-test/derived-honest-base:latest"
+    engine.tag(honest_image, base_tag)
+
+    def build(context: Path, mode: str, label: str) -> str:
+        image = engine.build(context=context, dockerfile=context / "Dockerfile",
+                             build_args={"BASE": base_tag, "MODE": mode, "LOCK_LABEL": label})
+        made.append(image)
+        return image
+
+    try:
+        yield Derived(build, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"))
+    finally:
+        for image_id in made:
             engine.remove_image(image_id, force=True)
         engine.remove_image(base_tag)

@@ -2,9 +2,10 @@
 sampler fails it while boot/kernels/model pass; an honest A/B is near 1; an image slowed on purpose fails the bound.
 
 Derived images are thin layers FROM the honest image, built here without network:
-- `sampler`: GenerationConfig silently gets repetition_penalty=1.3 (the server's generate() uses it; the probe's
-  teacher-forced model check and its hand-written greedy loop do not), pins unchanged;
-- `slow`: LlamaForCausalLM.forward sleeps 20 ms per call;
+- the locked `sampler` swap (tests/integration/tampered.py): a test wheel named by a test lock makes every
+  GenerationConfig use repetition_penalty=1.3 (the server's generate() uses it; the probe's teacher-forced model
+  check and its hand-written greedy loop do not), so `pins` passes;
+- `slow`: LlamaForCausalLM.forward sleeps 20 ms per call (the serve check alone is run on it);
 - `honest`: a label only (a second honest build with another image id).
 Perf settings are small to keep the runtime modest (~3-4 min in all on 2 cores).
 """
@@ -38,9 +39,6 @@ FROM ${BASE}
 ARG MODE
 RUN set -eu; site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \\
     case "${MODE}" in \\
-      sampler) printf '%s\\n' '' '_skupin_init = GenerationConfig.__init__' \\
-          'def _skupin_patched(self, *a, **k):' '    _skupin_init(self, *a, **k)' '    self.repetition_penalty = 1.3' \\
-          'GenerationConfig.__init__ = _skupin_patched' >> "${site}/transformers/generation/configuration_utils.py" ;; \\
       slow) printf '%s\\n' '' 'import time as _skupin_time' '_skupin_fwd = LlamaForCausalLM.forward' \\
           'def _skupin_slow(self, *a, **k):' '    _skupin_time.sleep(0.02)' '    return _skupin_fwd(self, *a, **k)' \\
           'LlamaForCausalLM.forward = _skupin_slow' >> "${site}/transformers/models/llama/modeling_llama.py" ;; \\
@@ -90,8 +88,10 @@ def test_honest_image_passes_the_serve_check_with_speed_and_cost(stack, honest_i
     assert (tmp_path / "serve.png").is_file() and "## Serve check" in (tmp_path / "report.md").read_text()
 
 
-def test_a_broken_sampler_fails_serve_while_framework_checks_pass(stack, derive, engine: Engine, tmp_path: Path) -> None:
-    verdict = gate_image(stack=stack, image=derive("sampler"), engine=engine, out=tmp_path, serve_perf=SMALL)
+def test_a_broken_sampler_fails_serve_while_framework_checks_pass(stack, derived, engine: Engine, tmp_path: Path) -> None:
+    swapped = derived.swap("sampler")  # a locked package breaks the sampler: pins passes, the numbers do not
+    verdict = gate_image(stack=swapped.stack(stack), image=swapped.image, engine=engine, out=tmp_path, serve_perf=SMALL,
+                         wheelhouse=swapped.wheelhouse)
     assert not engine.containers(label=SERVE_LABEL)
     status = {c.name: c.status for c in verdict.checks}
     assert status["boot"] == status["pins"] == status["kernels"] == status["model"] == "pass", verdict.reason

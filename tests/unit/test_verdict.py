@@ -13,6 +13,7 @@ from builder.manifest import load_manifest
 from gates.compare import KernelResult, ModelStatistics
 from gates.report import write_report
 from gates.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
+from gates.integrity import Finding, IntegrityReport
 from gates.verdict import (CheckResult, GateVerdict, binomial_sf, clopper_pearson_upper, decide, judge_kernels,
                            judge_model, judge_pins)
 
@@ -112,43 +113,44 @@ def cpu():
     return load_manifest(REPO / "skus/cpu-x86_64.yaml"), read_lock(REPO / "skus/cpu-x86_64.lock.json")
 
 
-def _env_from_lock(lock, system=None):
-    return {"distributions": {p.name: p.version for p in lock.packages().values()},
-            "system_packages": system or {e.partition("=")[0]: e.partition("=")[2] for es in lock.system.values() for e in es}}
-
-
-def test_pins_pass_when_the_image_holds_exactly_the_lock(cpu):
-    manifest, lock = cpu
-    env = _env_from_lock(lock)
-    env["system_packages"]["g++-12"] = manifest.stack.compiler.source.version
-    check = judge_pins(env=env, manifest=manifest, lock=lock, gpu_host=False)
+def test_pins_pass_when_every_file_is_accounted_for(cpu):
+    manifest, _ = cpu
+    report = IntegrityReport(counts={"wheel_files_verified": 3, "bytecode_verified": 2})
+    check = judge_pins(report=report, manifest=manifest, host_driver=None, gpu_host=False)
     assert check.status == "pass", check.reason
+    assert "3 wheel files" in check.reason and check.details["counts"]["bytecode_verified"] == 2
 
 
-def test_pin_drift_names_the_package_and_both_versions(cpu):
-    manifest, lock = cpu
-    env = _env_from_lock(lock)
-    env["system_packages"]["g++-12"] = manifest.stack.compiler.source.version
-    env["distributions"]["safetensors"] = "0.7.0"
-    check = judge_pins(env=env, manifest=manifest, lock=lock, gpu_host=False)
-    assert check.status == "fail"
-    assert "safetensors: image has 0.7.0, lock says" in check.reason
-    del env["distributions"]["transformers"]
-    check = judge_pins(env=env, manifest=manifest, lock=lock, gpu_host=False)
-    assert any("transformers: not installed" in p for p in check.details["problems"])
+def test_pins_fail_names_the_first_file_and_counts_the_rest(cpu):
+    manifest, _ = cpu
+    findings = (Finding(kind="hook", path="x/site-packages/evil.pth", detail="a start-up hook"),
+                Finding(kind="wheel", path="x/METADATA", detail="changed"))
+    check = judge_pins(report=IntegrityReport(findings=findings, unverifiable=("no interpreter",)), manifest=manifest,
+                       host_driver=None, gpu_host=False)
+    assert check.status == "fail"  # a finding beats an unverifiable part
+    assert check.reason == "the image is not its lock: /x/site-packages/evil.pth: a start-up hook (+1 more)"
+    assert check.details["finding_kinds"] == {"hook": 1, "wheel": 1}
+
+
+def test_pins_cannot_run_when_part_of_the_image_is_unverifiable(cpu):
+    manifest, _ = cpu
+    check = judge_pins(report=IntegrityReport(unverifiable=("no interpreter compiles like the image's",)),
+                       manifest=manifest, host_driver=None, gpu_host=False)
+    assert check.status == "error" and check.reason.startswith("no interpreter")
 
 
 def test_gpu_host_driver_must_be_in_the_pinned_series():
     manifest = load_manifest(REPO / "skus/nvidia-h200-vllm.yaml")
-    pins = {p.distribution: p.version for p in manifest.stack.pins().values() if p.is_python}
-    dists = {**pins, **{e.name: e.version for e in manifest.extras.python}}
     series = manifest.stack.driver.version.split(".")[0]
-    ok = judge_pins(env={"distributions": dists, "driver": {"version": f"{series}.1.2"}}, manifest=manifest, lock=None, gpu_host=True)
+    clean = IntegrityReport()
+    ok = judge_pins(report=clean, manifest=manifest, host_driver={"version": f"{series}.1.2"}, gpu_host=True)
     assert ok.status == "pass", ok.reason
-    bad = judge_pins(env={"distributions": dists, "driver": {"version": "1.2.3"}}, manifest=manifest, lock=None, gpu_host=True)
+    bad = judge_pins(report=clean, manifest=manifest, host_driver={"version": "1.2.3"}, gpu_host=True)
     assert bad.status == "fail" and "not in the pinned series" in bad.reason
-    none = judge_pins(env={"distributions": dists, "driver": {}}, manifest=manifest, lock=None, gpu_host=True)
+    none = judge_pins(report=clean, manifest=manifest, host_driver={}, gpu_host=True)
     assert none.status == "error"
+    not_gpu = judge_pins(report=clean, manifest=manifest, host_driver=None, gpu_host=False)
+    assert not_gpu.details["host_driver"] == "not checked: not a GPU host"
 
 
 def test_the_first_failure_decides_and_errors_mean_could_not_run():

@@ -1,10 +1,12 @@
 """Test fixture: silently change what an image computes, at load time (the swaps the gate must catch).
 
-Installed as ``sitecustomize.py`` into the site-packages of a thin image derived FROM an honest
-one; the mode is read from /etc/skupin-test-swap (baked at build time) or, for runs on the host,
-the SKUPIN_TEST_SWAP environment variable. Nothing changes on disk: the weights are quantized when
-transformers loads them and SiLU is patched when torch.nn.functional is imported, exactly the kind
-of change that leaves an image loading and running at normal speed.
+Packaged by tests/integration/tampered.py as the module of a test wheel (`skupin-test-swap`, with
+a .pth file that imports it in every Python process) whose MODE is baked in at packaging time.
+As a *locked* wheel (the test lock names it, the image carries that lock's label) it passes the
+static `pins` check, exactly like a point release of a locked package that changed its numbers:
+only the numeric checks can catch it. Nothing changes on disk: the weights are quantized when
+transformers loads them and SiLU is patched when torch.nn.functional is imported, the kind of
+change that leaves an image loading and running at normal speed.
 
 Modes:
   int4         linear weights round-to-nearest INT4, symmetric, group 128 (lm_head and embeddings kept)
@@ -12,6 +14,10 @@ Modes:
   fp8          linear weights cast to float8 e4m3 with one scale per tensor
   int4-nibble  INT4 group 128 packed two per byte, dequantized with the nibble order swapped in 5% of groups
   silu         torch.nn.functional.silu off by a factor 1 + 2**-7
+  sampler      every GenerationConfig gets repetition_penalty=1.3 (the server's generate() uses it; the probe's
+               teacher-forced check and its own greedy loop do not)
+  hang         every Python process sleeps for an hour at start
+  crash        every Python process dies of a segmentation fault at start
 """
 
 from __future__ import annotations
@@ -21,18 +27,12 @@ import importlib.util
 import os
 import sys
 
-MODES = ("int4", "int8", "fp8", "int4-nibble", "silu")
+MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "sampler", "hang", "crash")
+MODE = "@MODE@"  # replaced when the wheel is made
 
 
 def _mode() -> str:
-    value = os.environ.get("SKUPIN_TEST_SWAP", "")
-    if not value:
-        try:
-            with open("/etc/skupin-test-swap", encoding="utf-8") as fh:
-                value = fh.read().strip()
-        except OSError:
-            return ""
-    return value if value in MODES else ""
+    return os.environ.get("SKUPIN_TEST_SWAP") or (MODE if MODE in MODES else "")
 
 
 def _int4_codes(w, group: int = 128):
@@ -110,6 +110,16 @@ def _patch_functional(module, mode: str) -> None:
     module.silu = silu
 
 
+def _patch_generation_config(module) -> None:
+    original = module.GenerationConfig.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.repetition_penalty = 1.3
+
+    module.GenerationConfig.__init__ = init
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Run a patch right after one module has executed."""
 
@@ -134,10 +144,20 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def install(mode: str) -> None:
-    if mode in QUANT:
+    if mode == "hang":
+        import time
+
+        time.sleep(3600)
+    elif mode == "crash":
+        import ctypes
+
+        ctypes.string_at(0)
+    elif mode in QUANT:
         sys.meta_path.insert(0, _AfterImport("transformers.modeling_utils", lambda m: _patch_modeling_utils(m, mode)))
     elif mode == "silu":
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", lambda m: _patch_functional(m, mode)))
+    elif mode == "sampler":
+        sys.meta_path.insert(0, _AfterImport("transformers.generation.configuration_utils", _patch_generation_config))
 
 
 install(_mode())

@@ -1,0 +1,89 @@
+"""The static `pins` check on real images: the honest CPU image's files are its lock; every change outside the lock fails
+before the image runs.
+
+Tampered images are thin layers FROM the honest image (tests/integration/tampered.py). Each is gated for real; the
+verdict must fail at `pins` (exit 10) with the finding that names the changed file, and `boot` must not have run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from builder.engine import ContainerSpec, Engine
+from builder.paths import STATE
+from gates.gate import gate_image
+from gates.integrity import inspect_image_files
+from gates.layers import image_view
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_honest_image_is_its_lock(honest_image: str, stack, engine: Engine, wheelhouse) -> None:
+    report = inspect_image_files(engine=engine, image_id=honest_image, lock=stack.lock, state=Path(STATE),
+                                 expected_cmd=None, wheelhouse=wheelhouse)
+    assert report.ok, (report.findings[:5], report.unverifiable)
+    counts = report.counts
+    assert counts["wheel_files_verified"] > 20_000 and counts["bytecode_verified"] > 5_000
+    assert counts["debian_files_verified"] > 5_000 and counts["base_files"] > 1_000
+    print(f"honest image: {counts}; interpreter {report.interpreter}")
+
+
+@pytest.mark.parametrize("mode, kind, where", [
+    ("hook", "hook", "site-packages/zz_gateaware.pth"),
+    ("drift", "wheel", "safetensors-0.8.0.dist-info/METADATA"),
+    ("extra", "extra_distribution", "skupin_test_extra-1.0.dist-info/METADATA"),
+    ("label", "label", ""),
+    ("bytecode", "bytecode", "safetensors/__pycache__/__init__.cpython-311.pyc"),
+    ("debian", "debian", "usr/lib/python3.11/json/__init__.py"),
+    ("binary", "executable", "usr/local/bin/skupin-test-binary"),
+    ("preload", "config", "etc/ld.so.preload"),
+])
+def test_a_change_outside_the_lock_fails_pins_before_anything_runs(mode, kind, where, derived, stack,
+                                                                   engine: Engine, tmp_path: Path) -> None:
+    image = derived.tamper(mode)
+    verdict = gate_image(stack=stack, image=image, engine=engine, out=tmp_path)
+    pins = verdict.check("pins")
+    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
+    assert pins.status == "fail", pins.reason
+    assert verdict.check("boot").status == "skipped"  # the tampered image never ran
+    assert pins.details["finding_kinds"].get(kind), pins.details["findings"][:5]
+    assert any(where in line for line in pins.details["findings"]), pins.details["findings"][:5]
+    data = json.loads((tmp_path / "verdict.json").read_text())
+    assert data["checks"][1]["name"] == "pins" and data["checks"][1]["status"] == "fail"
+    print(f"{mode}: {pins.reason[:300]}")
+
+
+def test_the_gate_aware_hook_really_behaves_only_under_the_gate(derived, engine: Engine) -> None:
+    """Why the check must be static: the hooked image computes SiLU wrong with a network, right in the gate's sandbox."""
+    image = derived.tamper("hook")
+    code = ("import torch, torch.nn.functional as F; x = torch.linspace(-4, 4, 64); "
+            "print(float((F.silu(x) - x * torch.sigmoid(x)).abs().max()))")
+    errors = {}
+    for network in ("none", "bridge"):
+        spec = ContainerSpec(image=image, entrypoint=("python3", "-c", code), network=network, mem_limit="2g")
+        result = engine.run(spec, deadline_s=120)
+        assert result.exit_code == 0, result.stderr[-2000:]
+        errors[network] = float(str(result.stdout).strip().splitlines()[-1])
+    assert errors["none"] < 1e-5  # rounding only
+    assert errors["bridge"] > 1e-3
+
+
+def test_layers_read_from_disk_and_from_docker_save_agree(engine: Engine, stack, tmp_path: Path) -> None:
+    base = engine.inspect_image(stack.lock.base.reference)
+    assert base is not None, "the CPU SKU's bootstrap base is not on this engine"
+    on_disk = image_view(engine=engine, image=base.id, layers=base.layers, cache=tmp_path / "disk")
+
+    class Streamed:  # the same engine, with its layer folders hidden: `docker save` is used instead
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def layer_dirs(self, ref: str):
+            return None
+
+    streamed = image_view(engine=Streamed(), image=base.id, layers=base.layers, cache=tmp_path / "tar")
+    assert on_disk.entries == streamed.entries
+    assert len(on_disk.entries) > 3000
+    assert on_disk.read_file("var/lib/dpkg/status") == streamed.read_file("var/lib/dpkg/status")
