@@ -90,12 +90,17 @@ def sse(events: list[dict]) -> bytes:
     return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
 
 
+def streamed(status: int, doc) -> httpx.Response:
+    """A response whose body is streamed, as a real server's is (the client reads raw bytes, bounded)."""
+    return httpx.Response(status, content=iter([json.dumps(doc).encode()]))
+
+
 def fake_server(pieces: list[str], *, logprobs: bool = False, healthy: bool = True, seen: list | None = None):
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
-            return httpx.Response(200 if healthy else 503, json={"status": "ok"})
+            return streamed(200 if healthy else 503, {"status": "ok"})
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m"}]})
+            return streamed(200, {"data": [{"id": "m"}]})
         body = json.loads(request.content)
         if seen is not None:
             seen.append(body)
@@ -107,7 +112,7 @@ def fake_server(pieces: list[str], *, logprobs: bool = False, healthy: bool = Tr
             events.append({"choices": [choice]})
         events.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
                        "usage": {"prompt_tokens": 64, "completion_tokens": min(len(pieces), body["max_tokens"])}})
-        return httpx.Response(200, content=sse(events), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content=iter([sse(events)]), headers={"content-type": "text/event-stream"})
     return httpx.MockTransport(handler)
 
 
