@@ -357,12 +357,13 @@ class OutputCapture:
         return True
 
     def close(self) -> None:
-        """Stop reading: shut the attach socket down (wakes a blocked reader)."""
+        """Stop reading: shut the attach socket down (wakes a blocked reader) and release its connection."""
         raw = getattr(self._sock, "_sock", self._sock)
         with contextlib.suppress(OSError, AttributeError):
             raw.shutdown(_socket.SHUT_RDWR)
-        with contextlib.suppress(OSError, AttributeError):
-            self._sock.close()
+        for closable in (self._sock, getattr(self._sock, "_response", None)):
+            with contextlib.suppress(Exception):
+                closable.close()
 
     def stdout_bytes(self) -> bytes:
         with self._lock:

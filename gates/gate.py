@@ -227,12 +227,20 @@ def probe_in_container(*, manifest: SkuManifest, image: str, engine, out: Path, 
 
 
 def _host_folder(out: Path) -> int:
-    """A descriptor of `out`, made if missing (a real folder, never a link), with PROBE_FILES removed."""
-    out.mkdir(parents=True, exist_ok=True)
+    """A descriptor of `out`, made if missing (a real folder, never a link), with PROBE_FILES removed
+    (a link or FIFO of that name is removed, never followed); BundleError when that cannot be done."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BundleError(f"{out}: cannot make the probe's output folder: {exc}") from exc
     fd = open_folder(out)
-    for name in PROBE_FILES:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=fd)
+    try:
+        for name in PROBE_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+    except OSError as exc:
+        os.close(fd)
+        raise BundleError(f"{out}: cannot clear {PROBE_FILES}: {exc}") from exc
     return fd
 
 
