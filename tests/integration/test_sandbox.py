@@ -1,4 +1,5 @@
-"""The gate's container I/O against hostile images: an output flood, a forged frame, `kill -9` of the gate, a bad server.
+"""The gate's container I/O against hostile images: an output flood, a forged frame, `kill -9` of the gate and the
+reaper (`reap_orphans`, `skupin engine up`), a bad server.
 
 Derived images are thin layers FROM the honest CPU image, built here without network; each adds a
 start-up hook (a .pth file and a module in site-packages) that runs in every Python process of the
@@ -214,6 +215,33 @@ def test_reap_orphans_removes_the_leftover_of_a_killed_gate_at_once(derive, engi
     assert cid in reaped and "has exited" in reaped[cid].reason, reaped
     assert not engine.containers(label=label)
     print(f"reaped {reaped[cid].describe()} in {time.monotonic() - start:.2f} s")
+
+
+SLEEPER = """
+import sys, time
+from builder.engine import ContainerSpec, connect
+with connect().container(ContainerSpec(image=sys.argv[1], entrypoint=("sleep", "600"), labels={"io.skupin.test": sys.argv[2]})):
+    print("UP", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_engine_up_removes_and_names_the_leftovers_of_dead_runs(honest_image: str, engine: Engine, capsys) -> None:
+    from builder.cli import main
+
+    tag = f"engine-up-{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, honest_image, tag], cwd=REPO, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "UP"
+        (cid,) = engine.containers(label=f"io.skupin.test={tag}")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert main(["engine", "up"]) == 0
+    out = capsys.readouterr().out
+    assert "already running" in out and "removed a leftover container" in out and cid[:12] in out, out
+    assert not engine.containers(label=f"io.skupin.test={tag}")
 
 
 def test_a_server_streaming_hostile_events_fails_the_serve_check_cleanly(derive, stack, engine: Engine) -> None:
