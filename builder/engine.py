@@ -293,7 +293,7 @@ class OutputCapture:
 
     stdout is kept whole (`keep_stdout`) up to `max_stdout` bytes; of stderr (and of stdout when
     not kept) only the head and tail are kept. A stream past its cap sets `overflow`, detaches
-    and calls `on_overflow` (the engine kills the container): memory never grows with what the
+    and calls `on_overflow` (the adapter kills the container): memory never grows with what the
     container prints.
     """
 
@@ -422,7 +422,7 @@ def owner_gone(labels: Mapping[str, str], *, boot_id: str, pid_namespace: str, p
 
     Gone: it ran in another boot of this machine, or its pid no longer exists, is a zombie or now
     belongs to a process started at another time (reused). A container made in another pid
-    namespace (another skupin in a container sharing this engine) cannot be judged and is left alone.
+    namespace (another skupin in a container sharing this dockerd) cannot be judged and is left alone.
     """
     pid, start, boot = labels.get(OWNER_PID_LABEL, ""), labels.get(OWNER_START_LABEL, ""), labels.get(OWNER_BOOT_LABEL, "")
     if not (pid.isascii() and pid.isdigit() and start and boot):
@@ -727,7 +727,7 @@ class Engine:
             raise EngineError(f"starting a container of {spec.image} failed: {exc.explanation or exc}") from exc
 
     def _wait_removed(self, container_id: str, *, timeout_s: float):
-        """Register a wait for the container's removal BEFORE start (as `docker run --rm` does): the engine
+        """Register a wait for the container's removal BEFORE start (as `docker run --rm` does): dockerd
         answers the headers once the wait is registered, the body (the exit status) once it is removed."""
         api = self._client.api
         try:
