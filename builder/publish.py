@@ -438,9 +438,11 @@ def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, di
 
 
 def _verdict_files(root: Path) -> list[Path]:
-    """Every regular file named verdict.json under `root`, newest (lstat mtime) first."""
+    """Every regular file named verdict.json under `root`, newest (lstat mtime) first; the probe's output folders
+    (`probe/`, container-writable before the probe printed its outputs) are not searched."""
     found = []
-    for folder, _, files in os.walk(root, followlinks=False):
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        dirs[:] = [d for d in dirs if d != "probe"]
         if "verdict.json" not in files:
             continue
         path = Path(folder) / "verdict.json"

@@ -309,6 +309,10 @@ def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_
     deep.write_text("[" * 200_000 + "]" * 200_000)
     os.utime(deep, (future, future))
     (gates / "folder" / "verdict.json").mkdir(parents=True)
+    (gates / "old-run" / "probe").mkdir(parents=True)  # a probe folder of an old run, once container-writable
+    planted = gates / "old-run" / "probe" / "verdict.json"
+    planted.write_text(json.dumps({**match, "decision": "forged"}))
+    os.utime(planted, (future, future))
     found = _in_thread(lambda: find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64))
     assert found == (good, match)
     newest = _in_thread(lambda: find_verdict(sku="s", image_id=IMAGE, lock_sha256="d" * 64))
