@@ -136,10 +136,22 @@ def _progress_printer(mode: str) -> Callable[[str], None]:
 
 
 def cmd_engine_up(args: argparse.Namespace) -> int:
-    from builder.engine import ensure_engine
+    from builder.engine import connect, ensure_engine
 
     status = ensure_engine(deadline_s=args.deadline, on_event=_progress_printer("plain"))
-    _out(json.dumps(status.model_dump(mode="json")) if args.json else f"engine {status.server_version} on {status.socket}: {status.action}")
+    engine = connect(socket=Path(status.socket))
+    try:
+        reaped = engine.reap_orphans()
+    finally:
+        engine.close()
+    if args.json:
+        _out(json.dumps({**status.model_dump(mode="json"), "reaped": [r.model_dump(mode="json") for r in reaped]}))
+        return 0
+    _out(f"engine {status.server_version} on {status.socket}: {status.action}")
+    for leftover in reaped:
+        _out(f"removed a leftover container: {leftover.describe()}")
+    if not reaped:
+        _out("no leftover containers of dead skupin runs")
     return 0
 
 

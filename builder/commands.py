@@ -83,7 +83,11 @@ def _engine_base_build(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("engine", help="the Docker engine: `engine up` starts (and if needed installs) it")
     esub = p.add_subparsers(dest="engine_command", metavar="ACTION", required=True)
-    q = esub.add_parser("up", help="make sure a Docker engine answers; never touches a running one")
+    q = esub.add_parser("up", help="make sure a Docker engine answers (never touches a running one) and remove the "
+                                   "sandbox containers of dead skupin runs",
+                        description="Start (and if needed install) dockerd when nothing answers on the socket; an "
+                                    "engine that answers is left as it is. Then remove the sandbox containers whose "
+                                    "owner process is gone (killed gate, lost Docker API) and say which.")
     q.add_argument("--deadline", type=float, default=60, metavar="S", help="seconds to wait for the socket (default 60)")
     q.add_argument("--json", action="store_true", help="print what was done as JSON")
     q.set_defaults(func=cli.cmd_engine_up)

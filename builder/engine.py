@@ -9,7 +9,13 @@ Its surface is small on purpose:
   `unique_bytes`;
 - sandboxed containers: `run(spec, deadline_s=...)` for one-shot commands and
   `container(spec)` (a context manager) for long-running ones (exec, logs, network-namespace
-  pid); both ALWAYS remove the container, also on exceptions and Ctrl-C;
+  pid); both ALWAYS remove the container, also on exceptions and Ctrl-C. Their output is read
+  from the attach stream (attached before start, log driver `none`: nothing on dockerd's disk)
+  with bounds (`OutputCapture`): a container that prints more than its caps is killed. With
+  `spec.deadline_s` the command runs under the image's coreutils `timeout` as PID 1, and every
+  container is auto-removed, so the deadline holds and nothing stays behind even when this
+  process is killed; owner labels (pid, its start time, boot id) let `reap_orphans()` remove the
+  containers of dead owners;
 - builds: `build(...)` runs the BuildKit-capable `docker` CLI (`DOCKER_BUILDKIT=1`, secrets,
   `--iidfile`) as a subprocess and streams its plain progress lines to a callback.
 """
@@ -18,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import functools
 import os
 import shutil
 import signal
+import socket as _socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -30,7 +39,9 @@ from pathlib import Path
 
 import docker
 import docker.errors
+from docker.types import LogConfig as _LogConfig
 from docker.types import Mount as _DockerMount
+from docker.utils.socket import frames_iter as _frames_iter
 from pydantic import Field
 
 from builder.apt import apt_install
@@ -44,6 +55,21 @@ BUILDKIT_CLI_CANDIDATES = ("/usr/bin/docker", "docker")
 # Every container and build this tool makes carries this label, so cleanup can find leftovers.
 OWNER_LABEL = "io.skupin.owner"
 SESSION_LABEL = "io.skupin.session"
+# Every container `run`/`container` make is a sandbox; these name the process that made it, so a
+# later run can tell a leftover of a dead process (kill -9, lost Docker API) from a live one.
+SANDBOX_LABEL = "io.skupin.sandbox"
+OWNER_PID_LABEL = "io.skupin.owner-pid"
+OWNER_START_LABEL = "io.skupin.owner-start"
+OWNER_BOOT_LABEL = "io.skupin.owner-boot"
+OWNER_PIDNS_LABEL = "io.skupin.owner-pidns"
+# In-container deadline = the host's deadline + DEADLINE_GRACE_S (the host kills first while it lives);
+# `timeout` sends SIGTERM then, and SIGKILL KILL_AFTER_S later.
+DEADLINE_GRACE_S = 15
+KILL_AFTER_S = 10
+DEFAULT_MAX_STDOUT_BYTES = 256 * 1024**2
+DEFAULT_MAX_STDERR_BYTES = 1024**3
+EXCERPT_HEAD_BYTES = 64 * 1024
+EXCERPT_TAIL_BYTES = 256 * 1024
 
 OnEvent = Callable[[str], None]
 
@@ -188,16 +214,44 @@ class ContainerSpec(Frozen):
     gpus: bool = Field(False, description="Request all GPUs (NVIDIA device request)")
     labels: dict[str, str] = Field(default_factory=dict)
     name: str | None = None
+    cpus: float | None = Field(None, gt=0, le=4096, description="CPU limit (Docker nano_cpus); None: no limit")
+    deadline_s: float | None = Field(
+        None, gt=0, description="The command runs as `timeout --kill-after=KILL_AFTER_S <deadline_s + DEADLINE_GRACE_S>s "
+                                "ARGV` (the image's coreutils timeout as PID 1): the deadline holds even when the client "
+                                "dies; `run` also uses it as the host's deadline")
+    max_stdout_bytes: int = Field(DEFAULT_MAX_STDOUT_BYTES, ge=0,
+                                  description="stdout beyond this kills the container (overflow); `run` keeps it whole")
+    max_stderr_bytes: int = Field(DEFAULT_MAX_STDERR_BYTES, ge=0,
+                                  description="stderr beyond this kills the container (overflow); only its head and tail are kept")
 
 
 class RunResult(Frozen):
-    """How a one-shot container ended."""
+    """How a one-shot container ended; its output as far as the caps kept it."""
 
     exit_code: int | None = Field(description="None when it was killed at the deadline")
-    stdout: str
-    stderr: str
+    stdout_bytes: bytes = Field(b"", repr=False, description="All of stdout (empty after an overflow)")
+    stdout_excerpt: str = Field("", description="stdout's head and tail as text")
+    stderr: str = Field(description="stderr's head and tail as text")
     timed_out: bool
     seconds: float
+    overflow: str = Field("", description="Which cap the container broke (it was then killed); empty when none")
+
+    @property
+    def stdout(self) -> str:
+        """stdout as text (all of it when it was kept, else its head and tail)."""
+        return self.stdout_bytes.decode("utf-8", "replace") if self.stdout_bytes else self.stdout_excerpt
+
+
+class ReapedContainer(Frozen):
+    """A container `Engine.reap_orphans` removed, and why its owner counts as gone."""
+
+    id: str
+    name: str
+    image: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.id[:12]}, image {self.image[:40]}): {self.reason}"
 
 
 class ExecResult(Frozen):
@@ -207,26 +261,217 @@ class ExecResult(Frozen):
     output: str
 
 
+# ---------------------------------------------------------------- output capture (bounded)
+
+
+class _Excerpt:
+    """The first and the last bytes of a stream and its length: bounded memory whatever the stream does."""
+
+    def __init__(self, *, head: int = EXCERPT_HEAD_BYTES, tail: int = EXCERPT_TAIL_BYTES) -> None:
+        self._head_max, self._tail_max = head, tail
+        self.head, self.tail, self.total = bytearray(), bytearray(), 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self._head_max - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > 2 * self._tail_max:
+                del self.tail[: -self._tail_max]
+
+    def text(self) -> str:
+        tail = bytes(self.tail[-self._tail_max:]) if self._tail_max else b""
+        skipped = self.total - len(self.head) - len(tail)
+        middle = f"\n[... {skipped} bytes not kept ...]\n" if skipped > 0 else ""
+        return self.head.decode("utf-8", "replace") + middle + tail.decode("utf-8", "replace")
+
+
+class OutputCapture:
+    """A container's stdout and stderr, read from its attach stream on a thread, with hard bounds.
+
+    stdout is kept whole (`keep_stdout`) up to `max_stdout` bytes; of stderr (and of stdout when
+    not kept) only the head and tail are kept. A stream past its cap sets `overflow`, detaches
+    and calls `on_overflow` (the adapter kills the container): memory never grows with what the
+    container prints.
+    """
+
+    def __init__(self, *, max_stdout: int, max_stderr: int, keep_stdout: bool,
+                 on_overflow: Callable[[], None] = lambda: None) -> None:
+        self._limits = {1: max_stdout, 2: max_stderr}
+        self._names = {1: "stdout", 2: "stderr"}
+        self._streams = {1: _Excerpt(), 2: _Excerpt()}
+        self._both = _Excerpt(head=0)
+        self._kept: bytearray | None = bytearray() if keep_stdout else None
+        self._on_overflow = on_overflow
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._sock = None
+        self.overflow = ""
+        self.error = ""
+
+    def feed(self, stream: int, data: bytes) -> bool:
+        """Take one chunk of `stream` (1 stdout, 2 stderr); False once a cap is broken (stop reading)."""
+        if stream not in self._limits:
+            return True
+        with self._lock:
+            excerpt = self._streams[stream]
+            if excerpt.total + len(data) > self._limits[stream]:
+                self.overflow = (f"{self._names[stream]} passed its cap of {self._limits[stream]} bytes "
+                                 f"(the container was killed)")
+                self._kept = None
+                overflowed = True
+            else:
+                excerpt.add(data)
+                self._both.add(data)
+                if stream == 1 and self._kept is not None:
+                    self._kept += data
+                overflowed = False
+        return not overflowed
+
+    def start(self, sock) -> None:
+        """Read the attach socket `sock` (Docker's multiplexed frames) on a daemon thread until it ends."""
+        self._sock = sock
+        self._thread = threading.Thread(target=self._pump, name="skupin-capture", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            for stream, data in _frames_iter(self._sock, tty=False):
+                if data and not self.feed(stream, bytes(data)):
+                    # Detach first: a daemon blocked writing to a socket nobody reads would stall the kill.
+                    self.close()
+                    self._on_overflow()
+                    break
+        except Exception as exc:  # noqa: BLE001 - a broken stream ends the capture; the exit status says the rest
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.close()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the stream to end; True when it did."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    def close(self) -> None:
+        """Stop reading: shut the attach socket down (wakes a blocked reader) and release its connection."""
+        raw = getattr(self._sock, "_sock", self._sock)
+        with contextlib.suppress(OSError, AttributeError):
+            raw.shutdown(_socket.SHUT_RDWR)
+        for closable in (self._sock, getattr(self._sock, "_response", None)):
+            with contextlib.suppress(Exception):
+                closable.close()
+
+    def stdout_bytes(self) -> bytes:
+        with self._lock:
+            return bytes(self._kept) if self._kept is not None else b""
+
+    def text(self, *, stdout: bool = True, stderr: bool = True) -> str:
+        """Head and tail of the chosen streams as text (both: the last bytes in arrival order)."""
+        with self._lock:
+            if stdout and stderr:
+                return self._both.text()
+            return self._streams[1 if stdout else 2].text() if (stdout or stderr) else ""
+
+
+# ---------------------------------------------------------------- owners (for the reaper)
+
+
+def _proc_stat(pid: int | str, proc: Path = Path("/proc")) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (state first), or None when there is no such process."""
+    try:
+        text = (proc / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[-1].split()
+
+
+def _start_time(pid: int | str, proc: Path = Path("/proc")) -> str:
+    """The start time of `pid` in clock ticks since boot (field 22 of /proc/PID/stat), or ''."""
+    fields = _proc_stat(pid, proc)
+    return fields[19] if fields and len(fields) > 19 else ""
+
+
+@functools.lru_cache(maxsize=1)
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def owner_labels() -> dict[str, str]:
+    """The labels naming this process as a container's owner: pid, its start time, boot id, pid namespace."""
+    pid = os.getpid()
+    return {SANDBOX_LABEL: "1", OWNER_PID_LABEL: str(pid), OWNER_START_LABEL: _start_time(pid),
+            OWNER_BOOT_LABEL: _boot_id(), OWNER_PIDNS_LABEL: _pid_namespace()}
+
+
+def owner_gone(labels: Mapping[str, str], *, boot_id: str, pid_namespace: str, proc: Path = Path("/proc")) -> str:
+    """Why the process that made a container with `labels` is gone ('' while it lives or cannot be judged).
+
+    Gone: it ran in another boot of this machine, or its pid no longer exists, is a zombie or now
+    belongs to a process started at another time (reused). A container made in another pid
+    namespace (another skupin in a container sharing this dockerd) cannot be judged and is left alone.
+    """
+    pid, start, boot = labels.get(OWNER_PID_LABEL, ""), labels.get(OWNER_START_LABEL, ""), labels.get(OWNER_BOOT_LABEL, "")
+    if not (pid.isascii() and pid.isdigit() and start and boot):
+        return ""
+    if boot != boot_id:
+        return f"its owner (pid {pid}) ran in another boot of this machine"
+    if labels.get(OWNER_PIDNS_LABEL, "") != pid_namespace:
+        return ""
+    fields = _proc_stat(pid, proc)
+    if fields is None or fields[0] == "Z":
+        return f"its owner (pid {pid}) has exited"
+    if len(fields) > 19 and fields[19] != start:
+        return f"its owner's pid {pid} now belongs to another process"
+    return ""
+
+
 # ---------------------------------------------------------------- the adapter
 
 
 class RunningContainer:
     """A started sandboxed container; made by `Engine.container()`, removed when it exits."""
 
-    def __init__(self, container: "docker.models.containers.Container") -> None:
+    def __init__(self, container: "docker.models.containers.Container", capture: OutputCapture) -> None:
         self._c = container
+        self._capture = capture
 
     @property
     def id(self) -> str:
         return str(self._c.id)
 
+    @property
+    def overflow(self) -> str:
+        """Which output cap the container broke (it was then killed), or ''."""
+        return self._capture.overflow
+
     def pid(self) -> int:
         """Host pid of the container's init (enter its network namespace with nsenter -t PID -n)."""
-        self._c.reload()
+        try:
+            self._c.reload()
+        except docker.errors.NotFound as exc:
+            raise EngineError(f"container {self.id[:12]} is gone ({self.overflow or 'it exited'})") from exc
         return int(self._c.attrs["State"]["Pid"])
 
     def running(self) -> bool:
-        self._c.reload()
+        try:
+            self._c.reload()
+        except docker.errors.NotFound:
+            return False
         return self._c.status == "running"
 
     def exec(self, command: list[str] | tuple[str, ...], *, user: str | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
@@ -238,18 +483,9 @@ class RunningContainer:
         return ExecResult(exit_code=int(res.exit_code), output=(res.output or b"").decode("utf-8", "replace"))
 
     def logs(self, *, stdout: bool = True, stderr: bool = True, tail: int | str = "all") -> str:
-        return self._c.logs(stdout=stdout, stderr=stderr, tail=tail).decode("utf-8", "replace")
-
-    def wait(self, *, deadline_s: float) -> int | None:
-        """Wait for exit; the exit code, or None when the deadline passed (the container is then killed)."""
-        try:
-            return int(self._c.wait(timeout=deadline_s)["StatusCode"])
-        except Exception as exc:  # requests' ReadTimeout / ConnectionError on the deadline
-            if _is_timeout(exc):
-                with contextlib.suppress(docker.errors.APIError):
-                    self._c.kill()
-                return None
-            raise EngineError(f"waiting for container {self.id[:12]} failed: {exc}") from exc
+        """What the container printed (head and tail, bounded), from the capture: its log driver is `none`."""
+        text = self._capture.text(stdout=stdout, stderr=stderr)
+        return text if tail == "all" else "\n".join(text.splitlines()[-int(tail):])
 
 
 class _ChunkReader(io.RawIOBase):
@@ -461,10 +697,34 @@ class Engine:
 
     # ------------------------------------------------------------ containers
 
+    def _argv(self, spec: ContainerSpec) -> tuple[list[str] | None, list[str] | None]:
+        """(entrypoint, command) to create: the spec's, or under `timeout` when it has a deadline."""
+        if spec.deadline_s is None:
+            return (list(spec.entrypoint) if spec.entrypoint is not None else None), (list(spec.command) or None)
+        entrypoint, command = spec.entrypoint, spec.command
+        if entrypoint is None:  # the image's own, as `docker run` would combine them
+            config = self._image_config(spec.image)
+            entrypoint = tuple(config.get("Entrypoint") or ())
+            command = command or tuple(config.get("Cmd") or ())
+        argv = [*entrypoint, *command]
+        if not argv:
+            raise EngineError(f"image {spec.image} has no command to run under a deadline")
+        limit = int(spec.deadline_s + DEADLINE_GRACE_S + 0.999)
+        return ["timeout", f"--kill-after={KILL_AFTER_S}", f"{limit}s", *argv], None
+
+    def _image_config(self, ref: str) -> dict:
+        try:
+            return dict(self._client.api.inspect_image(ref).get("Config") or {})
+        except docker.errors.APIError as exc:
+            if _not_found(exc):
+                raise EngineError(f"image {ref} is not on this engine: {exc.explanation or exc}") from exc
+            raise EngineError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
+
     def _create(self, spec: ContainerSpec) -> "docker.models.containers.Container":
+        entrypoint, command = self._argv(spec)
         kwargs: dict = dict(
             image=spec.image,
-            command=list(spec.command) or None,
+            command=command,
             environment=dict(spec.env),
             network_mode=spec.network,
             read_only=spec.read_only,
@@ -475,11 +735,15 @@ class Engine:
             cap_drop=list(spec.cap_drop),
             security_opt=list(spec.security_opt),
             mounts=[_DockerMount(target=m.target, source=str(m.source), type="bind", read_only=m.read_only) for m in spec.mounts],
-            labels={OWNER_LABEL: "skupin", SESSION_LABEL: self.session, **spec.labels},
+            labels={**spec.labels, OWNER_LABEL: "skupin", SESSION_LABEL: self.session, **owner_labels()},
+            auto_remove=True,
+            log_config=_LogConfig(type=_LogConfig.types.NONE),
             detach=True,
         )
-        if spec.entrypoint is not None:
-            kwargs["entrypoint"] = list(spec.entrypoint)
+        if entrypoint is not None:
+            kwargs["entrypoint"] = entrypoint
+        if spec.cpus is not None:
+            kwargs["nano_cpus"] = int(spec.cpus * 1e9)
         for key, value in (("user", spec.user), ("working_dir", spec.workdir), ("shm_size", spec.shm_size), ("ipc_mode", spec.ipc), ("name", spec.name)):
             if value is not None:
                 kwargs[key] = value
@@ -496,36 +760,133 @@ class Engine:
         except docker.errors.APIError as exc:
             raise EngineError(f"creating a container of {spec.image} failed: {exc.explanation or exc}") from exc
 
-    def _remove(self, container: "docker.models.containers.Container") -> None:
-        with contextlib.suppress(docker.errors.NotFound):
-            container.remove(force=True)
+    def _attach(self, container_id: str, spec: ContainerSpec, *, keep_stdout: bool) -> OutputCapture:
+        """Attach to stdout and stderr BEFORE start (nothing is missed) and read them on a thread, bounded."""
+        try:
+            sock = self._client.api.attach_socket(container_id, params={"stdout": 1, "stderr": 1, "stream": 1, "logs": 0})
+        except docker.errors.APIError as exc:
+            raise EngineError(f"attaching to container {container_id[:12]} failed: {exc.explanation or exc}") from exc
+        capture = OutputCapture(max_stdout=spec.max_stdout_bytes, max_stderr=spec.max_stderr_bytes,
+                                keep_stdout=keep_stdout, on_overflow=lambda: self._kill(container_id))
+        capture.start(sock)
+        return capture
+
+    def _start(self, container: "docker.models.containers.Container", spec: ContainerSpec) -> None:
+        try:
+            container.start()
+        except docker.errors.APIError as exc:
+            raise EngineError(f"starting a container of {spec.image} failed: {exc.explanation or exc}") from exc
+
+    def _wait_removed(self, container_id: str, *, timeout_s: float):
+        """Register a wait for the container's removal BEFORE start (as `docker run --rm` does): dockerd
+        answers the headers once the wait is registered, the body (the exit status) once it is removed."""
+        api = self._client.api
+        try:
+            response = api._post(api._url("/containers/{0}/wait", container_id), params={"condition": "removed"},
+                                 stream=True, timeout=timeout_s)
+            api._raise_for_status(response)
+        except docker.errors.APIError as exc:
+            raise EngineError(f"waiting for container {container_id[:12]} failed: {exc.explanation or exc}") from exc
+        return response
+
+    def _exit_status(self, response, container_id: str) -> int | None:
+        """The exit status from a registered wait; None when its timeout (the host's deadline) passed."""
+        try:
+            body = response.json()
+        except Exception as exc:  # requests' ConnectionError(ReadTimeout) at the deadline
+            if _is_timeout(exc):
+                return None
+            raise EngineError(f"waiting for container {container_id[:12]} failed: {exc}") from exc
+        finally:
+            response.close()
+        return int(body.get("StatusCode", -1)) if isinstance(body, dict) else -1
+
+    def _kill(self, container_id: str) -> None:
+        with contextlib.suppress(docker.errors.APIError):
+            self._client.api.kill(container_id)
+
+    def _remove(self, container_id: str) -> None:
+        """Force-remove; an auto-removal already under way is waited for (up to 10 s)."""
+        for _ in range(100):
+            try:
+                self._client.api.remove_container(container_id, force=True)
+                return
+            except docker.errors.APIError as exc:
+                if _not_found(exc):
+                    return
+                if exc.status_code != 409:  # 409: its removal is already in progress
+                    raise EngineError(f"removing container {container_id[:12]} failed: {exc.explanation or exc}") from exc
+            time.sleep(0.1)
 
     @contextlib.contextmanager
     def container(self, spec: ContainerSpec) -> Iterator[RunningContainer]:
-        """Start a sandboxed container; it is force-removed when the block ends, however it ends."""
-        c = self._create(spec)
-        try:
-            try:
-                c.start()
-            except docker.errors.APIError as exc:
-                raise EngineError(f"starting a container of {spec.image} failed: {exc.explanation or exc}") from exc
-            yield RunningContainer(c)
-        finally:
-            self._remove(c)
+        """Start a sandboxed container; it is force-removed when the block ends, however it ends.
 
-    def run(self, spec: ContainerSpec, *, deadline_s: float) -> RunResult:
-        """Run a one-shot sandboxed container to completion (killed at the deadline); always removed."""
+        Its output is captured from the start (head and tail, `logs()`); past a cap it is killed.
+        """
+        c = self._create(spec)
+        capture: OutputCapture | None = None
+        try:
+            capture = self._attach(c.id, spec, keep_stdout=False)
+            self._start(c, spec)
+            yield RunningContainer(c, capture)
+        finally:
+            if capture is not None:
+                capture.close()
+            self._remove(c.id)
+
+    def run(self, spec: ContainerSpec, *, deadline_s: float | None = None) -> RunResult:
+        """Run a one-shot sandboxed container to completion; always removed.
+
+        The host kills it at `deadline_s` (default `spec.deadline_s`); it is killed as soon as its
+        output passes a cap (`RunResult.overflow`). stdout is kept whole (up to its cap), stderr as head + tail.
+        """
+        limit = deadline_s if deadline_s is not None else spec.deadline_s
+        if limit is None:
+            raise EngineError("a one-shot container needs a deadline (deadline_s)")
         start = time.monotonic()
-        with self.container(spec) as running:
-            code = running.wait(deadline_s=deadline_s)
-            out = running.logs(stderr=False)
-            err = running.logs(stdout=False)
-        return RunResult(exit_code=code, stdout=out, stderr=err, timed_out=code is None, seconds=round(time.monotonic() - start, 3))
+        c = self._create(spec)
+        capture: OutputCapture | None = None
+        try:
+            capture = self._attach(c.id, spec, keep_stdout=True)
+            waiter = self._wait_removed(c.id, timeout_s=limit)
+            self._start(c, spec)
+            code = self._exit_status(waiter, c.id)
+            if code is None:
+                self._kill(c.id)
+            capture.join(timeout_s=30)
+        finally:
+            if capture is not None:
+                capture.close()
+            self._remove(c.id)
+        return RunResult(exit_code=code, stdout_bytes=capture.stdout_bytes(), stdout_excerpt=capture.text(stderr=False),
+                         stderr=capture.text(stdout=False), timed_out=code is None,
+                         seconds=round(time.monotonic() - start, 3), overflow=capture.overflow)
 
     def containers(self, *, label: str | None = None, all: bool = True) -> tuple[str, ...]:  # noqa: A002
         """Ids of containers (running or not), optionally only those with a label (key or key=value)."""
         filters = {"label": label} if label else None
-        return tuple(c.id for c in self._client.containers.list(all=all, filters=filters))
+        try:
+            rows = self._client.api.containers(all=all, filters=filters)
+        except docker.errors.APIError as exc:
+            raise EngineError(f"listing containers failed: {exc.explanation or exc}") from exc
+        return tuple(str(r["Id"]) for r in rows)
+
+    def reap_orphans(self) -> tuple[ReapedContainer, ...]:
+        """Force-remove the sandbox containers whose owner process is gone (see `owner_gone`); what was removed."""
+        try:
+            rows = self._client.api.containers(all=True, filters={"label": SANDBOX_LABEL})
+        except docker.errors.APIError as exc:
+            raise EngineError(f"listing containers failed: {exc.explanation or exc}") from exc
+        boot, pidns = _boot_id(), _pid_namespace()
+        reaped = []
+        for row in rows:
+            why = owner_gone(row.get("Labels") or {}, boot_id=boot, pid_namespace=pidns)
+            if why:
+                self._remove(str(row["Id"]))
+                name = ((row.get("Names") or ["?"])[0]).lstrip("/")
+                reaped.append(ReapedContainer(id=str(row["Id"]), name=name, image=str(row.get("Image", "")), reason=why))
+        return tuple(reaped)
 
     # ------------------------------------------------------------ builds (BuildKit via the CLI)
 

@@ -257,6 +257,8 @@ class Gate(Model):
     bit_exact: bool = False
     deadline_s: int = Field(900, ge=10, le=86400)
     memory: MemSize = "8g"
+    cpus: float | None = Field(None, gt=0, le=4096, description="CPUs each gate container may use "
+                                                                "(default: the host's CPUs - 0.5, at least 1)")
     serve: ServeGate | None = Field(None, description="Serve check settings (gates/serve.py); default ServeGate()")
 
 

@@ -25,7 +25,9 @@ never names a digest that has no record, even when the publish dies between two 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -36,7 +38,7 @@ from urllib.parse import urlparse
 from pydantic import Field
 
 from builder import __version__
-from builder.errors import EngineError, NetworkError, PublishError
+from builder.errors import BundleError, EngineError, NetworkError, PublishError
 from builder.index import Manifest, RegistryClient, registry_url, sha256_digest
 from builder.lockfile import Lock, image_tag
 from builder.model import Frozen, canonical_json
@@ -411,18 +413,22 @@ def publish_target(registry: str | None, addr: str):
     return target, None, hint
 
 
+MAX_VERDICT_BYTES = 64 * 1024**2
+
+
 def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, dict | None] | None:
     """The newest verdict under .skupin/gates/<sku>/ for this image and lock (else the newest at all, so
     the refusal can say why) with its parsed data (None when that file could not be read); None when the
-    SKU was never gated. An older pass never hides a newer fail."""
+    SKU was never gated. An older pass never hides a newer fail. Only regular files count (lstat: a link,
+    a FIFO or a folder named verdict.json is skipped, links to folders are not followed), and each is
+    read bounded in size and JSON depth, so nothing in that folder can hang or crash publish."""
     from builder.paths import STATE
 
-    found = sorted((STATE / "gates" / sku).glob("**/verdict.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    found = _verdict_files(Path(STATE) / "gates" / sku)
     newest: dict | None = None
     for i, path in enumerate(found):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        data = _load_verdict(path)
+        if data is None:
             continue
         if i == 0:
             newest = data
@@ -431,13 +437,51 @@ def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, di
     return (found[0], newest) if found else None
 
 
-def _read_verdict(path: Path, sku: str) -> dict:
+def _verdict_files(root: Path) -> list[Path]:
+    """Every regular file named verdict.json under `root`, newest (lstat mtime) first; the probe's output folders
+    (`probe/`, container-writable before the probe printed its outputs) are not searched."""
+    found = []
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        dirs[:] = [d for d in dirs if d != "probe"]
+        if "verdict.json" not in files:
+            continue
+        path = Path(folder) / "verdict.json"
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            found.append((info.st_mtime, str(path)))
+    return [Path(p) for _, p in sorted(found, reverse=True)]
+
+
+def _load_verdict(path: Path) -> dict | None:
+    """The verdict at `path` (a regular file, read bounded), or None when it cannot be read or is not an object."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise PublishError(f"no gate verdict at {path}; fix: skupin gate {sku}") from exc
-    except (OSError, ValueError) as exc:
+        data = _read_bounded(path)
+    except (OSError, ValueError, BundleError):  # BundleError: gates.untrusted refused it
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_bounded(path: Path) -> Any:
+    from gates.untrusted import load_json, read_regular_file
+
+    return load_json(read_regular_file(path, max_bytes=MAX_VERDICT_BYTES), source=str(path))
+
+
+def _read_verdict(path: Path, sku: str) -> dict:
+    """The verdict at `path` (given on the command line: a link to it is followed), read bounded."""
+    resolved = Path(path).resolve()
+    if not resolved.exists():
+        raise PublishError(f"no gate verdict at {path}; fix: skupin gate {sku}")
+    try:
+        data = _read_bounded(resolved)
+    except (OSError, ValueError, BundleError) as exc:
         raise PublishError(f"{path}: unreadable verdict: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PublishError(f"{path}: unreadable verdict: not a JSON object")
+    return data
 
 
 def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,

@@ -23,7 +23,9 @@ from builder import __version__
 from builder.errors import BundleError
 from builder.manifest import SkuManifest
 from gates import fixture
+from gates.probe_output import MAX_REPORT_BYTES, decode_report
 from gates.tensorio import read_safetensors
+from gates.untrusted import load_json, read_regular_file
 
 BUNDLE_FORMAT = "skupin-bundle/1"
 PROBE = Path(__file__).with_name("probe.py")
@@ -31,6 +33,7 @@ FIXTURES = Path(__file__).with_name("fixtures")
 SUMS = "SHA256SUMS"
 FILES = ("meta.json", "probe.json", "tensors.safetensors")
 DEFAULT_TIMEOUT_S = 1800
+MAX_META_BYTES = 16 * 1024**2
 
 
 def fixture_folder(*, name: str, model_dir: Path | None, scratch: Path) -> Path:
@@ -75,7 +78,7 @@ def run_probe(*, cmd: list[str], timeout_s: int = DEFAULT_TIMEOUT_S) -> dict:
     report_path = out / "probe.json"
     if not report_path.is_file():
         raise BundleError(f"the probe exited {done.returncode} without probe.json: {(done.stderr or done.stdout)[-3000:]}")
-    report = json.loads(report_path.read_text())
+    report = decode_report(read_regular_file(report_path, max_bytes=MAX_REPORT_BYTES), source=str(report_path))
     if done.returncode != 0:
         failed = {k: v.get("error", "") for k, v in report.get("checks", {}).items() if v.get("status") != "ok"}
         raise BundleError(f"the probe failed on this host (exit {done.returncode}): {failed}")
@@ -198,12 +201,10 @@ def verify(*, folder: Path) -> dict[str, Any]:
         actual = hashlib.sha256(path.read_bytes()).hexdigest()
         if actual != digest:
             raise BundleError(f"{path}: sha256 {actual} does not match {SUMS} ({digest}); the file was changed")
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except ValueError as exc:
-        raise BundleError(f"{folder / 'meta.json'}: not valid JSON: {exc}") from exc
-    if meta.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{folder / 'meta.json'}: format {meta.get('format')!r} is not {BUNDLE_FORMAT}")
+    meta = load_json(read_regular_file(folder / "meta.json", max_bytes=MAX_META_BYTES), source=str(folder / "meta.json"))
+    if not isinstance(meta, dict) or meta.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{folder / 'meta.json'}: format {meta.get('format') if isinstance(meta, dict) else None!r} "
+                          f"is not {BUNDLE_FORMAT}")
     return meta
 
 

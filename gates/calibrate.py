@@ -162,9 +162,10 @@ def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
                     on_event: Callable[[str], None] = lambda _: None) -> ToleranceEntry:
     """Run the honest image `boots` x `variations` times in the gate's sandbox and derive the entry."""
     from gates.bundle import fixture_folder
-    from gates.gate import load_reference, resolve_image
+    from gates.gate import load_reference, reap_leftovers, resolve_image
 
     manifest = stack.manifest
+    reap_leftovers(engine=engine, on_event=on_event)
     meta, reference, ref_sha = load_reference(manifest=manifest)
     image_id = resolve_image(engine=engine, image=image).id
     runs: list[HonestRun] = []
@@ -222,6 +223,8 @@ def _honest_run(*, manifest, image: str, engine, out: Path, batch: int, threads:
             continue
         if probe.error or probe.report.get("status") != "ok":
             raise GateCouldNotRun(f"honest run {label} could not run: {probe.error or probe.report.get('checks')}")
-        (Path(out) / "image-id").write_text(image + "\n")
+        marker = Path(out) / "image-id"
+        marker.unlink(missing_ok=True)
+        marker.write_text(image + "\n")
         return probe.report, probe.tensors
     raise AssertionError("unreachable")

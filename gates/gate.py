@@ -1,11 +1,14 @@
 """Gate an image: run the probe in a sandboxed container, compare with the reference bundle, decide.
 
 Stage function: ``gate_image(*, stack, image, engine, out, on_event) -> GateVerdict``. The probe
-(gates/probe.py) and the model fixture are mounted read-only into the image under test, a fresh
-output folder read-write; the container has no network, no capabilities, no-new-privileges, a
-read-only root with a tmpfs /tmp, the SKU's memory limit and a pid limit, and is always removed
-(also at the deadline, on a crash or Ctrl-C: the engine adapter guarantees it). Its outputs are
-read back as JSON and safetensors with gates/tensorio.py; nothing is unpickled.
+(gates/probe.py) and the model fixture are mounted read-only into the image under test; nothing
+the container can write is mounted. The container has no network, no capabilities,
+no-new-privileges, a read-only root with a tmpfs /tmp, private IPC, the SKU's memory limit, a CPU
+and a pid limit, an output cap and an in-container deadline, and is always removed (also at the
+deadline, on a crash, Ctrl-C or when skupin itself is killed: the engine adapter guarantees it).
+The probe prints its outputs as one frame on stdout (``--out -``); the host parses it strictly
+(gates/probe_output.py) and writes the raw outputs and the container's log into the host-only
+folder OUT/probe/. Nothing is unpickled.
 Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
 the image runs: its files are its lock, gates/integrity.py), boot, kernels, model, serve
 (gates/serve.py: the engine's own server; `baseline` adds an interleaved A/B).
@@ -33,7 +36,9 @@ from builder.engines import ENGINE_OUTPUTS, MODEL_MOUNT, serve_launch
 from builder.manifest import SkuManifest
 from gates.bundle import PROBE, fixture_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
+from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
 from gates.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
+from gates.untrusted import open_folder, printable, write_new_file
 from gates.verdict import (
     CheckResult,
     GateVerdict,
@@ -51,9 +56,10 @@ if TYPE_CHECKING:
 
 OnEvent = Callable[[str], None]
 PROBE_MOUNT = "/skupin/probe.py"
-OUT_MOUNT = "/skupin/out"
 RUN_LABEL = "io.skupin.gate-run"
-MAX_REPORT_BYTES = 64 * 1024**2
+# The host-only files probe_in_container writes into OUT/probe/ (each created exclusively).
+PROBE_FILES = ("probe.json", "tensors.safetensors", "container.log")
+MAX_LOG_CHARS = 40_000
 # Environment every probe container gets (the SKU's runtime env is applied on top, --threads below).
 SANDBOX_ENV = {
     "HOME": "/tmp", "HF_HOME": "/tmp/hf", "XDG_CACHE_HOME": "/tmp/cache", "HF_HUB_OFFLINE": "1",
@@ -144,100 +150,150 @@ def run_label(out: Path) -> str:
     return hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
 
 
+def sandbox_cpus(manifest: SkuManifest, host_cpus: int | None = None) -> float:
+    """CPUs a gate container may use: the SKU's gate.cpus, else the host's CPUs - 0.5 (at least 1); never more
+    than the host has (Docker refuses that)."""
+    host = float(host_cpus or os.cpu_count() or 1)
+    wanted = manifest.gate.cpus if manifest.gate.cpus is not None else max(1.0, host - 0.5)
+    return min(float(wanted), host)
+
+
 def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ...], command: tuple[str, ...],
-                 mounts: tuple, labels: dict[str, str], env: dict[str, str] | None = None):
+                 mounts: tuple, labels: dict[str, str], env: dict[str, str] | None = None,
+                 max_stdout_bytes: int | None = None):
     """A container for an image under test with the gate's sandbox (probe and server alike): no network, no
-    capabilities, no-new-privileges, read-only root with a tmpfs /tmp, the SKU's memory limit, a pid limit, the
-    SKU's runtime (shm, ipc, devices, groups, GPUs) and SANDBOX_ENV + the SKU's runtime env (+ `env` on top)."""
+    capabilities, no-new-privileges, read-only root with a tmpfs /tmp, the SKU's memory limit, a pid limit, a CPU
+    limit (`sandbox_cpus`), the in-container deadline gate.deadline_s, output caps, the SKU's runtime (shm, devices,
+    groups, GPUs) with private IPC even where the runtime asks for the host's, and SANDBOX_ENV + the SKU's runtime
+    env (+ `env` on top)."""
     from builder.engine import ContainerSpec
 
     runtime = manifest.runtime
+    caps = {"max_stdout_bytes": max_stdout_bytes} if max_stdout_bytes is not None else {}
     return ContainerSpec(
         image=image, entrypoint=entrypoint, command=command, env={**SANDBOX_ENV, **runtime.env, **(env or {})},
         network="none", read_only=True, tmpfs={"/tmp": "rw,exec,size=1g"}, mem_limit=manifest.gate.memory,
-        pids_limit=1024, shm_size=runtime.shm_size, ipc="host" if runtime.ipc == "host" else None,
+        pids_limit=1024, shm_size=runtime.shm_size, ipc="private",
         cap_drop=("ALL",), security_opt=("no-new-privileges",), mounts=mounts,
         devices=tuple(runtime.devices), group_add=tuple(runtime.group_add), gpus=runtime.gpus == "all",
-        labels=labels,
+        labels=labels, cpus=sandbox_cpus(manifest), deadline_s=float(manifest.gate.deadline_s), **caps,
     )
 
 
 def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path, batch_size: int | None = None,
                threads: int = 0):
-    """The sandboxed container that runs the probe on `image` (see the module docstring)."""
+    """The sandboxed container that runs the probe on `image` (see the module docstring); `out` only names the run
+    (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted."""
     from builder.engine import BindMount
 
     gate, engine = manifest.gate, manifest.stack.engine.name
-    args = probe_args(model_dir=MODEL_MOUNT, out=OUT_MOUNT, dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
+    args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
                       engine=engine if engine in ("transformers", "vllm", "sglang") else "transformers", threads=threads)
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=("python3",), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,
         mounts=(BindMount(source=PROBE.resolve(), target=PROBE_MOUNT, read_only=True),
-                BindMount(source=model_dir.resolve(), target=MODEL_MOUNT, read_only=True),
-                BindMount(source=out.resolve(), target=OUT_MOUNT, read_only=False)),
+                BindMount(source=model_dir.resolve(), target=MODEL_MOUNT, read_only=True)),
         labels={"io.skupin.role": "gate-probe", "io.skupin.sku": manifest.name, RUN_LABEL: run_label(out)},
+        max_stdout_bytes=MAX_FRAME_BYTES,
     )
 
 
 def read_probe_outputs(out: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """probe.json (JSON) and tensors.safetensors (validated, numpy) from a probe's output folder."""
-    from gates.tensorio import read_safetensors
-
-    report_path = out / "probe.json"
-    if not report_path.is_file() or report_path.is_symlink():
-        raise BundleError(f"{report_path}: the probe wrote no probe.json")
-    if report_path.stat().st_size > MAX_REPORT_BYTES:
-        raise BundleError(f"{report_path}: larger than {MAX_REPORT_BYTES} bytes")
-    try:
-        report = json.loads(report_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"{report_path}: not valid JSON: {exc}") from exc
-    if not isinstance(report, dict) or report.get("format") != "skupin-probe/1":
-        raise BundleError(f"{report_path}: not a skupin-probe/1 report")
-    tensors_path = out / "tensors.safetensors"
-    if tensors_path.is_symlink():
-        raise BundleError(f"{tensors_path}: is a symlink")
-    tensors, _ = read_safetensors(tensors_path) if tensors_path.is_file() else ({}, {})
-    return report, tensors
+    """probe.json (JSON) and tensors.safetensors (validated, numpy) from a probe's output folder (bounded reads,
+    no links followed; BundleError when malformed)."""
+    return read_output_folder(Path(out))
 
 
 def probe_in_container(*, manifest: SkuManifest, image: str, engine, out: Path, batch_size: int | None = None,
                        threads: int = 0, model_dir: Path | None = None) -> ProbeRun:
-    """Run the probe on `image` in the sandbox and read its outputs; failures come back in ProbeRun.error.
+    """Run the probe on `image` in the sandbox and read its output frame; failures come back in ProbeRun.error.
 
-    `model_dir` is a fixture folder already checked by gates.bundle.fixture_folder (a gate or calibration run
-    resolves it once); without it the SKU's fixture is resolved and checked here, for this probe only.
+    `out` is a host-only folder (the container never sees it): the raw probe.json and tensors.safetensors of a
+    well-formed frame and container.log (exit status, stdout/stderr head and tail) are written there, each file
+    created exclusively. `model_dir` is a fixture folder already checked by gates.bundle.fixture_folder (a gate or
+    calibration run resolves it once); without it the SKU's fixture is resolved and checked here, for this probe only.
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    os.chmod(out, 0o777)  # the image's user may not be root  # noqa: S103
-    with contextlib.ExitStack() as scope:
-        if model_dir is None:
-            scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-fixture-"))
-            model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
-        spec = probe_spec(manifest=manifest, image=image, out=out, model_dir=model_dir, batch_size=batch_size,
-                          threads=threads)
-        deadline = float(manifest.gate.deadline_s)
-        try:
-            result = engine.run(spec, deadline_s=deadline)
-        except EngineError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the engine SDK's own errors (e.g. 409 when removed by someone else)
-            raise EngineError(f"running the probe container failed: {exc}") from exc
-    tail = (result.stderr or result.stdout)[-3000:]
-    (out / "container.log").write_text(f"exit {result.exit_code}\n--- stdout\n{result.stdout[-20000:]}\n"
-                                       f"--- stderr\n{result.stderr[-20000:]}\n", encoding="utf-8")
-    if result.timed_out:
-        return ProbeRun(error=f"the probe did not finish within the deadline of {deadline:.0f} s (container killed and removed)",
-                        timed_out=True, seconds=result.seconds, logs_tail=tail)
+    out_fd = _host_folder(Path(out))
     try:
-        report, tensors = read_probe_outputs(out)
-    except BundleError as exc:
-        return ProbeRun(error=f"the container exited {result.exit_code} without usable outputs ({exc}); "
-                              f"last output: {tail.strip()[-600:] or '(none)'}",
-                        exit_code=result.exit_code, seconds=result.seconds, logs_tail=tail)
-    return ProbeRun(report=report, tensors=tensors, exit_code=result.exit_code, seconds=result.seconds, logs_tail=tail)
+        with contextlib.ExitStack() as scope:
+            if model_dir is None:
+                scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-fixture-"))
+                model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
+            spec = probe_spec(manifest=manifest, image=image, out=Path(out), model_dir=model_dir,
+                              batch_size=batch_size, threads=threads)
+            try:
+                result = engine.run(spec)
+            except EngineError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the engine SDK's own errors (e.g. 409 when removed by someone else)
+                raise EngineError(f"running the probe container failed: {exc}") from exc
+        return _probe_run(result, deadline=float(manifest.gate.deadline_s), out_fd=out_fd)
+    finally:
+        os.close(out_fd)
+
+
+def _host_folder(out: Path) -> int:
+    """A descriptor of `out`, made if missing (a real folder, never a link), with PROBE_FILES removed
+    (a link or FIFO of that name is removed, never followed); BundleError when that cannot be done."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BundleError(f"{out}: cannot make the probe's output folder: {exc}") from exc
+    fd = open_folder(out)
+    try:
+        for name in PROBE_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+    except OSError as exc:
+        os.close(fd)
+        raise BundleError(f"{out}: cannot clear {PROBE_FILES}: {exc}") from exc
+    return fd
+
+
+def _probe_run(result, *, deadline: float, out_fd: int) -> ProbeRun:
+    """The ProbeRun of a finished probe container: its frame decoded, or the reason it is unusable."""
+    tail = (result.stderr.strip() or printable(result.stdout_excerpt, 3000))[-3000:]
+    base = {"exit_code": result.exit_code, "seconds": result.seconds, "logs_tail": tail}
+    problem, report, tensors = "", {}, {}
+    if result.timed_out:
+        problem = f"the probe did not finish within the deadline of {deadline:.0f} s (container killed and removed)"
+    elif result.overflow:
+        problem = f"the probe container printed too much: {result.overflow}"
+    else:
+        try:
+            report_raw, tensors_raw = split_frame(result.stdout_bytes)
+            report, tensors = decode_outputs(report_raw, tensors_raw, source="the probe's output frame")
+        except BundleError as exc:
+            problem = (f"the container exited {result.exit_code} without usable outputs ({exc}); "
+                       f"last output: {tail.strip()[-600:] or '(none)'}")
+        else:
+            write_new_file("probe.json", report_raw, dir_fd=out_fd)
+            write_new_file("tensors.safetensors", tensors_raw, dir_fd=out_fd)
+    write_new_file("container.log", _container_log(result, problem).encode("utf-8"), dir_fd=out_fd)
+    if problem:
+        return ProbeRun(error=problem, timed_out=result.timed_out, **base)
+    return ProbeRun(report=report, tensors=tensors, **base)
+
+
+def _container_log(result, problem: str) -> str:
+    """container.log: how the probe container ended and the head and tail of what it printed."""
+    stdout = (f"(one output frame, {len(result.stdout_bytes)} bytes)" if not problem
+              else result.stdout_excerpt[-MAX_LOG_CHARS // 2:])
+    return (f"exit {result.exit_code}; {result.seconds:.1f} s; timed out: {result.timed_out}; "
+            f"overflow: {result.overflow or 'no'}\n{('problem: ' + problem + chr(10)) if problem else ''}"
+            f"--- stdout\n{stdout}\n--- stderr\n{result.stderr[-MAX_LOG_CHARS:]}\n")
+
+
+def reap_leftovers(*, engine, on_event: OnEvent) -> None:
+    """Remove the sandbox containers of dead skupin processes (builder.engine: Engine.reap_orphans) and say so."""
+    try:
+        reaped = engine.reap_orphans()
+    except EngineError as exc:
+        on_event(f"could not look for leftover containers: {exc}")
+        return
+    for leftover in reaped:
+        on_event(f"removed a leftover container: {leftover.describe()}")
 
 
 # ---------------------------------------------------------------- the stage
@@ -505,6 +561,7 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
     run = _GateRun(stack=stack, image=image, engine=engine, out=out, on_event=on_event,
                    tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
                    wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse())
+    reap_leftovers(engine=engine, on_event=on_event)
     # One fixture folder for the whole run (boot resolves it, serve reuses it): a generated fixture lives here.
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
         run.scratch = Path(scratch)

@@ -9,9 +9,14 @@ under test at gate time and also run directly on the NVIDIA reference machine. I
         --batch-size 8 --device auto --engine transformers --checks env,kernels,model [--threads N]
 
 writes OUT/probe.json (environment, per-check status, tensor index) and OUT/tensors.safetensors
-(8-byte little-endian header length, JSON header, raw little-endian data). Exit status: 0 when
-every requested check passed, 1 when one failed (probe.json still says which and why), 2 on bad
-arguments. docs/REFERENCES.md describes every field and tensor.
+(8-byte little-endian header length, JSON header, raw little-endian data). With `--out -` (the
+gate's containers, which get no writable folder) it writes nothing to disk: at start it keeps a
+private copy of fd 1 and points fd 1 at fd 2 (anything else printed goes to stderr), and at the
+end it writes one binary frame to that private stdout: b"SKUPIN-PROBE-OUTPUT/1\n", the 8-byte
+little-endian length of probe.json, probe.json, the 8-byte little-endian length of the
+safetensors bytes, those bytes. Exit status: 0 when every requested check passed, 1 when one
+failed (probe.json still says which and why), 2 on bad arguments. docs/REFERENCES.md describes
+every field and tensor.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 import traceback
 
 FORMAT = "skupin-probe/1"
+FRAME_MAGIC = b"SKUPIN-PROBE-OUTPUT/1\n"
 PROBE_VERSION = "1"
 CHECKS = ("env", "kernels", "model")
 ENGINES = ("transformers", "vllm", "sglang")
@@ -57,8 +63,8 @@ def tensor_bytes(t) -> tuple[str, list[int], bytes]:
     return dtype, list(t.shape), raw
 
 
-def write_safetensors(path: str, tensors: dict, metadata: dict) -> dict:
-    """Write torch tensors to `path` in the safetensors format; return the header index."""
+def encode_safetensors(tensors: dict, metadata: dict) -> tuple[bytes, dict]:
+    """(the safetensors bytes of torch `tensors`, the header index {name: {dtype, shape}})."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in sorted(metadata.items())}}
     chunks, offset = [], 0
     for name in sorted(tensors):
@@ -68,12 +74,35 @@ def write_safetensors(path: str, tensors: dict, metadata: dict) -> dict:
         offset += len(raw)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    index = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items() if k != "__metadata__"}
+    return b"".join([len(text).to_bytes(8, "little"), text, *chunks]), index
+
+
+def write_safetensors(path: str, tensors: dict, metadata: dict) -> dict:
+    """Write torch tensors to `path` in the safetensors format; return the header index."""
+    data, index = encode_safetensors(tensors, metadata)
     with open(path, "wb") as fh:
-        fh.write(len(text).to_bytes(8, "little"))
-        fh.write(text)
-        for chunk in chunks:
-            fh.write(chunk)
-    return {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items() if k != "__metadata__"}
+        fh.write(data)
+    return index
+
+
+def take_stdout() -> int:
+    """Keep a private descriptor of fd 1 and point fd 1 at fd 2: from now on only the frame goes to stdout."""
+    sys.stdout.flush()
+    private = os.dup(1)  # not inherited by child processes (O_CLOEXEC)
+    os.dup2(2, 1)
+    return private
+
+
+def write_frame(fd: int, report: bytes, tensors: bytes) -> None:
+    """Write the output frame (FRAME_MAGIC, len + probe.json, len + safetensors) to `fd` and close it."""
+    try:
+        for part in (FRAME_MAGIC, len(report).to_bytes(8, "little"), report, len(tensors).to_bytes(8, "little"), tensors):
+            view = memoryview(part)
+            while view:
+                view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- environment
@@ -570,7 +599,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder (config.json, weights, tokenizer)")
     p.add_argument("--prompts", help="prompts.json of the fixture")
-    p.add_argument("--out", required=True, help="output folder (created)")
+    p.add_argument("--out", required=True, help="output folder (created), or - for one binary frame on stdout")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or xpu")
@@ -596,7 +625,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     started = time.time()
-    os.makedirs(args.out, exist_ok=True)
+    frame_fd = take_stdout() if args.out == "-" else None
+    if frame_fd is None:
+        os.makedirs(args.out, exist_ok=True)
     report: dict = {"format": FORMAT, "probe_version": PROBE_VERSION, "argv": sys.argv[1:] if argv is None else argv,
                     "args": {k: v for k, v in vars(args).items()}, "checks": {}, "started": started}
     tensors: dict = {}
@@ -604,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
     except Exception as exc:  # noqa: BLE001
         report["checks"] = {c: {"status": "error", "error": f"torch import failed: {exc}"} for c in args.checks}
-        return _finish(args, report, tensors, started)
+        return _finish(args, report, tensors, started, frame_fd)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
@@ -632,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
             report["checks"]["model"] = {"status": "ok", **info, "wall_s": time.perf_counter() - t0}
         except Exception as exc:  # noqa: BLE001
             report["checks"]["model"] = _error(exc)
-    return _finish(args, report, tensors, started)
+    return _finish(args, report, tensors, started, frame_fd)
 
 
 def _error(exc: BaseException) -> dict:
@@ -640,19 +671,25 @@ def _error(exc: BaseException) -> dict:
             "traceback": traceback.format_exc()[-4000:]}
 
 
-def _finish(args, report: dict, tensors: dict, started: float) -> int:
+def _finish(args, report: dict, tensors: dict, started: float, frame_fd: int | None) -> int:
+    data = b""
     try:
-        report["tensors"] = write_safetensors(os.path.join(args.out, "tensors.safetensors"), tensors,
-                                              {"format": FORMAT, "probe_version": PROBE_VERSION})
+        data, report["tensors"] = encode_safetensors(tensors, {"format": FORMAT, "probe_version": PROBE_VERSION})
     except Exception as exc:  # noqa: BLE001
         report["checks"]["write"] = _error(exc)
     report["finished"] = time.time()
     report["wall_s"] = report["finished"] - started
     ok = all(c.get("status") == "ok" for c in report["checks"].values())
     report["status"] = "ok" if ok else "error"
-    with open(os.path.join(args.out, "probe.json"), "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, sort_keys=True, default=str)
-        fh.write("\n")
+    text = (json.dumps(report, indent=1, sort_keys=True, default=str) + "\n").encode("utf-8")
+    if frame_fd is not None:
+        write_frame(frame_fd, text, data)
+        return 0 if ok else 1
+    if data:
+        with open(os.path.join(args.out, "tensors.safetensors"), "wb") as fh:
+            fh.write(data)
+    with open(os.path.join(args.out, "probe.json"), "wb") as fh:
+        fh.write(text)
     return 0 if ok else 1
 
 

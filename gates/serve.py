@@ -17,6 +17,11 @@ the reference's own top-1 minus top-2 logprob margin at t is below the near-tie 
 2 x the calibrated per-prompt max |logprob delta| (``near_tie_threshold``); any other divergence fails.
 Logprobs returned by the engine are compared with `model.greedy_logprob`; an engine that does not
 return them is reported as such.
+
+The server is hostile input like the probe: its container gets the probe's caps and in-container
+deadline, and every response is read bounded (``bounded_lines``: line length, total bytes and time
+per response; JSON depth) and type-checked (``parse_stream``); a malformed answer ends the check
+with a failure naming it (``StreamError``), never an uncaught exception.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +43,21 @@ import httpx
 import numpy as np
 from pydantic import Field
 
-from builder.errors import EngineError, GateCouldNotRun
+from builder.errors import EngineError, GateCouldNotRun, SkupinError
 from builder.manifest import ServeGate, SkuManifest
 from builder.model import Frozen
 from builder.engines import MODEL_MOUNT, SERVE_ENGINES, SERVE_PORT, ServerLaunch, serve_launch
+from gates.untrusted import json_depth, printable
 
 OnEvent = Callable[[str], None]
 CLONE_NEWNET = 0x40000000
 NOT_PROVIDED = "not provided by engine"
+# Bounds on what the server under test may send per response.
+MAX_LINE_BYTES = 1024**2
+MAX_RESPONSE_BYTES = 64 * 1024**2
+MAX_SMALL_RESPONSE_BYTES = 1024**2
+MAX_EVENT_DEPTH = 8
+_TOKEN_ID = re.compile(r"token_id:([0-9]{1,12})")
 
 
 def _quiet(_: str) -> None:
@@ -111,12 +124,90 @@ class Completion:
         return self.completion_tokens if self.completion_tokens is not None else len(self.pieces)
 
 
-def _token_id(token: str) -> int | None:
-    return int(token[9:]) if token.startswith("token_id:") and token[9:].isdigit() else None
+class StreamError(ValueError):
+    """The server's answer broke a bound (size, line length, time, depth) or the OpenAI event format."""
 
 
-def parse_stream(lines: Iterator[str], *, sent: float, clock: Callable[[], float] = time.perf_counter) -> Completion:
-    """A Completion from the server-sent events of a streamed /v1/completions response."""
+def _token_id(token: Any) -> int | None:
+    match = _TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
+    return int(match.group(1)) if match else None
+
+
+def bounded_lines(chunks: Iterable[bytes], *, max_line_bytes: int = MAX_LINE_BYTES,
+                  max_total_bytes: int = MAX_RESPONSE_BYTES, deadline_s: float | None = None,
+                  clock: Callable[[], float] = time.monotonic) -> Iterator[str]:
+    """Text lines of a byte stream, refusing (StreamError) a line, a total or a duration past its bound."""
+    buf, total, start = bytearray(), 0, clock()
+    for chunk in chunks:
+        total += len(chunk)
+        if total > max_total_bytes:
+            raise StreamError(f"the response passed {max_total_bytes} bytes")
+        if deadline_s is not None and clock() - start > deadline_s:
+            raise StreamError(f"the response took longer than {deadline_s:.0f} s")
+        buf += chunk
+        while (end := buf.find(b"\n")) >= 0:
+            if end > max_line_bytes:
+                break
+            line = bytes(buf[:end])
+            del buf[: end + 1]
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+        if len(buf) > max_line_bytes:
+            raise StreamError(f"the response has a line longer than {max_line_bytes} bytes")
+    if buf:
+        yield bytes(buf).decode("utf-8", "replace")
+
+
+def _json(text: str, *, what: str, max_depth: int = MAX_EVENT_DEPTH) -> Any:
+    """Parse JSON the server sent, with a depth limit (json's recursive decoder must never see a deep document)."""
+    raw = text.encode("utf-8", "replace")
+    if json_depth(raw) > max_depth:
+        raise StreamError(f"{what} is nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise StreamError(f"{what} is not JSON: {printable(text, 120)!r}") from exc
+
+
+def _number(value: Any) -> float:
+    if value is None:
+        return float("nan")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise StreamError(f"a logprob is not a number: {printable(repr(value), 80)}")
+    return float(value)
+
+
+def _count(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise StreamError(f"usage.{name} is not a count: {printable(repr(value), 80)}")
+    return value
+
+
+def _choices(event: Any) -> list[dict[str, Any]]:
+    """The event's choices, each checked to be an object with a string text (StreamError otherwise)."""
+    if not isinstance(event, dict):
+        raise StreamError(f"an event is not a JSON object: {printable(repr(event), 80)}")
+    choices = event.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise StreamError(f"an event's choices are not a list of objects: {printable(repr(choices), 80)}")
+    for choice in choices:
+        if not isinstance(choice.get("text"), (str, type(None))):
+            raise StreamError(f"a choice's text is not a string: {printable(repr(choice.get('text')), 80)}")
+        if not isinstance(choice.get("logprobs"), (dict, type(None))):
+            raise StreamError("a choice's logprobs is not an object")
+    return choices
+
+
+def _logprobs(lp: dict[str, Any]) -> tuple[list[float], list[int | None]]:
+    values, tokens = lp["token_logprobs"], lp.get("tokens") or []
+    if not isinstance(values, list) or not isinstance(tokens, list):
+        raise StreamError("logprobs.token_logprobs and logprobs.tokens must be lists")
+    return [_number(x) for x in values], [_token_id(t) for t in tokens]
+
+
+def parse_stream(lines: Iterable[str], *, sent: float, clock: Callable[[], float] = time.perf_counter) -> Completion:
+    """A Completion from the server-sent events of a streamed /v1/completions response (StreamError when malformed)."""
     pieces: list[str] = []
     times: list[float] = []
     ids: list[int | None] = []
@@ -130,16 +221,18 @@ def parse_stream(lines: Iterator[str], *, sent: float, clock: Callable[[], float
         data = line[5:].strip()
         if data == "[DONE]":
             break
-        event = json.loads(data)
+        event = _json(data, what="a server-sent event")
+        choices = _choices(event)
         if isinstance(event.get("usage"), dict):
             usage = event["usage"]
-        for choice in event.get("choices") or ():
-            finish = choice.get("finish_reason") or finish
+        for choice in choices:
+            finish = printable(str(choice.get("finish_reason")), 40) if choice.get("finish_reason") else finish
             lp = choice.get("logprobs")
             if isinstance(lp, dict) and lp.get("token_logprobs") is not None:
                 saw_logprobs = True
-                logprobs += [float(x) if x is not None else float("nan") for x in lp["token_logprobs"]]
-                ids += [_token_id(str(t)) for t in lp.get("tokens") or ()]
+                values, tokens = _logprobs(lp)
+                logprobs += values
+                ids += tokens
             if choice.get("text"):
                 pieces.append(choice["text"])
                 times.append(clock() - sent)
@@ -147,8 +240,17 @@ def parse_stream(lines: Iterator[str], *, sent: float, clock: Callable[[], float
     token_ids = tuple(ids) if ids and all(i is not None for i in ids) else None  # type: ignore[arg-type]
     return Completion(text="".join(pieces), pieces=tuple(pieces), token_ids=token_ids,
                       logprobs=tuple(logprobs) if saw_logprobs else None,
-                      prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
+                      prompt_tokens=_count(usage.get("prompt_tokens"), "prompt_tokens"),
+                      completion_tokens=_count(usage.get("completion_tokens"), "completion_tokens"),
                       finish_reason=finish, ttft_s=times[0] if times else None, total_s=total, piece_times=tuple(times))
+
+
+def _get_small(http: httpx.Client, path: str, *, timeout_s: float) -> tuple[int, str]:
+    """(status, body text) of a GET whose body may not pass MAX_SMALL_RESPONSE_BYTES (StreamError otherwise)."""
+    with http.stream("GET", path, timeout=timeout_s, headers={"accept-encoding": "identity"}) as response:
+        body = "\n".join(bounded_lines(response.iter_raw(), max_line_bytes=MAX_SMALL_RESPONSE_BYTES,
+                                       max_total_bytes=MAX_SMALL_RESPONSE_BYTES, deadline_s=timeout_s))
+        return response.status_code, body
 
 
 class ServeClient:
@@ -207,14 +309,16 @@ class ServeClient:
         """(True, '') when /health answers 200 and /v1/models lists the model; else (False, why)."""
         def probe(http: httpx.Client) -> tuple[bool, str]:
             try:
-                health = http.get(health_path, timeout=2.0)
-                if health.status_code != 200:
-                    return False, f"{health_path} answered {health.status_code}"
-                models = http.get("/v1/models", timeout=2.0).json()
+                status, _ = _get_small(http, health_path, timeout_s=2.0)
+                if status != 200:
+                    return False, f"{health_path} answered {status}"
+                models = _json(_get_small(http, "/v1/models", timeout_s=2.0)[1], what="/v1/models")
             except (httpx.HTTPError, ValueError) as exc:
-                return False, f"{type(exc).__name__}: {exc}"
-            names = [m.get("id") for m in (models.get("data") or []) if isinstance(m, dict)]
-            return (self.model_id in names, "" if self.model_id in names else f"/v1/models lists {names}")
+                return False, f"{type(exc).__name__}: {printable(str(exc), 300)}"
+            data = models.get("data") if isinstance(models, dict) else None
+            names = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+            listed = self.model_id in names
+            return listed, "" if listed else f"/v1/models lists {printable(repr(names), 200)}"
         return self.call(probe)
 
     def complete(self, http: httpx.Client, *, prompt: str | list[int], max_tokens: int,
@@ -225,11 +329,16 @@ class ServeClient:
         if logprobs:
             body["logprobs"] = logprobs
         sent = time.perf_counter()
-        with http.stream("POST", "/v1/completions", json=body) as response:
+        with http.stream("POST", "/v1/completions", json=body, headers={"accept-encoding": "identity"}) as response:
             if response.status_code != 200:
-                response.read()
-                raise EngineError(f"/v1/completions answered {response.status_code}: {response.text[:300]}")
-            return parse_stream(response.iter_lines(), sent=sent)
+                head = b""
+                for chunk in response.iter_raw():
+                    head += chunk
+                    if len(head) >= 4096:
+                        break
+                raise EngineError(f"/v1/completions answered {response.status_code}: "
+                                  f"{printable(head.decode('utf-8', 'replace'), 300)}")
+            return parse_stream(bounded_lines(response.iter_raw(), deadline_s=self._timeout), sent=sent)
 
 
 def wait_ready(*, client: ServeClient, deadline_s: float, health_path: str = "/health",
@@ -406,7 +515,8 @@ def running_server(*, manifest: SkuManifest, image: str, engine, model_dir: Path
                 wait_ready(client=client, deadline_s=deadline_s, health_path=launch.health_path,
                            alive=container.running)
             except TimeoutError as exc:
-                raise TimeoutError(f"{exc}; server log: {container.logs(tail=30).strip()[-1500:]}") from exc
+                overflow = f"; {container.overflow}" if container.overflow else ""
+                raise TimeoutError(f"{exc}{overflow}; server log: {container.logs(tail=30).strip()[-1500:]}") from exc
             yield RunningServer(launch=launch, client=client, container=container, ready_s=time.monotonic() - start)
 
 
@@ -474,6 +584,8 @@ def serve_check(*, manifest: SkuManifest, image: str, engine, ref: dict[str, np.
             return CheckResult(name="serve", status="fail",
                                reason=f"the engine's server failed a request: {type(exc).__name__}: {exc}"[:1500],
                                details={"launch": list(launch_command(manifest=manifest).argv)})
+        except SkupinError as exc:  # e.g. GateCouldNotRun: the namespace could not be entered
+            return CheckResult(name="serve", status="error", reason=f"the serve check could not run: {exc}"[:1500])
 
 
 def _serve(*, manifest, image, engine, ref, entry, baseline, folder, prompt_set, perf, settings, threshold, provenance,
@@ -549,5 +661,6 @@ def _serve(*, manifest, image, engine, ref, entry, baseline, folder, prompt_set,
 
 
 __all__ = ["ServerLaunch", "launch_command", "server_spec", "enter_netns", "ServeClient", "Completion", "parse_stream",
+           "StreamError", "bounded_lines",
            "wait_ready", "PromptServe", "near_tie_threshold", "reference_pieces", "compare_greedy", "judge_greedy",
            "running_server", "prompt_input", "greedy_completions", "serve_check", "serve_settings", "NOT_PROVIDED"]

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from builder.errors import BundleError
+from gates.untrusted import load_json, read_regular_file
 
 # safetensors dtype name -> (numpy dtype to read the raw bytes as, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -40,6 +41,7 @@ MAX_FILE_BYTES = 2 * 1024**3
 MAX_HEADER_BYTES = 16 * 1024**2
 MAX_TENSORS = 100_000
 MAX_RANK = 8
+HEADER_MAX_DEPTH = 4  # {name: {"shape": [...]}} is 3 deep
 
 
 def bf16_round(values: np.ndarray) -> np.ndarray:
@@ -100,24 +102,15 @@ def write_safetensors(
     Path(path).write_bytes(encode_safetensors(tensors, metadata=metadata, bf16=bf16))
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    if len(keys) != len(set(keys)):
-        raise BundleError("safetensors header repeats a key")
-    return dict(pairs)
-
-
-def read_header(data: bytes, *, source: str = "<bytes>") -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
+def read_header(data: bytes | memoryview, *, source: str = "<bytes>") -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
     """Validate a safetensors header: (entries by name, metadata, start of the data section)."""
     if len(data) < 8:
         raise BundleError(f"{source}: shorter than the 8-byte header length")
     size = int.from_bytes(data[:8], "little")
     if size > MAX_HEADER_BYTES or size > len(data) - 8:
         raise BundleError(f"{source}: header length {size} is out of bounds (file has {len(data)} bytes)")
-    try:
-        header = json.loads(data[8 : 8 + size].decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BundleError(f"{source}: header is not valid JSON: {exc}") from exc
+    header = load_json(data[8 : 8 + size], source=f"{source}: header", max_bytes=MAX_HEADER_BYTES,
+                       max_depth=HEADER_MAX_DEPTH)  # UntrustedInputError (a BundleError) when malformed
     if not isinstance(header, dict):
         raise BundleError(f"{source}: header is not a JSON object")
     metadata = header.pop("__metadata__", {}) or {}
@@ -164,7 +157,7 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**40
 
 
-def decode_safetensors(data: bytes, *, source: str = "<bytes>") -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def decode_safetensors(data: bytes | memoryview, *, source: str = "<bytes>") -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Tensors (BF16 widened to float32) and metadata of a validated safetensors byte string."""
     header, metadata, start = read_header(data, source=source)
     tensors = {}
@@ -180,17 +173,10 @@ def decode_safetensors(data: bytes, *, source: str = "<bytes>") -> tuple[dict[st
 def read_safetensors(path: Path, *, max_bytes: int = MAX_FILE_BYTES) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Tensors and metadata of the safetensors file at `path`, refusing anything malformed."""
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise BundleError(f"{path}: {size} bytes exceed the limit of {max_bytes}")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise BundleError(f"{path}: cannot be read: {exc}") from exc
-    return decode_safetensors(data, source=str(path))
+    return decode_safetensors(read_regular_file(path, max_bytes=max_bytes), source=str(path))
 
 
 def read_dtypes(path: Path) -> dict[str, str]:
     """The stored safetensors dtype of each tensor in `path` (BF16 stays visible here)."""
-    header, _, _ = read_header(Path(path).read_bytes(), source=str(path))
+    header, _, _ = read_header(read_regular_file(path, max_bytes=MAX_FILE_BYTES), source=str(path))
     return {name: entry["dtype"] for name, entry in header.items()}

@@ -9,6 +9,9 @@ These helpers are the only way the gate turns such bytes into Python values:
   nested documents *before* parsing (json's recursive decoder would otherwise raise
   RecursionError or burn memory), and rejects NaN/Infinity and duplicate keys.
 
+The host's own copies of such bytes go into host-only folders with ``write_new_file`` (created
+exclusively, never through a link).
+
 Every refusal is an ``UntrustedInputError`` (a BundleError: exit 11, "could not run") naming the
 source and why, so a malformed output always ends in a verdict instead of a traceback.
 """
@@ -112,6 +115,18 @@ def open_folder(path: Path | str) -> int:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise UntrustedInputError(f"{path}: not a folder: {exc.strerror or exc}") from exc
+
+
+def write_new_file(name: str, data: bytes | memoryview, *, dir_fd: int, mode: int = 0o644) -> None:
+    """Create `name` in the folder `dir_fd` and write `data`: exclusively (an existing file, link or FIFO of
+    that name is an error, never followed or truncated). OSError when it cannot."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def printable(text: str, limit: int = 300) -> str:

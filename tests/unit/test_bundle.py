@@ -71,7 +71,7 @@ GOOD = {"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
         (_file(GOOD, b"\0" * 8, length=10**9), "header length"),
         (struct.pack("<Q", 5) + b"{nope" + b"\0" * 8, "not valid JSON"),
         (struct.pack("<Q", 4) + b"[1] " + b"\0" * 8, "not a JSON object"),
-        (_raw(b'{"t": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "t": {}}', b"\0"), "repeats"),
+        (_raw(b'{"t": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "t": {}}', b"\0"), "duplicate key"),
         (_file({"t": {"dtype": "PICKLE", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "dtype"),
         (_file({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4), "outside"),
         (_file({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8), "does not fill"),

@@ -97,7 +97,7 @@ def test_run_perf_against_a_mock_server() -> None:
         events.append({"choices": [], "usage": {"prompt_tokens": 64, "completion_tokens": body["max_tokens"]}})
         time.sleep(0.002)
         text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        return httpx.Response(200, content=text.encode())
+        return httpx.Response(200, content=iter([text.encode()]))  # streamed, as a real server's body is
 
     settings = PerfSettings(concurrency=(1, 2), requests=3, repetitions=2, warmup=1, max_tokens=4, prompts=2)
     with ServeClient(base_url="http://x", model_id="m", transport=httpx.MockTransport(handler), workers=2) as client:

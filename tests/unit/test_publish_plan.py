@@ -263,6 +263,77 @@ def test_find_verdict_returns_the_parsed_data(tmp_path, monkeypatch):
     assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="d" * 64) == (broken, None)  # publish_sku reports it
 
 
+def _in_thread(fn, timeout_s: float = 10.0):
+    """fn() on a daemon thread; its result, or a failure when it has not returned within timeout_s (a hang)."""
+    import threading
+
+    box: dict = {}
+
+    def call() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    assert not worker.is_alive(), f"did not return within {timeout_s} s"
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_path, monkeypatch):
+    monkeypatch.setattr("builder.paths.STATE", tmp_path)
+    gates = tmp_path / "gates" / "s"
+    (gates / "good").mkdir(parents=True)
+    match = {"image_id": IMAGE, "lock_hash": "f" * 64, "decision": "pass"}
+    good = gates / "good" / "verdict.json"
+    good.write_text(json.dumps(match))
+    os.utime(good, (100, 100))
+    future = 4_000_000_000  # year 2096: each of these would be "the newest"
+    (gates / "fifo").mkdir()
+    os.mkfifo(gates / "fifo" / "verdict.json")
+    os.utime(gates / "fifo" / "verdict.json", (future, future))
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({**match, "decision": "forged"}))
+    (gates / "link").mkdir()
+    (gates / "link" / "verdict.json").symlink_to(outside)
+    os.utime(gates / "link" / "verdict.json", (future, future), follow_symlinks=False)
+    (gates / "linked-folder").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "verdict.json").write_text(json.dumps({**match, "decision": "forged"}))
+    (gates / "deep").mkdir()
+    deep = gates / "deep" / "verdict.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    os.utime(deep, (future, future))
+    (gates / "folder" / "verdict.json").mkdir(parents=True)
+    (gates / "old-run" / "probe").mkdir(parents=True)  # a probe folder of an old run, once container-writable
+    planted = gates / "old-run" / "probe" / "verdict.json"
+    planted.write_text(json.dumps({**match, "decision": "forged"}))
+    os.utime(planted, (future, future))
+    found = _in_thread(lambda: find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64))
+    assert found == (good, match)
+    newest = _in_thread(lambda: find_verdict(sku="s", image_id=IMAGE, lock_sha256="d" * 64))
+    assert newest == (deep, None)  # the newest regular file, unreadable: publish_sku refuses it with the reason
+
+
+def test_an_unreadable_verdict_is_refused_with_the_reason(tmp_path):
+    from builder.errors import PublishError
+    from builder.publish import _read_verdict
+
+    deep = tmp_path / "verdict.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(PublishError, match="nested"):
+        _read_verdict(deep, "s")
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(PublishError, match="not a regular file"):
+        _in_thread(lambda: _read_verdict(tmp_path / "fifo.json", "s"))
+    with pytest.raises(PublishError, match="no gate verdict"):
+        _read_verdict(tmp_path / "missing.json", "s")
+
+
 def test_verification_json_leaves_out_image_id():
     """`verify --json` prints model_dump(mode="json"); the carried image id is not part of it."""
     fields = dict(ok=True, ref="r:verified", reference=f"r@{IMAGE}", sku="s", lock_sha256="f" * 64, gate_date="D")

@@ -13,8 +13,9 @@ from tokenizers import Tokenizer
 
 from builder.errors import GateCouldNotRun
 from builder.manifest import load_manifest
-from gates.serve import (NOT_PROVIDED, Completion, ServeClient, compare_greedy, judge_greedy, launch_command,
-                         near_tie_threshold, parse_stream, prompt_input, reference_pieces, server_spec, wait_ready)
+from gates.serve import (MAX_LINE_BYTES, NOT_PROVIDED, Completion, ServeClient, StreamError, bounded_lines,
+                         compare_greedy, judge_greedy, launch_command, near_tie_threshold, parse_stream, prompt_input,
+                         reference_pieces, server_spec, wait_ready)
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"
@@ -90,12 +91,17 @@ def sse(events: list[dict]) -> bytes:
     return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
 
 
+def streamed(status: int, doc) -> httpx.Response:
+    """A response whose body is streamed, as a real server's is (the client reads raw bytes, bounded)."""
+    return httpx.Response(status, content=iter([json.dumps(doc).encode()]))
+
+
 def fake_server(pieces: list[str], *, logprobs: bool = False, healthy: bool = True, seen: list | None = None):
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
-            return httpx.Response(200 if healthy else 503, json={"status": "ok"})
+            return streamed(200 if healthy else 503, {"status": "ok"})
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m"}]})
+            return streamed(200, {"data": [{"id": "m"}]})
         body = json.loads(request.content)
         if seen is not None:
             seen.append(body)
@@ -107,7 +113,7 @@ def fake_server(pieces: list[str], *, logprobs: bool = False, healthy: bool = Tr
             events.append({"choices": [choice]})
         events.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
                        "usage": {"prompt_tokens": 64, "completion_tokens": min(len(pieces), body["max_tokens"])}})
-        return httpx.Response(200, content=sse(events), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content=iter([sse(events)]), headers={"content-type": "text/event-stream"})
     return httpx.MockTransport(handler)
 
 
@@ -141,6 +147,73 @@ def test_parse_stream_skips_comments_and_empty_text() -> None:
              'data: {"choices": [{"text": "after done"}]}']
     c = parse_stream(iter(lines), sent=0.0, clock=lambda: 1.0)
     assert c.pieces == ("x",) and c.ttft_s == 1.0
+
+
+@pytest.mark.parametrize("line, why", [
+    ("data: [1]", "not a JSON object"),
+    ("data: 7", "not a JSON object"),
+    ('data: {"choices": [1]}', "not a list of objects"),
+    ('data: {"choices": {"text": "x"}}', "not a list of objects"),
+    ('data: {"choices": [{"text": 5}]}', "text is not a string"),
+    ('data: {"choices": [{"text": "x", "logprobs": [1]}]}', "logprobs is not an object"),
+    ('data: {"choices": [{"text": "x", "logprobs": {"token_logprobs": ["a"]}}]}', "not a number"),
+    ('data: {"choices": [{"text": "x", "logprobs": {"token_logprobs": [true]}}]}', "not a number"),
+    ('data: {"choices": [{"text": "x", "logprobs": {"token_logprobs": 3}}]}', "must be lists"),
+    ('data: {"choices": [], "usage": {"completion_tokens": "many"}}', "not a count"),
+    ("data: " + "[" * 100_000 + "]" * 100_000, "nested deeper"),
+    ("data: {nope", "not JSON"),
+])
+def test_hostile_events_end_the_stream_with_a_reason_not_a_crash(line: str, why: str) -> None:
+    with pytest.raises(StreamError, match=why):
+        parse_stream(iter([line, "data: [DONE]"]), sent=0.0)
+
+
+def test_odd_token_names_are_no_token_ids() -> None:
+    lp = {"token_logprobs": [-1.0, -2.0], "tokens": ["token_id:\u00b2", "token_id:7"]}
+    c = parse_stream(iter([json.dumps({"choices": [{"text": "a", "logprobs": lp}]}).join(["data: ", ""])]), sent=0.0)
+    assert c.token_ids is None and c.logprobs == (-1.0, -2.0)
+
+
+def test_bounded_lines_refuse_long_lines_big_responses_and_slow_ones() -> None:
+    assert list(bounded_lines([b"a\r\nb", b"c\n", b"tail"])) == ["a", "bc", "tail"]
+    with pytest.raises(StreamError, match="line longer"):
+        list(bounded_lines([b"x" * 100], max_line_bytes=10))
+    with pytest.raises(StreamError, match="line longer"):
+        list(bounded_lines([b"x" * 100 + b"\n"], max_line_bytes=10))
+    with pytest.raises(StreamError, match="passed 50 bytes"):
+        list(bounded_lines([b"ok\n"] * 30, max_total_bytes=50))
+    ticks = iter(range(0, 1000, 10))
+    with pytest.raises(StreamError, match="longer than 25 s"):
+        list(bounded_lines([b"ok\n"] * 10, deadline_s=25, clock=lambda: next(ticks)))
+
+
+def hostile_server(body: bytes, *, models=None):
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return streamed(200, {"status": "ok"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, content=iter([models if models is not None else b'{"data": [{"id": "m"}]}']))
+        return httpx.Response(200, content=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]))
+    return httpx.MockTransport(handler)
+
+
+def test_a_server_sending_hostile_streams_fails_the_request_cleanly() -> None:
+    for body, why in ((b"data: [1]\n\n", "not a JSON object"), (b"x" * (MAX_LINE_BYTES + 10), "line longer")):
+        with ServeClient(base_url="http://x", model_id="m", transport=hostile_server(body)) as client:
+            with pytest.raises(StreamError, match=why):
+                client.call(client.complete, prompt="hi", max_tokens=3)
+
+
+@pytest.mark.parametrize("models, why", [
+    (b"[1, 2]", "lists []"),
+    (b'{"data": 5}', "lists []"),
+    (b'{"data": [' + b"[" * 10_000 + b"]" * 10_000 + b"]}", "nested deeper"),
+    (b"{" + b" " * (2 * 1024**2) + b"}", "passed"),
+])
+def test_readiness_survives_a_hostile_model_list(models: bytes, why: str) -> None:
+    with ServeClient(base_url="http://x", model_id="m", transport=hostile_server(b"", models=models)) as client:
+        ok, reason = client.ready()
+    assert not ok and why in reason
 
 
 # ---------------------------------------------------------------- greedy comparison
