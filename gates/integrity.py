@@ -176,7 +176,14 @@ def expected_wheel_files(wheels: dict[str, Path], *, layout: ImageLayout, cache:
         if not path.name.endswith(".whl"):
             problems.append(f"{name}: locked as {path.name}, not a wheel: its installed files cannot be computed")
             continue
-        key = hashlib.sha256(f"{path.name}\0{layout.venv}\0{layout.python}\0installer-0.7".encode()).hexdigest()
+        try:
+            st = path.stat()
+        except OSError as exc:
+            problems.append(f"{name}: {path}: {exc.strerror}")
+            continue
+        # the wheel store's path names the file's sha256; size and mtime guard any other folder
+        key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{layout.venv}\0{layout.python}\0"
+                             f"installer-0.7".encode()).hexdigest()
         cached = cache / f"{key}.json" if cache else None
         try:
             found = json.loads(cached.read_text()) if cached else None

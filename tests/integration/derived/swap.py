@@ -18,6 +18,11 @@ Modes:
                teacher-forced check and its own greedy loop do not)
   hang         every Python process sleeps for an hour at start
   crash        every Python process dies of a segmentation fault at start
+  flood        every Python process first writes 400 MB to its stdout
+  forge        the probe's process prints a forged output frame whose JSON is nested 100,000 deep, and exits
+  plant        every Python process leaves symlinks to a host path and FIFOs, named like the gate's files, wherever
+               it can write (the host must never follow or open them)
+  sse          the server process is replaced by one whose completion stream sends `data: [1]`
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import importlib.util
 import os
 import sys
 
-MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "sampler", "hang", "crash")
+MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "sampler", "hang", "crash", "flood", "forge", "plant", "sse")
+PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
 
 
@@ -143,8 +149,63 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _flood() -> None:
+    chunk = b"x" * (1 << 20)
+    for _ in range(400):
+        os.write(1, chunk)
+
+
+def _forge() -> None:
+    if "probe" not in " ".join(sys.argv):
+        return
+    body = b"[" * 100_000 + b"]" * 100_000
+    frame = b"SKUPIN-PROBE-OUTPUT/1\n" + len(body).to_bytes(8, "little") + body + (0).to_bytes(8, "little")
+    os.write(1, frame)
+    os._exit(0)
+
+
+def _plant() -> None:
+    names = ("container.log", "probe.json", "tensors.safetensors", "verdict.json", "report.md")
+    for folder in {"/tmp", os.getcwd(), os.environ.get("HOME", "/tmp"), "/skupin", "/skupin/out", "/model"}:
+        for name in names:
+            for suffix, make in (("", lambda p: os.symlink(PLANTED_TARGET, p)), (".fifo", os.mkfifo)):
+                try:
+                    make(os.path.join(folder, name + suffix))
+                except OSError:
+                    pass
+
+
+_SSE_SERVER = """
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def _send(self, code, body, kind="application/json"):
+        self.send_response(code); self.send_header("Content-Type", kind); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def do_GET(self):
+        if self.path == "/health": return self._send(200, b"{}")
+        self._send(200, json.dumps({"data": [{"id": sys.argv[1]}]}).encode())
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._send(200, b"data: [1]\\n\\ndata: {\\"choices\\": 7}\\n\\ndata: [DONE]\\n\\n", "text/event-stream")
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+
+
+def _sse() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "serve":  # `transformers serve MODEL ...`: become a hostile server
+        os.execv(sys.executable, [sys.executable, "-S", "-c", _SSE_SERVER, sys.argv[2]])
+
+
 def install(mode: str) -> None:
-    if mode == "hang":
+    if mode == "flood":
+        _flood()
+    elif mode == "forge":
+        _forge()
+    elif mode == "plant":
+        _plant()
+    elif mode == "sse":
+        _sse()
+    elif mode == "hang":
         import time
 
         time.sleep(3600)
