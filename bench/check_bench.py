@@ -3,7 +3,7 @@
 Run from the repository root:  python bench/check_bench.py [--count 100] [--out bench/results/check.json]
 Copies the shipped skus/*.yaml under distinct names into a temp dir (name == file stem), then
 times (a) a fresh interpreter importing builder and checking them all, (b) the same work in this
-process after imports are warm, and (c) `python -m builder.cli check DIR` as a subprocess.
+process after imports are warm, and (c) `python -m skupin.cli check DIR` as a subprocess.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def time_warm(folder: Path) -> float:
 
 
 def time_cli(folder: Path, *extra: str) -> dict[str, float | int | str]:
-    """`python -m builder.cli check DIR` as a subprocess (the whole user-visible cost)."""
-    cmd = [sys.executable, "-m", "builder.cli", "check", *extra, str(folder)]
+    """`python -m skupin.cli check DIR` as a subprocess (the whole user-visible cost)."""
+    cmd = [sys.executable, "-m", "skupin.cli", "check", *extra, str(folder)]
     start = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -112,7 +112,7 @@ def main() -> int:
         make_manifests(count=args.count, into=folder)
         fresh = time_fresh_process(folder)
         warm = time_warm(folder)
-        cli_available = (ROOT / "builder" / "cli.py").exists()
+        cli_available = (ROOT / "skupin" / "cli" / "__init__.py").exists()
         cli = time_cli(folder) if cli_available else None
         cli_no_lock = time_cli(folder, "--no-lock") if cli_available else None
 

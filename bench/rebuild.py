@@ -36,7 +36,7 @@ from packaging.utils import canonicalize_name
 
 from builder.base import ensure_base
 from builder.build import build_image
-from builder.engine import connect, ensure_engine
+from dockerd.client import connect, ensure_engine
 from builder.lockfile import Lock, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
 

@@ -1,3 +1,1 @@
-"""skupin: per-SKU LLM inference images, pinned and gated against NVIDIA reference tensors."""
-
-__version__ = "0.1.0"
+"""The build side: manifests, pin compatibility, locks, Dockerfile rendering, wheels, bases and image builds."""

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from builder.apt import apt_install
-from builder.engine import Engine
-from builder.errors import BuildError, EngineError
+from common.apt import apt_install
+from dockerd.client import Engine
+from common.errors import BuildError, EngineError
 from builder.manifest import Bootstrap, SkuManifest
 
 OnEvent = Callable[[str], None]

@@ -36,12 +36,12 @@ from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from builder.base import ensure_base
-from builder.engine import ContainerSpec, Engine
-from builder.errors import BuildError, EngineError, LockError
+from dockerd.client import ContainerSpec, Engine
+from common.errors import BuildError, EngineError, LockError
 from builder.lockfile import Lock, image_tag
 from builder.manifest import SkuManifest
-from builder.model import Frozen
-from builder.paths import STATE
+from common.model import Frozen
+from common.paths import STATE
 from builder.render import render, write_context
 from builder.wheels import STORE, fetch_wheels
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-from builder.errors import CompatError, ManifestError, Problem
+from common.errors import CompatError, ManifestError, Problem
 from builder.lockfile import Lock
 from builder.manifest import SkuManifest, display_path, parse_manifest
-from builder.model import Frozen
+from common.model import Frozen
 
 
 class ResolvedStack(Frozen):
@@ -57,7 +57,7 @@ def check_file(path: Path, *, with_lock: bool = True) -> SkuReport:
 
 def check_paths(paths: list[Path], *, with_lock: bool = True) -> list[SkuReport]:
     """Check every manifest under `paths` (files or folders)."""
-    from builder.paths import manifest_files
+    from common.paths import manifest_files
 
     return [check_file(p, with_lock=with_lock) for p in manifest_files(paths)]
 
@@ -74,7 +74,7 @@ def raise_for(reports: list[SkuReport]) -> None:
 
 def resolve(path: Path, *, require_lock: bool = False) -> ResolvedStack:
     """Check one SKU and return its resolved stack, raising on any problem."""
-    from builder.errors import LockError
+    from common.errors import LockError
 
     report = check_file(path)
     raise_for([report])

@@ -17,9 +17,9 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import ValidationError
 
-from builder.errors import CompatError, Problem
+from common.errors import CompatError, Problem
 from builder.manifest import Pin, SkuManifest
-from builder.model import Frozen
+from common.model import Frozen
 
 COMPAT_PATH = Path(__file__).with_name("data") / "compat.yaml"
 REFRESH = "run `skupin compat refresh` or add a row to builder/data/compat.yaml"

@@ -33,11 +33,11 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from builder import __version__
-from builder.errors import LockError, Problem
+from common import __version__
+from common.errors import LockError, Problem
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
-from builder.model import Frozen
+from common.model import Frozen
 from builder.wheels import file_sha256
 
 DEFAULT_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")

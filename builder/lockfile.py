@@ -10,9 +10,9 @@ from typing import Literal
 from packaging.utils import canonicalize_name
 from pydantic import Field, ValidationError
 
-from builder.errors import LockError
+from common.errors import LockError
 from builder.grammar import Name, Sha256
-from builder.model import Frozen, canonical_json
+from common.model import Frozen, canonical_json
 
 LOCK_VERSION = 1
 # Python layers in build order, slowest- to fastest-moving.

@@ -9,9 +9,9 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from builder.errors import ManifestError, Problem
-from builder.model import Frozen, canonical_json
-from builder.paths import PYPI_SIMPLE
+from common.errors import ManifestError, Problem
+from common.model import Frozen, canonical_json
+from common.paths import PYPI_SIMPLE
 from builder.grammar import (
     DebName,
     DebVersion,
@@ -259,7 +259,7 @@ class Gate(Model):
     memory: MemSize = "8g"
     cpus: float | None = Field(None, gt=0, le=4096, description="CPUs each gate container may use "
                                                                 "(default: the host's CPUs - 0.5, at least 1)")
-    serve: ServeGate | None = Field(None, description="Serve check settings (gates/serve.py); default ServeGate()")
+    serve: ServeGate | None = Field(None, description="Serve check settings (gates/serving/serve.py); default ServeGate()")
 
 
 UpdateLevel = Literal["none", "patch", "minor", "major"]

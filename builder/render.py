@@ -9,18 +9,20 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import jinja2
+
+import imagetools
 from packaging.utils import canonicalize_name
 
-from builder import __version__
-from builder.engines import serve_launch
-from builder.errors import BuildError
+from common import __version__
+from engines import serve_launch
+from common.errors import BuildError
 from builder.lockfile import PY_LAYERS, Lock
 from builder.manifest import GitSource, Pin, SkuManifest
-from builder.model import Frozen
-from builder.paths import TEMPLATES
+from common.model import Frozen
+from common.paths import TEMPLATES
 
 WHEELS_DIR = "wheels"
-# The image's Python environment (gates/integrity.py checks it file by file).
+# The image's Python environment (gates/static/integrity.py checks it file by file).
 VENV = "/opt/skupin/venv"
 REQUIREMENTS_DIR = "requirements"
 # Python files whose bytecode a pip step does not compile at build time (a regex for grep -P
@@ -35,8 +37,8 @@ LAZY_BYTECODE = r"/site-packages/transformers/models/(?!auto/)[^/]+/"
 # pip step (never shipped): the bytecode compiler, the locked-step installer, and the pure-Python
 # package of pypa `installer` that the latter uses (the host's copy, pinned in pyproject.toml).
 TOOLS_DIR = "tools"
-BYTECODE_TOOL = Path(__file__).with_name("bytecode.py")
-INSTALL_TOOL = Path(__file__).with_name("wheel_install.py")
+BYTECODE_TOOL = Path(imagetools.__file__).with_name("bytecode.py")
+INSTALL_TOOL = Path(imagetools.__file__).with_name("wheel_install.py")
 
 
 @functools.cache

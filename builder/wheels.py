@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from builder.errors import BuildError, NetworkError
+from common.errors import BuildError, NetworkError
 from builder.lockfile import LockedPackage
-from builder.paths import STATE
+from common.paths import STATE
 
 STORE = STATE / "wheels"
 DEFAULT_JOBS = 4
@@ -121,7 +121,7 @@ def _store_local(pkg: LockedPackage, path: Path, store: Path) -> None:
 
 def _download_all(pkgs: list[LockedPackage], *, store: Path, ca_bundle: Path | None, on_event: OnEvent, jobs: int,
                   timeout: float, retries: int, backoff: float) -> None:
-    from builder.index import _Http
+    from clients.index import _Http
 
     http = _Http(timeout=timeout, retries=retries, ca_bundle=ca_bundle, backoff=backoff, sleep=None, what="wheel download")
     try:
@@ -153,7 +153,7 @@ def _download(http, pkg: LockedPackage, store: Path) -> tuple[int, float]:
         raise NetworkError(f"{pkg.filename}: {exc}") from exc
     try:
         if sha != pkg.sha256:
-            from builder.index import _safe
+            from clients.index import _safe
 
             raise BuildError(f"{pkg.filename}: downloaded from {_safe(url)} with sha256 {sha}, but the lock says "
                              f"{pkg.sha256}; the index now serves another file: check the mirror, or relock")
@@ -188,7 +188,7 @@ def prune_store(store: Path, *, keep: set[str], dry_run: bool = False) -> tuple[
 def cmd_wheels(args) -> int:
     """`skupin wheels prune`: drop stored wheels that no lock under the given paths names."""
     from builder.lockfile import lock_path, read_lock
-    from builder.paths import manifest_files
+    from common.paths import manifest_files
 
     keep: set[str] = set()
     locks = [lock_path(m) for m in manifest_files([Path(p) for p in args.paths])]

@@ -1,1 +1,2 @@
-"""Gates: the probe, model fixtures, reference bundles and (later) comparison, tolerances and verdicts."""
+"""The gate side: reference bundles and fixtures, the static integrity check, the probe run, comparison, tolerances,
+verdicts, reports, the serve check and calibration."""

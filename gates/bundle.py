@@ -19,8 +19,9 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from builder import __version__
-from builder.errors import BundleError
+import imagetools
+from common import __version__
+from common.errors import BundleError
 from builder.manifest import SkuManifest
 from gates import fixture
 from gates.probe_output import MAX_REPORT_BYTES, decode_report
@@ -28,7 +29,7 @@ from gates.tensorio import read_safetensors
 from gates.untrusted import load_json, read_regular_file
 
 BUNDLE_FORMAT = "skupin-bundle/1"
-PROBE = Path(__file__).with_name("probe.py")
+PROBE = Path(imagetools.__file__).with_name("probe.py")
 FIXTURES = Path(__file__).with_name("fixtures")
 SUMS = "SHA256SUMS"
 FILES = ("meta.json", "probe.json", "tensors.safetensors")
@@ -128,7 +129,7 @@ def make_meta(*, manifest: SkuManifest, model: str, report: dict, folder: Path, 
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "sku": manifest.name,
         "command": command or [],
-        "probe_command": [Path(probe_cmd[0]).name, "gates/probe.py", *_relative_args(probe_cmd[2:], folder)],
+        "probe_command": [Path(probe_cmd[0]).name, "imagetools/probe.py", *_relative_args(probe_cmd[2:], folder)],
         "probe_sha256": hashlib.sha256(PROBE.read_bytes()).hexdigest(),
         "gpu": {"name": device.get("name"), "count": device.get("count"), "type": device.get("type"),
                 "capability": device.get("capability"), "arch": device.get("arch"),

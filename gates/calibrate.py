@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from builder import __version__
-from builder.errors import GateCouldNotRun
+from common import __version__
+from common.errors import GateCouldNotRun
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics, kernel_errors, model_statistics
 from gates.tolerance import ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
 from gates.verdict import clopper_pearson_upper
@@ -210,7 +210,7 @@ def _reuse(run_out: Path, image_id: str):
 
 def _honest_run(*, manifest, image: str, engine, out: Path, batch: int, threads: int, label: str, model_dir: Path):
     """One honest probe container (retried once when the engine fails underneath it)."""
-    from builder.errors import EngineError
+    from common.errors import EngineError
     from gates.gate import probe_in_container
 
     for attempt in (1, 2):

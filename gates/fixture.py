@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.errors import BundleError
+from common.errors import BundleError
 from gates.tensorio import encode_safetensors
 
 PROMPTS_FORMAT = "skupin-prompts/1"

@@ -1,7 +1,7 @@
 """Gate an image: run the probe in a sandboxed container, compare with the reference bundle, decide.
 
 Stage function: ``gate_image(*, stack, image, engine, out, on_event) -> GateVerdict``. The probe
-(gates/probe.py) and the model fixture are mounted read-only into the image under test; nothing
+(imagetools/probe.py) and the model fixture are mounted read-only into the image under test; nothing
 the container can write is mounted. The container has no network, no capabilities,
 no-new-privileges, a read-only root with a tmpfs /tmp, private IPC, the SKU's memory limit, a CPU
 and a pid limit, an output cap and an in-container deadline, and is always removed (also at the
@@ -10,8 +10,8 @@ The probe prints its outputs as one frame on stdout (``--out -``); the host pars
 (gates/probe_output.py) and writes the raw outputs and the container's log into the host-only
 folder OUT/probe/. Nothing is unpickled.
 Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
-the image runs: its files are its lock, gates/integrity.py), boot, kernels, model, serve
-(gates/serve.py: the engine's own server; `baseline` adds an interleaved A/B).
+the image runs: its files are its lock, gates/static/integrity.py), boot, kernels, model, serve
+(gates/serving/serve.py: the engine's own server; `baseline` adds an interleaved A/B).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from builder import __version__
-from builder.errors import BundleError, EngineError, GateCouldNotRun, SkupinError
-from builder.engines import ENGINE_OUTPUTS, MODEL_MOUNT, serve_launch
+from common import __version__
+from common.errors import BundleError, EngineError, GateCouldNotRun, SkupinError
+from engines import ENGINE_OUTPUTS, MODEL_MOUNT, serve_launch
 from builder.manifest import SkuManifest
 from gates.bundle import PROBE, fixture_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
@@ -52,7 +52,7 @@ from gates.verdict import (
 )
 
 if TYPE_CHECKING:
-    from builder.engine import ImageInfo
+    from dockerd.client import ImageInfo
 
 OnEvent = Callable[[str], None]
 PROBE_MOUNT = "/skupin/probe.py"
@@ -90,7 +90,7 @@ class ProbeRun:
 
 
 def repo_root() -> Path:
-    from builder.paths import REPO
+    from common.paths import REPO
 
     return Path(REPO)
 
@@ -124,7 +124,7 @@ def default_wheelhouse() -> Path | None:
 
 def image_from_build_record(sku: str) -> str:
     """The image of the SKU's build record (.skupin/builds/<sku>.json), or GateCouldNotRun with the fix."""
-    from builder.paths import STATE
+    from common.paths import STATE
 
     path = Path(STATE) / "builds" / f"{sku}.json"
     try:
@@ -166,7 +166,7 @@ def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ..
     limit (`sandbox_cpus`), the in-container deadline gate.deadline_s, output caps, the SKU's runtime (shm, devices,
     groups, GPUs) with private IPC even where the runtime asks for the host's, and SANDBOX_ENV + the SKU's runtime
     env (+ `env` on top)."""
-    from builder.engine import ContainerSpec
+    from dockerd.client import ContainerSpec
 
     runtime = manifest.runtime
     caps = {"max_stdout_bytes": max_stdout_bytes} if max_stdout_bytes is not None else {}
@@ -184,7 +184,7 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
                threads: int = 0):
     """The sandboxed container that runs the probe on `image` (see the module docstring); `out` only names the run
     (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted."""
-    from builder.engine import BindMount
+    from dockerd.client import BindMount
 
     gate, engine = manifest.gate, manifest.stack.engine.name
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
@@ -286,7 +286,7 @@ def _container_log(result, problem: str) -> str:
 
 
 def reap_leftovers(*, engine, on_event: OnEvent) -> None:
-    """Remove the sandbox containers of dead skupin processes (builder.engine: Engine.reap_orphans) and say so."""
+    """Remove the sandbox containers of dead skupin processes (dockerd.client: Engine.reap_orphans) and say so."""
     try:
         reaped = engine.reap_orphans()
     except EngineError as exc:
@@ -447,11 +447,11 @@ def _check_boot(run: _GateRun) -> None:
 
 
 def _check_pins(run: _GateRun) -> None:
-    """Before anything runs: the image's files are exactly its lock, read from its layers (gates/integrity.py);
+    """Before anything runs: the image's files are exactly its lock, read from its layers (gates/static/integrity.py);
     on a GPU host the host's driver is in the pinned series (read on the host, not from inside the image)."""
-    from builder.paths import STATE
-    from gates.integrity import inspect_image_files
-    from gates.probe import host_driver
+    from common.paths import STATE
+    from gates.static.integrity import inspect_image_files
+    from imagetools.probe import host_driver
 
     t0 = time.monotonic()
     m, lock = run.manifest, run.lock
@@ -521,8 +521,8 @@ def _check_model(run: _GateRun) -> None:
 
 
 def _check_serve(run: _GateRun) -> None:
-    """The engine's own server: greedy completions vs the reference, speed (gates/serve.py)."""
-    from gates.serve import serve_check
+    """The engine's own server: greedy completions vs the reference, speed (gates/serving/serve.py)."""
+    from gates.serving.serve import serve_check
 
     t0 = time.monotonic()
     run.on_event("serve: booting the engine's server in the sandbox")
@@ -552,7 +552,7 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
     """Gate `image` for the SKU of `stack` (a ResolvedStack) and write verdict.json, report.md and plot.png to `out`.
 
     Checks run in order and the first one that does not pass stops the rest. `baseline` (an image)
-    adds the serve check's interleaved A/B; `serve_perf` (gates.perf.PerfSettings) overrides its load.
+    adds the serve check's interleaved A/B; `serve_perf` (gates.serving.perf.PerfSettings) overrides its load.
     """
     started = time.monotonic()
     created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()

@@ -1,7 +1,7 @@
 """Decode what the probe produced (its stdout frame or its output folder) into probe.json and tensors, refusing anything malformed.
 
 In the gate's containers the probe runs with ``--out -`` and writes exactly one frame to stdout
-(gates/probe.py: ``FRAME_MAGIC``, 8-byte little-endian length + probe.json, 8-byte little-endian
+(imagetools/probe.py: ``FRAME_MAGIC``, 8-byte little-endian length + probe.json, 8-byte little-endian
 length + safetensors bytes). Everything in it is hostile input: ``split_frame`` checks the magic,
 both lengths against their limits and the total (nothing before, nothing after);
 ``decode_outputs`` parses probe.json with ``untrusted.load_json`` (size and depth limits), checks
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gates.probe import FORMAT, FRAME_MAGIC
+from imagetools.probe import FORMAT, FRAME_MAGIC
 from gates.tensorio import MAX_FILE_BYTES, decode_safetensors
 from gates.untrusted import UntrustedInputError, load_json, open_folder, printable, read_regular_file
 

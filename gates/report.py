@@ -36,8 +36,8 @@ def write_report(*, verdict: GateVerdict, out: Path) -> dict[str, Path]:
         plot(verdict=verdict, path=paths["plot"])
     text = markdown(verdict=verdict, plot_name="plot.png" if "plot" in paths else None)
     serve = verdict.check("serve")
-    if serve and serve.details:  # the serve check's section and its A/B plot (gates/ab.py)
-        from gates.ab import plot_serve, serve_markdown
+    if serve and serve.details:  # the serve check's section and its A/B plot (gates/serving/ab.py)
+        from gates.serving.ab import plot_serve, serve_markdown
 
         paths["serve_plot"] = out / "serve.png"
         drew = plot_serve(serve.details, paths["serve_plot"])

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from builder.errors import BundleError
+from common.errors import BundleError
 from gates.untrusted import load_json, read_regular_file
 
 # safetensors dtype name -> (numpy dtype to read the raw bytes as, bytes per element)

@@ -15,9 +15,9 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
-from builder.errors import GateCouldNotRun
+from common.errors import GateCouldNotRun
 from builder.grammar import Name
-from builder.model import Frozen
+from common.model import Frozen
 
 FORMAT = "skupin-tolerances/1"
 DEFAULT_PATH = Path(__file__).with_name("data") / "tolerances.yaml"

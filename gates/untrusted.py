@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from builder.errors import BundleError
+from common.errors import BundleError
 
 MAX_JSON_BYTES = 64 * 1024**2
 MAX_JSON_DEPTH = 64

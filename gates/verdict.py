@@ -17,13 +17,13 @@ import numpy as np
 from packaging.utils import canonicalize_name
 from pydantic import Field
 
-from builder.errors import GateCouldNotRun, GateFailed
+from common.errors import GateCouldNotRun, GateFailed
 from builder.lockfile import Lock
 from builder.manifest import SkuManifest
-from builder.model import Frozen
+from common.model import Frozen
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics
-from gates.integrity import IntegrityReport
-from gates.integrity import summary as integrity_summary
+from gates.static.integrity import IntegrityReport
+from gates.static.integrity import summary as integrity_summary
 from gates.tolerance import HardBounds, ToleranceEntry
 
 VERDICT_FORMAT = "skupin-verdict/1"
@@ -175,7 +175,7 @@ def driver_series(version: str) -> str:
 
 def judge_pins(*, report: IntegrityReport, manifest: SkuManifest, host_driver: dict[str, Any] | None,
                gpu_host: bool) -> CheckResult:
-    """The image's files against its lock (gates/integrity.py), and on a GPU host the host driver's series."""
+    """The image's files against its lock (gates/static/integrity.py), and on a GPU host the host driver's series."""
     kinds: dict[str, int] = {}
     for finding in report.findings:
         kinds[finding.kind] = kinds.get(finding.kind, 0) + 1

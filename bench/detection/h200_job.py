@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import runs  # noqa: E402
-from gates import probe  # noqa: E402
+from imagetools import probe  # noqa: E402
 from gates.tensorio import read_safetensors  # noqa: E402
 
 HW = "nvidia-hopper"

@@ -1,7 +1,7 @@
 """Run the probe's kernel battery and teacher-forced model check in-process (honest or swapped) and measure each run.
 
 Used both on this CPU and on the NVIDIA H200 (which has torch, transformers and numpy but no
-pydantic): it imports gates/probe.py (the probe the gate mounts into images), gates/compare.py and
+pydantic): it imports imagetools/probe.py (the probe the gate mounts into images), gates/compare.py and
 gates/tensorio.py only. Each run loads the fixture with transformers exactly as the probe's
 transformers adapter does, applies a swap (bench/detection/swaps.py), runs the kernel battery and
 the teacher-forced forward passes through the probe's own Collector, and is compared with the
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.detection import swaps
-from gates import probe
+from imagetools import probe
 from gates.compare import ALL_STATS, kernel_errors, model_statistics
 
 TOP_K = 20

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import DEFAULT_SOCKET, SESSION_LABEL, Engine, EngineError, connect
+from dockerd.client import DEFAULT_SOCKET, SESSION_LABEL, Engine, EngineError, connect
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
@@ -75,7 +75,7 @@ def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
     """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now (once)."""
     import json
 
-    from builder.paths import STATE
+    from common.paths import STATE
 
     record = Path(STATE) / "builds" / "cpu-x86_64.json"
     if record.is_file():

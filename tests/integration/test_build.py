@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from builder.build import BuiltImage, build_image
-from builder.engine import ContainerSpec, Engine
-from builder.errors import BuildError
+from dockerd.client import ContainerSpec, Engine
+from common.errors import BuildError
 from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
 from builder.wheels import STORE, store_path
@@ -173,7 +173,7 @@ def test_failing_step_names_layer_exit_code_5_and_no_tag(engine: Engine, built: 
                                                           wheelhouse: Path | None, host_ca_bundle: Path | None,
                                                           tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                           tags_to_remove: list[str]) -> None:
-    from builder.cli import main
+    from skupin.cli import main
 
     house = tmp_path / "house"
     house.mkdir()
@@ -261,7 +261,7 @@ def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(eng
                                                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`skupin render --out DIR` gathers each step's wheels next to the Dockerfile, so a plain
     `docker build DIR` reproduces the image (here from the build cache of `built`)."""
-    from builder.cli import main
+    from skupin.cli import main
 
     out = tmp_path / "ctx"
     argv = ["render", str(sku_dir / CPU_SKU.name), "--out", str(out)]

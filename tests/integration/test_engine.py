@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from builder.base import ensure_base
-from builder.engine import BindMount, ContainerSpec, Engine, ensure_engine
-from builder.errors import EngineError
+from dockerd.client import BindMount, ContainerSpec, Engine, ensure_engine
+from common.errors import EngineError
 from builder.manifest import Base, load_manifest
 
 from .conftest import CPU_SKU
@@ -41,7 +41,7 @@ def test_engine_up_is_idempotent(engine: Engine) -> None:
 
 
 def test_cli_engine_up_is_idempotent(engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
-    from builder.cli import main
+    from skupin.cli import main
 
     pids = _dockerd_pids()
     assert main(["engine", "up"]) == 0

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import Engine
-from builder.errors import PublishError
-from builder.index import RegistryClient
-from builder.publish import read_record
-from builder.registry import LocalRegistry, registry_down, registry_up
-from builder.verify import verify_reference
+from dockerd.client import Engine
+from common.errors import PublishError
+from clients.index import RegistryClient
+from publishing.publish import read_record
+from publishing.local_registry import LocalRegistry, registry_down, registry_up
+from publishing.verify import verify_reference
 from tests.integration.test_publish import (SKU, TinyImages, configs, free_port, make_lock, make_verdict, publish,
                                             registry, tags, tiny)  # noqa: F401 - fixtures
 
@@ -156,8 +156,8 @@ def test_push_error_mid_stream_tags_nothing(engine: Engine, registry: LocalRegis
 CHILD = r"""
 import sys, time
 from pathlib import Path
-from builder.engine import ContainerSpec, connect
-from builder.registry import LocalRegistry
+from dockerd.client import ContainerSpec, connect
+from publishing.local_registry import LocalRegistry
 from tests.integration.test_publish import make_lock, make_verdict, publish
 mode, addr, folder, image_id, url = sys.argv[1:6]
 engine = connect()
@@ -227,7 +227,7 @@ def test_sigint_during_gate_leaves_no_container_and_publishes_nothing(engine: En
 
 
 def test_two_publishes_at_once_end_on_a_gated_digest(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
-    from builder.engine import connect
+    from dockerd.client import connect
 
     lock = make_lock()
     images = [tiny.make("race-a"), tiny.make("race-b")]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import Engine
+from dockerd.client import Engine
 from gates.gate import RUN_LABEL, gate_image, run_label
 
 pytestmark = pytest.mark.integration
@@ -35,7 +35,7 @@ def _gate(stack, image: str, engine: Engine, out: Path, wheelhouse: Path | None 
 
 def test_honest_image_passes_through_the_cli(honest_image: str, engine: Engine, tmp_path: Path) -> None:
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "builder.cli", "gate", "cpu-x86_64", "--image", honest_image,
+    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64", "--image", honest_image,
                            "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=False)
     wall = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import DEADLINE_GRACE_S, KILL_AFTER_S, Engine
+from dockerd.client import DEADLINE_GRACE_S, KILL_AFTER_S, Engine
 from gates.gate import gate_image
 
 pytestmark = pytest.mark.integration
@@ -86,7 +86,7 @@ def test_kill_9_of_skupin_gate_leaves_no_container_past_its_deadline(derived, st
     lock = swapped.lock.model_copy(update={"manifest_sha256": _manifest_sha(manifest)})
     lock.write_json(tmp_path / "cpu-x86_64.lock.json")
     env = {**os.environ, "SKUPIN_WHEELHOUSE": str(swapped.wheelhouse)}
-    proc = subprocess.Popen([sys.executable, "-m", "builder.cli", "gate", str(manifest), "--image", swapped.image,
+    proc = subprocess.Popen([sys.executable, "-m", "skupin.cli", "gate", str(manifest), "--image", swapped.image,
                              "--out", str(tmp_path / "out")], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     label = "io.skupin.role=gate-probe"

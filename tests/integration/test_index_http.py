@@ -1,4 +1,4 @@
-"""builder/index.py and `compat refresh` against real HTTP servers on loopback (recorded PyPI metadata, a small registry)."""
+"""clients/index.py and `compat refresh` against real HTTP servers on loopback (recorded PyPI metadata, a small registry)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from builder.compat import CompatData
-from builder.compat_refresh import refresh
-from builder.errors import NetworkError
-from builder.index import IndexClient, RegistryClient, docker_credentials, parse_image_ref
+from releases.compat_refresh import refresh
+from common.errors import NetworkError
+from clients.index import IndexClient, RegistryClient, docker_credentials, parse_image_ref
 from tests.data.index.server import serve_index, serve_registry
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import ContainerSpec, Engine
-from builder.paths import STATE
+from dockerd.client import ContainerSpec, Engine
+from common.paths import STATE
 from gates.gate import gate_image
-from gates.integrity import inspect_image_files
-from gates.layers import image_view
+from gates.static.integrity import inspect_image_files
+from gates.static.layers import image_view
 
 pytestmark = pytest.mark.integration
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import Engine
-from builder.errors import NetworkError, PublishError
-from builder.index import RegistryClient
+from dockerd.client import Engine
+from common.errors import NetworkError, PublishError
+from clients.index import RegistryClient
 from builder.lockfile import Lock, LockedBase
-from builder.publish import (PublishedImage, parse_target, plan_publish, publish_image, read_record, record_tag,
+from publishing.publish import (PublishedImage, parse_target, plan_publish, publish_image, read_record, record_tag,
                              verdict_facts)
-from builder.registry import LocalRegistry, registry_down, registry_status, registry_up, untag_on_disk
-from builder.verify import pull_verified, verify_reference
+from publishing.local_registry import LocalRegistry, registry_down, registry_status, registry_up, untag_on_disk
+from publishing.verify import pull_verified, verify_reference
 
 pytestmark = pytest.mark.integration
 SKU = "tiny-test"
@@ -181,7 +181,7 @@ def test_publish_verify_pull(engine: Engine, registry: LocalRegistry, tiny: Tiny
 
 def test_verified_image_id_is_the_serve_baseline_even_under_a_newer_lock(engine: Engine, registry: LocalRegistry,
                                                                         tiny: TinyImages):
-    from builder.verify import verified_image_id
+    from publishing.verify import verified_image_id
 
     target = parse_target(registry.addr)
     assert verified_image_id(sku=SKU, target=target) is None  # nothing verified yet

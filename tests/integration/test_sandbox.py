@@ -26,12 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import DEADLINE_GRACE_S, KILL_AFTER_S, SESSION_LABEL, Engine
+from dockerd.client import DEADLINE_GRACE_S, KILL_AFTER_S, SESSION_LABEL, Engine
 from builder.manifest import load_manifest
 from gates.gate import RUN_LABEL, load_reference, probe_in_container, run_label
-from gates.probe import FRAME_MAGIC
+from imagetools.probe import FRAME_MAGIC
 from gates.probe_output import MAX_FRAME_BYTES
-from gates.serve import serve_check
+from gates.serving.serve import serve_check
 from gates.tolerance import ToleranceKey, load_tolerances
 from tests.integration.conftest import derived_images
 
@@ -84,7 +84,7 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 RUNNER = r"""
 import json, sys, time
 from pathlib import Path
-from builder.engine import connect
+from dockerd.client import connect
 from builder.manifest import load_manifest
 from gates.gate import probe_in_container
 
@@ -219,7 +219,7 @@ def test_reap_orphans_removes_the_leftover_of_a_killed_gate_at_once(derive, engi
 
 SLEEPER = """
 import sys, time
-from builder.engine import ContainerSpec, connect
+from dockerd.client import ContainerSpec, connect
 with connect().container(ContainerSpec(image=sys.argv[1], entrypoint=("sleep", "600"), labels={"io.skupin.test": sys.argv[2]})):
     print("UP", flush=True)
     time.sleep(600)
@@ -227,7 +227,7 @@ with connect().container(ContainerSpec(image=sys.argv[1], entrypoint=("sleep", "
 
 
 def test_engine_up_removes_and_names_the_leftovers_of_dead_runs(honest_image: str, engine: Engine, capsys) -> None:
-    from builder.cli import main
+    from skupin.cli import main
 
     tag = f"engine-up-{os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-c", SLEEPER, honest_image, tag], cwd=REPO, text=True,

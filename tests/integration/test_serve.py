@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from builder.engine import Engine
+from dockerd.client import Engine
 from builder.manifest import ServeGate
 from gates.gate import gate_image, load_reference
-from gates.perf import PerfSettings
-from gates.serve import NOT_PROVIDED, serve_check
+from gates.serving.perf import PerfSettings
+from gates.serving.serve import NOT_PROVIDED, serve_check
 from gates.tolerance import ToleranceKey, load_tolerances
 from tests.integration.conftest import derived_images
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from builder.manifest import load_manifest
-from builder.watch import markdown, watch
-from builder.yamledit import set_scalars
+from releases.watch import markdown, watch
+from releases.yamledit import set_scalars
 from tests.data.index.server import serve_index, serve_registry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def index_url():
 
 
 def _check(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "builder.cli", "check", str(path)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "skupin.cli", "check", str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -87,7 +87,7 @@ def test_engine_release_needing_new_torch_is_blocked_by_patch_policy(tmp_path, i
 def test_cli_json_and_markdown(tmp_path, index_url):
     path = _sku(tmp_path, **{"stack.engine.version": "0.14.0", "stack.framework.version": "2.9.1",
                              "stack.compiler.version": "3.5.1"})
-    cmd = [sys.executable, "-m", "builder.cli", "watch", str(path), "--index-url", index_url]
+    cmd = [sys.executable, "-m", "skupin.cli", "watch", str(path), "--index-url", index_url]
     out = subprocess.run(cmd + ["--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -104,7 +104,7 @@ def test_base_image_point_release_from_registry(tmp_path, index_url):
     path.write_text(src.read_text(encoding="utf-8"), encoding="utf-8")
     store: dict = {}
     with serve_registry(store) as reg_url:
-        from builder.index import RegistryClient
+        from clients.index import RegistryClient
 
         with RegistryClient(reg_url) as reg:
             digests = {}
@@ -123,7 +123,7 @@ def test_base_image_point_release_from_registry(tmp_path, index_url):
 
 
 def test_apply_relocks_what_it_can_and_lists_the_rest(tmp_path, index_url):
-    from builder.errors import LockError
+    from common.errors import LockError
 
     a = _sku(tmp_path / "a", **{"stack.engine.version": "0.27.0"})
     b = _sku(tmp_path / "b", **{"stack.engine.version": "0.14.0", "stack.framework.version": "2.9.1",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.errors import NetworkError
+from common.errors import NetworkError
 from builder.lockfile import LockedPackage
 from builder.wheels import fetch_wheels, store_path
 from tests.data.index.server import serve_index

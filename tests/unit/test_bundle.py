@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.errors import BundleError
+from common.errors import BundleError
 from builder.manifest import load_manifest
 from gates import bundle, fixture
 from gates.tensorio import (
@@ -194,7 +194,7 @@ def test_capture_writes_a_bundle_that_verifies_and_fits(tmp_path, monkeypatch):
     assert meta["gpu"]["name"] == "Fake GPU" and meta["driver"] == "1.2" and meta["batch_size"] == 4
     assert meta["dtype"] == "float32" and meta["command"] == ["skupin", "x"]
     assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "meta.json", "probe.json", "tensors.safetensors"]
-    assert meta["probe_command"][:2] == [Path(sys.executable).name, "gates/probe.py"] and "OUT" in meta["probe_command"]
+    assert meta["probe_command"][:2] == [Path(sys.executable).name, "imagetools/probe.py"] and "OUT" in meta["probe_command"]
     with pytest.raises(BundleError, match="not empty"):
         bundle.capture(manifest=cpu, out=out)
 
@@ -208,7 +208,7 @@ def test_capture_refuses_when_the_probe_fails(tmp_path, monkeypatch):
 
 
 def test_reference_cli_verify_and_fixture_check(capsys):
-    from gates.reference_cli import main
+    from skupin.cli.reference import main
 
     assert main(["reference", "verify", str(REFS / "h200-float32"), "--sku", "cpu-x86_64"]) == 0
     assert "NVIDIA H200" in capsys.readouterr().out

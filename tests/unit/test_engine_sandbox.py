@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from builder.engine import (DEADLINE_GRACE_S, KILL_AFTER_S, OWNER_BOOT_LABEL, OWNER_PID_LABEL, OWNER_PIDNS_LABEL,
+from dockerd.client import (DEADLINE_GRACE_S, KILL_AFTER_S, OWNER_BOOT_LABEL, OWNER_PID_LABEL, OWNER_PIDNS_LABEL,
                             OWNER_START_LABEL, SANDBOX_LABEL, ContainerSpec, Engine, OutputCapture, owner_gone,
                             owner_labels)
 
@@ -43,7 +43,7 @@ def test_the_pump_detaches_then_kills_on_overflow(monkeypatch) -> None:
             events.append("close")
 
     frames = iter([(1, b"abc"), (1, b"defgh"), (1, b"never read")])
-    monkeypatch.setattr("builder.engine._frames_iter", lambda sock, tty: frames)
+    monkeypatch.setattr("dockerd.client._frames_iter", lambda sock, tty: frames)
     cap = OutputCapture(max_stdout=4, max_stderr=4, keep_stdout=True, on_overflow=lambda: events.append("kill"))
     cap.start(Sock())
     assert cap.join(5)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.errors import BundleError
+from common.errors import BundleError
 from gates import fixture
 from gates.tensorio import read_dtypes, read_safetensors
 
@@ -103,6 +103,6 @@ def test_measurement_fixture_is_recorded_and_large_enough():
 
 def test_cli_fixture_choices_match_the_specs():
     from gates.fixture import SPECS
-    from gates.reference_cli import FIXTURE_NAMES
+    from skupin.cli.reference import FIXTURE_NAMES
 
     assert sorted(FIXTURE_NAMES) == sorted(SPECS)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from builder.manifest import load_manifest
-from builder.paths import SKUS
+from common.paths import SKUS
 from gates.gate import ProbeRun, _check_model, _GateRun, _Stop
 
 

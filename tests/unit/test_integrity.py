@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from builder.lockfile import Lock, LockedBase, LockedPackage
-from gates.integrity import (Finding, ImageLayout, _HashingDestination, check_integrity, parse_md5sums, parse_status,
+from gates.static.integrity import (Finding, ImageLayout, _HashingDestination, check_integrity, parse_md5sums, parse_status,
                              upstream_version)
-from gates.layers import Entry, FileView
+from gates.static.layers import Entry, FileView
 from tests.data.wheels import make_wheel
 
 LAYOUT = ImageLayout()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gates.layers import Entry, FileView, LayerIndex, merge, open_in_layer, scan_layer_dir, scan_layer_tar
+from gates.static.layers import Entry, FileView, LayerIndex, merge, open_in_layer, scan_layer_dir, scan_layer_tar
 from gates.untrusted import UntrustedInputError
 
 

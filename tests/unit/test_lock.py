@@ -11,7 +11,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from builder.errors import LockError
+from common.errors import LockError
 from builder.lock import (
     PipRequest,
     Resolved,
@@ -25,7 +25,7 @@ from builder.lock import (
 )
 from builder.lockfile import PY_LAYERS, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
-from builder.model import canonical_json
+from common.model import canonical_json
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from builder.errors import ManifestError
+from common.errors import ManifestError
 from builder.manifest import SkuManifest, _problem, load_manifest, parse_manifest
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 
-from gates.ab import ab_from_runs, interleaved_ab, plot_serve, serve_markdown
-from gates.perf import (PerfResult, PerfSettings, Sample, cost_per_million, cost_summary, merge_perf, percentile, run_perf,
+from gates.serving.ab import ab_from_runs, interleaved_ab, plot_serve, serve_markdown
+from gates.serving.perf import (PerfResult, PerfSettings, Sample, cost_per_million, cost_summary, merge_perf, percentile, run_perf,
                         summarize_level)
-from gates.serve import ServeClient
+from gates.serving.serve import ServeClient
 
 
 def level(c: int, tok_s: float, *, reps: int = 3, ttft: float = 0.01):

@@ -15,7 +15,7 @@ import pytest
 from gates.tensorio import read_dtypes, read_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = REPO / "gates" / "probe.py"
+PROBE = REPO / "imagetools" / "probe.py"
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"
 BUNDLE = REPO / "gates" / "references" / "tiny-llama" / "h200-float32"
 ALLOWED_TOP = {"torch", "transformers", "vllm", "sglang", "__future__"} | set(sys.stdlib_module_names)
@@ -41,7 +41,7 @@ def test_probe_needs_only_stdlib_torch_and_engines_and_never_pickles():
 
 def _probe_module():
     pytest.importorskip("torch")
-    from gates import probe
+    from imagetools import probe
 
     return probe
 

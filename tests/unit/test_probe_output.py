@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.engine import RunResult
-from builder.errors import BundleError
+from dockerd.client import RunResult
+from common.errors import BundleError
 from builder.manifest import load_manifest
 from gates.gate import MODEL_MOUNT, PROBE_MOUNT, _host_folder, _probe_run, probe_spec, sandbox_cpus
-from gates.probe import FORMAT, FRAME_MAGIC
+from imagetools.probe import FORMAT, FRAME_MAGIC
 from gates.probe_output import decode_outputs, read_output_folder, split_frame
 from gates.tensorio import encode_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = REPO / "gates" / "probe.py"
+PROBE = REPO / "imagetools" / "probe.py"
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"
 REPORT = {"format": FORMAT, "status": "ok", "checks": {"env": {"status": "ok"}}, "env": {"python": "3.11.2"}}
 TENSORS = {"kernels.x": np.arange(6, dtype=np.float32).reshape(2, 3)}
@@ -117,7 +117,7 @@ def test_the_output_folder_is_read_without_following_links(tmp_path: Path) -> No
 
 def test_the_probe_prints_exactly_one_frame_and_whatever_else_is_printed_goes_to_stderr() -> None:
     pytest.importorskip("torch")
-    code = ("import sys; sys.argv = ['probe.py', '--out', '-', '--checks', 'env']; import gates.probe as p; "
+    code = ("import sys; sys.argv = ['probe.py', '--out', '-', '--checks', 'env']; import imagetools.probe as p; "
             "real = p.pick_device; p.pick_device = lambda n: (print('noise from a library'), real(n))[1]; "
             "sys.exit(p.main())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=600, cwd=REPO, check=False,

@@ -8,15 +8,15 @@ import os
 
 import pytest
 
-from builder.errors import EngineError, NetworkError, PublishError
-from builder.index import Manifest
+from common.errors import EngineError, NetworkError, PublishError
+from clients.index import Manifest
 from builder.lockfile import Lock, LockedBase
-from builder.pipeline import STAGES, RunSummary, StageResult
-from builder.publish import (OCI_MANIFEST, RECORD_MEDIA_TYPE, VERIFIED_TAG, VerificationRecord, find_verdict,
+from skupin.pipeline import STAGES, RunSummary, StageResult
+from publishing.publish import (OCI_MANIFEST, RECORD_MEDIA_TYPE, VERIFIED_TAG, VerificationRecord, find_verdict,
                              parse_target, plan_publish, publish_image, record_artifact, record_tag, refusals,
                              verdict_facts)
-from builder.registry import LocalRegistry, render_config
-from builder.verify import Verification
+from publishing.local_registry import LocalRegistry, render_config
+from publishing.verify import Verification
 
 IMAGE = "sha256:" + "1" * 64
 OTHER = "sha256:" + "2" * 64
@@ -242,7 +242,7 @@ def test_verification_lines():
 
 
 def test_find_verdict_returns_the_parsed_data(tmp_path, monkeypatch):
-    monkeypatch.setattr("builder.paths.STATE", tmp_path)
+    monkeypatch.setattr("common.paths.STATE", tmp_path)
     assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64) is None
     gates = tmp_path / "gates" / "s"
 
@@ -285,7 +285,7 @@ def _in_thread(fn, timeout_s: float = 10.0):
 
 
 def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_path, monkeypatch):
-    monkeypatch.setattr("builder.paths.STATE", tmp_path)
+    monkeypatch.setattr("common.paths.STATE", tmp_path)
     gates = tmp_path / "gates" / "s"
     (gates / "good").mkdir(parents=True)
     match = {"image_id": IMAGE, "lock_hash": "f" * 64, "decision": "pass"}
@@ -320,8 +320,8 @@ def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_
 
 
 def test_an_unreadable_verdict_is_refused_with_the_reason(tmp_path):
-    from builder.errors import PublishError
-    from builder.publish import _read_verdict
+    from common.errors import PublishError
+    from publishing.publish import _read_verdict
 
     deep = tmp_path / "verdict.json"
     deep.write_text("[" * 200_000 + "]" * 200_000)

@@ -1,6 +1,6 @@
 """The bytecode verifier: genuine bytecode passes, bytecode holding other code fails, hostile bytes never crash the host.
 
-Runs the real tool (gates/pyc_verify.py) in this interpreter and in sandboxed worker processes of it.
+Runs the real tool (imagetools/pyc_verify.py) in this interpreter and in sandboxed worker processes of it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gates import pyc_check
-from gates.layers import Entry, FileView
-from gates.pyc_verify import verify
+from gates.static import bytecode as pyc_check
+from gates.static.layers import Entry, FileView
+from imagetools.pyc_verify import verify
 
 SOURCE = b"def f(x):\n    return x + 1\n\nclass C:\n    def g(self):\n        return [i * 2 for i in range(3)]\n"
 DFILE = "/opt/skupin/venv/lib/python3.11/site-packages/m.py"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from builder.errors import BuildError
+from common.errors import BuildError
 from builder.lockfile import Lock, LockedBase, LockedPackage
 from builder.manifest import load_manifest
-from builder.paths import REPO, SKUS
+from common.paths import REPO, SKUS
 from builder.render import render, write_context
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -29,7 +29,7 @@ def _ids(paths):
 def test_snapshot(path):
     """The rendered (pins-only) Dockerfile equals the committed snapshot (UPDATE_SNAPSHOTS=1 rewrites)."""
     # The tools' hash is checked by test_dockerfile_names_the_tools_it_mounts, so an edit to
-    # builder/bytecode.py or builder/wheel_install.py does not rewrite every snapshot.
+    # imagetools/bytecode.py or imagetools/wheel_install.py does not rewrite every snapshot.
     text = re.sub(r"(; tools sha256 )[0-9a-f]{16}$", r"\1<tools>", render(manifest=load_manifest(path)).text, flags=re.M)
     snap = SNAPSHOTS / f"{path.stem}.Dockerfile"
     if os.environ.get("UPDATE_SNAPSHOTS") == "1":
@@ -166,11 +166,11 @@ def test_locked_render_installs_exactly_the_locked_set(tmp_path):
 def test_a_locked_image_has_no_pip_and_serves_by_default(tmp_path):
     import json
 
-    from builder.engines import serve_launch
+    from engines import serve_launch
 
     manifest = _cpu()
     text = render(manifest=manifest, lock=_lock(manifest, tmp_path)).text
-    # Only locked wheels in the venv (gates/integrity.py accounts for every file): no pip, no activate scripts.
+    # Only locked wheels in the venv (gates/static/integrity.py accounts for every file): no pip, no activate scripts.
     assert " -m venv --without-pip /opt/skupin/venv \\\n && rm -f /opt/skupin/venv/bin/activate* " in text
     cmd = next(line for line in text.splitlines() if line.startswith("CMD "))
     assert json.loads(cmd[4:]) == list(serve_launch(manifest=manifest).argv)

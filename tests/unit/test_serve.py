@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from builder.errors import GateCouldNotRun
+from common.errors import GateCouldNotRun
 from builder.manifest import load_manifest
-from gates.serve import (MAX_LINE_BYTES, NOT_PROVIDED, Completion, ServeClient, StreamError, bounded_lines,
+from gates.serving.serve import (MAX_LINE_BYTES, NOT_PROVIDED, Completion, ServeClient, StreamError, bounded_lines,
                          compare_greedy, judge_greedy, launch_command, near_tie_threshold, parse_stream, prompt_input,
                          reference_pieces, server_spec, wait_ready)
 
@@ -291,7 +291,7 @@ def test_token_ids_from_the_engine_are_compared_directly_with_logprobs(tok, prom
 
 
 def test_judge_reports_missing_logprobs_and_counts(tok, prompts) -> None:
-    from gates.serve import PromptServe
+    from gates.serving.serve import PromptServe
 
     results = [PromptServe(index=0, status="match", compared_by="pieces"),
                PromptServe(index=1, status="near_tie", step=3, margin=1e-6, compared_by="pieces")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from builder.errors import GateCouldNotRun
+from common.errors import GateCouldNotRun
 from gates.calibrate import HonestRun, derive_entry
 from gates.compare import kernel_errors, model_statistics
 from gates.gate import bundle_sha256, repo_root

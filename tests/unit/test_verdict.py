@@ -13,7 +13,7 @@ from builder.manifest import load_manifest
 from gates.compare import KernelResult, ModelStatistics
 from gates.report import write_report
 from gates.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
-from gates.integrity import Finding, IntegrityReport
+from gates.static.integrity import Finding, IntegrityReport
 from gates.verdict import (CheckResult, GateVerdict, binomial_sf, clopper_pearson_upper, decide, judge_kernels,
                            judge_model, judge_pins)
 
@@ -199,7 +199,7 @@ def test_report_of_the_committed_example_plots_without_matplotlib_warnings(tmp_p
     matplotlib warn about identical y limits."""
     import warnings
 
-    from builder.paths import REPO
+    from common.paths import REPO
 
     verdict = GateVerdict.model_validate_json((REPO / "docs/examples/gate-cpu-x86_64/verdict.json").read_text())
     with warnings.catch_warnings():

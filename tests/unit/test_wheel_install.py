@@ -1,4 +1,4 @@
-"""builder/wheel_install.py: the in-build installer of a locked step's wheels (hash-checked, no pip)."""
+"""imagetools/wheel_install.py: the in-build installer of a locked step's wheels (hash-checked, no pip)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from builder import wheel_install
+from imagetools import wheel_install
 
 LAZY = r"/site-packages/transformers/models/(?!auto/)[^/]+/"
 
@@ -178,7 +178,7 @@ def test_the_rendered_tools_folder_works_alone_in_a_fresh_venv(tmp_path):
     """What a build step runs: the context's tools/ (both tools and installer's package) with a
     venv's own Python, which has neither skupin nor installer installed."""
     from builder.manifest import load_manifest
-    from builder.paths import SKUS
+    from common.paths import SKUS
     from builder.render import render
 
     rendered = render(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from builder.errors import BuildError
+from common.errors import BuildError
 from builder.lockfile import LockedPackage
 from builder.wheels import fetch_wheels, store_path
 
@@ -71,9 +71,9 @@ def test_everything_that_cannot_be_gathered_is_reported_together_before_any_down
 def test_prune_keeps_what_the_locks_name_and_drops_the_rest(tmp_path, capsys):
     import shutil
 
-    from builder.cli import main
+    from skupin.cli import main
     from builder.lockfile import lock_path, read_lock
-    from builder.paths import SKUS
+    from common.paths import SKUS
 
     skus = tmp_path / "skus"
     skus.mkdir()

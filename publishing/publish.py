@@ -1,0 +1,513 @@
+"""Publish a gated image: refuse unless its verdict passed for this image and lock, push by digest, record, tag.
+
+The flow (`plan_publish` is pure and decides whether to publish at all; `publish_image` executes):
+
+1. refuse (PublishError) unless the verdict passed, names this exact image id, this SKU and the
+   SKU's current lock hash, and its pins and model checks passed;
+2. check the registry answers (a clear error naming `skupin registry up` otherwise);
+3. tag the image with a temporary unique tag (`skupin-push-<random>`), push it through the
+   engine (every stream chunk is checked for errors) and take the digest the registry stored;
+   the local temporary tag is removed whatever happens;
+4. read the pushed manifest back by digest and check that its config digest is the gated image id;
+5. store the verification record (verdict, lock, reference bundle hash, tool version, image
+   digest) as a small OCI artifact (config + one JSON layer, `subject` = the image) under the
+   cosign-style tag `sha256-<hex>.verification`, and read it back;
+6. only then move the human tags `<engine-version>-<lock-hash12>` and `verified`, server-side: the
+   registry stores the very manifest bytes of the pushed digest under each tag, so a tag names
+   exactly the gated digest;
+7. remove the temporary registry tag (HTTP DELETE where the registry supports it; for our own
+   local distribution 2.8 registry, from its storage; otherwise it is reported as left over).
+
+The record goes in before the human tags move (DESIGN.md lists it after): that way a human tag
+never names a digest that has no record, even when the publish dies between two steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from pydantic import Field
+
+from common import __version__
+from common.errors import BundleError, EngineError, NetworkError, PublishError
+from clients.index import Manifest, RegistryClient, registry_url, sha256_digest
+from builder.lockfile import Lock, image_tag
+from common.model import Frozen, canonical_json
+
+VERIFIED_TAG = "verified"
+PUSH_TAG_PREFIX = "skupin-push-"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+RECORD_MEDIA_TYPE = "application/vnd.skupin.verification.v1+json"
+RECORD_CONFIG_MEDIA_TYPE = "application/vnd.skupin.verification.config.v1+json"
+REQUIRED_CHECKS = ("pins", "model")
+OnEvent = Callable[[str], None]
+Untag = Callable[[str, str], bool]  # (repository, tag) -> removed?
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+# ---------------------------------------------------------------- where to publish
+
+
+class RegistryTarget(Frozen):
+    """A registry and an optional namespace: `127.0.0.1:5000`, `http://127.0.0.1:5000`, `ghcr.io/org`."""
+
+    host: str = Field(description="host[:port] as image references name it")
+    url: str = Field(description="base URL the HTTP client talks to")
+    namespace: str = ""
+
+    def repository(self, sku: str) -> str:
+        return f"{self.namespace}/{sku}" if self.namespace else sku
+
+    def reference(self, sku: str, *, tag: str | None = None, digest: str | None = None) -> str:
+        name = f"{self.host}/{self.repository(sku)}"
+        return f"{name}@{digest}" if digest else f"{name}:{tag or VERIFIED_TAG}"
+
+
+def parse_target(text: str) -> RegistryTarget:
+    """`[scheme://]host[:port][/namespace]` -> RegistryTarget (http for loopback hosts unless a scheme is given)."""
+    raw = text.strip().rstrip("/")
+    scheme = ""
+    if "://" in raw:
+        scheme, raw = raw.split("://", 1)
+    host, _, namespace = raw.partition("/")
+    if not host or any(c in host for c in " @?#") or (namespace and not all(namespace.split("/"))):
+        raise PublishError(f"--registry {text!r}: expected host[:port][/namespace], e.g. 127.0.0.1:5000 or ghcr.io/org")
+    url = f"{scheme}://{host}" if scheme else registry_url(host)
+    if urlparse(url).scheme not in ("http", "https"):
+        raise PublishError(f"--registry {text!r}: scheme must be http or https")
+    return RegistryTarget(host=host, url=url, namespace=namespace.lower())
+
+
+# ---------------------------------------------------------------- the verdict, read minimally
+
+
+class VerdictFacts(Frozen):
+    """What publish needs from a gate verdict (gates/verdict.py GateVerdict, read as JSON)."""
+
+    sku: str
+    decision: str
+    reason: str
+    image_id: str | None
+    lock_hash: str | None
+    bundle_sha256: str | None
+    created: str | None
+    checks: dict[str, str] = Field(description="check name -> status")
+
+
+def verdict_facts(data: dict[str, Any]) -> VerdictFacts:
+    """The facts of a verdict JSON object (GateVerdict's fields; `passed: true` also reads as pass)."""
+    if not isinstance(data, dict):
+        raise PublishError("the verdict is not a JSON object")
+    decision = data.get("decision") or ("pass" if data.get("passed") is True else "fail" if "passed" in data else None)
+    if decision is None or not data.get("sku"):
+        raise PublishError("the verdict has no decision or no sku: not a gate verdict")
+    reference = data.get("reference") or {}
+    checks = {str(c.get("name")): str(c.get("status")) for c in data.get("checks") or () if isinstance(c, dict)}
+    return VerdictFacts(sku=str(data["sku"]), decision=str(decision), reason=str(data.get("reason") or ""),
+                        image_id=data.get("image_id"), lock_hash=data.get("lock_hash"),
+                        bundle_sha256=reference.get("sha256") if isinstance(reference, dict) else None,
+                        created=data.get("created"), checks=checks)
+
+
+def refusals(*, sku: str, image_id: str, lock_sha256: str, verdict: VerdictFacts) -> list[str]:
+    """Every reason this verdict does not allow publishing this image of this SKU at this lock (empty = allowed)."""
+    out: list[str] = []
+    if verdict.decision != "pass":
+        out.append(f"the gate did not pass ({verdict.decision}: {verdict.reason})")
+    if verdict.sku != sku:
+        out.append(f"the verdict is for SKU {verdict.sku}, not {sku}")
+    if verdict.image_id != image_id:
+        out.append(f"the verdict is for image {verdict.image_id or 'none'}, not {image_id}")
+    if verdict.lock_hash != lock_sha256:
+        out.append(f"the verdict checked lock {str(verdict.lock_hash)[:12]}, the SKU's current lock is {lock_sha256[:12]}")
+    if not verdict.bundle_sha256:
+        out.append("the verdict names no reference bundle")
+    bad = [f"{n} {s}" for n, s in verdict.checks.items() if s in ("fail", "error")]
+    if bad:
+        out.append(f"checks did not pass: {', '.join(bad)}")
+    missing = [n for n in REQUIRED_CHECKS if verdict.checks.get(n) != "pass"]
+    if missing:
+        listed = ", ".join(f"{n} ({verdict.checks.get(n, 'absent')})" for n in missing)
+        out.append(f"required checks did not pass: {listed}")
+    return out
+
+
+# ---------------------------------------------------------------- the plan (pure)
+
+
+class PublishPlan(Frozen):
+    """What one publish will do, decided before anything is pushed."""
+
+    sku: str
+    target: RegistryTarget
+    repository: str
+    image_id: str
+    lock_sha256: str
+    version_tag: str
+    tags: tuple[str, ...] = Field(description="Human tags, moved in this order after the push and the record")
+    push_tag: str
+
+    @property
+    def push_reference(self) -> str:
+        return f"{self.target.host}/{self.repository}:{self.push_tag}"
+
+
+def version_tag(*, sku: str, engine_version: str, lock: Lock) -> str:
+    """`<engine-version>-<lock-hash12>`: the tag part of the content-addressed local tag."""
+    return image_tag(sku=sku, engine_version=engine_version, lock=lock).rsplit(":", 1)[1]
+
+
+def plan_publish(*, sku: str, engine_version: str, lock: Lock, image_id: str, verdict: VerdictFacts,
+                 target: RegistryTarget, push_tag: str | None = None) -> PublishPlan:
+    """Decide the publish: PublishError listing every reason when the verdict does not allow it."""
+    lock_sha = lock.content_hash()
+    if lock.sku != sku:
+        raise PublishError(f"the lock is for SKU {lock.sku}, not {sku}")
+    problems = refusals(sku=sku, image_id=image_id, lock_sha256=lock_sha, verdict=verdict)
+    if problems:
+        raise PublishError(f"refusing to publish {sku} ({image_id[:19]}): " + "; ".join(problems)
+                           + f"; fix: run `skupin gate {sku}` on this image and lock")
+    vtag = version_tag(sku=sku, engine_version=engine_version, lock=lock)
+    return PublishPlan(sku=sku, target=target, repository=target.repository(sku), image_id=image_id,
+                       lock_sha256=lock_sha, version_tag=vtag, tags=(vtag, VERIFIED_TAG),
+                       push_tag=push_tag or PUSH_TAG_PREFIX + secrets.token_hex(6))
+
+
+# ---------------------------------------------------------------- the verification record
+
+
+class VerificationRecord(Frozen):
+    """Stored next to the image under `sha256-<hex>.verification`: why this digest may be used."""
+
+    format: Literal["skupin-verification/1"] = "skupin-verification/1"
+    sku: str
+    repository: str
+    image_digest: str = Field(description="The manifest digest the record vouches for")
+    image_id: str = Field(description="The image (config) id the gate ran")
+    lock_sha256: str
+    lock: dict[str, Any]
+    bundle_sha256: str
+    gate_decision: str
+    gate_date: str | None
+    verdict: dict[str, Any]
+    tool_version: str
+    published: str
+
+
+def record_tag(digest: str) -> str:
+    """sha256:<hex> -> sha256-<hex>.verification (the cosign-style tag of the record)."""
+    algo, _, hexpart = digest.partition(":")
+    if algo != "sha256" or len(hexpart) != 64:
+        raise PublishError(f"not a sha256 digest: {digest!r}")
+    return f"sha256-{hexpart}.verification"
+
+
+class Artifact(Frozen):
+    """The record as an OCI artifact: config blob, layer blob, manifest bytes."""
+
+    config: bytes
+    layer: bytes
+    manifest: bytes
+
+
+def record_artifact(*, record: VerificationRecord, subject: Manifest) -> Artifact:
+    """Encode a record as an OCI image manifest (artifactType, one JSON layer, subject = the image)."""
+
+    def desc(media: str, data: bytes) -> dict[str, Any]:
+        return {"mediaType": media, "digest": sha256_digest(data), "size": len(data)}
+
+    config = canonical_json({"sku": record.sku, "image_digest": record.image_digest, "format": record.format})
+    layer = canonical_json(record.model_dump(mode="json"))
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": RECORD_MEDIA_TYPE,
+        "config": desc(RECORD_CONFIG_MEDIA_TYPE, config),
+        "layers": [{**desc(RECORD_MEDIA_TYPE, layer), "annotations": {"org.opencontainers.image.title": "verification.json"}}],
+        "subject": {"mediaType": subject.media_type, "digest": subject.digest, "size": len(subject.body)},
+        "annotations": {"io.skupin.sku": record.sku, "io.skupin.lock-sha256": record.lock_sha256,
+                        "org.opencontainers.image.created": record.published},
+    }
+    return Artifact(config=config, layer=layer, manifest=canonical_json(manifest))
+
+
+def read_record(*, client: RegistryClient, repository: str, digest: str) -> VerificationRecord:
+    """Fetch and decode the record stored for `digest`; PublishError when absent or malformed."""
+    tag = record_tag(digest)
+    try:
+        art = client.get_manifest(repository, tag, accept=(OCI_MANIFEST,))
+    except NetworkError as exc:
+        raise PublishError(f"no verification record for {digest[:19]} ({repository}:{tag}): {exc}") from exc
+    try:
+        body = art.json()
+        layer = next(d for d in body.get("layers", ()) if d.get("mediaType") == RECORD_MEDIA_TYPE)
+        subject = (body.get("subject") or {}).get("digest")
+    except (ValueError, StopIteration, AttributeError) as exc:
+        raise PublishError(f"{repository}:{tag} is not a skupin verification record") from exc
+    if subject is not None and subject != digest:
+        raise PublishError(f"{repository}:{tag} names subject {subject}, not {digest}")
+    try:
+        data = client.get_blob(repository, layer["digest"])
+        return VerificationRecord.model_validate_json(data)
+    except NetworkError as exc:
+        raise PublishError(f"the record blob of {repository}:{tag} cannot be read: {exc}") from exc
+    except ValueError as exc:
+        raise PublishError(f"the record of {repository}:{tag} is malformed: {str(exc)[:300]}") from exc
+
+
+# ---------------------------------------------------------------- executing the plan
+
+
+class PublishedImage(Frozen):
+    """A published, recorded and tagged image."""
+
+    sku: str
+    registry: str
+    repository: str
+    digest: str
+    reference: str = Field(description="name@sha256:... (what operators pull)")
+    image_id: str
+    lock_sha256: str
+    tags: tuple[str, ...]
+    record_tag: str
+    record_digest: str
+    push_s: float
+    total_s: float
+    leftover_tags: tuple[str, ...] = Field(default=(), description="Temporary tags the registry could not delete")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def check_registry(*, client: RegistryClient, target: RegistryTarget, hint: str = "") -> None:
+    """PublishError (nothing tagged) when the registry does not answer."""
+    try:
+        client.ping()
+    except NetworkError as exc:
+        fix = hint or f"make {target.url} reachable and log in (docker login {target.host})"
+        raise PublishError(f"the registry {target.url} does not answer: {exc}; nothing was pushed or tagged; fix: {fix}") from exc
+
+
+def push_by_digest(*, plan: PublishPlan, engine, on_event: OnEvent = _quiet) -> str:
+    """Push the image under the plan's temporary tag; return the digest. The local temporary tag always goes."""
+    engine.tag(plan.image_id, plan.push_reference)
+    try:
+        return engine.push(plan.push_reference, on_event=on_event)
+    except EngineError as exc:
+        raise PublishError(f"push of {plan.sku} to {plan.target.url} failed: {exc}; nothing was tagged") from exc
+    finally:
+        try:
+            engine.remove_image(plan.push_reference)
+        except EngineError:
+            on_event(f"could not remove the local temporary tag {plan.push_reference}")
+
+
+def publish_image(*, plan: PublishPlan, verdict: dict[str, Any], lock: Lock, engine, client: RegistryClient,
+                  untag: Untag | None = None, on_event: OnEvent = _quiet, registry_hint: str = "") -> PublishedImage:
+    """Execute a plan (see the module doc). Nothing is tagged unless every earlier step succeeded."""
+    start = time.monotonic()
+    check_registry(client=client, target=plan.target, hint=registry_hint)
+    facts = verdict_facts(verdict)
+    on_event(f"pushing {plan.image_id[:19]} as {plan.push_reference}")
+    digest = ""
+    try:
+        digest = push_by_digest(plan=plan, engine=engine, on_event=on_event)
+        push_s = time.monotonic() - start
+        on_event(f"pushed {digest}")
+        try:
+            image = client.get_manifest(plan.repository, digest)
+        except NetworkError as exc:
+            raise PublishError(f"pushed {digest} but cannot read it back: {exc}; nothing was tagged") from exc
+        config = (image.json().get("config") or {}).get("digest")
+        if config != plan.image_id:
+            raise PublishError(f"pushed manifest {digest} has config {config}, not the gated image {plan.image_id}; "
+                               "nothing was tagged")
+        record = VerificationRecord(
+            sku=plan.sku, repository=plan.repository, image_digest=digest, image_id=plan.image_id,
+            lock_sha256=plan.lock_sha256, lock=lock.model_dump(mode="json"), bundle_sha256=str(facts.bundle_sha256),
+            gate_decision=facts.decision, gate_date=facts.created, verdict=verdict, tool_version=__version__,
+            published=_now())
+        record_digest = _store_record(plan=plan, record=record, subject=image, client=client)
+        on_event(f"stored the verification record {plan.repository}:{record_tag(digest)}")
+        for tag in plan.tags:
+            _move_tag(plan=plan, tag=tag, image=image, client=client)
+            on_event(f"tagged {plan.target.host}/{plan.repository}:{tag} -> {digest}")
+    finally:
+        leftover = _drop_push_tag(plan=plan, client=client, untag=untag, on_event=on_event, pushed=bool(digest))
+    return PublishedImage(
+        sku=plan.sku, registry=plan.target.url, repository=plan.repository, digest=digest,
+        reference=plan.target.reference(plan.sku, digest=digest), image_id=plan.image_id, lock_sha256=plan.lock_sha256,
+        tags=plan.tags, record_tag=record_tag(digest), record_digest=record_digest, push_s=round(push_s, 3),
+        total_s=round(time.monotonic() - start, 3), leftover_tags=leftover)
+
+
+def _store_record(*, plan: PublishPlan, record: VerificationRecord, subject: Manifest, client: RegistryClient) -> str:
+    art = record_artifact(record=record, subject=subject)
+    tag = record_tag(record.image_digest)
+    try:
+        client.push_blob(plan.repository, art.config)
+        client.push_blob(plan.repository, art.layer)
+        stored = client.put_manifest(plan.repository, tag, art.manifest, OCI_MANIFEST)
+    except NetworkError as exc:
+        raise PublishError(f"storing the verification record {tag} failed: {exc}; no human tag was moved") from exc
+    back = read_record(client=client, repository=plan.repository, digest=record.image_digest)
+    if back != record:
+        raise PublishError(f"the verification record read back from {tag} differs from the one stored; no human tag was moved")
+    return stored
+
+
+def _move_tag(*, plan: PublishPlan, tag: str, image: Manifest, client: RegistryClient) -> None:
+    try:
+        stored = client.put_manifest(plan.repository, tag, image.body, image.media_type)
+    except NetworkError as exc:
+        raise PublishError(f"moving {plan.repository}:{tag} to {image.digest} failed: {exc}") from exc
+    if stored != image.digest:
+        raise PublishError(f"{plan.repository}:{tag} was stored as {stored}, not {image.digest}")
+
+
+def _drop_push_tag(*, plan: PublishPlan, client: RegistryClient, untag: Untag | None, on_event: OnEvent,
+                   pushed: bool) -> tuple[str, ...]:
+    """Remove the temporary tag from the registry; the tags that could not be removed."""
+    try:
+        if client.delete_tag(plan.repository, plan.push_tag):
+            return ()
+    except NetworkError:
+        pass
+    if untag is not None:
+        try:
+            untag(plan.repository, plan.push_tag)
+            return ()
+        except (OSError, PublishError):
+            pass
+    if pushed:
+        on_event(f"the registry cannot delete tags: temporary tag {plan.repository}:{plan.push_tag} left behind")
+        return (plan.push_tag,)
+    return ()
+
+
+# ---------------------------------------------------------------- a SKU, from its files (for the CLI and `run`)
+
+
+def publish_target(registry: str | None, addr: str):
+    """The registry to publish to; for our default local registry also the on-disk untag and the `up` hint."""
+    from publishing.local_registry import default_registry, untag_on_disk
+
+    local = default_registry(addr=addr)
+    target = parse_target(registry or local.addr)
+    if target.host == local.addr and local.config_path.exists():
+        return target, (lambda repo, tag: untag_on_disk(registry=local, repository=repo, tag=tag)), "run `skupin registry up`"
+    hint = "run `skupin registry up`" if target.host == local.addr else ""
+    return target, None, hint
+
+
+MAX_VERDICT_BYTES = 64 * 1024**2
+
+
+def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, dict | None] | None:
+    """The newest verdict under .skupin/gates/<sku>/ for this image and lock (else the newest at all, so
+    the refusal can say why) with its parsed data (None when that file could not be read); None when the
+    SKU was never gated. An older pass never hides a newer fail. Only regular files count (lstat: a link,
+    a FIFO or a folder named verdict.json is skipped, links to folders are not followed), and each is
+    read bounded in size and JSON depth, so nothing in that folder can hang or crash publish."""
+    from common.paths import STATE
+
+    found = _verdict_files(Path(STATE) / "gates" / sku)
+    newest: dict | None = None
+    for i, path in enumerate(found):
+        data = _load_verdict(path)
+        if data is None:
+            continue
+        if i == 0:
+            newest = data
+        if data.get("image_id") == image_id and data.get("lock_hash") == lock_sha256:
+            return path, data
+    return (found[0], newest) if found else None
+
+
+def _verdict_files(root: Path) -> list[Path]:
+    """Every regular file named verdict.json under `root`, newest (lstat mtime) first; the probe's output folders
+    (`probe/`, container-writable before the probe printed its outputs) are not searched."""
+    found = []
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        dirs[:] = [d for d in dirs if d != "probe"]
+        if "verdict.json" not in files:
+            continue
+        path = Path(folder) / "verdict.json"
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            found.append((info.st_mtime, str(path)))
+    return [Path(p) for _, p in sorted(found, reverse=True)]
+
+
+def _load_verdict(path: Path) -> dict | None:
+    """The verdict at `path` (a regular file, read bounded), or None when it cannot be read or is not an object."""
+    try:
+        data = _read_bounded(path)
+    except (OSError, ValueError, BundleError):  # BundleError: gates.untrusted refused it
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_bounded(path: Path) -> Any:
+    from gates.untrusted import load_json, read_regular_file
+
+    return load_json(read_regular_file(path, max_bytes=MAX_VERDICT_BYTES), source=str(path))
+
+
+def _read_verdict(path: Path, sku: str) -> dict:
+    """The verdict at `path` (given on the command line: a link to it is followed), read bounded."""
+    resolved = Path(path).resolve()
+    if not resolved.exists():
+        raise PublishError(f"no gate verdict at {path}; fix: skupin gate {sku}")
+    try:
+        data = _read_bounded(resolved)
+    except (OSError, ValueError, BundleError) as exc:
+        raise PublishError(f"{path}: unreadable verdict: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PublishError(f"{path}: unreadable verdict: not a JSON object")
+    return data
+
+
+def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,
+                engine, on_event: OnEvent = _quiet) -> PublishedImage:
+    """Load the SKU, its current lock, its built image and verdict; plan and publish (used by `publish` and `run`)."""
+    from builder.lockfile import lock_path, read_lock
+    from builder.manifest import load_manifest
+    from common.paths import sku_path
+
+    path = sku_path(sku)
+    manifest = load_manifest(path)
+    lock = read_lock(lock_path(path))
+    ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
+    info = engine.inspect_image(ref)
+    if info is None:
+        raise PublishError(f"image {ref} is not on this engine; fix: skupin build {manifest.name}")
+    found = (verdict_path, None) if verdict_path else find_verdict(sku=manifest.name, image_id=info.id,
+                                                                   lock_sha256=lock.content_hash())
+    if found is None:
+        raise PublishError(f"{manifest.name} was never gated (no verdict under .skupin/gates/); fix: skupin gate {manifest.name}")
+    vpath, verdict = found
+    if verdict is None:  # given on the command line, or the newest verdict could not be read
+        verdict = _read_verdict(vpath, manifest.name)
+    target, untag, hint = publish_target(registry, addr)
+    plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
+                        verdict=verdict_facts(verdict), target=target)
+    with RegistryClient(target.url) as client:
+        return publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client, untag=untag,
+                             on_event=on_event, registry_hint=hint)

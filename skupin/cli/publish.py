@@ -1,0 +1,162 @@
+"""CLI commands of the publishing stage: `registry up|down|status`, `publish`, `verify`, `pull`, `run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from common.errors import PublishError
+
+
+def _out(line: str = "") -> None:
+    from skupin import cli
+
+    cli._out(line)
+
+
+def _err(line: str) -> None:
+    """Progress and errors to stderr, through the CLI's own printer."""
+    from skupin import cli
+
+    cli._progress_printer("plain")(line)
+
+
+# ---------------------------------------------------------------- registry
+
+
+def _local(args: argparse.Namespace):
+    from publishing.local_registry import default_registry
+
+    return default_registry(addr=args.addr)
+
+
+def cmd_registry(args: argparse.Namespace) -> int:
+    from publishing.local_registry import registry_down, registry_status, registry_up
+
+    reg = _local(args)
+    if args.registry_command == "up":
+        status = registry_up(registry=reg, deadline_s=args.deadline, on_event=_err)
+    elif args.registry_command == "down":
+        status = registry_down(registry=reg)
+    else:
+        status = registry_status(registry=reg)
+    _out(json.dumps(status.model_dump(mode="json")) if args.json else f"registry {status.url}: {status.action}")
+    if args.registry_command == "status" and not status.answering:
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- publish
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from dockerd.client import connect
+    from publishing.publish import publish_sku
+
+    published = publish_sku(sku=args.sku, registry=args.registry, addr=args.addr, verdict_path=args.verdict,
+                            image=args.image, engine=connect(), on_event=_err)
+    if args.json:
+        _out(json.dumps(published.model_dump(mode="json"), indent=2, sort_keys=True))
+        return 0
+    for tag in published.tags:
+        _out(f"  {published.registry}/{published.repository}:{tag}")
+    _out(f"  record {published.repository}:{published.record_tag}")
+    if published.leftover_tags:
+        _out(f"  note: temporary tag(s) left in the registry: {', '.join(published.leftover_tags)}")
+    _out(f"published {published.reference} in {published.total_s:.1f} s (push {published.push_s:.1f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------- verify / pull
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from publishing.verify import verify_reference
+
+    result = verify_reference(ref=args.ref)
+    _out(json.dumps(result.model_dump(mode="json")) if args.json else result.line())
+    return 0 if result.ok else PublishError.exit_code
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from dockerd.client import connect
+    from publishing.publish import parse_target
+    from publishing.local_registry import default_registry
+    from publishing.verify import pull_verified
+
+    target = parse_target(args.registry or default_registry(addr=args.addr).addr)
+    result, image_id = pull_verified(sku=args.sku, target=target, engine=connect())
+    _out(result.line())
+    _out(f"image id {image_id}")
+    _out(str(result.reference))
+    return 0
+
+
+# ---------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from skupin.pipeline import RunOptions, run_pipeline
+
+    options = RunOptions(sku=args.sku, registry=args.registry, addr=args.addr, wheelhouse=args.wheelhouse,
+                         ca_bundle=args.ca_bundle, no_cache=args.no_cache)
+    summary = run_pipeline(options=options, on_event=_err)
+    for line in summary.table():
+        _out(line)
+    if summary.error is not None:
+        err = summary.error
+        for line in err.lines():
+            _err(f"error: {line}")
+        return err.exit_code
+    return 0
+
+
+# ---------------------------------------------------------------- registration
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """`registry`, `publish`, `verify`, `pull`, `run`."""
+    from common.paths import REGISTRY_ADDR as DEFAULT_ADDR
+
+    p = sub.add_parser("registry", help="the default local OCI registry: up, down, status (127.0.0.1:5000)")
+    rsub = p.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
+    for action, text in (("up", "start it (installs Debian's docker-registry if absent); never touches a running one"),
+                         ("down", "stop the registry skupin started (data kept)"),
+                         ("status", "does it answer, and did skupin start it (exit 1 when it does not answer)")):
+        q = rsub.add_parser(action, help=text)
+        q.add_argument("--addr", default=DEFAULT_ADDR, help=f"loopback host:port (default {DEFAULT_ADDR})")
+        q.add_argument("--json", action="store_true", help="print the status as JSON")
+        if action == "up":
+            q.add_argument("--deadline", type=float, default=20, metavar="S", help="seconds to wait for it (default 20)")
+        q.set_defaults(func=cmd_registry)
+
+    p = sub.add_parser("publish", help="push a gated image by digest, store its verification record, move its tags")
+    p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry)")
+    p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
+    p.add_argument("--verdict", type=Path, metavar="FILE", help="the gate verdict (default: the newest under .skupin/gates/SKU/ for this image and lock)")
+    p.add_argument("--image", metavar="REF", help="the image to publish (default: the SKU's content-addressed tag)")
+    p.add_argument("--json", action="store_true", help="print the published image as JSON")
+    p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("verify", help="operators: does REF resolve to a digest with a passing record for the current lock?")
+    p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("pull", help="pull the verified digest of a SKU (not a tag); prints name@sha256:... last")
+    p.add_argument("sku", help="SKU name")
+    p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry)")
+    p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("run", help="the whole pipeline: check, lock, engine, base, build, gate, registry, publish, verify")
+    p.add_argument("sku", nargs="?", default="cpu-x86_64", help="SKU name (default cpu-x86_64)")
+    p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry, started if needed)")
+    p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels (default /opt/wheels when present)")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="extra CA bundle for pip (default: the host's, when TLS is intercepted)")
+    p.add_argument("--no-cache", action="store_true", help="build every layer again")
+    p.set_defaults(func=cmd_run)
+

@@ -1,0 +1,113 @@
+"""CLI commands for reference bundles and fixtures: `reference capture|verify` and `fixture generate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from common.errors import SkupinError
+
+
+def _sku_manifest(sku: str):
+    """Load a SKU given by name (skus/<name>.yaml) or by path; ManifestError (with a hint) when there is none."""
+    from builder.manifest import load_manifest
+    from common.paths import sku_path
+
+    return load_manifest(sku_path(sku))
+
+
+def cmd_reference_capture(args: argparse.Namespace) -> int:
+    from gates.bundle import capture
+
+    manifest = _sku_manifest(args.sku)
+    out = capture(manifest=manifest, out=Path(args.out), dtype=args.dtype, batch_size=args.batch_size,
+                  model_dir=Path(args.model_dir) if args.model_dir else None, engine=args.engine,
+                  full_logprobs=args.full_logprobs, threads=args.threads, model=args.model, command=["skupin", *sys.argv[1:]])
+    meta = json.loads((out / "meta.json").read_text())  # capture() has just verified the bundle
+    gpu = meta["gpu"]
+    print(f"captured {out}: {meta['model']['name']} {meta['dtype']} batch {meta['batch_size']} on {gpu['name']} "
+          f"(driver {meta['driver']}, cuda {meta['cuda']}, torch {meta['torch']}, triton {meta['triton']}, "
+          f"{meta['engine']['name']} {meta['engine']['version']})")
+    return 0
+
+
+def cmd_reference_verify(args: argparse.Namespace) -> int:
+    from gates.bundle import check_fits, verify
+
+    meta = verify(folder=Path(args.folder))
+    if args.sku:
+        check_fits(meta=meta, manifest=_sku_manifest(args.sku))
+    print(f"ok  {args.folder}: {meta['model']['name']} {meta['dtype']} on {meta['gpu']['name']} "
+          f"(driver {meta['driver']}, torch {meta['torch']}, {meta['engine']['name']} {meta['engine']['version']}, "
+          f"captured {meta['created']})")
+    return 0
+
+
+def cmd_fixture_generate(args: argparse.Namespace) -> int:
+    from gates import fixture
+    from gates.bundle import FIXTURES
+
+    out = Path(args.out) if args.out else FIXTURES / args.name
+    if args.check:
+        hashes = fixture.check_fixture(name=args.name, folder=out)
+        print(f"ok  {out}: fixture {args.name} matches its recorded sha256 ({fixture.digest_of(hashes)})")
+        return 0
+    hashes = fixture.generate_fixture(name=args.name, out=out)
+    for name, digest in sorted(hashes.items()):
+        print(f"{digest}  {name}")
+    print(f"wrote {out}: fixture {args.name}, digest {fixture.digest_of(hashes)} (matches the recorded sha256)")
+    return 0
+
+
+# The fixtures of gates.fixture.SPECS, named here so that building the CLI does not import numpy
+# (tests/unit/test_fixture.py checks the two agree).
+FIXTURE_NAMES = ("llama-1k", "tiny-llama")
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add `reference capture`, `reference verify` and `fixture generate` to the skupin CLI."""
+
+    ref = subparsers.add_parser("reference", help="capture and verify NVIDIA reference bundles")
+    ref_sub = ref.add_subparsers(dest="reference_command", metavar="ACTION", required=True)
+    p = ref_sub.add_parser("capture", help="run the probe on this host and write a reference bundle (no Docker)")
+    p.add_argument("--sku", required=True, help="SKU name (skus/<name>.yaml) or manifest path: gives model, dtype, batch")
+    p.add_argument("--out", required=True, metavar="DIR", help="new bundle folder")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the SKU's gate dtype")
+    p.add_argument("--batch-size", type=int, help="override the SKU's gate batch size")
+    p.add_argument("--engine", default="transformers", choices=("transformers", "vllm", "sglang"))
+    p.add_argument("--model", choices=FIXTURE_NAMES, help="fixture to capture (default: the SKU's gate.model)")
+    p.add_argument("--model-dir", metavar="DIR", help="fixture folder (default: committed or freshly generated)")
+    p.add_argument("--full-logprobs", type=int, default=4, help="prompts whose full-vocab logprobs are stored")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads for the probe (0: default)")
+    p.set_defaults(func=cmd_reference_capture)
+    p = ref_sub.add_parser("verify", help="check a bundle's SHA256SUMS (and optionally its fit to a SKU)")
+    p.add_argument("folder", metavar="DIR")
+    p.add_argument("--sku", help="also check model, prompt set and dtype against this SKU's gate")
+    p.set_defaults(func=cmd_reference_verify)
+
+    fx = subparsers.add_parser("fixture", help="generate or check the seeded model fixtures")
+    fx_sub = fx.add_subparsers(dest="fixture_command", metavar="ACTION", required=True)
+    p = fx_sub.add_parser("generate", help="regenerate a fixture bit-identically (sha256 checked)")
+    p.add_argument("--name", default="tiny-llama", choices=FIXTURE_NAMES)
+    p.add_argument("--out", metavar="DIR", help="folder (default: gates/fixtures/<name>)")
+    p.add_argument("--check", action="store_true", help="only check an existing folder against the recorded sha256")
+    p.set_defaults(func=cmd_fixture_generate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run these commands without the skupin CLI (e.g. on a reference machine): python3 -m skupin.cli.reference."""
+    parser = argparse.ArgumentParser(prog="python3 -m skupin.cli.reference")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SkupinError as exc:
+        for line in exc.lines():
+            print(f"error: {line}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
