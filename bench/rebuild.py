@@ -36,7 +36,7 @@ from packaging.utils import canonicalize_name
 
 from builder.base import ensure_base
 from builder.build import build_image
-from dockerd.client import connect, ensure_engine
+from dockerd import connect, ensure_dockerd
 from builder.lockfile import Lock, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
 
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if not versions:
         ap.error("--to: give at least one engine version")
 
-    ensure_engine(on_event=say)
-    engine = connect()
+    ensure_dockerd(on_event=say)
+    docker = connect()
     with tempfile.TemporaryDirectory(prefix="skupin-bench-") as tmp:
         cold_dir = Path(tmp, "cold")
         cold_dir.mkdir()
@@ -135,18 +135,18 @@ def main(argv: list[str] | None = None) -> int:
             write_lock(point_lock, lock_path(point_manifest))
             points.append((version, point_manifest, point_lock))
 
-        ensure_base(manifest=load_manifest(cold_manifest), engine=engine, on_event=say)
+        ensure_base(manifest=load_manifest(cold_manifest), docker=docker, on_event=say)
         # A cold build starts from an empty build cache (pruned, then a normal build) rather than
         # --no-cache: a --no-cache build does not reliably leave a cache the next build can use.
         say(f"cold build ({args.cold})")
         if args.cold == "prune":
-            engine.builder_prune()
+            docker.builder_prune()
         cold_settle = settle(say)
         # The cold build also starts with an empty wheel store: it downloads every locked wheel
         # (torch comes from the wheelhouse); the point releases then reuse that store.
         store = Path(tmp, "wheels")
         cold = build_image(manifest=load_manifest(cold_manifest), manifest_path=cold_manifest, lock=cold_lock,
-                           engine=engine, wheelhouse=wheelhouse, ca_bundle=ca, no_cache=args.cold == "no-cache",
+                           docker=docker, wheelhouse=wheelhouse, ca_bundle=ca, no_cache=args.cold == "no-cache",
                            wheel_store=store)
         say(f"cold: {cold.total_s:.1f} s")
         builds = []
@@ -156,16 +156,16 @@ def main(argv: list[str] | None = None) -> int:
             quiet = settle(say)
             say(f"point-release build {old_version} -> {version} (with the cache of the cold build)")
             built = build_image(manifest=load_manifest(point_manifest), manifest_path=point_manifest, lock=point_lock,
-                                engine=engine, wheelhouse=wheelhouse, ca_bundle=ca, wheel_store=store)
+                                docker=docker, wheelhouse=wheelhouse, ca_bundle=ca, wheel_store=store)
             say(f"point release {version}: {built.total_s:.1f} s")
             builds.append((version, point_lock, built, quiet))
 
-    cold_info = engine.inspect_image(cold.image_id)
+    cold_info = docker.inspect_image(cold.image_id)
     assert cold_info is not None
     build_s = lambda b: round(sum(layer.seconds for layer in b.layers), 2)  # noqa: E731
     rows = []
     for version, point_lock, built, quiet in builds:
-        info = engine.inspect_image(built.image_id)
+        info = docker.inspect_image(built.image_id)
         assert info is not None
         rows.append({
             "to": version,
@@ -177,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             "layers": {layer.name: {"seconds": layer.seconds, "cached": layer.cached} for layer in built.layers},
             "rebuilt_layers": [layer.name for layer in built.layers if not layer.cached],
             "new_layers": len([d for d in info.layers if d not in set(cold_info.layers)]),
-            "new_layer_bytes": engine.unique_bytes(built.image_id),
+            "new_layer_bytes": docker.unique_bytes(built.image_id),
             "image_bytes": info.size,
             "settle": quiet,
         })
-        engine.remove_image(built.image, force=False)  # the bench's point-release tags; the cold tag is the SKU's own
+        docker.remove_image(built.image, force=False)  # the bench's point-release tags; the cold tag is the SKU's own
     point_s = statistics.median(r["seconds"] for r in rows)
     first = rows[0]
     result = {
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "new_layers": first["new_layers"],
         "new_layer_bytes": first["new_layer_bytes"],
         "image_bytes": first["image_bytes"],
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "engine": engine.ping()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "engine": docker.ping()},
         "measured": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cold_method": args.cold,
         "notes": "seconds are BuiltImage.total_s: base check + context + BuildKit build + the image-vs-lock check "

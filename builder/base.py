@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.apt import apt_install
-from dockerd.client import Engine
-from common.errors import BuildError, EngineError
+from dockerd import Docker
+from common.errors import BuildError, DockerError
 from builder.manifest import Bootstrap, SkuManifest
 
 OnEvent = Callable[[str], None]
@@ -21,25 +21,25 @@ def _quiet(_: str) -> None:
     return None
 
 
-def ensure_base(*, manifest: SkuManifest, engine: Engine, on_event: OnEvent = _quiet) -> str:
+def ensure_base(*, manifest: SkuManifest, docker: Docker, on_event: OnEvent = _quiet) -> str:
     """Return the image id of the SKU's base, making it locally when it is missing.
 
     Bootstrap bases: reuse the local tag `Bootstrap.local_tag()` when present, else run
     debootstrap and `docker import` the tree. Image bases: use the local copy, else pull by
-    digest (EngineError when no registry is reachable).
+    digest (DockerError when no registry is reachable).
     """
     ref = manifest.base.reference
-    info = engine.inspect_image(ref)
+    info = docker.inspect_image(ref)
     if info is not None:
         on_event(f"base {ref} present ({info.id})")
         return info.id
     if manifest.base.bootstrap is not None:
-        return _bootstrap(recipe=manifest.base.bootstrap, engine=engine, on_event=on_event)
+        return _bootstrap(recipe=manifest.base.bootstrap, docker=docker, on_event=on_event)
     on_event(f"base {ref} not present locally: pulling by digest")
     try:
-        return engine.pull(ref)
-    except EngineError as exc:
-        raise EngineError(
+        return docker.pull(ref)
+    except DockerError as exc:
+        raise DockerError(
             f"base image {ref} of SKU {manifest.name} is not on this engine and cannot be pulled ({exc}); "
             "fix: `docker load` it here, or give the SKU a base.bootstrap recipe"
         ) from exc
@@ -53,7 +53,7 @@ def _ensure_debootstrap(on_event: OnEvent) -> str:
     return shutil.which("debootstrap") or "/usr/sbin/debootstrap"
 
 
-def _bootstrap(*, recipe: Bootstrap, engine: Engine, on_event: OnEvent) -> str:
+def _bootstrap(*, recipe: Bootstrap, docker: Docker, on_event: OnEvent) -> str:
     tool = _ensure_debootstrap(on_event)
     tag = recipe.local_tag()
     with tempfile.TemporaryDirectory(prefix="skupin-base-") as tmp:
@@ -70,8 +70,8 @@ def _bootstrap(*, recipe: Bootstrap, engine: Engine, on_event: OnEvent) -> str:
             raise BuildError(f"debootstrap of {recipe.suite} ({recipe.variant}) failed (exit {proc.returncode}):\n{tail}")
         on_event(f"debootstrap done in {time.monotonic() - start:.1f} s")
         _clean_tree(root)
-        image_id = engine.import_rootfs(rootfs=root, reference=tag, on_event=on_event)
-    info = engine.inspect_image(tag)
+        image_id = docker.import_rootfs(rootfs=root, reference=tag, on_event=on_event)
+    info = docker.inspect_image(tag)
     if info is None:
         raise BuildError(f"imported base {tag} but the engine does not show it")
     on_event(f"base {tag} made: {info.id} (layer {info.layers[0] if info.layers else '?'})")

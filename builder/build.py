@@ -36,8 +36,8 @@ from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from builder.base import ensure_base
-from dockerd.client import ContainerSpec, Engine
-from common.errors import BuildError, EngineError, LockError
+from dockerd import ContainerSpec, Docker
+from common.errors import BuildError, DockerError, LockError
 from builder.lockfile import Lock, image_tag
 from builder.manifest import SkuManifest
 from common.model import Frozen
@@ -256,10 +256,10 @@ _LIST_DISTS = (
 )
 
 
-def installed_distributions(*, engine: Engine, image: str, deadline_s: float = 120) -> dict[str, str]:
+def installed_distributions(*, docker: Docker, image: str, deadline_s: float = 120) -> dict[str, str]:
     """Ask the image's own Python (sandboxed: no network, read-only) for its installed distributions."""
     spec = ContainerSpec(image=image, entrypoint=("python", "-c", _LIST_DISTS), mem_limit="1g", user="65534:65534")
-    res = engine.run(spec, deadline_s=deadline_s)
+    res = docker.run(spec, deadline_s=deadline_s)
     if res.exit_code != 0:
         raise BuildError(f"could not list the distributions of {image} (exit {res.exit_code}): {res.stderr.strip()[-2000:]}")
     try:
@@ -285,7 +285,7 @@ def build_image(
     manifest: SkuManifest,
     manifest_path: Path,
     lock: Lock,
-    engine: Engine,
+    docker: Docker,
     wheelhouse: Path | None = None,
     ca_bundle: Path | None = None,
     progress: Progress = "plain",
@@ -310,7 +310,7 @@ def build_image(
         phases[name] = round(now - mark, 3)
         mark = now
 
-    base_id = ensure_base(manifest=manifest, engine=engine, on_event=on_line)
+    base_id = ensure_base(manifest=manifest, docker=docker, on_event=on_line)
     phase("base")
     rendered = render(manifest=manifest, lock=lock)
     tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
@@ -326,7 +326,7 @@ def build_image(
         ctx = write_context(rendered=rendered, out=folder, wheels=stored, prune=True)
         phase("context")
         try:
-            image_id = engine.build(
+            image_id = docker.build(
                 context=ctx,
                 dockerfile=ctx / "Dockerfile",
                 build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock_hash, "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
@@ -338,7 +338,7 @@ def build_image(
             raise _failure(exc, lines=lines, dockerfile=rendered.text, ca_given=ca_bundle is not None) from exc
     phase("buildkit")
     steps = parse_progress(lines, dockerfile=rendered.text)
-    installed = installed_distributions(engine=engine, image=image_id)
+    installed = installed_distributions(docker=docker, image=image_id)
     problems = compare_with_lock(installed=installed, lock=lock)
     phase("verify")
     if problems:
@@ -346,10 +346,10 @@ def build_image(
             f"image {image_id[:19]} of {manifest.name} does not contain its locked set ({len(problems)} difference(s)); not tagged:\n"
             + "\n".join(problems[:40])
         )
-    engine.tag(image_id, tag)
-    info = engine.inspect_image(tag)
+    docker.tag(image_id, tag)
+    info = docker.inspect_image(tag)
     if info is None:
-        raise EngineError(f"tagged {image_id} as {tag} but the engine does not show it")
+        raise DockerError(f"tagged {image_id} as {tag} but the engine does not show it")
     phase("tag")
     built = BuiltImage(
         sku=manifest.name,

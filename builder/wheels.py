@@ -121,9 +121,9 @@ def _store_local(pkg: LockedPackage, path: Path, store: Path) -> None:
 
 def _download_all(pkgs: list[LockedPackage], *, store: Path, ca_bundle: Path | None, on_event: OnEvent, jobs: int,
                   timeout: float, retries: int, backoff: float) -> None:
-    from clients.index import _Http
+    from clients.transport import Transport
 
-    http = _Http(timeout=timeout, retries=retries, ca_bundle=ca_bundle, backoff=backoff, sleep=None, what="wheel download")
+    http = Transport(timeout=timeout, retries=retries, ca_bundle=ca_bundle, backoff=backoff, sleep=None, what="wheel download")
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(pkgs)))) as pool:
             futures = [pool.submit(_download, http, pkg, store) for pkg in pkgs]
@@ -153,7 +153,7 @@ def _download(http, pkg: LockedPackage, store: Path) -> tuple[int, float]:
         raise NetworkError(f"{pkg.filename}: {exc}") from exc
     try:
         if sha != pkg.sha256:
-            from clients.index import _safe
+            from clients.transport import safe_url as _safe
 
             raise BuildError(f"{pkg.filename}: downloaded from {_safe(url)} with sha256 {sha}, but the lock says "
                              f"{pkg.sha256}; the index now serves another file: check the mirror, or relock")
@@ -183,24 +183,3 @@ def prune_store(store: Path, *, keep: set[str], dry_run: bool = False) -> tuple[
                 folder.rmdir()  # only when empty
                 folder.parent.rmdir()
     return removed, size
-
-
-def cmd_wheels(args) -> int:
-    """`skupin wheels prune`: drop stored wheels that no lock under the given paths names."""
-    from builder.lockfile import lock_path, read_lock
-    from common.paths import manifest_files
-
-    keep: set[str] = set()
-    locks = [lock_path(m) for m in manifest_files([Path(p) for p in args.paths])]
-    for path in locks:
-        if path.is_file():
-            keep |= {p.sha256 for p in read_lock(path).packages().values()}
-    store = Path(args.store) if args.store else STORE
-    stored = sum(1 for _ in store.glob("??/*/*"))
-    removed, size = prune_store(store, keep=keep, dry_run=args.dry_run)
-    verb = "would remove" if args.dry_run else "removed"
-    for path in removed:
-        print(f"{verb} {path.name}")
-    print(f"{verb} {len(removed)} file(s), {size / 1e6:.1f} MB; {stored - len(removed)} wheel(s) kept in {store}, "
-          f"named by {sum(1 for p in locks if p.is_file())} lock(s)")
-    return 0

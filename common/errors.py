@@ -57,8 +57,8 @@ class BuildError(SkupinError):
     exit_code = 5
 
 
-class EngineError(SkupinError):
-    """No Docker engine answers, or one cannot be started."""
+class DockerError(SkupinError):
+    """No Docker daemon answers, or one cannot be started."""
 
     exit_code = 6
 

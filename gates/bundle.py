@@ -26,7 +26,7 @@ from builder.manifest import SkuManifest
 from gates import fixture
 from gates.probe_output import MAX_REPORT_BYTES, decode_report
 from gates.tensorio import read_safetensors
-from gates.untrusted import load_json, read_regular_file
+from common.untrusted import load_json, read_regular_file
 
 BUNDLE_FORMAT = "skupin-bundle/1"
 PROBE = Path(imagetools.__file__).with_name("probe.py")

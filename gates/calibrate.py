@@ -157,7 +157,7 @@ def _versions(env: dict[str, Any]) -> dict[str, str]:
 # ---------------------------------------------------------------- orchestration
 
 
-def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
+def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
                     variations: tuple[tuple[int, int], ...] = DEFAULT_VARIATIONS, margin: float = DEFAULT_MARGIN,
                     on_event: Callable[[str], None] = lambda _: None) -> ToleranceEntry:
     """Run the honest image `boots` x `variations` times in the gate's sandbox and derive the entry."""
@@ -165,9 +165,9 @@ def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
     from gates.gate import load_reference, reap_leftovers, resolve_image
 
     manifest = stack.manifest
-    reap_leftovers(engine=engine, on_event=on_event)
+    reap_leftovers(docker=docker, on_event=on_event)
     meta, reference, ref_sha = load_reference(manifest=manifest)
-    image_id = resolve_image(engine=engine, image=image).id
+    image_id = resolve_image(docker=docker, image=image).id
     runs: list[HonestRun] = []
     # The fixture is resolved (and checked, or generated) once, at the first run that needs it, for every run.
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
@@ -181,7 +181,7 @@ def calibrate_image(*, stack, image: str, engine, out: Path, boots: int = 2,
                     on_event(f"honest run: {label}")
                     if model_dir is None:
                         model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
-                    report, tensors = _honest_run(manifest=manifest, image=image_id, engine=engine, out=run_out,
+                    report, tensors = _honest_run(manifest=manifest, image=image_id, docker=docker, out=run_out,
                                                   batch=batch, threads=threads, label=label, model_dir=model_dir)
                 else:
                     on_event(f"honest run: {label}: reusing the finished run in {run_out}")
@@ -208,16 +208,16 @@ def _reuse(run_out: Path, image_id: str):
     return (report, tensors) if report.get("status") == "ok" else (None, None)
 
 
-def _honest_run(*, manifest, image: str, engine, out: Path, batch: int, threads: int, label: str, model_dir: Path):
+def _honest_run(*, manifest, image: str, docker, out: Path, batch: int, threads: int, label: str, model_dir: Path):
     """One honest probe container (retried once when the engine fails underneath it)."""
-    from common.errors import EngineError
+    from common.errors import DockerError
     from gates.gate import probe_in_container
 
     for attempt in (1, 2):
         try:
-            probe = probe_in_container(manifest=manifest, image=image, engine=engine, out=out, batch_size=batch,
+            probe = probe_in_container(manifest=manifest, image=image, docker=docker, out=out, batch_size=batch,
                                        threads=threads, model_dir=model_dir)
-        except EngineError as exc:
+        except DockerError as exc:
             if attempt == 2:
                 raise GateCouldNotRun(f"honest run {label} could not run: {exc}") from exc
             continue

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common import __version__
-from common.errors import BundleError, EngineError, GateCouldNotRun, SkupinError
+from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
 from engines import ENGINE_OUTPUTS, MODEL_MOUNT, serve_launch
 from builder.manifest import SkuManifest
 from gates.bundle import PROBE, fixture_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
 from gates.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
-from gates.untrusted import open_folder, printable, write_new_file
+from common.untrusted import open_folder, printable, write_new_file
 from gates.verdict import (
     CheckResult,
     GateVerdict,
@@ -52,7 +52,7 @@ from gates.verdict import (
 )
 
 if TYPE_CHECKING:
-    from dockerd.client import ImageInfo
+    from dockerd import ImageInfo
 
 OnEvent = Callable[[str], None]
 PROBE_MOUNT = "/skupin/probe.py"
@@ -134,9 +134,9 @@ def image_from_build_record(sku: str) -> str:
         raise GateCouldNotRun(f"{path}: no build record for {sku}; fix: skupin build {sku}, or pass --image") from exc
 
 
-def resolve_image(*, engine, image: str) -> ImageInfo:
+def resolve_image(*, docker, image: str) -> ImageInfo:
     """The ImageInfo (id, labels, ...) of local image `image`, or GateCouldNotRun."""
-    info = engine.inspect_image(image)
+    info = docker.inspect_image(image)
     if info is None:
         raise GateCouldNotRun(f"image {image} is not on this engine; fix: build or load it first")
     return info
@@ -166,7 +166,7 @@ def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ..
     limit (`sandbox_cpus`), the in-container deadline gate.deadline_s, output caps, the SKU's runtime (shm, devices,
     groups, GPUs) with private IPC even where the runtime asks for the host's, and SANDBOX_ENV + the SKU's runtime
     env (+ `env` on top)."""
-    from dockerd.client import ContainerSpec
+    from dockerd import ContainerSpec
 
     runtime = manifest.runtime
     caps = {"max_stdout_bytes": max_stdout_bytes} if max_stdout_bytes is not None else {}
@@ -184,7 +184,7 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
                threads: int = 0):
     """The sandboxed container that runs the probe on `image` (see the module docstring); `out` only names the run
     (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted."""
-    from dockerd.client import BindMount
+    from dockerd import BindMount
 
     gate, engine = manifest.gate, manifest.stack.engine.name
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
@@ -205,7 +205,7 @@ def read_probe_outputs(out: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
     return read_output_folder(Path(out))
 
 
-def probe_in_container(*, manifest: SkuManifest, image: str, engine, out: Path, batch_size: int | None = None,
+def probe_in_container(*, manifest: SkuManifest, image: str, docker, out: Path, batch_size: int | None = None,
                        threads: int = 0, model_dir: Path | None = None) -> ProbeRun:
     """Run the probe on `image` in the sandbox and read its output frame; failures come back in ProbeRun.error.
 
@@ -223,11 +223,11 @@ def probe_in_container(*, manifest: SkuManifest, image: str, engine, out: Path, 
             spec = probe_spec(manifest=manifest, image=image, out=Path(out), model_dir=model_dir,
                               batch_size=batch_size, threads=threads)
             try:
-                result = engine.run(spec)
-            except EngineError:
+                result = docker.run(spec)
+            except DockerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine SDK's own errors (e.g. 409 when removed by someone else)
-                raise EngineError(f"running the probe container failed: {exc}") from exc
+                raise DockerError(f"running the probe container failed: {exc}") from exc
         return _probe_run(result, deadline=float(manifest.gate.deadline_s), out_fd=out_fd)
     finally:
         os.close(out_fd)
@@ -285,11 +285,11 @@ def _container_log(result, problem: str) -> str:
             f"--- stdout\n{stdout}\n--- stderr\n{result.stderr[-MAX_LOG_CHARS:]}\n")
 
 
-def reap_leftovers(*, engine, on_event: OnEvent) -> None:
-    """Remove the sandbox containers of dead skupin processes (dockerd.client: Engine.reap_orphans) and say so."""
+def reap_leftovers(*, docker, on_event: OnEvent) -> None:
+    """Remove the sandbox containers of dead skupin processes (dockerd: Docker.reap_orphans) and say so."""
     try:
-        reaped = engine.reap_orphans()
-    except EngineError as exc:
+        reaped = docker.reap_orphans()
+    except DockerError as exc:
         on_event(f"could not look for leftover containers: {exc}")
         return
     for leftover in reaped:
@@ -321,7 +321,7 @@ class _GateRun:
 
     stack: Any
     image: str
-    engine: Any
+    docker: Any
     out: Path
     on_event: OnEvent
     tolerances_path: Path
@@ -428,9 +428,9 @@ def _check_boot(run: _GateRun) -> None:
         run.on_event(f"booting {run.image} ({run.image_id[:19]}) with the probe "
                      f"(deadline {run.manifest.gate.deadline_s} s)")
         run.model_dir = fixture_folder(name=run.manifest.gate.model, model_dir=None, scratch=run.scratch)
-        run.probe = probe_in_container(manifest=run.manifest, image=run.image_id, engine=run.engine,
+        run.probe = probe_in_container(manifest=run.manifest, image=run.image_id, docker=run.docker,
                                        out=run.out / "probe", model_dir=run.model_dir)
-    except (GateCouldNotRun, EngineError, BundleError) as exc:
+    except (GateCouldNotRun, DockerError, BundleError) as exc:
         run.add(CheckResult(name="boot", status="error", reason=str(exc)))
     run.time("probe_container_s", t0)
     probe, report = run.probe, run.probe.report
@@ -456,8 +456,8 @@ def _check_pins(run: _GateRun) -> None:
     t0 = time.monotonic()
     m, lock = run.manifest, run.lock
     try:
-        info = resolve_image(engine=run.engine, image=run.image)
-    except (GateCouldNotRun, EngineError) as exc:
+        info = resolve_image(docker=run.docker, image=run.image)
+    except (GateCouldNotRun, DockerError) as exc:
         run.add(CheckResult(name="pins", status="error", reason=str(exc)))
     run.image_id = info.id
     run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256")
@@ -468,7 +468,7 @@ def _check_pins(run: _GateRun) -> None:
     launch = serve_launch(manifest=m)
     run.on_event(f"pins: checking the files of {run.image} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
     try:
-        report = inspect_image_files(engine=run.engine, image_id=info.id, lock=lock, state=Path(STATE),
+        report = inspect_image_files(docker=run.docker, image_id=info.id, lock=lock, state=Path(STATE),
                                      expected_cmd=launch.argv if launch else None, wheelhouse=run.wheelhouse,
                                      on_event=run.on_event)
     except SkupinError as exc:
@@ -526,7 +526,7 @@ def _check_serve(run: _GateRun) -> None:
 
     t0 = time.monotonic()
     run.on_event("serve: booting the engine's server in the sandbox")
-    result = serve_check(manifest=run.manifest, image=run.image_id, engine=run.engine, ref=run.ref, entry=run.entry,
+    result = serve_check(manifest=run.manifest, image=run.image_id, docker=run.docker, ref=run.ref, entry=run.entry,
                          baseline=run.baseline, model_dir=run.model_dir, perf=run.serve_perf, on_event=run.on_event)
     run.time("serve_s", t0)
     run.add(result)
@@ -546,7 +546,7 @@ CHECKS: tuple[tuple[Callable[[_GateRun], None], str, str | None], ...] = (
 CHECK_NAMES = tuple(name for _, name, _ in CHECKS if name)
 
 
-def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _quiet,
+def gate_image(*, stack, image: str, docker, out: Path, on_event: OnEvent = _quiet,
                tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
                serve_perf=None, wheelhouse: Path | None = None) -> GateVerdict:
     """Gate `image` for the SKU of `stack` (a ResolvedStack) and write verdict.json, report.md and plot.png to `out`.
@@ -558,10 +558,10 @@ def gate_image(*, stack, image: str, engine, out: Path, on_event: OnEvent = _qui
     created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    run = _GateRun(stack=stack, image=image, engine=engine, out=out, on_event=on_event,
+    run = _GateRun(stack=stack, image=image, docker=docker, out=out, on_event=on_event,
                    tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
                    wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse())
-    reap_leftovers(engine=engine, on_event=on_event)
+    reap_leftovers(docker=docker, on_event=on_event)
     # One fixture folder for the whole run (boot resolves it, serve reuses it): a generated fixture lives here.
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
         run.scratch = Path(scratch)

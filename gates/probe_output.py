@@ -20,7 +20,7 @@ import numpy as np
 
 from imagetools.probe import FORMAT, FRAME_MAGIC
 from gates.tensorio import MAX_FILE_BYTES, decode_safetensors
-from gates.untrusted import UntrustedInputError, load_json, open_folder, printable, read_regular_file
+from common.untrusted import UntrustedInputError, load_json, open_folder, printable, read_regular_file
 
 MAX_REPORT_BYTES = 64 * 1024**2
 MAX_TENSOR_BYTES = MAX_FILE_BYTES

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from common.errors import BundleError
-from gates.untrusted import load_json, read_regular_file
+from common.untrusted import load_json, read_regular_file
 
 # safetensors dtype name -> (numpy dtype to read the raw bytes as, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {

@@ -14,11 +14,9 @@ import math
 from typing import Any, Literal
 
 import numpy as np
-from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from common.errors import GateCouldNotRun, GateFailed
-from builder.lockfile import Lock
 from builder.manifest import SkuManifest
 from common.model import Frozen
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics

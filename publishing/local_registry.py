@@ -31,7 +31,7 @@ from pydantic import Field
 
 from common.apt import apt_install
 from common.errors import NetworkError, PublishError
-from clients.index import RegistryClient
+from clients.oci import RegistryClient
 from common.model import Frozen
 from common.paths import REGISTRY_ADDR
 

@@ -24,7 +24,6 @@ never names a digest that has no record, even when the publish dies between two 
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import stat
@@ -38,8 +37,8 @@ from urllib.parse import urlparse
 from pydantic import Field
 
 from common import __version__
-from common.errors import BundleError, EngineError, NetworkError, PublishError
-from clients.index import Manifest, RegistryClient, registry_url, sha256_digest
+from common.errors import BundleError, DockerError, NetworkError, PublishError
+from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from builder.lockfile import Lock, image_tag
 from common.model import Frozen, canonical_json
 
@@ -301,21 +300,21 @@ def check_registry(*, client: RegistryClient, target: RegistryTarget, hint: str 
         raise PublishError(f"the registry {target.url} does not answer: {exc}; nothing was pushed or tagged; fix: {fix}") from exc
 
 
-def push_by_digest(*, plan: PublishPlan, engine, on_event: OnEvent = _quiet) -> str:
+def push_by_digest(*, plan: PublishPlan, docker, on_event: OnEvent = _quiet) -> str:
     """Push the image under the plan's temporary tag; return the digest. The local temporary tag always goes."""
-    engine.tag(plan.image_id, plan.push_reference)
+    docker.tag(plan.image_id, plan.push_reference)
     try:
-        return engine.push(plan.push_reference, on_event=on_event)
-    except EngineError as exc:
+        return docker.push(plan.push_reference, on_event=on_event)
+    except DockerError as exc:
         raise PublishError(f"push of {plan.sku} to {plan.target.url} failed: {exc}; nothing was tagged") from exc
     finally:
         try:
-            engine.remove_image(plan.push_reference)
-        except EngineError:
+            docker.remove_image(plan.push_reference)
+        except DockerError:
             on_event(f"could not remove the local temporary tag {plan.push_reference}")
 
 
-def publish_image(*, plan: PublishPlan, verdict: dict[str, Any], lock: Lock, engine, client: RegistryClient,
+def publish_image(*, plan: PublishPlan, verdict: dict[str, Any], lock: Lock, docker, client: RegistryClient,
                   untag: Untag | None = None, on_event: OnEvent = _quiet, registry_hint: str = "") -> PublishedImage:
     """Execute a plan (see the module doc). Nothing is tagged unless every earlier step succeeded."""
     start = time.monotonic()
@@ -324,7 +323,7 @@ def publish_image(*, plan: PublishPlan, verdict: dict[str, Any], lock: Lock, eng
     on_event(f"pushing {plan.image_id[:19]} as {plan.push_reference}")
     digest = ""
     try:
-        digest = push_by_digest(plan=plan, engine=engine, on_event=on_event)
+        digest = push_by_digest(plan=plan, docker=docker, on_event=on_event)
         push_s = time.monotonic() - start
         on_event(f"pushed {digest}")
         try:
@@ -459,13 +458,13 @@ def _load_verdict(path: Path) -> dict | None:
     """The verdict at `path` (a regular file, read bounded), or None when it cannot be read or is not an object."""
     try:
         data = _read_bounded(path)
-    except (OSError, ValueError, BundleError):  # BundleError: gates.untrusted refused it
+    except (OSError, ValueError, BundleError):  # BundleError: common.untrusted refused it
         return None
     return data if isinstance(data, dict) else None
 
 
 def _read_bounded(path: Path) -> Any:
-    from gates.untrusted import load_json, read_regular_file
+    from common.untrusted import load_json, read_regular_file
 
     return load_json(read_regular_file(path, max_bytes=MAX_VERDICT_BYTES), source=str(path))
 
@@ -485,7 +484,7 @@ def _read_verdict(path: Path, sku: str) -> dict:
 
 
 def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,
-                engine, on_event: OnEvent = _quiet) -> PublishedImage:
+                docker, on_event: OnEvent = _quiet) -> PublishedImage:
     """Load the SKU, its current lock, its built image and verdict; plan and publish (used by `publish` and `run`)."""
     from builder.lockfile import lock_path, read_lock
     from builder.manifest import load_manifest
@@ -495,7 +494,7 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     manifest = load_manifest(path)
     lock = read_lock(lock_path(path))
     ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
-    info = engine.inspect_image(ref)
+    info = docker.inspect_image(ref)
     if info is None:
         raise PublishError(f"image {ref} is not on this engine; fix: skupin build {manifest.name}")
     found = (verdict_path, None) if verdict_path else find_verdict(sku=manifest.name, image_id=info.id,
@@ -509,5 +508,5 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
                         verdict=verdict_facts(verdict), target=target)
     with RegistryClient(target.url) as client:
-        return publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client, untag=untag,
+        return publish_image(plan=plan, verdict=verdict, lock=lock, docker=docker, client=client, untag=untag,
                              on_event=on_event, registry_hint=hint)

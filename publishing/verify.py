@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pydantic import Field
 
 from common.errors import NetworkError, PublishError, SkupinError
-from clients.index import RegistryClient, parse_image_ref
+from clients.oci import RegistryClient, parse_image_ref
 from builder.lockfile import Lock
 from common.model import Frozen
 from publishing.publish import VERIFIED_TAG, RegistryTarget, read_record, verdict_facts
@@ -115,14 +115,14 @@ def _judge(*, ref, pinned, digest, record, client, repository, current_lock) -> 
     return Verification(ok=True, **base)
 
 
-def pull_verified(*, sku: str, target: RegistryTarget, engine, current_lock: CurrentLock = committed_lock_hash,
+def pull_verified(*, sku: str, target: RegistryTarget, docker, current_lock: CurrentLock = committed_lock_hash,
                   client_for: ClientFor = _default_client) -> tuple[Verification, str]:
     """Verify `<sku>:verified` and pull its digest; (verification, local image id). PublishError when not verified."""
     ref = target.reference(sku, tag=VERIFIED_TAG)
     result = verify_reference(ref=ref, current_lock=current_lock, client_for=lambda _host: client_for(target.url))
     if not result.ok or result.reference is None:
         raise PublishError(result.line())
-    image_id = engine.pull(result.reference)
+    image_id = docker.pull(result.reference)
     if image_id != result.image_id:
         raise PublishError(f"pulled {result.reference} but the engine has image {image_id}, "
                            f"the record says {result.image_id}")

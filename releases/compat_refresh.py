@@ -1,7 +1,7 @@
 """Regenerate the index-derived compatibility rows (torch -> triton + CUDA runtime, engine -> torch) from wheel metadata.
 
 Source of truth: the Requires-Dist of each release's Linux x86_64 wheel, read from the index
-(PEP 658 `.metadata` or the wheel's own METADATA via range reads, see clients/index.py), with its
+(PEP 658 `.metadata` or the wheel's own METADATA via range reads, see clients/pypi.py), with its
 markers evaluated for Linux x86_64 and the target Python. The JSON API's `info.requires_dist` is
 not used: on PyPI it can disagree with the wheels (vllm 0.33.0: JSON says torch==2.13.0, both
 wheels say torch==2.14.0).
@@ -14,7 +14,6 @@ is kept as it is: the file is edited line by line, not dumped.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import re
@@ -29,7 +28,7 @@ from packaging.version import Version
 from pydantic import ValidationError
 
 from common.errors import CompatError, NetworkError
-from clients.index import PYPI_SIMPLE, IndexClient, linux_x86_64_wheel
+from clients.pypi import IndexClient, PYPI_SIMPLE, linux_x86_64_wheel
 from common.model import Frozen
 
 CUDA_RUNTIME = re.compile(r"^nvidia-cuda-runtime(-cu\d+)?$")
@@ -273,22 +272,3 @@ def refresh(*, index_url: str = PYPI_SIMPLE, out: Path, compat_path: Path, ca_bu
 
 
 # ------------------------------------------------------------------ CLI
-
-
-def cmd_refresh(args: argparse.Namespace) -> int:
-    import sys
-
-    from builder.compat import COMPAT_PATH
-    from builder.lock import default_ca_bundle
-
-    compat = Path(args.compat) if args.compat else COMPAT_PATH
-    report = refresh(index_url=args.index_url, out=Path(args.out) if args.out else compat, compat_path=compat,
-                     ca_bundle=default_ca_bundle())
-    if args.json:
-        sys.stdout.write(json.dumps(report.model_dump(), indent=2) + "\n")
-        return 0
-    for line in report.skipped:
-        sys.stdout.write(f"skipped: {line}\n")
-    sys.stdout.write(f"{'wrote' if report.changed else 'unchanged'} {report.out}: {report.torch_rows} torch rows, "
-                     f"{report.engine_rows} engine rows from {args.index_url} in {report.seconds:.1f} s\n")
-    return 0

@@ -21,8 +21,6 @@ lists the locks it left stale. `--json` prints the report for machines, `--markd
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import tempfile
 from collections.abc import Callable
@@ -34,7 +32,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from common.errors import SkupinError
-from clients.index import IndexClient, RegistryClient, parse_image_ref
+from clients.oci import RegistryClient, parse_image_ref
+from clients.pypi import IndexClient
 from builder.manifest import Pin, SkuManifest, parse_manifest
 from common.model import Frozen
 from common.paths import PYPI_SIMPLE
@@ -451,22 +450,3 @@ def text_report(report: WatchReport) -> list[str]:
     lines += [f"applied  {s}" for s in report.applied] + [f"relocked {s}" for s in report.relocked]
     lines += [f"stale    {s}" for s in report.stale_locks] + list(report.notes)
     return lines
-
-
-def cmd_watch(args: argparse.Namespace) -> int:
-    import sys
-
-    from builder.lock import default_ca_bundle
-
-    relock_fn = None
-    if args.apply and not args.no_lock:
-        relock_fn = lambda m, p: relock(m, p, wheelhouse=args.wheelhouse)  # noqa: E731
-    report = watch(paths=[Path(p) for p in args.paths], index_url=args.index_url, registry_url=args.registry_url,
-                   apply=args.apply, relock_fn=relock_fn, ca_bundle=default_ca_bundle())
-    if args.json:
-        sys.stdout.write(json.dumps(report.model_dump(), indent=2) + "\n")
-    elif args.markdown:
-        sys.stdout.write(markdown(report))
-    else:
-        sys.stdout.write("\n".join(text_report(report)) + "\n")
-    return 9 if any(p.state == "error" for p in report.proposals) else 0

@@ -157,17 +157,17 @@ def _lock(run: _Run) -> str:
 
 
 def _engine(run: _Run) -> str:
-    from dockerd.client import connect, ensure_engine
+    from dockerd import connect, ensure_dockerd
 
-    status = ensure_engine(on_event=run.say)
-    run.ctx["engine"] = connect()
+    status = ensure_dockerd(on_event=run.say)
+    run.ctx["docker"] = connect()
     return f"docker {status.server_version}: {status.action}"
 
 
 def _base(run: _Run) -> str:
     from builder.base import ensure_base
 
-    image_id = ensure_base(manifest=run.ctx["stack"].manifest, engine=run.ctx["engine"], on_event=run.say)
+    image_id = ensure_base(manifest=run.ctx["stack"].manifest, docker=run.ctx["docker"], on_event=run.say)
     return f"base {image_id[:19]}"
 
 
@@ -178,7 +178,7 @@ def _build(run: _Run) -> str:
     stack, path = run.ctx["stack"], run.ctx["path"]
     assert stack.lock is not None  # _lock left a fresh, locked stack or raised
     built = build_image(manifest=stack.manifest, manifest_path=path, lock=stack.lock,
-                        engine=run.ctx["engine"], wheelhouse=_wheelhouse(run), ca_bundle=_ca_bundle(run),
+                        docker=run.ctx["docker"], wheelhouse=_wheelhouse(run), ca_bundle=_ca_bundle(run),
                         progress="plain", on_line=run.say, no_cache=run.options.no_cache, records=STATE / "builds")
     run.ctx["built"] = built
     cached = sum(1 for layer in built.layers if layer.cached)
@@ -197,7 +197,7 @@ def _gate(run: _Run) -> str:
     baseline = _verified_baseline(run, built.image_id)
     if baseline:
         run.say(f"serve A/B baseline: the currently verified image {baseline[:19]}")
-    verdict = gate_image(stack=stack, image=built.image, engine=run.ctx["engine"], out=out, on_event=run.say,
+    verdict = gate_image(stack=stack, image=built.image, docker=run.ctx["docker"], out=out, on_event=run.say,
                          baseline=baseline, wheelhouse=_wheelhouse(run))
     if not (out / "verdict.json").is_file():
         raise PublishError(f"the gate wrote no {out / 'verdict.json'}")
@@ -213,7 +213,7 @@ def _verified_baseline(run: _Run, image_id: str) -> str | None:
 
     target, _, _ = publish_target(run.options.registry, run.options.addr)
     verified = verified_image_id(sku=run.ctx["stack"].manifest.name, target=target)
-    if verified and verified != image_id and run.ctx["engine"].image_exists(verified):
+    if verified and verified != image_id and run.ctx["docker"].image_exists(verified):
         return verified
     return None
 
@@ -238,7 +238,7 @@ def _publish(run: _Run) -> str:
 
     built = run.ctx["built"]
     published = publish_sku(sku=run.options.sku, registry=run.options.registry, addr=run.options.addr,
-                            verdict_path=run.ctx["verdict_path"], image=built.image_id, engine=run.ctx["engine"],
+                            verdict_path=run.ctx["verdict_path"], image=built.image_id, docker=run.ctx["docker"],
                             on_event=run.say)
     run.ctx["published"] = published
     return f"{published.reference} (push {published.push_s:.1f} s)"

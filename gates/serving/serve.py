@@ -27,14 +27,8 @@ with a failure naming it (``StreamError``), never an uncaught exception.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
-import os
-import re
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,21 +37,14 @@ import httpx
 import numpy as np
 from pydantic import Field
 
-from common.errors import EngineError, GateCouldNotRun, SkupinError
+from common.errors import DockerError, GateCouldNotRun, SkupinError
 from builder.manifest import ServeGate, SkuManifest
 from common.model import Frozen
+from clients.openai import Completion, ServeClient, wait_ready
 from engines import MODEL_MOUNT, SERVE_ENGINES, SERVE_PORT, ServerLaunch, serve_launch
-from gates.untrusted import json_depth, printable
 
 OnEvent = Callable[[str], None]
-CLONE_NEWNET = 0x40000000
 NOT_PROVIDED = "not provided by engine"
-# Bounds on what the server under test may send per response.
-MAX_LINE_BYTES = 1024**2
-MAX_RESPONSE_BYTES = 64 * 1024**2
-MAX_SMALL_RESPONSE_BYTES = 1024**2
-MAX_EVENT_DEPTH = 8
-_TOKEN_ID = re.compile(r"token_id:([0-9]{1,12})")
 
 
 def _quiet(_: str) -> None:
@@ -79,7 +66,7 @@ def launch_command(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: 
 def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: ServerLaunch, role: str = "gate-serve"):
     """The sandboxed server container (gates.gate.sandbox_spec): no network, no capabilities, read-only root and
     model, the SKU's limits."""
-    from dockerd.client import BindMount
+    from dockerd import BindMount
     from gates.gate import sandbox_spec
 
     return sandbox_spec(
@@ -87,273 +74,6 @@ def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: S
         mounts=(BindMount(source=Path(model_dir).resolve(), target=MODEL_MOUNT, read_only=True),),
         labels={"io.skupin.role": role, "io.skupin.sku": manifest.name},
     )
-
-
-# ---------------------------------------------------------------- the client (inside the container's netns)
-
-
-def enter_netns(pid: int) -> None:
-    """Move the calling thread into the network namespace of process `pid` (setns(2); needs CAP_SYS_ADMIN)."""
-    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into the network namespace of pid {pid}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One streamed completion as the client saw it (times in seconds since the request was sent)."""
-
-    text: str
-    pieces: tuple[str, ...]
-    token_ids: tuple[int, ...] | None
-    logprobs: tuple[float, ...] | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    finish_reason: str | None
-    ttft_s: float | None
-    total_s: float
-    piece_times: tuple[float, ...]
-
-    @property
-    def n_tokens(self) -> int:
-        return self.completion_tokens if self.completion_tokens is not None else len(self.pieces)
-
-
-class StreamError(ValueError):
-    """The server's answer broke a bound (size, line length, time, depth) or the OpenAI event format."""
-
-
-def _token_id(token: Any) -> int | None:
-    match = _TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
-    return int(match.group(1)) if match else None
-
-
-def bounded_lines(chunks: Iterable[bytes], *, max_line_bytes: int = MAX_LINE_BYTES,
-                  max_total_bytes: int = MAX_RESPONSE_BYTES, deadline_s: float | None = None,
-                  clock: Callable[[], float] = time.monotonic) -> Iterator[str]:
-    """Text lines of a byte stream, refusing (StreamError) a line, a total or a duration past its bound."""
-    buf, total, start = bytearray(), 0, clock()
-    for chunk in chunks:
-        total += len(chunk)
-        if total > max_total_bytes:
-            raise StreamError(f"the response passed {max_total_bytes} bytes")
-        if deadline_s is not None and clock() - start > deadline_s:
-            raise StreamError(f"the response took longer than {deadline_s:.0f} s")
-        buf += chunk
-        while (end := buf.find(b"\n")) >= 0:
-            if end > max_line_bytes:
-                break
-            line = bytes(buf[:end])
-            del buf[: end + 1]
-            yield line.rstrip(b"\r").decode("utf-8", "replace")
-        if len(buf) > max_line_bytes:
-            raise StreamError(f"the response has a line longer than {max_line_bytes} bytes")
-    if buf:
-        yield bytes(buf).decode("utf-8", "replace")
-
-
-def _json(text: str, *, what: str, max_depth: int = MAX_EVENT_DEPTH) -> Any:
-    """Parse JSON the server sent, with a depth limit (json's recursive decoder must never see a deep document)."""
-    raw = text.encode("utf-8", "replace")
-    if json_depth(raw) > max_depth:
-        raise StreamError(f"{what} is nested deeper than {max_depth} levels")
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise StreamError(f"{what} is not JSON: {printable(text, 120)!r}") from exc
-
-
-def _number(value: Any) -> float:
-    if value is None:
-        return float("nan")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise StreamError(f"a logprob is not a number: {printable(repr(value), 80)}")
-    return float(value)
-
-
-def _count(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise StreamError(f"usage.{name} is not a count: {printable(repr(value), 80)}")
-    return value
-
-
-def _choices(event: Any) -> list[dict[str, Any]]:
-    """The event's choices, each checked to be an object with a string text (StreamError otherwise)."""
-    if not isinstance(event, dict):
-        raise StreamError(f"an event is not a JSON object: {printable(repr(event), 80)}")
-    choices = event.get("choices") or []
-    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise StreamError(f"an event's choices are not a list of objects: {printable(repr(choices), 80)}")
-    for choice in choices:
-        if not isinstance(choice.get("text"), (str, type(None))):
-            raise StreamError(f"a choice's text is not a string: {printable(repr(choice.get('text')), 80)}")
-        if not isinstance(choice.get("logprobs"), (dict, type(None))):
-            raise StreamError("a choice's logprobs is not an object")
-    return choices
-
-
-def _logprobs(lp: dict[str, Any]) -> tuple[list[float], list[int | None]]:
-    values, tokens = lp["token_logprobs"], lp.get("tokens") or []
-    if not isinstance(values, list) or not isinstance(tokens, list):
-        raise StreamError("logprobs.token_logprobs and logprobs.tokens must be lists")
-    return [_number(x) for x in values], [_token_id(t) for t in tokens]
-
-
-def parse_stream(lines: Iterable[str], *, sent: float, clock: Callable[[], float] = time.perf_counter) -> Completion:
-    """A Completion from the server-sent events of a streamed /v1/completions response (StreamError when malformed)."""
-    pieces: list[str] = []
-    times: list[float] = []
-    ids: list[int | None] = []
-    logprobs: list[float] = []
-    usage: dict[str, Any] = {}
-    finish = None
-    saw_logprobs = False
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            break
-        event = _json(data, what="a server-sent event")
-        choices = _choices(event)
-        if isinstance(event.get("usage"), dict):
-            usage = event["usage"]
-        for choice in choices:
-            finish = printable(str(choice.get("finish_reason")), 40) if choice.get("finish_reason") else finish
-            lp = choice.get("logprobs")
-            if isinstance(lp, dict) and lp.get("token_logprobs") is not None:
-                saw_logprobs = True
-                values, tokens = _logprobs(lp)
-                logprobs += values
-                ids += tokens
-            if choice.get("text"):
-                pieces.append(choice["text"])
-                times.append(clock() - sent)
-    total = clock() - sent
-    token_ids = tuple(ids) if ids and all(i is not None for i in ids) else None  # type: ignore[arg-type]
-    return Completion(text="".join(pieces), pieces=tuple(pieces), token_ids=token_ids,
-                      logprobs=tuple(logprobs) if saw_logprobs else None,
-                      prompt_tokens=_count(usage.get("prompt_tokens"), "prompt_tokens"),
-                      completion_tokens=_count(usage.get("completion_tokens"), "completion_tokens"),
-                      finish_reason=finish, ttft_s=times[0] if times else None, total_s=total, piece_times=tuple(times))
-
-
-def _get_small(http: httpx.Client, path: str, *, timeout_s: float) -> tuple[int, str]:
-    """(status, body text) of a GET whose body may not pass MAX_SMALL_RESPONSE_BYTES (StreamError otherwise)."""
-    with http.stream("GET", path, timeout=timeout_s, headers={"accept-encoding": "identity"}) as response:
-        body = "\n".join(bounded_lines(response.iter_raw(), max_line_bytes=MAX_SMALL_RESPONSE_BYTES,
-                                       max_total_bytes=MAX_SMALL_RESPONSE_BYTES, deadline_s=timeout_s))
-        return response.status_code, body
-
-
-class ServeClient:
-    """An OpenAI-compatible client whose worker threads live in the server container's network namespace.
-
-    `pid=None` keeps the threads in the host's namespace (tests pass an httpx `transport`). Every
-    HTTP call runs on a worker thread; the caller's thread never opens a socket.
-    """
-
-    def __init__(self, *, base_url: str, model_id: str, pid: int | None = None, workers: int = 4,
-                 transport: httpx.BaseTransport | None = None, timeout_s: float = 120.0,
-                 request_extra: dict[str, Any] | None = None) -> None:
-        self.base_url, self.model_id, self.pid = base_url, model_id, pid
-        self._transport, self._timeout = transport, timeout_s
-        self._extra = dict(request_extra or {})
-        self._local = threading.local()
-        self._clients: list[httpx.Client] = []
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="skupin-serve",
-                                        initializer=enter_netns if pid else None, initargs=(pid,) if pid else ())
-
-    def __enter__(self) -> "ServeClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for client in self._clients:
-            client.close()
-
-    def _http(self) -> httpx.Client:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = httpx.Client(base_url=self.base_url, transport=self._transport, timeout=self._timeout,
-                                  trust_env=False)
-            self._local.client = client
-            with self._lock:
-                self._clients.append(client)
-        return client
-
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run fn(http_client, *args, **kwargs) on a worker thread and return its result."""
-        try:
-            return self._pool.submit(lambda: fn(self._http(), *args, **kwargs)).result()
-        except RuntimeError as exc:  # BrokenThreadPool: setns failed in the initializer
-            raise GateCouldNotRun(f"cannot enter the server container's network namespace (pid {self.pid}): {exc}; "
-                                  "the gate needs root (CAP_SYS_ADMIN) on the host") from exc
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
-        """Like `call`, without waiting: a Future."""
-        return self._pool.submit(lambda: fn(self._http(), *args, **kwargs))
-
-    def ready(self, *, health_path: str = "/health") -> tuple[bool, str]:
-        """(True, '') when /health answers 200 and /v1/models lists the model; else (False, why)."""
-        def probe(http: httpx.Client) -> tuple[bool, str]:
-            try:
-                status, _ = _get_small(http, health_path, timeout_s=2.0)
-                if status != 200:
-                    return False, f"{health_path} answered {status}"
-                models = _json(_get_small(http, "/v1/models", timeout_s=2.0)[1], what="/v1/models")
-            except (httpx.HTTPError, ValueError) as exc:
-                return False, f"{type(exc).__name__}: {printable(str(exc), 300)}"
-            data = models.get("data") if isinstance(models, dict) else None
-            names = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
-            listed = self.model_id in names
-            return listed, "" if listed else f"/v1/models lists {printable(repr(names), 200)}"
-        return self.call(probe)
-
-    def complete(self, http: httpx.Client, *, prompt: str | list[int], max_tokens: int,
-                 logprobs: int | None = None) -> Completion:
-        """One greedy streamed completion (runs on a worker thread: use via `call`/`submit`)."""
-        body: dict[str, Any] = {"model": self.model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                "stream": True, "stream_options": {"include_usage": True}, **self._extra}
-        if logprobs:
-            body["logprobs"] = logprobs
-        sent = time.perf_counter()
-        with http.stream("POST", "/v1/completions", json=body, headers={"accept-encoding": "identity"}) as response:
-            if response.status_code != 200:
-                head = b""
-                for chunk in response.iter_raw():
-                    head += chunk
-                    if len(head) >= 4096:
-                        break
-                raise EngineError(f"/v1/completions answered {response.status_code}: "
-                                  f"{printable(head.decode('utf-8', 'replace'), 300)}")
-            return parse_stream(bounded_lines(response.iter_raw(), deadline_s=self._timeout), sent=sent)
-
-
-def wait_ready(*, client: ServeClient, deadline_s: float, health_path: str = "/health",
-               alive: Callable[[], bool] = lambda: True, poll_s: float = 0.25) -> float:
-    """Poll until the server is ready; seconds waited. GateCouldNotRun-free: raises TimeoutError with the last reason."""
-    start = time.monotonic()
-    why = "no answer yet"
-    while time.monotonic() - start < deadline_s:
-        ok, why = client.ready(health_path=health_path)
-        if ok:
-            return time.monotonic() - start
-        if not alive():
-            raise TimeoutError(f"the server process exited before it was ready ({why})")
-        time.sleep(poll_s)
-    raise TimeoutError(f"the server was not ready within {deadline_s:.0f} s (last: {why})")
 
 
 # ---------------------------------------------------------------- comparing greedy continuations
@@ -499,7 +219,7 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(*, manifest: SkuManifest, image: str, engine, model_dir: Path, deadline_s: float,
+def running_server(*, manifest: SkuManifest, image: str, docker, model_dir: Path, deadline_s: float,
                    workers: int = 4, role: str = "gate-serve") -> Iterator[RunningServer]:
     """Boot the image's server in the sandbox and wait until it is ready; the container is always removed.
 
@@ -507,7 +227,7 @@ def running_server(*, manifest: SkuManifest, image: str, engine, model_dir: Path
     """
     launch = launch_command(manifest=manifest)
     spec = server_spec(manifest=manifest, image=image, model_dir=model_dir, launch=launch, role=role)
-    with engine.container(spec) as container:
+    with docker.container(spec) as container:
         start = time.monotonic()
         with ServeClient(base_url=f"http://127.0.0.1:{launch.port}", model_id=launch.model_id, pid=container.pid(),
                          workers=workers, request_extra=launch.request_extra) as client:
@@ -543,7 +263,7 @@ def greedy_completions(*, server: RunningServer, prompts: Sequence[dict], indice
     return out
 
 
-def serve_check(*, manifest: SkuManifest, image: str, engine, ref: dict[str, np.ndarray], entry,
+def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.ndarray], entry,
                 baseline: str | None = None, model_dir: Path | None = None, perf=None, ab_rounds: int = 3,
                 ready_deadline_s: float = 180.0, on_event: OnEvent = _quiet):
     """Run the serve check of `image` (optionally A/B against `baseline`): a CheckResult named 'serve'.
@@ -573,14 +293,14 @@ def serve_check(*, manifest: SkuManifest, image: str, engine, ref: dict[str, np.
         folder = Path(folder)
         prompt_set = load_prompts(folder / "prompts.json")
         try:
-            return _serve(manifest=manifest, image=image, engine=engine, ref=ref, entry=entry, baseline=baseline,
+            return _serve(manifest=manifest, image=image, docker=docker, ref=ref, entry=entry, baseline=baseline,
                           folder=folder, prompt_set=prompt_set, perf=perf, settings=settings, threshold=threshold,
                           provenance=provenance, ab_rounds=ab_rounds, ready_deadline_s=ready_deadline_s,
                           on_event=on_event, started=started)
         except TimeoutError as exc:
             return CheckResult(name="serve", status="fail", reason=f"the engine's server did not serve: {exc}"[:1500],
                                details={"launch": list(launch_command(manifest=manifest).argv)})
-        except (EngineError, httpx.HTTPError, ValueError) as exc:
+        except (DockerError, httpx.HTTPError, ValueError) as exc:
             return CheckResult(name="serve", status="fail",
                                reason=f"the engine's server failed a request: {type(exc).__name__}: {exc}"[:1500],
                                details={"launch": list(launch_command(manifest=manifest).argv)})
@@ -588,7 +308,7 @@ def serve_check(*, manifest: SkuManifest, image: str, engine, ref: dict[str, np.
             return CheckResult(name="serve", status="error", reason=f"the serve check could not run: {exc}"[:1500])
 
 
-def _serve(*, manifest, image, engine, ref, entry, baseline, folder, prompt_set, perf, settings, threshold, provenance,
+def _serve(*, manifest, image, docker, ref, entry, baseline, folder, prompt_set, perf, settings, threshold, provenance,
            ab_rounds, ready_deadline_s, on_event, started):
     from tokenizers import Tokenizer
 
@@ -602,7 +322,7 @@ def _serve(*, manifest, image, engine, ref, entry, baseline, folder, prompt_set,
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     workers = max(perf.concurrency)
     with contextlib.ExitStack() as stack:
-        cand = stack.enter_context(running_server(manifest=manifest, image=image, engine=engine, model_dir=folder,
+        cand = stack.enter_context(running_server(manifest=manifest, image=image, docker=docker, model_dir=folder,
                                                   deadline_s=ready_deadline_s, workers=workers))
         on_event(f"serve: {' '.join(cand.launch.argv[:2])} ready in {cand.ready_s:.1f} s")
         t0 = time.monotonic()
@@ -628,7 +348,7 @@ def _serve(*, manifest, image, engine, ref, entry, baseline, folder, prompt_set,
             return CheckResult(name="serve", status="fail", reason=reason, details=details)
         ab = None
         if baseline:
-            base = stack.enter_context(running_server(manifest=manifest, image=baseline, engine=engine,
+            base = stack.enter_context(running_server(manifest=manifest, image=baseline, docker=docker,
                                                       model_dir=folder, deadline_s=ready_deadline_s, workers=workers,
                                                       role="gate-serve-baseline"))
             on_event(f"serve: baseline {baseline} ready in {base.ready_s:.1f} s; interleaved A/B, {ab_rounds} rounds")
@@ -658,9 +378,3 @@ def _serve(*, manifest, image, engine, ref, entry, baseline, folder, prompt_set,
             return CheckResult(name="serve", status="fail", reason=f"runtime regression: {ab.summary}", details=details)
     on_event(f"serve: {summary}")
     return CheckResult(name="serve", status="pass", reason=summary, details=details)
-
-
-__all__ = ["ServerLaunch", "launch_command", "server_spec", "enter_netns", "ServeClient", "Completion", "parse_stream",
-           "StreamError", "bounded_lines",
-           "wait_ready", "PromptServe", "near_tie_threshold", "reference_pieces", "compare_greedy", "judge_greedy",
-           "running_server", "prompt_input", "greedy_completions", "serve_check", "serve_settings", "NOT_PROVIDED"]

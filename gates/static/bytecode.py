@@ -23,7 +23,7 @@ from pathlib import Path
 
 import imagetools
 from gates.static.layers import FileView
-from gates.untrusted import UntrustedInputError
+from common.untrusted import UntrustedInputError
 
 TOOL = Path(imagetools.__file__).with_name("pyc_verify.py")
 NOBODY = 65534

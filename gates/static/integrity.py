@@ -30,7 +30,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import os
 import posixpath
 import re
 from collections.abc import Callable, Iterable
@@ -43,7 +42,7 @@ from pydantic import Field
 from builder.lockfile import Lock
 from common.model import Frozen
 from gates.static.layers import Entry, FileView
-from gates.untrusted import UntrustedInputError, printable
+from common.untrusted import UntrustedInputError, printable
 
 # Environment variables that make the dynamic loader or the interpreter load other code.
 HIJACK_ENV = ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
@@ -590,9 +589,9 @@ def summary(report: IntegrityReport) -> str:
 # ---------------------------------------------------------------- an image on the engine
 
 
-def locked_base_layers(*, engine, lock: Lock, layers: tuple[str, ...]) -> tuple[int, str]:
+def locked_base_layers(*, docker, lock: Lock, layers: tuple[str, ...]) -> tuple[int, str]:
     """(how many bottom layers of the image are the locked base's, '' or why the base cannot be trusted)."""
-    base = engine.inspect_image(lock.base.reference)
+    base = docker.inspect_image(lock.base.reference)
     if base is None:
         return 0, (f"the locked base {lock.base.reference} is not on this engine, so the image's bottom layers cannot "
                    f"be matched with it; fix: skupin base {lock.sku} (or pull the base)")
@@ -601,7 +600,7 @@ def locked_base_layers(*, engine, lock: Lock, layers: tuple[str, ...]) -> tuple[
     return len(base.layers), ""
 
 
-def inspect_image_files(*, engine, image_id: str, lock: Lock, state: Path, expected_cmd: tuple[str, ...] | None,
+def inspect_image_files(*, docker, image_id: str, lock: Lock, state: Path, expected_cmd: tuple[str, ...] | None,
                         wheelhouse: Path | None = None,
                         on_event: Callable[[str], None] = lambda _: None) -> IntegrityReport:
     """The static check of a local image against `lock`: layers indexed (cached under `state`), wheels
@@ -610,17 +609,17 @@ def inspect_image_files(*, engine, image_id: str, lock: Lock, state: Path, expec
     from gates.static.layers import image_view
     from gates.static.bytecode import bytecode_verifier
 
-    info = engine.inspect_image(image_id)
+    info = docker.inspect_image(image_id)
     if info is None:
         raise UntrustedInputError(f"image {image_id} is not on this engine")
-    base_layers, base_problem = locked_base_layers(engine=engine, lock=lock, layers=info.layers)
+    base_layers, base_problem = locked_base_layers(docker=docker, lock=lock, layers=info.layers)
     if base_problem and base_layers == 0 and "not on this engine" in base_problem:
         return IntegrityReport(unverifiable=(base_problem,))
     packages = lock.packages()
     stored = fetch_wheels(packages.values(), store=STORE, wheelhouse=wheelhouse, on_event=on_event)
     wheels = {name: stored[pkg.sha256] for name, pkg in packages.items()}
-    view = image_view(engine=engine, image=info.id, layers=info.layers, cache=state / "cache", on_event=on_event)
-    report = check_integrity(view=view, config=engine.image_config(info.id), labels=info.labels, lock=lock,
+    view = image_view(docker=docker, image=info.id, layers=info.layers, cache=state / "cache", on_event=on_event)
+    report = check_integrity(view=view, config=docker.image_config(info.id), labels=info.labels, lock=lock,
                              expected_cmd=expected_cmd,
                              wheels=wheels, base_layers=base_layers, host=host_dpkg(),
                              verify_bytecode=bytecode_verifier(cache=state / "cache"),

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
 
-from gates.untrusted import UntrustedInputError
+from common.untrusted import UntrustedInputError
 
 INDEX_FORMAT = "skupin-layer-index/2"
 MAX_ENTRIES = 2_000_000
@@ -395,7 +395,7 @@ def kept_for_checks(rel: str, size: int) -> bool:
     return (rel.endswith((".py", ".pyc", ".pth", ".cfg")) or rel.startswith(("var/lib/dpkg/", "etc/python")))
 
 
-def image_view(*, engine, image: str, layers: tuple[str, ...], cache: Path,
+def image_view(*, docker, image: str, layers: tuple[str, ...], cache: Path,
                on_event: Callable[[str], None] = lambda _: None) -> FileView:
     """The merged FileView of local image `image` whose layers (diff ids, bottom first) are `layers`.
 
@@ -403,7 +403,7 @@ def image_view(*, engine, image: str, layers: tuple[str, ...], cache: Path,
     folders when they are on this disk, else from a `docker save` stream (files the checks read are
     then kept in a content-addressed store next to the indexes).
     """
-    dirs = engine.layer_dirs(image)
+    dirs = docker.layer_dirs(image)
     if dirs is not None and len(dirs) != len(layers):
         dirs = None
     mode = "dir" if dirs is not None else "tar"
@@ -426,7 +426,7 @@ def image_view(*, engine, image: str, layers: tuple[str, ...], cache: Path,
             found[diff_id] = _cache(scan_layer_dir(root, diff_id=diff_id), folder, mode)
     elif missing:
         on_event(f"pins: indexing {len(missing)} layer(s) from a `docker save` stream of {image}")
-        with engine.save_image(image) as stream:
+        with docker.save_image(image) as stream:
             for index in iter_saved_layers(stream, store=store):
                 if index.diff_id in missing:
                     found[index.diff_id] = _cache(index, folder, mode)

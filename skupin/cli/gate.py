@@ -1,28 +1,18 @@
-"""CLI commands of the gate: `skupin gate SKU` and `skupin calibrate SKU` (registered by skupin/cli/commands.py)."""
+"""CLI commands of the gate: `skupin gate SKU` and `skupin calibrate SKU` ."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
 import json
-import sys
 from pathlib import Path
 
-
-def _emit(line: str) -> None:
-    from skupin.cli import _out
-
-    _out(line)
+from skupin.cli.output import err, out
 
 
-def _event(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def _stack_and_engine(sku: str):
+def _stack_and_docker(sku: str):
     from builder.check import resolve
-    from dockerd.client import connect
+    from dockerd import connect
     from common.paths import sku_path
 
     stack = resolve(sku_path(sku))
@@ -40,21 +30,21 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from gates.gate import gate_image, image_from_build_record
     from gates.tolerance import DEFAULT_PATH
 
-    stack, engine = _stack_and_engine(args.sku)
+    stack, docker = _stack_and_docker(args.sku)
     image = args.image or image_from_build_record(stack.manifest.name)
-    out = Path(args.out) if args.out else _default_out("gates", stack.manifest.name)
-    verdict = gate_image(stack=stack, image=image, engine=engine, out=out, on_event=_event,
+    folder = Path(args.out) if args.out else _default_out("gates", stack.manifest.name)
+    verdict = gate_image(stack=stack, image=image, docker=docker, out=folder, on_event=err,
                          tolerances_path=Path(args.tolerances) if args.tolerances else DEFAULT_PATH,
                          reference=Path(args.reference) if args.reference else None,
                          baseline=getattr(args, "baseline", None),
                          wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
     if args.json:
-        _emit(verdict.model_dump_json(indent=1))
+        out(verdict.model_dump_json(indent=1))
     else:
         for check in verdict.checks:
-            _emit(f"{check.status:<8} {check.name:<9} {check.reason}")
-        _emit(f"{verdict.decision.upper()}: {verdict.reason}")
-        _emit(f"report: {out / 'report.md'}  verdict: {out / 'verdict.json'}  ({verdict.timings.get('total_s', 0):.1f} s)")
+            out(f"{check.status:<8} {check.name:<9} {check.reason}")
+        out(f"{verdict.decision.upper()}: {verdict.reason}")
+        out(f"report: {folder / 'report.md'}  verdict: {folder / 'verdict.json'}  ({verdict.timings.get('total_s', 0):.1f} s)")
     return verdict.exit_code
 
 
@@ -63,20 +53,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from gates.gate import image_from_build_record
     from gates.tolerance import DEFAULT_PATH, load_tolerances, merge_entry, write_tolerances
 
-    stack, engine = _stack_and_engine(args.sku)
+    stack, docker = _stack_and_docker(args.sku)
     image = args.image or image_from_build_record(stack.manifest.name)
-    out = Path(args.out) if args.out else _default_out("calibrations", stack.manifest.name)
+    folder = Path(args.out) if args.out else _default_out("calibrations", stack.manifest.name)
     path = Path(args.tolerances) if args.tolerances else DEFAULT_PATH
     tolerances = load_tolerances(path)
-    entry = calibrate_image(stack=stack, image=image, engine=engine, out=out, boots=args.boots,
-                            variations=DEFAULT_VARIATIONS, margin=args.margin, on_event=_event)
+    entry = calibrate_image(stack=stack, image=image, docker=docker, out=folder, boots=args.boots,
+                            variations=DEFAULT_VARIATIONS, margin=args.margin, on_event=err)
     merged = merge_entry(tolerances, entry, allow_looser=args.allow_looser)
     if not args.dry_run:
         write_tolerances(merged, path)
     summary = {"key": entry.key.label(), "written": None if args.dry_run else str(path),
                "per_prompt": entry.model.per_prompt, "mean": entry.model.mean, "honest_rate": entry.model.honest_rate,
                "kernels": entry.kernels, "runs": entry.provenance.runs, "margin": entry.provenance.margin}
-    _emit(json.dumps(summary, indent=1))
+    out(json.dumps(summary, indent=1))
     return 0
 
 

@@ -7,19 +7,8 @@ import json
 from pathlib import Path
 
 from common.errors import PublishError
-
-
-def _out(line: str = "") -> None:
-    from skupin import cli
-
-    cli._out(line)
-
-
-def _err(line: str) -> None:
-    """Progress and errors to stderr, through the CLI's own printer."""
-    from skupin import cli
-
-    cli._progress_printer("plain")(line)
+from skupin.cli.output import err as _err
+from skupin.cli.output import out as _out
 
 
 # ---------------------------------------------------------------- registry
@@ -51,11 +40,11 @@ def cmd_registry(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from dockerd.client import connect
+    from dockerd import connect
     from publishing.publish import publish_sku
 
     published = publish_sku(sku=args.sku, registry=args.registry, addr=args.addr, verdict_path=args.verdict,
-                            image=args.image, engine=connect(), on_event=_err)
+                            image=args.image, docker=connect(), on_event=_err)
     if args.json:
         _out(json.dumps(published.model_dump(mode="json"), indent=2, sort_keys=True))
         return 0
@@ -80,13 +69,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from dockerd.client import connect
+    from dockerd import connect
     from publishing.publish import parse_target
     from publishing.local_registry import default_registry
     from publishing.verify import pull_verified
 
     target = parse_target(args.registry or default_registry(addr=args.addr).addr)
-    result, image_id = pull_verified(sku=args.sku, target=target, engine=connect())
+    result, image_id = pull_verified(sku=args.sku, target=target, docker=connect())
     _out(result.line())
     _out(f"image id {image_id}")
     _out(str(result.reference))
@@ -151,7 +140,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("run", help="the whole pipeline: check, lock, engine, base, build, gate, registry, publish, verify")
+    p = sub.add_parser("run", help="the whole pipeline: check, lock, docker, base, build, gate, registry, publish, verify")
     p.add_argument("sku", nargs="?", default="cpu-x86_64", help="SKU name (default cpu-x86_64)")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry, started if needed)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)

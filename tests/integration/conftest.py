@@ -11,25 +11,26 @@ from pathlib import Path
 
 import pytest
 
-from dockerd.client import DEFAULT_SOCKET, SESSION_LABEL, Engine, EngineError, connect
+from dockerd import DEFAULT_SOCKET, Docker, SESSION_LABEL, connect
+from dockerd.client import DockerError
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
 
 
 @pytest.fixture(scope="session")
-def engine() -> Iterator[Engine]:
+def docker() -> Iterator[Docker]:
     """The engine on /var/run/docker.sock; the session is skipped when none answers."""
     socket = Path(os.environ.get("SKUPIN_DOCKER_SOCKET", str(DEFAULT_SOCKET)))
     try:
         eng = connect(socket=socket)
-    except EngineError as exc:
-        why = f"no Docker engine answers on {socket} (start one with `skupin engine up`): {exc}"
+    except DockerError as exc:
+        why = f"no Docker daemon answers on {socket} (start one with `skupin docker up`): {exc}"
         if os.environ.get("SKUPIN_REQUIRE_ENGINE") == "1":  # CI: a missing engine is a failure, not a skip
             pytest.fail(why)
         pytest.skip(why)
     yield eng
-    # Only containers this session's Engine made: other people may use the same engine right now.
+    # Only containers this session's Docker made: other people may use the same engine right now.
     leftover = eng.containers(label=f"{SESSION_LABEL}={eng.session}")
     for cid in leftover:  # should be none: every run removes its container
         subprocess.run([eng.cli(), "rm", "-f", cid], capture_output=True, check=False)
@@ -38,12 +39,12 @@ def engine() -> Iterator[Engine]:
 
 
 @pytest.fixture
-def tags_to_remove(engine: Engine) -> Iterator[list[str]]:
+def tags_to_remove(docker: Docker) -> Iterator[list[str]]:
     """Image tags a test creates; removed afterwards whatever happens."""
     tags: list[str] = []
     yield tags
     for tag in tags:
-        engine.remove_image(tag, force=True)
+        docker.remove_image(tag, force=True)
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +72,7 @@ def stack():
 
 
 @pytest.fixture(scope="session")
-def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
+def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
     """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now (once)."""
     import json
 
@@ -80,29 +81,29 @@ def honest_image(engine: Engine, stack, wheelhouse, host_ca_bundle) -> str:
     record = Path(STATE) / "builds" / "cpu-x86_64.json"
     if record.is_file():
         data = json.loads(record.read_text())
-        if data.get("lock_sha256") == stack.lock.content_hash() and engine.image_exists(data["image_id"]):
+        if data.get("lock_sha256") == stack.lock.content_hash() and docker.image_exists(data["image_id"]):
             return data["image_id"]
     from builder.build import build_image
 
-    built = build_image(manifest=stack.manifest, manifest_path=CPU_SKU, lock=stack.lock, engine=engine,
+    built = build_image(manifest=stack.manifest, manifest_path=CPU_SKU, lock=stack.lock, docker=docker,
                         wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
     return built.image_id
 
 
 @contextlib.contextmanager
-def derived_images(engine: Engine, *, honest_image: str, context: Path, base_tag: str) -> Iterator:
+def derived_images(docker: Docker, *, honest_image: str, context: Path, base_tag: str) -> Iterator:
     """build(mode) -> id of the honest image with one thing changed by context/Dockerfile's MODE (once per mode).
 
     The honest image gets `base_tag` for the derived builds (BuildKit resolves FROM by name, not by
     image id); every derived image and that tag are removed afterwards.
     """
     made: dict[str, str] = {}
-    engine.tag(honest_image, base_tag)
+    docker.tag(honest_image, base_tag)
 
     def build(mode: str, **args: str) -> str:
         key = mode + repr(sorted(args.items()))
         if key not in made:
-            made[key] = engine.build(context=context, dockerfile=context / "Dockerfile",
+            made[key] = docker.build(context=context, dockerfile=context / "Dockerfile",
                                      build_args={"BASE": base_tag, "MODE": mode, **args})
         return made[key]
 
@@ -110,8 +111,8 @@ def derived_images(engine: Engine, *, honest_image: str, context: Path, base_tag
         yield build
     finally:
         for image_id in made.values():
-            engine.remove_image(image_id, force=True)
-        engine.remove_image(base_tag)
+            docker.remove_image(image_id, force=True)
+        docker.remove_image(base_tag)
 
 
 @dataclass(frozen=True)
@@ -167,14 +168,14 @@ class Derived:
 
 
 @pytest.fixture(scope="session")
-def derived(engine: Engine, honest_image: str, stack, tmp_path_factory) -> Iterator[Derived]:
+def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Iterator[Derived]:
     """Tampered images of the honest CPU image for the whole session (removed at the end)."""
     made: list[str] = []
     base_tag = "skupin-test/derived-honest-base:latest"
-    engine.tag(honest_image, base_tag)
+    docker.tag(honest_image, base_tag)
 
     def build(context: Path, mode: str, label: str) -> str:
-        image = engine.build(context=context, dockerfile=context / "Dockerfile",
+        image = docker.build(context=context, dockerfile=context / "Dockerfile",
                              build_args={"BASE": base_tag, "MODE": mode, "LOCK_LABEL": label})
         made.append(image)
         return image
@@ -183,5 +184,5 @@ def derived(engine: Engine, honest_image: str, stack, tmp_path_factory) -> Itera
         yield Derived(build, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"))
     finally:
         for image_id in made:
-            engine.remove_image(image_id, force=True)
-        engine.remove_image(base_tag)
+            docker.remove_image(image_id, force=True)
+        docker.remove_image(base_tag)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from builder.build import BuiltImage, build_image
-from dockerd.client import ContainerSpec, Engine
+from dockerd import ContainerSpec, Docker
 from common.errors import BuildError
 from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
@@ -65,14 +65,14 @@ def marker_ca(tmp_path_factory: pytest.TempPathFactory, host_ca_bundle: Path | N
 
 
 @pytest.fixture(scope="module")
-def built(engine: Engine, sku_dir: Path, wheelhouse: Path | None, marker_ca: tuple[Path, str],
+def built(docker: Docker, sku_dir: Path, wheelhouse: Path | None, marker_ca: tuple[Path, str],
           tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
     """The CPU SKU built cold (no cache) from an empty wheel store, so every wheel really was
     downloaded trusting the marker CA."""
     path = sku_dir / CPU_SKU.name
     lines: list[str] = []
     result = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)),
-                         engine=engine, wheelhouse=wheelhouse, ca_bundle=marker_ca[0], progress="plain",
+                         docker=docker, wheelhouse=wheelhouse, ca_bundle=marker_ca[0], progress="plain",
                          on_line=lines.append, no_cache=True, records=tmp_path_factory.mktemp("records"),
                          wheel_store=tmp_path_factory.mktemp("wheels"))
     assert any("DONE" in line for line in lines)
@@ -80,16 +80,16 @@ def built(engine: Engine, sku_dir: Path, wheelhouse: Path | None, marker_ca: tup
     return result
 
 
-def _python(engine: Engine, image: str, code: str) -> str:
-    res = engine.run(ContainerSpec(image=image, entrypoint=("python", "-c", code), mem_limit="1g"), deadline_s=120)
+def _python(docker: Docker, image: str, code: str) -> str:
+    res = docker.run(ContainerSpec(image=image, entrypoint=("python", "-c", code), mem_limit="1g"), deadline_s=120)
     assert res.exit_code == 0, res.stderr
     return res.stdout
 
 
-def test_labels_name_sku_pins_lock_and_dockerfile(engine: Engine, built: BuiltImage, sku_dir: Path) -> None:
+def test_labels_name_sku_pins_lock_and_dockerfile(docker: Docker, built: BuiltImage, sku_dir: Path) -> None:
     manifest = load_manifest(sku_dir / CPU_SKU.name)
     lock = read_lock(lock_path(sku_dir / CPU_SKU.name))
-    labels = engine.inspect_image(built.image).labels
+    labels = docker.inspect_image(built.image).labels
     assert labels["io.skupin.sku"] == manifest.name
     for role, pin in manifest.stack.pins().items():
         assert labels[f"io.skupin.{role}"] == f"{pin.name}=={pin.version}"
@@ -99,9 +99,9 @@ def test_labels_name_sku_pins_lock_and_dockerfile(engine: Engine, built: BuiltIm
     assert built.image == image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
 
 
-def test_image_distributions_equal_the_lock(engine: Engine, built: BuiltImage, sku_dir: Path) -> None:
+def test_image_distributions_equal_the_lock(docker: Docker, built: BuiltImage, sku_dir: Path) -> None:
     lock = read_lock(lock_path(sku_dir / CPU_SKU.name))
-    out = _python(engine, built.image, "import importlib.metadata as m, json, sys; json.dump("
+    out = _python(docker, built.image, "import importlib.metadata as m, json, sys; json.dump("
                   "[[d.metadata['Name'], d.version] for d in m.distributions()], sys.stdout)")
     norm = lambda n: n.lower().replace("_", "-").replace(".", "-")  # noqa: E731
     listed = {norm(name): version for name, version in json.loads(out)}
@@ -109,12 +109,12 @@ def test_image_distributions_equal_the_lock(engine: Engine, built: BuiltImage, s
     # exactly the lock: a locked image's venv is made without pip, so nothing else is installed
     assert listed == locked
     assert listed["torch"] == lock.packages()["torch"].version
-    pip = _python(engine, built.image, "import importlib.util; print(importlib.util.find_spec('pip') is None)")
+    pip = _python(docker, built.image, "import importlib.util; print(importlib.util.find_spec('pip') is None)")
     assert pip.strip() == "True"
 
 
-def test_final_image_does_not_trust_the_build_ca(engine: Engine, built: BuiltImage, marker_ca: tuple[Path, str]) -> None:
-    env = dict(e.split("=", 1) for e in _python(engine, built.image, "import os; print('\\n'.join(f'{k}={v}' for k, v in os.environ.items()))").splitlines() if "=" in e)
+def test_final_image_does_not_trust_the_build_ca(docker: Docker, built: BuiltImage, marker_ca: tuple[Path, str]) -> None:
+    env = dict(e.split("=", 1) for e in _python(docker, built.image, "import os; print('\\n'.join(f'{k}={v}' for k, v in os.environ.items()))").splitlines() if "=" in e)
     assert not set(CA_ENV_KEYS) & set(env), env
     code = (
         "import os, sys\n"
@@ -134,25 +134,25 @@ def test_final_image_does_not_trust_the_build_ca(engine: Engine, built: BuiltIma
         "            if needle in text: hits.append(p)\n"
         "print(seen, hits, os.path.exists('/run/secrets/skupin_ca'))\n"
     )
-    out = _python(engine, built.image, code).strip()
+    out = _python(docker, built.image, code).strip()
     assert out.endswith("[] False"), out
     assert int(out.split()[0]) > 100  # it really looked at the trust store (Debian's bundle is ~140 certs)
 
 
-def test_build_record_and_layers(engine: Engine, built: BuiltImage) -> None:
+def test_build_record_and_layers(docker: Docker, built: BuiltImage) -> None:
     names = [layer.name for layer in built.layers]
     for layer in ("python", "framework", "compiler", "engine"):
         assert layer in names, names
     assert not any(layer.cached for layer in built.layers if layer.name in ("python", "framework", "engine"))
     assert built.total_s > 0 and built.installed["torch"] == "2.13.0+cpu"
-    out = _python(engine, built.image, "import torch, transformers; print(torch.__version__, transformers.__version__)")
+    out = _python(docker, built.image, "import torch, transformers; print(torch.__version__, transformers.__version__)")
     assert out.split() == ["2.13.0+cpu", built.labels["org.opencontainers.image.version"]]
 
 
-def test_rebuild_is_all_cache_and_same_image(engine: Engine, built: BuiltImage, sku_dir: Path, wheelhouse: Path | None,
+def test_rebuild_is_all_cache_and_same_image(docker: Docker, built: BuiltImage, sku_dir: Path, wheelhouse: Path | None,
                                              host_ca_bundle: Path | None, tmp_path: Path) -> None:
     path = sku_dir / CPU_SKU.name
-    again = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)), engine=engine,
+    again = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)), docker=docker,
                         wheelhouse=wheelhouse, ca_bundle=host_ca_bundle, records=tmp_path)
     assert again.image_id == built.image_id
     assert all(layer.cached for layer in again.layers if layer.name in ("python", "framework", "compiler", "engine"))
@@ -169,7 +169,7 @@ def _broken_engine_wheel(lock: Lock, house: Path) -> Lock:
     return lock.model_copy(update={"layers": {**lock.layers, "engine": tuple(broken if p is tf else p for p in lock.layers["engine"])}})
 
 
-def test_failing_step_names_layer_exit_code_5_and_no_tag(engine: Engine, built: BuiltImage, sku_dir: Path,
+def test_failing_step_names_layer_exit_code_5_and_no_tag(docker: Docker, built: BuiltImage, sku_dir: Path,
                                                           wheelhouse: Path | None, host_ca_bundle: Path | None,
                                                           tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                           tags_to_remove: list[str]) -> None:
@@ -186,11 +186,11 @@ def test_failing_step_names_layer_exit_code_5_and_no_tag(engine: Engine, built: 
     tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=bad)
     tags_to_remove.append(tag)
     with pytest.raises(BuildError) as err:
-        build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=bad, engine=engine,
+        build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=bad, docker=docker,
                     wheelhouse=house, ca_bundle=host_ca_bundle, wheel_store=tmp_path / "store")
     assert "layer 'engine' failed" in str(err.value)
     assert "transformers-5.24.0-py3-none-any.whl: cannot install: BadZipFile" in str(err.value)  # the tail of the step's log says why
-    assert not engine.image_exists(tag)
+    assert not docker.image_exists(tag)
     argv = ["build", str(tmp_path / CPU_SKU.name), "--progress", "plain", "--wheelhouse", str(house)]
     argv += ["--ca-bundle", str(host_ca_bundle)] if host_ca_bundle else []
     broken = next(p for p in bad.layers["engine"] if p.name == "transformers")
@@ -199,10 +199,10 @@ def test_failing_step_names_layer_exit_code_5_and_no_tag(engine: Engine, built: 
     finally:  # the CLI gathered the broken file into the shared wheel store: take it out again
         shutil.rmtree(store_path(STORE, broken).parent, ignore_errors=True)
     assert "layer 'engine' failed" in capsys.readouterr().err
-    assert not engine.image_exists(tag)
+    assert not docker.image_exists(tag)
 
 
-def test_a_wheel_that_does_not_match_the_lock_stops_the_build_before_buildkit(engine: Engine, built: BuiltImage, sku_dir: Path,
+def test_a_wheel_that_does_not_match_the_lock_stops_the_build_before_buildkit(docker: Docker, built: BuiltImage, sku_dir: Path,
                                                                               wheelhouse: Path | None, tmp_path: Path) -> None:
     house = tmp_path / "house"
     house.mkdir()
@@ -215,12 +215,12 @@ def test_a_wheel_that_does_not_match_the_lock_stops_the_build_before_buildkit(en
     manifest = load_manifest(tmp_path / CPU_SKU.name)
     lines: list[str] = []
     with pytest.raises(BuildError, match=f"{house / tf.filename}: sha256 [0-9a-f]{{64}}, but the lock says {tf.sha256}"):
-        build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=lock, engine=engine, wheelhouse=house,
+        build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=lock, docker=docker, wheelhouse=house,
                     wheel_store=tmp_path / "store", on_line=lines.append, progress="plain")
     assert not any(line.startswith("#") for line in lines)  # BuildKit never started
 
 
-def test_interrupted_build_leaves_no_build_containers(engine: Engine, tmp_path: Path) -> None:
+def test_interrupted_build_leaves_no_build_containers(docker: Docker, tmp_path: Path) -> None:
     marker = f"skupin-int-{uuid.uuid4().hex[:8]}"
     base = load_manifest(CPU_SKU).base.bootstrap.local_tag()
     (tmp_path / "Dockerfile").write_text(f"FROM {base}\nRUN echo {marker} && sleep 300\n")
@@ -237,7 +237,7 @@ def test_interrupted_build_leaves_no_build_containers(engine: Engine, tmp_path: 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            engine.build(context=tmp_path, dockerfile=tmp_path / "Dockerfile", no_cache=True, on_line=on_line)
+            docker.build(context=tmp_path, dockerfile=tmp_path / "Dockerfile", no_cache=True, on_line=on_line)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert started.is_set()
@@ -256,7 +256,7 @@ def _processes_with(text: str) -> list[str]:
     return found
 
 
-def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(engine: Engine, built: BuiltImage, sku_dir: Path,
+def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(docker: Docker, built: BuiltImage, sku_dir: Path,
                                                                             wheelhouse: Path | None, host_ca_bundle: Path | None,
                                                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`skupin render --out DIR` gathers each step's wheels next to the Dockerfile, so a plain
@@ -275,6 +275,6 @@ def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(eng
         hashes = sorted(line.split("sha256:")[1] for line in req.read_text().splitlines() if line)
         assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in step.iterdir()) == hashes, req.name
     assert sum(len(list(p.iterdir())) for p in (out / "wheels").iterdir()) == len(lock.packages())
-    image_id = engine.build(context=out, dockerfile=out / "Dockerfile",
+    image_id = docker.build(context=out, dockerfile=out / "Dockerfile",
                             build_args={"SKUPIN_LOCK_HASH": lock.content_hash(), "SKUPIN_DOCKERFILE_SHA256": built.dockerfile_sha256})
     assert image_id == built.image_id

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from dockerd.client import Engine
+from dockerd import Docker
 from common.errors import PublishError
-from clients.index import RegistryClient
+from clients.oci import RegistryClient
 from publishing.publish import read_record
 from publishing.local_registry import LocalRegistry, registry_down, registry_up
 from publishing.verify import verify_reference
@@ -114,16 +114,16 @@ def human_tags(registry: LocalRegistry) -> set[str]:
 # ---------------------------------------------------------------- registry down
 
 
-def test_registry_down_at_publish_then_retry_after_up(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+def test_registry_down_at_publish_then_retry_after_up(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
     lock = make_lock()
     image_id = tiny.make("down")
     verdict = make_verdict(image_id=image_id, lock=lock)
     registry_down(registry=registry)
     with pytest.raises(PublishError, match="does not answer.*nothing was pushed or tagged"):
-        publish(engine=engine, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
+        publish(docker=docker, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
     registry_up(registry=registry)
     assert tags(registry) == set()
-    published = publish(engine=engine, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
+    published = publish(docker=docker, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
     assert verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _s: lock.content_hash()).ok
     assert configs(registry) == {"verified": image_id, published.tags[0]: image_id}
 
@@ -132,21 +132,21 @@ def test_registry_down_at_publish_then_retry_after_up(engine: Engine, registry: 
 
 
 @pytest.mark.parametrize("mode", ["deny_blob", "fail_manifest"])
-def test_push_error_mid_stream_tags_nothing(engine: Engine, registry: LocalRegistry, tiny: TinyImages, mode: str):
+def test_push_error_mid_stream_tags_nothing(docker: Docker, registry: LocalRegistry, tiny: TinyImages, mode: str):
     lock = make_lock()
     image_id = tiny.make(mode.replace("_", "-"))
     verdict = make_verdict(image_id=image_id, lock=lock)
     server, proxy, hits = start_proxy(registry.addr, mode)
     try:
         with pytest.raises(PublishError, match="push of .* failed.*nothing was tagged"):
-            publish(engine=engine, registry=registry, image_id=image_id, lock=lock, verdict=verdict, url=proxy)
+            publish(docker=docker, registry=registry, image_id=image_id, lock=lock, verdict=verdict, url=proxy)
     finally:
         server.shutdown()
     assert any("/blobs/uploads/" in h for h in hits), "the fault proxy saw no upload: the push never started"
     assert human_tags(registry) == set()
-    assert not [r for r in (engine.inspect_image(image_id).tags) if "skupin-push-" in r], "local temporary tag left"
+    assert not [r for r in (docker.inspect_image(image_id).tags) if "skupin-push-" in r], "local temporary tag left"
     # and a later publish straight to the registry works
-    publish(engine=engine, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
+    publish(docker=docker, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
     assert configs(registry)["verified"] == image_id
 
 
@@ -174,7 +174,7 @@ print("PUBLISHED", flush=True)
 """
 
 
-def _run_and_interrupt(*, args: list[str], wait_for: str, engine: Engine, timeout: float = 60) -> tuple[int, str]:
+def _run_and_interrupt(*, args: list[str], wait_for: str, docker: Docker, timeout: float = 60) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # A background job of a non-interactive shell starts with SIGINT ignored, and Python then installs
     # no KeyboardInterrupt handler: give the child the default disposition, as a terminal would.
@@ -190,9 +190,9 @@ def _run_and_interrupt(*, args: list[str], wait_for: str, engine: Engine, timeou
             break
         assert time.monotonic() < deadline, "".join(seen)
     if wait_for == "GATE":  # wait until the container really runs
-        while not engine.containers(label="io.skupin.test=sigint", all=False) and time.monotonic() < deadline:
+        while not docker.containers(label="io.skupin.test=sigint", all=False) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert engine.containers(label="io.skupin.test=sigint", all=False), "".join(seen)
+        assert docker.containers(label="io.skupin.test=sigint", all=False), "".join(seen)
     else:
         time.sleep(1.0)  # inside the (slowed) blob upload
     proc.send_signal(signal.SIGINT)
@@ -200,34 +200,34 @@ def _run_and_interrupt(*, args: list[str], wait_for: str, engine: Engine, timeou
     return proc.returncode, "".join(seen) + out
 
 
-def test_sigint_during_publish_publishes_nothing(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+def test_sigint_during_publish_publishes_nothing(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
     image_id = tiny.make("sigint-publish")
     server, proxy, hits = start_proxy(registry.addr, "slow_blob")
     try:
         code, out = _run_and_interrupt(args=["publish", registry.addr, str(registry.folder), image_id, proxy],
-                                       wait_for="pushing", engine=engine)
+                                       wait_for="pushing", docker=docker)
     finally:
         server.shutdown()
     assert code != 0 and "KeyboardInterrupt" in out and "PUBLISHED" not in out, out
     assert human_tags(registry) == set()
-    assert not [t for t in engine.inspect_image(image_id).tags if "skupin-push-" in t], "local temporary tag left"
+    assert not [t for t in docker.inspect_image(image_id).tags if "skupin-push-" in t], "local temporary tag left"
 
 
-def test_sigint_during_gate_leaves_no_container_and_publishes_nothing(engine: Engine, registry: LocalRegistry,
+def test_sigint_during_gate_leaves_no_container_and_publishes_nothing(docker: Docker, registry: LocalRegistry,
                                                                        tiny: TinyImages):
     image_id = tiny.make("sigint-gate")
     code, out = _run_and_interrupt(args=["gate", registry.addr, str(registry.folder), image_id, registry.addr],
-                                   wait_for="GATE", engine=engine)
+                                   wait_for="GATE", docker=docker)
     assert code != 0 and "PUBLISH" not in out.replace("GATE", ""), out
-    assert engine.containers(label="io.skupin.test=sigint", all=True) == (), "the gate container was left behind"
+    assert docker.containers(label="io.skupin.test=sigint", all=True) == (), "the gate container was left behind"
     assert tags(registry) == set()
 
 
 # ---------------------------------------------------------------- concurrency and the failing image
 
 
-def test_two_publishes_at_once_end_on_a_gated_digest(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
-    from dockerd.client import connect
+def test_two_publishes_at_once_end_on_a_gated_digest(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
+    from dockerd import connect
 
     lock = make_lock()
     images = [tiny.make("race-a"), tiny.make("race-b")]
@@ -236,7 +236,7 @@ def test_two_publishes_at_once_end_on_a_gated_digest(engine: Engine, registry: L
     def one(image_id: str) -> None:
         eng = connect()
         try:
-            results[image_id].append(publish(engine=eng, registry=registry, image_id=image_id, lock=lock,
+            results[image_id].append(publish(docker=eng, registry=registry, image_id=image_id, lock=lock,
                                              verdict=make_verdict(image_id=image_id, lock=lock)))
         except Exception as exc:  # noqa: BLE001 - recorded and asserted below
             results[image_id].append(exc)
@@ -264,11 +264,11 @@ def test_two_publishes_at_once_end_on_a_gated_digest(engine: Engine, registry: L
     assert not [t for t in tags(registry) if t.startswith("skupin-push-")]
 
 
-def test_gate_failing_image_never_ends_under_a_tag(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+def test_gate_failing_image_never_ends_under_a_tag(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
     lock = make_lock()
     honest = tiny.make("honest")
     derived = tiny.make("derived-int4")  # stands for an image the gate failed (e.g. INT4 weights)
-    publish(engine=engine, registry=registry, image_id=honest, lock=lock, verdict=make_verdict(image_id=honest, lock=lock))
+    publish(docker=docker, registry=registry, image_id=honest, lock=lock, verdict=make_verdict(image_id=honest, lock=lock))
     failing = make_verdict(image_id=derived, lock=lock, decision="fail")
     forged = dict(failing, decision="pass", reason="passed")  # decision flipped, the model check still failed
     attempts = {
@@ -278,7 +278,7 @@ def test_gate_failing_image_never_ends_under_a_tag(engine: Engine, registry: Loc
     }
     for why, verdict in attempts.items():
         with pytest.raises(PublishError, match="refusing to publish"):
-            publish(engine=engine, registry=registry, image_id=derived, lock=lock, verdict=verdict)
+            publish(docker=docker, registry=registry, image_id=derived, lock=lock, verdict=verdict)
     assert derived not in configs(registry).values()
     assert configs(registry)["verified"] == honest
     assert verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _s: lock.content_hash()).ok

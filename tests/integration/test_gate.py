@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dockerd.client import Engine
+from dockerd import Docker
 from gates.gate import RUN_LABEL, gate_image, run_label
 
 pytestmark = pytest.mark.integration
@@ -26,14 +26,14 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
 
 
-def _gate(stack, image: str, engine: Engine, out: Path, wheelhouse: Path | None = None):
-    verdict = gate_image(stack=stack, image=image, engine=engine, out=out, wheelhouse=wheelhouse)
-    assert not engine.containers(label=f"{RUN_LABEL}={run_label(out / 'probe')}"), "the probe container was left behind"
+def _gate(stack, image: str, docker: Docker, out: Path, wheelhouse: Path | None = None):
+    verdict = gate_image(stack=stack, image=image, docker=docker, out=out, wheelhouse=wheelhouse)
+    assert not docker.containers(label=f"{RUN_LABEL}={run_label(out / 'probe')}"), "the probe container was left behind"
     assert (out / "verdict.json").is_file() and (out / "report.md").is_file()
     return verdict
 
 
-def test_honest_image_passes_through_the_cli(honest_image: str, engine: Engine, tmp_path: Path) -> None:
+def test_honest_image_passes_through_the_cli(honest_image: str, docker: Docker, tmp_path: Path) -> None:
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64", "--image", honest_image,
                            "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=False)
@@ -48,7 +48,7 @@ def test_honest_image_passes_through_the_cli(honest_image: str, engine: Engine, 
     assert verdict["tolerance"]["entry"]["provenance"]["runs"] >= 4
     assert len(verdict["prompts"]) == 64
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
-    assert not engine.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
+    assert not docker.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
     print(f"honest gate wall time {wall:.1f} s; means {verdict['checks'][4]['details']['means']}")
 
 
@@ -59,11 +59,11 @@ def test_honest_image_passes_through_the_cli(honest_image: str, engine: Engine, 
     ("int4-nibble", "model", ""),
     ("silu", "kernels", "silu.float32: max error"),
 ])
-def test_swapped_image_fails_for_the_right_reason(mode, check, words, derived, stack, engine: Engine,
+def test_swapped_image_fails_for_the_right_reason(mode, check, words, derived, stack, docker: Docker,
                                                   tmp_path: Path) -> None:
     """A locked package that changes the numbers passes `pins` (its files are its lock) and fails the numeric check."""
     swapped = derived.swap(mode)
-    verdict = _gate(swapped.stack(stack), swapped.image, engine, tmp_path, wheelhouse=swapped.wheelhouse)
+    verdict = _gate(swapped.stack(stack), swapped.image, docker, tmp_path, wheelhouse=swapped.wheelhouse)
     failing = verdict.failing_check()
     assert verdict.decision == "fail", verdict.reason
     assert verdict.exit_code == 10
@@ -81,10 +81,10 @@ def _short_deadline(stack, seconds: int):
     return stack.model_copy(update={"manifest": stack.manifest.model_copy(update={"gate": gate})})
 
 
-def test_a_hanging_probe_is_killed_at_the_deadline_and_removed(derived, stack, engine: Engine, tmp_path: Path) -> None:
+def test_a_hanging_probe_is_killed_at_the_deadline_and_removed(derived, stack, docker: Docker, tmp_path: Path) -> None:
     swapped = derived.swap("hang")
     start = time.monotonic()
-    verdict = _gate(_short_deadline(swapped.stack(stack), 15), swapped.image, engine, tmp_path,
+    verdict = _gate(_short_deadline(swapped.stack(stack), 15), swapped.image, docker, tmp_path,
                     wheelhouse=swapped.wheelhouse)
     assert time.monotonic() - start < 90
     assert verdict.decision == "could_not_run" and verdict.exit_code == 11
@@ -93,27 +93,27 @@ def test_a_hanging_probe_is_killed_at_the_deadline_and_removed(derived, stack, e
     assert "deadline of 15 s" in verdict.check("boot").reason
 
 
-def test_a_crashing_probe_cannot_run_and_is_removed(derived, stack, engine: Engine, tmp_path: Path) -> None:
+def test_a_crashing_probe_cannot_run_and_is_removed(derived, stack, docker: Docker, tmp_path: Path) -> None:
     swapped = derived.swap("crash")
-    verdict = _gate(swapped.stack(stack), swapped.image, engine, tmp_path, wheelhouse=swapped.wheelhouse)
+    verdict = _gate(swapped.stack(stack), swapped.image, docker, tmp_path, wheelhouse=swapped.wheelhouse)
     assert verdict.decision == "could_not_run" and verdict.exit_code == 11
     assert "without usable outputs" in verdict.check("boot").reason
 
 
-def test_a_tampered_bundle_is_refused_before_anything_runs(stack, honest_image: str, engine: Engine, tmp_path: Path) -> None:
+def test_a_tampered_bundle_is_refused_before_anything_runs(stack, honest_image: str, docker: Docker, tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
     shutil.copytree(REPO / stack.manifest.gate.reference, bundle)
     data = bytearray((bundle / "tensors.safetensors").read_bytes())
     data[-1] ^= 1
     (bundle / "tensors.safetensors").write_bytes(bytes(data))
-    verdict = gate_image(stack=stack, image=honest_image, engine=engine, out=tmp_path / "out", reference=bundle)
+    verdict = gate_image(stack=stack, image=honest_image, docker=docker, out=tmp_path / "out", reference=bundle)
     assert verdict.decision == "could_not_run" and verdict.exit_code == 11
     assert verdict.checks[0].name == "reference" and "does not match SHA256SUMS" in verdict.checks[0].reason
     assert verdict.check("boot").status == "skipped"
 
 
-def test_a_bundle_for_another_dtype_is_refused(stack, honest_image: str, engine: Engine, tmp_path: Path) -> None:
-    verdict = gate_image(stack=stack, image=honest_image, engine=engine, out=tmp_path,
+def test_a_bundle_for_another_dtype_is_refused(stack, honest_image: str, docker: Docker, tmp_path: Path) -> None:
+    verdict = gate_image(stack=stack, image=honest_image, docker=docker, out=tmp_path,
                          reference=REPO / "gates/references/tiny-llama/h200-bfloat16")
     assert verdict.decision == "could_not_run"
     assert "dtype 'bfloat16', the SKU gates in 'float32'" in verdict.checks[0].reason

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dockerd.client import DEADLINE_GRACE_S, KILL_AFTER_S, Engine
+from dockerd import DEADLINE_GRACE_S, Docker, KILL_AFTER_S
 from gates.gate import gate_image
 
 pytestmark = pytest.mark.integration
@@ -30,34 +30,34 @@ REPO = Path(__file__).resolve().parents[2]
 PLANTED_TARGET = Path("/tmp/skupin-test-planted-target")  # swap.py's symlinks point here
 
 
-def _gate(derived, stack, mode: str, out: Path, engine: Engine, **kwargs):
+def _gate(derived, stack, mode: str, out: Path, docker: Docker, **kwargs):
     swapped = derived.swap(mode)
     start = time.monotonic()
-    verdict = gate_image(stack=swapped.stack(stack), image=swapped.image, engine=engine, out=out,
+    verdict = gate_image(stack=swapped.stack(stack), image=swapped.image, docker=docker, out=out,
                          wheelhouse=swapped.wheelhouse, **kwargs)
     assert (out / "verdict.json").is_file() and (out / "report.md").is_file()
-    assert not engine.containers(label=f"io.skupin.session={engine.session}"), "a container was left behind"
+    assert not docker.containers(label=f"io.skupin.session={engine.session}"), "a container was left behind"
     return verdict, time.monotonic() - start
 
 
-def test_an_output_flood_ends_in_could_not_run(derived, stack, engine: Engine, tmp_path: Path) -> None:
-    verdict, seconds = _gate(derived, stack, "flood", tmp_path, engine)
+def test_an_output_flood_ends_in_could_not_run(derived, stack, docker: Docker, tmp_path: Path) -> None:
+    verdict, seconds = _gate(derived, stack, "flood", tmp_path, docker)
     assert verdict.decision == "could_not_run" and verdict.exit_code == 11
     assert verdict.check("pins").status == "pass"
     assert "stdout passed its cap" in verdict.check("boot").reason, verdict.check("boot").reason
     print(f"flood: {verdict.check('boot').reason[:200]} ({seconds:.1f} s)")
 
 
-def test_a_forged_nested_frame_ends_in_could_not_run(derived, stack, engine: Engine, tmp_path: Path) -> None:
-    verdict, seconds = _gate(derived, stack, "forge", tmp_path, engine)
+def test_a_forged_nested_frame_ends_in_could_not_run(derived, stack, docker: Docker, tmp_path: Path) -> None:
+    verdict, seconds = _gate(derived, stack, "forge", tmp_path, docker)
     assert verdict.decision == "could_not_run" and verdict.exit_code == 11
     assert "nested" in verdict.check("boot").reason, verdict.check("boot").reason
     print(f"forge: {verdict.check('boot').reason[:200]} ({seconds:.1f} s)")
 
 
-def test_planted_links_and_fifos_never_reach_the_host(derived, stack, engine: Engine, tmp_path: Path) -> None:
+def test_planted_links_and_fifos_never_reach_the_host(derived, stack, docker: Docker, tmp_path: Path) -> None:
     PLANTED_TARGET.unlink(missing_ok=True)
-    verdict, seconds = _gate(derived, stack, "plant", tmp_path, engine)
+    verdict, seconds = _gate(derived, stack, "plant", tmp_path, docker)
     assert not PLANTED_TARGET.exists(), "the host followed a link the image planted"
     for path in tmp_path.rglob("*"):  # the gate folder holds only what the host wrote itself
         mode = os.lstat(path).st_mode
@@ -67,8 +67,8 @@ def test_planted_links_and_fifos_never_reach_the_host(derived, stack, engine: En
     print(f"plant: {verdict.decision} ({seconds:.1f} s); no host file written outside {tmp_path}")
 
 
-def test_a_hostile_server_stream_fails_serve_with_a_verdict(derived, stack, engine: Engine, tmp_path: Path) -> None:
-    verdict, seconds = _gate(derived, stack, "sse", tmp_path, engine)
+def test_a_hostile_server_stream_fails_serve_with_a_verdict(derived, stack, docker: Docker, tmp_path: Path) -> None:
+    verdict, seconds = _gate(derived, stack, "sse", tmp_path, docker)
     status = {c.name: c.status for c in verdict.checks}
     assert status["pins"] == status["boot"] == status["kernels"] == status["model"] == "pass", verdict.reason
     assert status["serve"] == "fail" and verdict.exit_code == 10
@@ -76,7 +76,7 @@ def test_a_hostile_server_stream_fails_serve_with_a_verdict(derived, stack, engi
     print(f"sse: {verdict.check('serve').reason[:200]} ({seconds:.1f} s)")
 
 
-def test_kill_9_of_skupin_gate_leaves_no_container_past_its_deadline(derived, stack, engine: Engine,
+def test_kill_9_of_skupin_gate_leaves_no_container_past_its_deadline(derived, stack, docker: Docker,
                                                                       tmp_path: Path) -> None:
     """The real CLI, killed while its probe container runs: the container removes itself at its own deadline."""
     swapped = derived.swap("hang")
@@ -92,7 +92,7 @@ def test_kill_9_of_skupin_gate_leaves_no_container_past_its_deadline(derived, st
     label = "io.skupin.role=gate-probe"
     try:
         start = time.monotonic()
-        while not [c for c in engine.containers(label=label) if _owner(engine, c) == proc.pid]:
+        while not [c for c in docker.containers(label=label) if _owner(docker, c) == proc.pid]:
             assert proc.poll() is None and time.monotonic() - start < 240, "the probe container never started"
             time.sleep(0.5)
     finally:
@@ -100,15 +100,15 @@ def test_kill_9_of_skupin_gate_leaves_no_container_past_its_deadline(derived, st
         proc.wait()
     killed = time.monotonic()
     limit = 20 + DEADLINE_GRACE_S + KILL_AFTER_S + 20
-    while [c for c in engine.containers(label=label) if _owner(engine, c) == proc.pid]:
+    while [c for c in docker.containers(label=label) if _owner(docker, c) == proc.pid]:
         assert time.monotonic() - killed < limit, f"the container outlived its deadline by more than {limit} s"
         time.sleep(1)
     print(f"kill -9 of skupin gate: its probe container was gone {time.monotonic() - killed:.1f} s after the kill")
 
 
-def _owner(engine: Engine, cid: str) -> int | None:
+def _owner(docker: Docker, cid: str) -> int | None:
     try:
-        labels = engine._client.api.inspect_container(cid)["Config"]["Labels"]
+        labels = docker._client.api.inspect_container(cid)["Config"]["Labels"]
     except Exception:  # noqa: BLE001 - removed meanwhile
         return None
     value = labels.get("io.skupin.owner-pid")

@@ -1,4 +1,4 @@
-"""clients/index.py and `compat refresh` against real HTTP servers on loopback (recorded PyPI metadata, a small registry)."""
+"""clients/pypi.py, clients/oci.py and `compat refresh` against real HTTP servers on loopback (recorded PyPI metadata, a small registry)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from packaging.version import Version
 from builder.compat import CompatData
 from releases.compat_refresh import refresh
 from common.errors import NetworkError
-from clients.index import IndexClient, RegistryClient, docker_credentials, parse_image_ref
+from clients.oci import RegistryClient, docker_credentials, parse_image_ref
+from clients.pypi import IndexClient
 from tests.data.index.server import serve_index, serve_registry
 
 REPO = Path(__file__).resolve().parents[2]

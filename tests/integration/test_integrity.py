@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dockerd.client import ContainerSpec, Engine
+from dockerd import ContainerSpec, Docker
 from common.paths import STATE
 from gates.gate import gate_image
 from gates.static.integrity import inspect_image_files
@@ -21,8 +21,8 @@ from gates.static.layers import image_view
 pytestmark = pytest.mark.integration
 
 
-def test_the_honest_image_is_its_lock(honest_image: str, stack, engine: Engine, wheelhouse) -> None:
-    report = inspect_image_files(engine=engine, image_id=honest_image, lock=stack.lock, state=Path(STATE),
+def test_the_honest_image_is_its_lock(honest_image: str, stack, docker: Docker, wheelhouse) -> None:
+    report = inspect_image_files(docker=docker, image_id=honest_image, lock=stack.lock, state=Path(STATE),
                                  expected_cmd=None, wheelhouse=wheelhouse)
     assert report.ok, (report.findings[:5], report.unverifiable)
     counts = report.counts
@@ -42,9 +42,9 @@ def test_the_honest_image_is_its_lock(honest_image: str, stack, engine: Engine, 
     ("preload", "config", "etc/ld.so.preload"),
 ])
 def test_a_change_outside_the_lock_fails_pins_before_anything_runs(mode, kind, where, derived, stack,
-                                                                   engine: Engine, tmp_path: Path) -> None:
+                                                                   docker: Docker, tmp_path: Path) -> None:
     image = derived.tamper(mode)
-    verdict = gate_image(stack=stack, image=image, engine=engine, out=tmp_path)
+    verdict = gate_image(stack=stack, image=image, docker=docker, out=tmp_path)
     pins = verdict.check("pins")
     assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
     assert pins.status == "fail", pins.reason
@@ -56,7 +56,7 @@ def test_a_change_outside_the_lock_fails_pins_before_anything_runs(mode, kind, w
     print(f"{mode}: {pins.reason[:300]}")
 
 
-def test_the_gate_aware_hook_really_behaves_only_under_the_gate(derived, engine: Engine) -> None:
+def test_the_gate_aware_hook_really_behaves_only_under_the_gate(derived, docker: Docker) -> None:
     """Why the check must be static: the hooked image computes SiLU wrong with a network, right in the gate's sandbox."""
     image = derived.tamper("hook")
     code = ("import torch, torch.nn.functional as F; x = torch.linspace(-4, 4, 64); "
@@ -64,26 +64,26 @@ def test_the_gate_aware_hook_really_behaves_only_under_the_gate(derived, engine:
     errors = {}
     for network in ("none", "bridge"):
         spec = ContainerSpec(image=image, entrypoint=("python3", "-c", code), network=network, mem_limit="2g")
-        result = engine.run(spec, deadline_s=120)
+        result = docker.run(spec, deadline_s=120)
         assert result.exit_code == 0, result.stderr[-2000:]
         errors[network] = float(str(result.stdout).strip().splitlines()[-1])
     assert errors["none"] < 1e-5  # rounding only
     assert errors["bridge"] > 1e-3
 
 
-def test_layers_read_from_disk_and_from_docker_save_agree(engine: Engine, stack, tmp_path: Path) -> None:
-    base = engine.inspect_image(stack.lock.base.reference)
+def test_layers_read_from_disk_and_from_docker_save_agree(docker: Docker, stack, tmp_path: Path) -> None:
+    base = docker.inspect_image(stack.lock.base.reference)
     assert base is not None, "the CPU SKU's bootstrap base is not on this engine"
-    on_disk = image_view(engine=engine, image=base.id, layers=base.layers, cache=tmp_path / "disk")
+    on_disk = image_view(docker=docker, image=base.id, layers=base.layers, cache=tmp_path / "disk")
 
     class Streamed:  # the same engine, with its layer folders hidden: `docker save` is used instead
         def __getattr__(self, name):
-            return getattr(engine, name)
+            return getattr(docker, name)
 
         def layer_dirs(self, ref: str):
             return None
 
-    streamed = image_view(engine=Streamed(), image=base.id, layers=base.layers, cache=tmp_path / "tar")
+    streamed = image_view(docker=Streamed(), image=base.id, layers=base.layers, cache=tmp_path / "tar")
     assert on_disk.entries == streamed.entries
     assert len(on_disk.entries) > 3000
     assert on_disk.read_file("var/lib/dpkg/status") == streamed.read_file("var/lib/dpkg/status")

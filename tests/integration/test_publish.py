@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dockerd.client import Engine
+from dockerd import Docker
 from common.errors import NetworkError, PublishError
-from clients.index import RegistryClient
+from clients.oci import RegistryClient
 from builder.lockfile import Lock, LockedBase
 from publishing.publish import (PublishedImage, parse_target, plan_publish, publish_image, read_record, record_tag,
                              verdict_facts)
@@ -76,8 +76,8 @@ def tiny_rootfs(folder: Path, salt: str) -> Path:
 class TinyImages:
     """Imports tiny images on demand; removes them afterwards."""
 
-    def __init__(self, engine: Engine, tmp: Path) -> None:
-        self.engine, self.tmp, self.refs = engine, tmp, []
+    def __init__(self, docker: Docker, tmp: Path) -> None:
+        self.engine, self.tmp, self.refs = docker, tmp, []
 
     def make(self, name: str) -> str:
         ref = f"skupin-test/{name}:{os.urandom(4).hex()}"
@@ -91,8 +91,8 @@ class TinyImages:
 
 
 @pytest.fixture
-def tiny(engine: Engine, tmp_path: Path) -> Iterator[TinyImages]:
-    images = TinyImages(engine, tmp_path / "tiny")
+def tiny(docker: Docker, tmp_path: Path) -> Iterator[TinyImages]:
+    images = TinyImages(docker, tmp_path / "tiny")
     yield images
     images.cleanup()
 
@@ -106,14 +106,14 @@ def registry(tmp_path: Path) -> Iterator[LocalRegistry]:
     registry_down(registry=reg)
 
 
-def publish(*, engine: Engine, registry: LocalRegistry, image_id: str, lock: Lock, verdict: dict,
+def publish(*, docker: Docker, registry: LocalRegistry, image_id: str, lock: Lock, verdict: dict,
             url: str | None = None, on_event=lambda _s: None) -> PublishedImage:
     """The library path `skupin publish` takes, with an injected image/lock/verdict."""
     target = parse_target(url or registry.addr)
     plan = plan_publish(sku=SKU, engine_version="5.24.0", lock=lock, image_id=image_id,
                         verdict=verdict_facts(verdict), target=target)
     with RegistryClient(target.url, retries=1, backoff=0.1) as client:
-        return publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client, on_event=on_event,
+        return publish_image(plan=plan, verdict=verdict, lock=lock, docker=docker, client=client, on_event=on_event,
                              untag=lambda repo, tag: untag_on_disk(registry=registry, repository=repo, tag=tag))
 
 
@@ -150,17 +150,17 @@ def test_registry_up_is_idempotent_and_down_leaves_others_alone(tmp_path: Path, 
     assert registry_status(registry=registry).answering
 
 
-def test_publish_verify_pull(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+def test_publish_verify_pull(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
     image_id = tiny.make("good")
     lock = make_lock()
     t0 = time.monotonic()
-    published = publish(engine=engine, registry=registry, image_id=image_id, lock=lock,
+    published = publish(docker=docker, registry=registry, image_id=image_id, lock=lock,
                         verdict=make_verdict(image_id=image_id, lock=lock))
     publish_s = time.monotonic() - t0
     assert published.reference == f"{registry.addr}/{SKU}@{published.digest}"
     assert tags(registry) == {"verified", published.tags[0], record_tag(published.digest)}  # temporary tag gone
     assert set(configs(registry).values()) == {image_id}
-    assert not engine.image_exists(f"{registry.addr}/{SKU}:{published.tags[0]}")  # no local temporary tag either
+    assert not docker.image_exists(f"{registry.addr}/{SKU}:{published.tags[0]}")  # no local temporary tag either
 
     t0 = time.monotonic()
     result = verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _sku: lock.content_hash())
@@ -171,15 +171,15 @@ def test_publish_verify_pull(engine: Engine, registry: LocalRegistry, tiny: Tiny
     stale = verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _sku: make_lock(salt="e").content_hash())
     assert not stale.ok and "current lock" in stale.line()
 
-    engine.remove_image(published.reference, force=True)
-    result, pulled = pull_verified(sku=SKU, target=parse_target(registry.addr), engine=engine,
+    docker.remove_image(published.reference, force=True)
+    result, pulled = pull_verified(sku=SKU, target=parse_target(registry.addr), docker=docker,
                                    current_lock=lambda _sku: lock.content_hash())
     assert pulled == image_id and result.reference == published.reference
-    engine.remove_image(published.reference, force=True)
+    docker.remove_image(published.reference, force=True)
     print(f"\npublish {publish_s:.2f} s (push {published.push_s:.2f} s), verify {verify_s:.3f} s")
 
 
-def test_verified_image_id_is_the_serve_baseline_even_under_a_newer_lock(engine: Engine, registry: LocalRegistry,
+def test_verified_image_id_is_the_serve_baseline_even_under_a_newer_lock(docker: Docker, registry: LocalRegistry,
                                                                         tiny: TinyImages):
     from publishing.verify import verified_image_id
 
@@ -187,30 +187,30 @@ def test_verified_image_id_is_the_serve_baseline_even_under_a_newer_lock(engine:
     assert verified_image_id(sku=SKU, target=target) is None  # nothing verified yet
     image_id = tiny.make("baseline")
     lock = make_lock()
-    publish(engine=engine, registry=registry, image_id=image_id, lock=lock,
+    publish(docker=docker, registry=registry, image_id=image_id, lock=lock,
             verdict=make_verdict(image_id=image_id, lock=lock))
     assert verified_image_id(sku=SKU, target=target) == image_id
     registry_down(registry=registry)
     assert verified_image_id(sku=SKU, target=target) is None  # a registry that does not answer: no baseline
 
 
-def test_verify_catches_a_tag_moved_to_an_unrecorded_image(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+def test_verify_catches_a_tag_moved_to_an_unrecorded_image(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
     lock = make_lock()
     good = tiny.make("good")
-    publish(engine=engine, registry=registry, image_id=good, lock=lock, verdict=make_verdict(image_id=good, lock=lock))
+    publish(docker=docker, registry=registry, image_id=good, lock=lock, verdict=make_verdict(image_id=good, lock=lock))
     # someone pushes another image straight to :verified, bypassing the gate
     rogue = tiny.make("rogue")
     ref = f"{registry.addr}/{SKU}:verified"
-    engine.tag(rogue, ref)
+    docker.tag(rogue, ref)
     try:
-        engine.push(ref)
+        docker.push(ref)
     finally:
-        engine.remove_image(ref)
+        docker.remove_image(ref)
     result = verify_reference(ref=ref, current_lock=lambda _sku: lock.content_hash())
     assert not result.ok and "no verification record" in result.reason
 
 
-def test_refused_verdicts_push_nothing(engine: Engine, registry: LocalRegistry, tiny: TinyImages):
+def test_refused_verdicts_push_nothing(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
     lock = make_lock()
     image_id = tiny.make("refused")
     other = tiny.make("other")
@@ -221,16 +221,16 @@ def test_refused_verdicts_push_nothing(engine: Engine, registry: LocalRegistry, 
     }
     for why, verdict in cases.items():
         with pytest.raises(PublishError, match="refusing to publish"):
-            publish(engine=engine, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
+            publish(docker=docker, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
     assert tags(registry) == set(), "a refused publish must push nothing"
 
 
-def test_end_to_end_cpu_image_gate_publish_and_verify(engine: Engine, registry: LocalRegistry, stack, honest_image,
+def test_end_to_end_cpu_image_gate_publish_and_verify(docker: Docker, registry: LocalRegistry, stack, honest_image,
                                                       tmp_path: Path):
     """The real CPU image, gated by the real gate, published with that verdict, verified by an operator."""
     from gates.gate import gate_image
 
-    verdict_obj = gate_image(stack=stack, image=honest_image, engine=engine, out=tmp_path / "gate")
+    verdict_obj = gate_image(stack=stack, image=honest_image, docker=docker, out=tmp_path / "gate")
     assert verdict_obj.decision == "pass", verdict_obj.reason
     verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text(encoding="utf-8"))
     lock, target = stack.lock, parse_target(registry.addr)
@@ -238,7 +238,7 @@ def test_end_to_end_cpu_image_gate_publish_and_verify(engine: Engine, registry: 
                         image_id=honest_image, verdict=verdict_facts(verdict), target=target)
     t0 = time.monotonic()
     with RegistryClient(target.url) as client:
-        published = publish_image(plan=plan, verdict=verdict, lock=lock, engine=engine, client=client,
+        published = publish_image(plan=plan, verdict=verdict, lock=lock, docker=docker, client=client,
                                   untag=lambda r, t: untag_on_disk(registry=registry, repository=r, tag=t))
         assert read_record(client=client, repository="cpu-x86_64", digest=published.digest).image_id == honest_image
     result = verify_reference(ref=f"{registry.addr}/cpu-x86_64:verified")

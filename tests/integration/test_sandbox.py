@@ -1,5 +1,5 @@
 """The gate's container I/O against hostile images: an output flood, a forged frame, `kill -9` of the gate and the
-reaper (`reap_orphans`, `skupin engine up`), a bad server.
+reaper (`reap_orphans`, `skupin docker up`), a bad server.
 
 Derived images are thin layers FROM the honest CPU image, built here without network; each adds a
 start-up hook (a .pth file and a module in site-packages) that runs in every Python process of the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from dockerd.client import DEADLINE_GRACE_S, KILL_AFTER_S, SESSION_LABEL, Engine
+from dockerd import DEADLINE_GRACE_S, Docker, KILL_AFTER_S, SESSION_LABEL
 from builder.manifest import load_manifest
 from gates.gate import RUN_LABEL, load_reference, probe_in_container, run_label
 from imagetools.probe import FRAME_MAGIC
@@ -105,14 +105,14 @@ print(json.dumps({"error": run.error, "exit_code": run.exit_code, "seconds": run
 
 
 @pytest.fixture(scope="module")
-def derive(engine: Engine, honest_image: str, tmp_path_factory) -> Iterator:
+def derive(docker: Docker, honest_image: str, tmp_path_factory) -> Iterator:
     context = tmp_path_factory.mktemp("sandbox-derived")
     (context / "Dockerfile").write_text(DOCKERFILE)
     (context / "hooks").mkdir()
     for name, text in HOOKS.items():
         (context / "hooks" / name).write_text(text)
         (context / "hooks" / name).chmod(0o755)
-    with derived_images(engine, honest_image=honest_image, context=context,
+    with derived_images(docker, honest_image=honest_image, context=context,
                         base_tag="skupin-test/sandbox-honest-base:latest") as build:
         yield build
 
@@ -128,31 +128,31 @@ def _spawn(image: str, out: Path, deadline_s: int) -> subprocess.Popen:
                             text=True)
 
 
-def _container_of(engine: Engine, label: str, *, within_s: float = 60) -> str:
+def _container_of(docker: Docker, label: str, *, within_s: float = 60) -> str:
     end = time.monotonic() + within_s
     while time.monotonic() < end:
-        found = engine.containers(label=label, all=False)
+        found = docker.containers(label=label, all=False)
         if found:
             return found[0]
         time.sleep(0.2)
     raise AssertionError(f"no running container with {label} within {within_s} s")
 
 
-def _inspect(engine: Engine, cid: str) -> dict:
-    out = subprocess.run([engine.cli(), "inspect", cid], capture_output=True, text=True, check=True,
-                         env={"DOCKER_HOST": f"unix://{engine.socket}", "PATH": "/usr/bin:/bin"}).stdout
+def _inspect(docker: Docker, cid: str) -> dict:
+    out = subprocess.run([docker.cli(), "inspect", cid], capture_output=True, text=True, check=True,
+                         env={"DOCKER_HOST": f"unix://{docker.socket}", "PATH": "/usr/bin:/bin"}).stdout
     return json.loads(out)[0]
 
 
-def _gone_within(engine: Engine, label: str, seconds: float) -> float:
+def _gone_within(docker: Docker, label: str, seconds: float) -> float:
     start = time.monotonic()
-    while engine.containers(label=label):
+    while docker.containers(label=label):
         assert time.monotonic() - start < seconds, f"a container with {label} outlived {seconds:.0f} s"
         time.sleep(0.5)
     return time.monotonic() - start
 
 
-def test_an_output_flood_is_cut_at_the_cap_and_memory_stays_bounded(derive, engine: Engine, tmp_path: Path) -> None:
+def test_an_output_flood_is_cut_at_the_cap_and_memory_stays_bounded(derive, docker: Docker, tmp_path: Path) -> None:
     image = derive("flood")
     proc = _spawn(image, tmp_path / "probe", deadline_s=120)
     stdout, stderr = proc.communicate(timeout=300)
@@ -165,26 +165,26 @@ def test_an_output_flood_is_cut_at_the_cap_and_memory_stays_bounded(derive, engi
     assert result["wall_s"] < 120
     assert growth_mib < 1.3 * (MAX_FRAME_BYTES >> 20) + 64
     assert "overflow: stdout passed its cap" in (tmp_path / "probe" / "container.log").read_text()
-    assert not engine.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
+    assert not docker.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
 
 
-def test_a_forged_frame_with_deeply_nested_json_is_an_error_not_a_crash(derive, engine: Engine, tmp_path: Path) -> None:
-    run = probe_in_container(manifest=_manifest(), image=derive("forged"), engine=engine, out=tmp_path / "probe")
+def test_a_forged_frame_with_deeply_nested_json_is_an_error_not_a_crash(derive, docker: Docker, tmp_path: Path) -> None:
+    run = probe_in_container(manifest=_manifest(), image=derive("forged"), docker=docker, out=tmp_path / "probe")
     assert "without usable outputs" in run.error and "nested" in run.error, run.error
     assert run.exit_code == 0 and run.report == {} and run.tensors == {}
     assert sorted(p.name for p in (tmp_path / "probe").iterdir()) == ["container.log"]
 
 
-def test_kill_9_of_the_gate_leaves_the_container_only_until_its_own_deadline(derive, engine: Engine,
+def test_kill_9_of_the_gate_leaves_the_container_only_until_its_own_deadline(derive, docker: Docker,
                                                                             tmp_path: Path) -> None:
     deadline = 10
     out = tmp_path / "probe"
     label = f"{RUN_LABEL}={run_label(out)}"
     proc = _spawn(derive("hang"), out, deadline_s=deadline)
     try:
-        cid = _container_of(engine, label)
+        cid = _container_of(docker, label)
         seen = time.monotonic()
-        attrs = _inspect(engine, cid)
+        attrs = _inspect(docker, cid)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -194,26 +194,26 @@ def test_kill_9_of_the_gate_leaves_the_container_only_until_its_own_deadline(der
     assert host["NanoCpus"] > 0 and host["NetworkMode"] == "none" and host["ReadonlyRootfs"]
     assert attrs["Path"] == "timeout" and attrs["Args"][:2] == [f"--kill-after={KILL_AFTER_S}",
                                                                f"{deadline + DEADLINE_GRACE_S}s"]
-    assert engine.containers(label=label) == (cid,)  # skupin is dead: only the in-container deadline is left
-    gone = _gone_within(engine, label, deadline + DEADLINE_GRACE_S + KILL_AFTER_S + 15)
+    assert docker.containers(label=label) == (cid,)  # skupin is dead: only the in-container deadline is left
+    gone = _gone_within(docker, label, deadline + DEADLINE_GRACE_S + KILL_AFTER_S + 15)
     print(f"kill -9: the container was gone {time.monotonic() - seen:.1f} s after it started running "
           f"(in-container deadline {deadline} + {DEADLINE_GRACE_S} s grace; {gone:.1f} s after the kill)")
 
 
-def test_reap_orphans_removes_the_leftover_of_a_killed_gate_at_once(derive, engine: Engine, tmp_path: Path) -> None:
+def test_reap_orphans_removes_the_leftover_of_a_killed_gate_at_once(derive, docker: Docker, tmp_path: Path) -> None:
     out = tmp_path / "probe"
     label = f"{RUN_LABEL}={run_label(out)}"
     proc = _spawn(derive("hang"), out, deadline_s=600)
     try:
-        cid = _container_of(engine, label)
-        assert cid not in [r.id for r in engine.reap_orphans()]  # its owner lives: left alone
+        cid = _container_of(docker, label)
+        assert cid not in [r.id for r in docker.reap_orphans()]  # its owner lives: left alone
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     start = time.monotonic()
-    reaped = {r.id: r for r in engine.reap_orphans()}
+    reaped = {r.id: r for r in docker.reap_orphans()}
     assert cid in reaped and "has exited" in reaped[cid].reason, reaped
-    assert not engine.containers(label=label)
+    assert not docker.containers(label=label)
     print(f"reaped {reaped[cid].describe()} in {time.monotonic() - start:.2f} s")
 
 
@@ -226,7 +226,7 @@ with connect().container(ContainerSpec(image=sys.argv[1], entrypoint=("sleep", "
 """
 
 
-def test_engine_up_removes_and_names_the_leftovers_of_dead_runs(honest_image: str, engine: Engine, capsys) -> None:
+def test_engine_up_removes_and_names_the_leftovers_of_dead_runs(honest_image: str, docker: Docker, capsys) -> None:
     from skupin.cli import main
 
     tag = f"engine-up-{os.getpid()}"
@@ -234,22 +234,22 @@ def test_engine_up_removes_and_names_the_leftovers_of_dead_runs(honest_image: st
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "UP"
-        (cid,) = engine.containers(label=f"io.skupin.test={tag}")
+        (cid,) = docker.containers(label=f"io.skupin.test={tag}")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert main(["engine", "up"]) == 0
+    assert main(["docker", "up"]) == 0
     out = capsys.readouterr().out
     assert "already running" in out and "removed a leftover container" in out and cid[:12] in out, out
-    assert not engine.containers(label=f"io.skupin.test={tag}")
+    assert not docker.containers(label=f"io.skupin.test={tag}")
 
 
-def test_a_server_streaming_hostile_events_fails_the_serve_check_cleanly(derive, stack, engine: Engine) -> None:
+def test_a_server_streaming_hostile_events_fails_the_serve_check_cleanly(derive, stack, docker: Docker) -> None:
     entry = load_tolerances().find(ToleranceKey(hardware_class="cpu-x86_64", dtype="float32", model="tiny-llama"))
     _, ref, _ = load_reference(manifest=stack.manifest)
     start = time.monotonic()
-    check = serve_check(manifest=stack.manifest, image=derive("badsse"), engine=engine, ref=ref, entry=entry,
+    check = serve_check(manifest=stack.manifest, image=derive("badsse"), docker=docker, ref=ref, entry=entry,
                         ready_deadline_s=60)
     assert check.status == "fail" and "not a JSON object" in check.reason, check.reason
-    assert not engine.containers(label=f"{SESSION_LABEL}={engine.session}"), "the server container was left behind"
+    assert not docker.containers(label=f"{SESSION_LABEL}={engine.session}"), "the server container was left behind"
     print(f"bad SSE: {check.reason[:200]} ({time.monotonic() - start:.1f} s)")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dockerd.client import Engine
+from dockerd import Docker
 from builder.manifest import ServeGate
 from gates.gate import gate_image, load_reference
 from gates.serving.perf import PerfSettings
@@ -49,10 +49,10 @@ LABEL io.skupin.test-serve="${MODE}"
 
 
 @pytest.fixture(scope="module")
-def derive(engine: Engine, honest_image: str, tmp_path_factory) -> Iterator:
+def derive(docker: Docker, honest_image: str, tmp_path_factory) -> Iterator:
     context = tmp_path_factory.mktemp("serve-derived")
     (context / "Dockerfile").write_text(DOCKERFILE)
-    with derived_images(engine, honest_image=honest_image, context=context,
+    with derived_images(docker, honest_image=honest_image, context=context,
                         base_tag="skupin-test/serve-honest-base:latest") as build:
         yield build
 
@@ -71,10 +71,10 @@ def _with_bound(manifest, bound: float):
     return manifest.model_copy(update={"gate": gate})
 
 
-def test_honest_image_passes_the_serve_check_with_speed_and_cost(stack, honest_image: str, engine: Engine,
+def test_honest_image_passes_the_serve_check_with_speed_and_cost(stack, honest_image: str, docker: Docker,
                                                                    tmp_path: Path) -> None:
-    verdict = gate_image(stack=stack, image=honest_image, engine=engine, out=tmp_path, serve_perf=SMALL)
-    assert not engine.containers(label=SERVE_LABEL), "a server container was left behind"
+    verdict = gate_image(stack=stack, image=honest_image, docker=docker, out=tmp_path, serve_perf=SMALL)
+    assert not docker.containers(label=SERVE_LABEL), "a server container was left behind"
     serve = verdict.check("serve")
     assert verdict.decision == "pass", verdict.reason
     assert serve.status == "pass"
@@ -88,22 +88,22 @@ def test_honest_image_passes_the_serve_check_with_speed_and_cost(stack, honest_i
     assert (tmp_path / "serve.png").is_file() and "## Serve check" in (tmp_path / "report.md").read_text()
 
 
-def test_a_broken_sampler_fails_serve_while_framework_checks_pass(stack, derived, engine: Engine, tmp_path: Path) -> None:
+def test_a_broken_sampler_fails_serve_while_framework_checks_pass(stack, derived, docker: Docker, tmp_path: Path) -> None:
     swapped = derived.swap("sampler")  # a locked package breaks the sampler: pins passes, the numbers do not
-    verdict = gate_image(stack=swapped.stack(stack), image=swapped.image, engine=engine, out=tmp_path, serve_perf=SMALL,
+    verdict = gate_image(stack=swapped.stack(stack), image=swapped.image, docker=docker, out=tmp_path, serve_perf=SMALL,
                          wheelhouse=swapped.wheelhouse)
-    assert not engine.containers(label=SERVE_LABEL)
+    assert not docker.containers(label=SERVE_LABEL)
     status = {c.name: c.status for c in verdict.checks}
     assert status["boot"] == status["pins"] == status["kernels"] == status["model"] == "pass", verdict.reason
     assert status["serve"] == "fail" and verdict.decision == "fail" and verdict.exit_code == 10
     assert "diverge" in verdict.check("serve").reason
 
 
-def test_ab_of_two_honest_builds_is_near_one(stack, honest_image: str, derive, engine: Engine, reference) -> None:
+def test_ab_of_two_honest_builds_is_near_one(stack, honest_image: str, derive, docker: Docker, reference) -> None:
     ref, entry = reference
-    check = serve_check(manifest=_with_bound(stack.manifest, 0.5), image=derive("honest"), engine=engine, ref=ref,
+    check = serve_check(manifest=_with_bound(stack.manifest, 0.5), image=derive("honest"), docker=docker, ref=ref,
                         entry=entry, baseline=honest_image, perf=SMALL, ab_rounds=3)
-    assert not engine.containers(label=SERVE_LABEL) and not engine.containers(label="io.skupin.role=gate-serve-baseline")
+    assert not docker.containers(label=SERVE_LABEL) and not docker.containers(label="io.skupin.role=gate-serve-baseline")
     ab = check.details["ab"]
     assert check.status == "pass", check.reason
     assert 0.67 < ab["decode_ratio"] < 1.5 and ab["rounds"] == 3
@@ -111,10 +111,10 @@ def test_ab_of_two_honest_builds_is_near_one(stack, honest_image: str, derive, e
     assert low <= ab["decode_ratio"] <= high
 
 
-def test_an_image_slowed_on_purpose_fails_the_regression_bound(stack, honest_image: str, derive, engine: Engine,
+def test_an_image_slowed_on_purpose_fails_the_regression_bound(stack, honest_image: str, derive, docker: Docker,
                                                                  reference) -> None:
     ref, entry = reference
-    check = serve_check(manifest=_with_bound(stack.manifest, 0.10), image=derive("slow"), engine=engine, ref=ref,
+    check = serve_check(manifest=_with_bound(stack.manifest, 0.10), image=derive("slow"), docker=docker, ref=ref,
                         entry=entry, baseline=honest_image, perf=SMALL, ab_rounds=2)
     assert check.status == "fail", check.reason
     assert "runtime regression" in check.reason and check.details["ab"]["decode_ratio"] < 0.9

@@ -104,7 +104,7 @@ def test_base_image_point_release_from_registry(tmp_path, index_url):
     path.write_text(src.read_text(encoding="utf-8"), encoding="utf-8")
     store: dict = {}
     with serve_registry(store) as reg_url:
-        from clients.index import RegistryClient
+        from clients.oci import RegistryClient
 
         with RegistryClient(reg_url) as reg:
             digests = {}

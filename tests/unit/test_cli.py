@@ -102,7 +102,7 @@ def test_building_the_cli_does_not_import_the_stages():
     import sys
 
     code = ("import sys; from skupin.cli import build_parser; build_parser(); "
-            "print(sorted(m for m in ('releases.watch', 'releases.compat_refresh', 'clients.index', 'publishing.local_registry', "
+            "print(sorted(m for m in ('releases.watch', 'releases.compat_refresh', 'clients.pypi', 'clients.oci', 'clients.transport', 'publishing.local_registry', "
             "'builder.manifest', 'pydantic', 'packaging') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -15,7 +15,7 @@ from gates.gate import ProbeRun, _check_model, _GateRun, _Stop
 
 def _run(ref: dict, cand: dict) -> _GateRun:
     manifest = load_manifest(SKUS / "cpu-x86_64.yaml")  # engine transformers: hidden states and full logprobs
-    run = _GateRun(stack=SimpleNamespace(manifest=manifest), image="img", engine=None, out=Path("."),
+    run = _GateRun(stack=SimpleNamespace(manifest=manifest), image="img", docker=None, out=Path("."),
                    on_event=lambda _: None, tolerances_path=Path("."), reference=None, baseline=None, serve_perf=None)
     run.ref, run.probe = ref, ProbeRun(report={"checks": {"model": {"status": "ok"}}}, tensors=cand)
     return run

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gates.static.layers import Entry, FileView, LayerIndex, merge, open_in_layer, scan_layer_dir, scan_layer_tar
-from gates.untrusted import UntrustedInputError
+from common.untrusted import UntrustedInputError
 
 
 def _tar(members: list[tuple[str, bytes | str | None]]) -> io.BytesIO:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dockerd.client import RunResult
+from dockerd import RunResult
 from common.errors import BundleError
 from builder.manifest import load_manifest
 from gates.gate import MODEL_MOUNT, PROBE_MOUNT, _host_folder, _probe_run, probe_spec, sandbox_cpus

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from common.errors import EngineError, NetworkError, PublishError
-from clients.index import Manifest
+from common.errors import DockerError, NetworkError, PublishError
+from clients.oci import Manifest
 from builder.lockfile import Lock, LockedBase
 from skupin.pipeline import STAGES, RunSummary, StageResult
 from publishing.publish import (OCI_MANIFEST, RECORD_MEDIA_TYPE, VERIFIED_TAG, VerificationRecord, find_verdict,
@@ -148,7 +148,7 @@ class FakeEngine:
     def push(self, ref, on_event=None):
         self.calls.append(("push", ref))
         if self.push_error:
-            raise EngineError("pushing failed: denied")
+            raise DockerError("pushing failed: denied")
         return IMAGE_MANIFEST.digest
 
     def remove_image(self, ref, force=False):
@@ -196,7 +196,7 @@ class FakeRegistry:
 def test_record_goes_in_before_the_human_tags_and_verified_last():
     reg, eng = FakeRegistry(), FakeEngine()
     p = plan(verdict())
-    out = publish_image(plan=p, verdict=verdict(), lock=lock(), engine=eng, client=reg)  # type: ignore[arg-type]
+    out = publish_image(plan=p, verdict=verdict(), lock=lock(), docker=eng, client=reg)  # type: ignore[arg-type]
     assert reg.log == [record_tag(IMAGE_MANIFEST.digest), p.version_tag, VERIFIED_TAG, "delete skupin-push-test"]
     assert reg.manifests[VERIFIED_TAG][0] == IMAGE_MANIFEST.body  # the tag names exactly the pushed manifest
     assert ("untag-local", p.push_reference) in eng.calls and out.leftover_tags == ()
@@ -206,7 +206,7 @@ def test_record_goes_in_before_the_human_tags_and_verified_last():
 def test_a_failure_tags_nothing(fault):
     reg, eng = FakeRegistry(down=fault == "registry down"), FakeEngine(push_error=fault == "push")
     with pytest.raises(PublishError, match="nothing was"):
-        publish_image(plan=plan(verdict()), verdict=verdict(), lock=lock(), engine=eng, client=reg)  # type: ignore[arg-type]
+        publish_image(plan=plan(verdict()), verdict=verdict(), lock=lock(), docker=eng, client=reg)  # type: ignore[arg-type]
     assert not [r for r in reg.manifests if not r.startswith("skupin-push-")]
     if fault == "push":
         assert eng.calls[-1][0] == "untag-local"
@@ -220,7 +220,7 @@ def test_a_pushed_manifest_of_another_image_is_not_tagged():
     other = _image_manifest(OTHER)
     reg.get_manifest = lambda repo, ref, accept=(): other  # type: ignore[method-assign]
     with pytest.raises(PublishError, match="not the gated image"):
-        publish_image(plan=plan(verdict()), verdict=verdict(), lock=lock(), engine=Wrong(), client=reg)  # type: ignore[arg-type]
+        publish_image(plan=plan(verdict()), verdict=verdict(), lock=lock(), docker=Wrong(), client=reg)  # type: ignore[arg-type]
     assert reg.log == ["delete skupin-push-test"]
 
 

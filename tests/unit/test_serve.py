@@ -13,9 +13,8 @@ from tokenizers import Tokenizer
 
 from common.errors import GateCouldNotRun
 from builder.manifest import load_manifest
-from gates.serving.serve import (MAX_LINE_BYTES, NOT_PROVIDED, Completion, ServeClient, StreamError, bounded_lines,
-                         compare_greedy, judge_greedy, launch_command, near_tie_threshold, parse_stream, prompt_input,
-                         reference_pieces, server_spec, wait_ready)
+from clients.openai import MAX_LINE_BYTES, StreamError, bounded_lines, parse_stream
+from gates.serving.serve import Completion, NOT_PROVIDED, ServeClient, compare_greedy, judge_greedy, launch_command, near_tie_threshold, prompt_input, reference_pieces, server_spec, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from packaging.version import Version  # noqa: E402
 
-from clients.index import IndexClient, linux_x86_64_wheel  # noqa: E402
+from clients.pypi import IndexClient, linux_x86_64_wheel
 
 HERE = Path(__file__).resolve().parent
 # project -> lowest release recorded (final releases from there up)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dockerd.client import (DEADLINE_GRACE_S, KILL_AFTER_S, OWNER_BOOT_LABEL, OWNER_PID_LABEL, OWNER_PIDNS_LABEL,
-                            OWNER_START_LABEL, SANDBOX_LABEL, ContainerSpec, Engine, OutputCapture, owner_gone,
-                            owner_labels)
+from dockerd import ContainerSpec, DEADLINE_GRACE_S, Docker, KILL_AFTER_S, SANDBOX_LABEL
+from dockerd.client import OutputCapture, owner_gone, owner_labels
+from dockerd.specs import OWNER_BOOT_LABEL, OWNER_PIDNS_LABEL, OWNER_PID_LABEL, OWNER_START_LABEL
 
 # ---------------------------------------------------------------- capture
 
@@ -43,7 +43,7 @@ def test_the_pump_detaches_then_kills_on_overflow(monkeypatch) -> None:
             events.append("close")
 
     frames = iter([(1, b"abc"), (1, b"defgh"), (1, b"never read")])
-    monkeypatch.setattr("dockerd.client._frames_iter", lambda sock, tty: frames)
+    monkeypatch.setattr("dockerd.capture._frames_iter", lambda sock, tty: frames)
     cap = OutputCapture(max_stdout=4, max_stderr=4, keep_stdout=True, on_overflow=lambda: events.append("kill"))
     cap.start(Sock())
     assert cap.join(5)
@@ -59,27 +59,27 @@ class FakeApi:
         return {"Config": {"Entrypoint": ["/entry.sh"], "Cmd": ["serve", "--port", "8000"]}}
 
 
-def engine() -> Engine:
-    return Engine(SimpleNamespace(api=FakeApi()), socket=Path("/nonexistent.sock"))
+def docker() -> Docker:
+    return Docker(SimpleNamespace(api=FakeApi()), socket=Path("/nonexistent.sock"))
 
 
 def test_a_deadline_runs_the_command_under_timeout_as_pid_1() -> None:
     spec = ContainerSpec(image="img", entrypoint=("python3",), command=("/skupin/probe.py", "--out", "-"), deadline_s=100)
-    entry, command = engine()._argv(spec)
+    entry, command = docker()._argv(spec)
     assert entry == ["timeout", f"--kill-after={KILL_AFTER_S}", f"{100 + DEADLINE_GRACE_S}s", "python3",
                      "/skupin/probe.py", "--out", "-"]
     assert command is None
 
 
 def test_without_an_entrypoint_the_images_own_command_is_wrapped() -> None:
-    entry, _ = engine()._argv(ContainerSpec(image="img", deadline_s=10))
+    entry, _ = docker()._argv(ContainerSpec(image="img", deadline_s=10))
     assert entry[3:] == ["/entry.sh", "serve", "--port", "8000"]
-    entry, _ = engine()._argv(ContainerSpec(image="img", command=("other",), deadline_s=10))
+    entry, _ = docker()._argv(ContainerSpec(image="img", command=("other",), deadline_s=10))
     assert entry[3:] == ["/entry.sh", "other"]
 
 
 def test_without_a_deadline_nothing_is_wrapped() -> None:
-    assert engine()._argv(ContainerSpec(image="img", entrypoint=("sh",), command=("-c", "true"))) == (["sh"], ["-c", "true"])
+    assert docker()._argv(ContainerSpec(image="img", entrypoint=("sh",), command=("-c", "true"))) == (["sh"], ["-c", "true"])
 
 
 # ---------------------------------------------------------------- owners and the reaper's judgement

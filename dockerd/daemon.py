@@ -1,0 +1,106 @@
+"""Make sure a Docker daemon answers: start dockerd (installing Debian's docker.io only when asked) when none does."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import docker
+from pydantic import Field
+
+from common.apt import apt_install
+from common.errors import DockerError
+from common.model import Frozen
+
+DEFAULT_SOCKET = Path("/var/run/docker.sock")
+DEFAULT_DOCKERD_LOG = Path("/var/log/skupin-dockerd.log")
+OnEvent = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+class DockerdStatus(Frozen):
+    """What `ensure_dockerd` found or did."""
+
+    socket: str
+    server_version: str
+    action: str = Field(description="'already running', 'started dockerd (pid N, log PATH)' or 'installed docker.io and started dockerd (...)'")
+    pid: int | None = None
+    log: str | None = None
+
+
+def _server_version(socket: Path) -> str | None:
+    """The engine's version when the socket answers a ping, else None."""
+    if not socket.exists():
+        return None
+    try:
+        client = docker.DockerClient(base_url=f"unix://{socket}", timeout=5)
+        try:
+            client.ping()
+            return str(client.version().get("Version", "unknown"))
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - any failure means "does not answer"
+        return None
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _install_docker_io(on_event: OnEvent) -> None:
+    apt_install("docker.io", why="dockerd not found", error=DockerError, on_event=on_event)
+
+
+def ensure_dockerd(
+    *,
+    deadline_s: float = 60,
+    on_event: OnEvent = _quiet,
+    socket: Path = DEFAULT_SOCKET,
+    log_path: Path = DEFAULT_DOCKERD_LOG,
+) -> DockerdStatus:
+    """Make sure a Docker engine answers on `socket`; start (and if needed install) dockerd.
+
+    An engine that already answers is never touched. Raises DockerError with the tail of the
+    dockerd log when the engine does not come up within `deadline_s`.
+    """
+    version = _server_version(socket)
+    if version is not None:
+        on_event(f"engine {version} already running on {socket}")
+        return DockerdStatus(socket=str(socket), server_version=version, action="already running")
+    installed = False
+    if shutil.which("dockerd") is None:
+        _install_docker_io(on_event)
+        installed = True
+        if shutil.which("dockerd") is None:
+            raise DockerError("installed docker.io but `dockerd` is still not on PATH")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    on_event(f"starting dockerd (log {log_path})")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            ["dockerd", "--host", f"unix://{socket}"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        version = _server_version(socket)
+        if version is not None:
+            done = f"started dockerd (pid {proc.pid}, log {log_path})"
+            action = f"installed docker.io and {done}" if installed else done
+            on_event(f"engine {version} up: {action}")
+            return DockerdStatus(socket=str(socket), server_version=version, action=action, pid=proc.pid, log=str(log_path))
+        if proc.poll() is not None:
+            raise DockerError(f"dockerd exited with code {proc.returncode}; last lines of {log_path}:\n{_log_tail(log_path)}")
+        time.sleep(0.5)
+    raise DockerError(
+        f"dockerd (pid {proc.pid}) did not answer on {socket} within {deadline_s:.0f} s; "
+        f"last lines of {log_path}:\n{_log_tail(log_path)}"
+    )

@@ -1,0 +1,278 @@
+"""Commands of the build side: `check`, `render`, `lock`, `matrix`, `schema`, `docker up`, `base`, `build`, `wheels prune`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from common.errors import SkupinError
+from skupin.cli.output import out, progress_printer
+
+
+# ------------------------------------------------------------------ check / render / matrix / schema
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from builder.check import check_paths, raise_for
+
+    reports = check_paths([Path(p) for p in args.paths], with_lock=not args.no_lock)
+    if not reports:
+        raise SkupinError(f"no manifests found in {', '.join(args.paths) or 'skus/'}")
+    for report in reports:
+        for problem in report.manifest_problems + report.compat_problems:
+            out(str(problem))
+    try:
+        raise_for(reports)
+    except SkupinError as exc:
+        bad = sum(1 for r in reports if r.manifest_problems or r.compat_problems)
+        out(f"{bad} of {len(reports)} manifest(s) have problems")
+        return exc.exit_code
+    for report in reports:
+        stack = report.stack
+        assert stack is not None
+        note = f" ({stack.lock_note})" if stack.lock_note else ""
+        out(f"ok  {stack.manifest.name:<24} lock: {stack.lock_state}{note}")
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from builder.check import resolve
+    from common.paths import sku_path
+    from builder.render import render, write_context
+
+    stack = resolve(sku_path(args.sku))
+    lock = None if args.unlocked else stack.lock if stack.lock_state == "ok" else None
+    rendered = render(manifest=stack.manifest, lock=lock)
+    if args.out:
+        stored = {}
+        if lock is not None:  # a locked context holds each step's wheels: `docker build DIR` needs no network
+            from builder.wheels import fetch_wheels
+
+            stored = fetch_wheels(lock.packages().values(), wheelhouse=args.wheelhouse,
+                                  ca_bundle=args.ca_bundle, on_event=lambda line: print(line, file=sys.stderr))
+        out = write_context(rendered=rendered, out=Path(args.out), wheels=stored)
+        out(f"wrote {out / 'Dockerfile'} and {len(rendered.files)} context file(s) and {len(stored)} wheel(s); "
+             f"sha256 {rendered.sha256}")
+    else:
+        sys.stdout.write(rendered.text)
+    return 0
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from builder.check import check_paths, raise_for
+    from builder.matrix import matrix
+
+    reports = check_paths([Path(p) for p in args.paths], with_lock=False)
+    raise_for(reports)
+    entries = matrix(manifests=[r.stack.manifest for r in reports if r.stack])
+    out(json.dumps(entries, indent=None if args.compact else 2))
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from builder.manifest import manifest_schema
+
+    text = json.dumps(manifest_schema(), indent=2, sort_keys=True) + "\n"
+    if args.write:
+        from common.paths import SKUS
+
+        (SKUS / "schema.json").write_text(text, encoding="utf-8")
+        out(f"wrote {SKUS / 'schema.json'}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_lock(args: argparse.Namespace) -> int:
+    from builder.lock import relock
+    from builder.lockfile import image_tag, lock_path
+    from builder.manifest import load_manifest
+    from common.paths import sku_path
+
+    for sku in args.skus:
+        path = sku_path(sku)
+        manifest = load_manifest(path)
+        lock = relock(
+            manifest=manifest, manifest_path=path, wheelhouse=args.wheelhouse, index_url=args.index_url,
+            ca_bundle=args.ca_bundle,
+            progress=lambda line, name=manifest.name: print(f"{name}: {line}", file=sys.stderr, flush=True),
+        )
+        counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
+        tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
+        out(f"locked {manifest.name}: {len(lock.packages())} packages ({counts}) -> {lock_path(path)}; image {tag}")
+    return 0
+
+
+# ------------------------------------------------------------------ engine / base / build
+
+
+def cmd_docker_up(args: argparse.Namespace) -> int:
+    from dockerd import connect, ensure_dockerd
+
+    status = ensure_dockerd(deadline_s=args.deadline, on_event=progress_printer("plain"))
+    docker = connect(socket=Path(status.socket))
+    try:
+        reaped = docker.reap_orphans()
+    finally:
+        docker.close()
+    if args.json:
+        out(json.dumps({**status.model_dump(mode="json"), "reaped": [r.model_dump(mode="json") for r in reaped]}))
+        return 0
+    out(f"engine {status.server_version} on {status.socket}: {status.action}")
+    for leftover in reaped:
+        out(f"removed a leftover container: {leftover.describe()}")
+    if not reaped:
+        out("no leftover containers of dead skupin runs")
+    return 0
+
+
+def cmd_base(args: argparse.Namespace) -> int:
+    from builder.base import ensure_base
+    from dockerd import connect
+    from builder.manifest import load_manifest
+    from common.paths import sku_path
+
+    manifest = load_manifest(sku_path(args.sku))
+    image_id = ensure_base(manifest=manifest, docker=connect(), on_event=progress_printer("plain"))
+    out(image_id)
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from builder.build import build_image
+    from dockerd import connect
+    from builder.lockfile import lock_path, read_lock
+    from builder.manifest import load_manifest
+    from common.paths import STATE, sku_path
+
+    path = sku_path(args.sku)
+    manifest = load_manifest(path)
+    lock = read_lock(lock_path(path))
+    mode = args.progress if args.progress != "auto" else ("tty" if sys.stderr.isatty() else "plain")
+    built = build_image(
+        manifest=manifest, manifest_path=path, lock=lock, docker=connect(),
+        wheelhouse=args.wheelhouse, ca_bundle=args.ca_bundle, progress=mode,
+        on_line=progress_printer(mode), no_cache=args.no_cache, records=STATE / "builds",
+    )
+    if mode == "tty":
+        sys.stderr.write("\n")
+    if args.json:
+        out(json.dumps(built.model_dump(mode="json"), indent=2, sort_keys=True))
+    else:
+        for layer in built.layers:
+            out(f"  {layer.name:<10} {layer.seconds:8.1f} s  {'cached' if layer.cached else 'built'}")
+        out(f"built {built.image} ({built.image_id[:19]}) in {built.total_s:.1f} s; record {STATE / 'builds' / (built.sku + '.json')}")
+    return 0
+
+
+def cmd_wheels(args: argparse.Namespace) -> int:
+    """`skupin wheels prune`: drop stored wheels that no lock under the given paths names."""
+    from builder.lockfile import lock_path, read_lock
+    from builder.wheels import STORE, prune_store
+    from common.paths import manifest_files
+
+    keep: set[str] = set()
+    locks = [lock_path(m) for m in manifest_files([Path(p) for p in args.paths])]
+    for path in locks:
+        if path.is_file():
+            keep |= {p.sha256 for p in read_lock(path).packages().values()}
+    store = Path(args.store) if args.store else STORE
+    stored = sum(1 for _ in store.glob("??/*/*"))
+    removed, size = prune_store(store, keep=keep, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        out(f"{verb} {path.name}")
+    out(f"{verb} {len(removed)} file(s), {size / 1e6:.1f} MB; {stored - len(removed)} wheel(s) kept in {store}, "
+        f"named by {sum(1 for p in locks if p.is_file())} lock(s)")
+    return 0
+
+
+# ------------------------------------------------------------------ parsers
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add the build side's commands to the `skupin` parser."""
+    p = sub.add_parser("check", help="validate manifests, pin compatibility and locks; report every problem")
+    p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
+    p.add_argument("--no-lock", action="store_true", help="skip the lock freshness check")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("render", help="print a SKU's Dockerfile (no Docker daemon needed)")
+    p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    p.add_argument("--out", metavar="DIR", help="write the Dockerfile and its context files to DIR instead")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR",
+                   help="with --out: take locked wheels from DIR first; the rest are downloaded into the wheel store "
+                        "(.skupin/wheels), checked against the lock")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="with --out: CA bundle the wheel downloads trust")
+    p.add_argument("--unlocked", action="store_true", help="render from the pins alone, ignoring the lock")
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser("lock", help="resolve each layer's Python packages (pip, hashed) into skus/<sku>.lock.json")
+    p.add_argument("skus", nargs="+", metavar="SKU", help="SKU names (skus/<name>.yaml) or manifest paths")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels, preferred over the index (e.g. /opt/wheels)")
+    p.add_argument("--index-url", metavar="URL", help="a mirror used instead of PyPI")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="CA bundle pip trusts (default: SSL_CERT_FILE or the system's)")
+    p.set_defaults(func=cmd_lock)
+
+    p = sub.add_parser("matrix", help="the CI matrix as JSON: one entry per SKU with runner labels")
+    p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
+    p.add_argument("--compact", action="store_true", help="one line (for GITHUB_OUTPUT)")
+    p.set_defaults(func=cmd_matrix)
+
+    p = sub.add_parser("schema", help="the manifest's JSON Schema (for editors)")
+    p.add_argument("--write", action="store_true", help="write skus/schema.json instead of printing")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("docker", aliases=["engine"],
+                       help="the Docker daemon: `docker up` starts (and if needed installs) it and removes leftovers")
+    esub = p.add_subparsers(dest="docker_command", metavar="ACTION", required=True)
+    q = esub.add_parser("up", help="make sure a Docker daemon answers (never touches a running one) and remove the "
+                                   "sandbox containers of dead skupin runs",
+                        description="Start (and if needed install) dockerd when nothing answers on the socket; a "
+                                    "daemon that answers is left as it is. Then remove the sandbox containers whose "
+                                    "owner process is gone (killed gate, lost Docker API) and say which.")
+    q.add_argument("--deadline", type=float, default=60, metavar="S", help="seconds to wait for the socket (default 60)")
+    q.add_argument("--json", action="store_true", help="print what was done as JSON")
+    q.set_defaults(func=cmd_docker_up)
+
+    p = sub.add_parser("base", help="make the SKU's base image locally (debootstrap + docker import) or pull it by digest")
+    p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    p.set_defaults(func=cmd_base)
+
+    p = sub.add_parser(
+        "build", help="build, verify (image's pip list == lock) and tag a SKU's image",
+        description="Gather every locked wheel in the host's wheel store (.skupin/wheels: taken from "
+                    "--wheelhouse or downloaded, each checked against the lock's sha256), render the SKU's "
+                    "Dockerfile from its lock and build it with BuildKit, one step per pin after its locked "
+                    "dependencies, so a point release rebuilds only its own step and those above. Each step "
+                    "binds exactly its wheels and installs them with imagetools/wheel_install.py (hashes checked "
+                    "again, pypa installer, no resolver, no network), compiling each Python file as it is "
+                    "written with imagetools/bytecode.py (unchanged files' code comes from a BuildKit cache "
+                    "mount). The build context is kept in .skupin/contexts/<sku> (locked while a build uses it) so BuildKit re-sends only what changed. After the build the "
+                    "image's own Python must report exactly the locked set; only then is the image "
+                    "tagged and the record written to .skupin/builds/<sku>.json (with per-layer and "
+                    "per-phase times).",
+    )
+    p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR",
+                   help="local wheels, used before any download (needed for wheels locked from a wheelhouse; "
+                        "holding every locked wheel means no network at all)")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE",
+                   help="extra CA bundle trusted by the wheel downloads (never by the image)")
+    p.add_argument("--json", action="store_true", help="print the build record as JSON")
+    p.add_argument("--progress", choices=("auto", "tty", "plain"), default="auto", help="live view on a terminal or plain lines (default auto)")
+    p.add_argument("--no-cache", action="store_true", help="build every layer again")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("wheels", help="the wheel store (.skupin/wheels) that builds gather locked wheels into")
+    wsub = p.add_subparsers(dest="wheels_command", metavar="SUBCOMMAND", required=True)
+    r = wsub.add_parser("prune", help="remove stored wheels that no lock names",
+                        description="Remove every wheel in the store whose sha256 is in none of the locks next to "
+                                    "the given manifests (default: skus/), and partial downloads. The next build of "
+                                    "a SKU whose lock names a removed wheel downloads it again.")
+    r.add_argument("paths", nargs="*", default=[], help="manifest files or folders whose locks keep their wheels (default: skus/)")
+    r.add_argument("--store", metavar="DIR", help="the store (default: .skupin/wheels, or $SKUPIN_STATE/wheels)")
+    r.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    r.set_defaults(func=cmd_wheels)
