@@ -28,7 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
@@ -36,9 +36,9 @@ from packaging.utils import canonicalize_name
 
 from builder.base import ensure_base
 from builder.build import build_image
-from dockerd import connect, ensure_dockerd
 from builder.lockfile import Lock, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
+from dockerd import connect, ensure_dockerd
 
 REPO = Path(__file__).resolve().parents[1]
 SKU = REPO / "skus" / "cpu-x86_64.yaml"
@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_range": [min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)],
         "target_ratio": TARGET_RATIO,
         "meets_target": point_s / cold.total_s <= TARGET_RATIO,
-        "only_engine_and_above_rebuilt": all(set(r["rebuilt_layers"]) <= {"base", "engine", "extras", "labels", "export"} for r in rows),
+        "only_engine_and_above_rebuilt": all(
+            set(r["rebuilt_layers"]) <= {"base", "engine", "extras", "labels", "export"} for r in rows
+        ),
         "cold_buildkit_s": build_s(cold),
         "cold_phases": cold.phases,
         "cold_settle": cold_settle,
@@ -208,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         "new_layer_bytes": first["new_layer_bytes"],
         "image_bytes": first["image_bytes"],
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "engine": docker.ping()},
-        "measured": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "measured": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cold_method": args.cold,
         "notes": "seconds are BuiltImage.total_s: base check + context + BuildKit build + the image-vs-lock check "
-                 "in a container + tag (see phases); point_release_s is the median over point_releases",
+        "in a container + tag (see phases); point_release_s is the median over point_releases",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common.apt import apt_install
-from dockerd import Docker
-from common.errors import BuildError, DockerError
 from builder.manifest import Bootstrap, SkuManifest
+from common.apt import apt_install
+from common.errors import BuildError, DockerError
+from dockerd import Docker
 
 OnEvent = Callable[[str], None]
 

@@ -28,7 +28,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -36,14 +36,14 @@ from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from builder.base import ensure_base
-from dockerd import ContainerSpec, Docker
-from common.errors import BuildError, DockerError, LockError
 from builder.lockfile import Lock, image_tag
 from builder.manifest import SkuManifest
-from common.model import Frozen
-from common.paths import STATE
 from builder.render import render, write_context
 from builder.wheels import STORE, fetch_wheels
+from common.errors import BuildError, DockerError, LockError
+from common.model import Frozen
+from common.paths import STATE
+from dockerd import ContainerSpec, Docker
 
 OnLine = Callable[[str], None]
 Progress = Literal["tty", "plain"]
@@ -120,7 +120,8 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
     """(layer, normalised instruction) for every instruction of a Dockerfile, in order.
 
     An instruction belongs to the nearest `# layer: NAME` comment above it ("preamble" before
-    the first; BuildKit's FROM step is reported as layer "base", its export as "export"). Continuation lines are joined the way BuildKit names its steps.
+    the first; BuildKit's FROM step is reported as layer "base", its export as "export"). Continuation lines are joined
+    the way BuildKit names its steps.
     """
     out: list[tuple[str, str]] = []
     layer = "preamble"
@@ -213,7 +214,9 @@ def layer_timings(steps: list[_Step]) -> tuple[LayerTiming, ...]:
     for s in steps:
         agg.setdefault(s.layer, []).append(s)
     return tuple(
-        LayerTiming(name=n, seconds=round(sum(s.seconds for s in group), 2), cached=all(s.cached for s in group), steps=len(group))
+        LayerTiming(
+            name=n, seconds=round(sum(s.seconds for s in group), 2), cached=all(s.cached for s in group), steps=len(group)
+        )
         for n, group in agg.items()
     )
 
@@ -238,7 +241,8 @@ def _failure(exc: BuildError, *, lines: list[str], dockerfile: str, ca_given: bo
     hint = ""
     if not ca_given and any("CERTIFICATE_VERIFY_FAILED" in line for line in failed.log):
         hint = "\nfix: TLS to the index is intercepted here; pass --ca-bundle FILE (e.g. /etc/ssl/certs/ca-certificates.crt)"
-    err = BuildError(f"layer '{failed.layer}' failed: step {failed.name[:160]}: {failed.error}\nlast lines of its log:\n{tail}{hint}")
+    err = BuildError(f"layer '{failed.layer}' failed: step {failed.name[:160]}: {failed.error}\n"
+                     f"last lines of its log:\n{tail}{hint}")
     err.layer = failed.layer  # type: ignore[attr-defined]
     return err
 
@@ -272,7 +276,8 @@ def installed_distributions(*, docker: Docker, image: str, deadline_s: float = 1
 def compare_with_lock(*, installed: dict[str, str], lock: Lock) -> list[str]:
     """Every difference between what the image contains and what the lock says (empty = equal)."""
     locked = {n: p.version for n, p in lock.packages().items()}  # keys already canonical
-    problems = [f"{n}: locked {v}, image has {installed.get(n, 'nothing')}" for n, v in sorted(locked.items()) if installed.get(n) != v]
+    problems = [f"{n}: locked {v}, image has {installed.get(n, 'nothing')}"
+                for n, v in sorted(locked.items()) if installed.get(n) != v]
     problems += [f"{n}: image has {v}, not in the lock" for n, v in sorted(installed.items()) if n not in locked]
     return problems
 
@@ -329,7 +334,11 @@ def build_image(
             image_id = docker.build(
                 context=ctx,
                 dockerfile=ctx / "Dockerfile",
-                build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock_hash, "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
+                build_args={
+                    "SKUPIN_BASE": manifest.base.reference,
+                    "SKUPIN_LOCK_HASH": lock_hash,
+                    "SKUPIN_DOCKERFILE_SHA256": rendered.sha256,
+                },
                 secrets={CA_SECRET_ID: ca_bundle} if ca_bundle and f"id={CA_SECRET_ID}" in rendered.text else None,
                 no_cache=no_cache,
                 on_line=sink,
@@ -343,7 +352,8 @@ def build_image(
     phase("verify")
     if problems:
         raise BuildError(
-            f"image {image_id[:19]} of {manifest.name} does not contain its locked set ({len(problems)} difference(s)); not tagged:\n"
+            f"image {image_id[:19]} of {manifest.name} does not contain its locked set ({len(problems)} difference(s)); "
+            "not tagged:\n"
             + "\n".join(problems[:40])
         )
     docker.tag(image_id, tag)
@@ -361,13 +371,15 @@ def build_image(
         lock_sha256=lock_hash,
         dockerfile_sha256=rendered.sha256,
         layers=layer_timings(steps),
-        steps=tuple(StepTiming(number=s.number, name=s.name[:200], layer=s.layer, seconds=s.seconds, cached=s.cached) for s in steps),
+        steps=tuple(
+            StepTiming(number=s.number, name=s.name[:200], layer=s.layer, seconds=s.seconds, cached=s.cached) for s in steps
+        ),
         cache_hits=sum(1 for s in steps if s.cached),
         total_s=round(time.monotonic() - start, 2),
         phases=phases,
         size_bytes=info.size,
         installed=installed,
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
     if records is not None:
         write_record(built=built, folder=records)

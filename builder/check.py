@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-from common.errors import CompatError, ManifestError, Problem
 from builder.lockfile import Lock
 from builder.manifest import SkuManifest, display_path, parse_manifest
+from common.errors import CompatError, ManifestError, Problem
 from common.model import Frozen
 
 

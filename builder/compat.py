@@ -17,8 +17,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import ValidationError
 
-from common.errors import CompatError, Problem
 from builder.manifest import Pin, SkuManifest
+from common.errors import CompatError, Problem
 from common.model import Frozen
 
 COMPAT_PATH = Path(__file__).with_name("data") / "compat.yaml"
@@ -212,7 +212,9 @@ def _variant_rules(m: SkuManifest, file: str, data: CompatData) -> list[Problem]
         )
     row = data.variant(fw.variant)
     if row is None:
-        return problems + [Problem(file, "stack.framework.variant", f"variant {fw.variant!r} is not in the compatibility data", REFRESH)]
+        return problems + [
+            Problem(file, "stack.framework.variant", f"variant {fw.variant!r} is not in the compatibility data", REFRESH)
+        ]
     if row.family != m.base.family:
         problems.append(
             Problem(file, "stack.framework.variant",

@@ -62,7 +62,10 @@ Name = Annotated[str, AfterValidator(_match(NAME_RE, "name", "vllm or rocm-7.2")
 EnvName = Annotated[str, AfterValidator(_match(ENV_NAME_RE, "environment variable name", "OMP_NUM_THREADS"))]
 SafeValue = Annotated[str, AfterValidator(_match(SAFE_VALUE_RE, "plain value (no quotes, $, `, \\ or ;)", "1 or /dev/kfd"))]
 ImageRef = Annotated[
-    str, AfterValidator(_match(IMAGE_REF_RE, "image reference pinned by digest", "docker.io/rocm/dev-ubuntu-22.04:7.2.1@sha256:<64 hex>"))
+    str,
+    AfterValidator(
+        _match(IMAGE_REF_RE, "image reference pinned by digest", "docker.io/rocm/dev-ubuntu-22.04:7.2.1@sha256:<64 hex>")
+    ),
 ]
 Url = Annotated[str, AfterValidator(_match(URL_RE, "http(s) URL", "https://download.pytorch.org/whl/rocm7.2"))]
 GitRef = Annotated[str, AfterValidator(_match(GIT_REF_RE, "git ref", "v0.25.0"))]

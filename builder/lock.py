@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -33,12 +33,12 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from common import __version__
-from common.errors import LockError, Problem
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
-from common.model import Frozen
 from builder.wheels import file_sha256
+from common import __version__
+from common.errors import LockError, Problem
+from common.model import Frozen
 
 DEFAULT_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # glibc of each base distribution: the highest manylinux tag its wheels may carry.
@@ -603,7 +603,7 @@ def lock_sku(
         dockerfile_sha256=dockerfile_sha256 or _pins_dockerfile_sha256(manifest),
         resolver=resolver,
         tool_version=__version__,
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
 
 

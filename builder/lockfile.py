@@ -10,8 +10,8 @@ from typing import Literal
 from packaging.utils import canonicalize_name
 from pydantic import Field, ValidationError
 
-from common.errors import LockError
 from builder.grammar import Name, Sha256
+from common.errors import LockError
 from common.model import Frozen, canonical_json
 
 LOCK_VERSION = 1
@@ -26,7 +26,9 @@ class LockedPackage(Frozen):
     version: str
     filename: str = Field(pattern=r"^[A-Za-z0-9._+-]+\.(whl|tar\.gz|zip)$")
     sha256: Sha256
-    url: str | None = Field(None, description="The file's own download URL (pip report download_info.url); None for a wheelhouse file")
+    url: str | None = Field(
+        None, description="The file's own download URL (pip report download_info.url); None for a wheelhouse file"
+    )
     source: Literal["index", "wheelhouse", "url", "git"] = "index"
 
     def requirement(self) -> str:

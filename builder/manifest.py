@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from common.errors import ManifestError, Problem
-from common.model import Frozen, canonical_json
-from common.paths import PYPI_SIMPLE
 from builder.grammar import (
     DebName,
     DebVersion,
@@ -27,6 +24,9 @@ from builder.grammar import (
     Url,
     has_control_chars,
 )
+from common.errors import ManifestError, Problem
+from common.model import Frozen, canonical_json
+from common.paths import PYPI_SIMPLE
 
 SCHEMA_VERSION = 1
 PYPI = PYPI_SIMPLE
@@ -80,7 +80,7 @@ class Base(Model):
     platform: Literal["linux/amd64", "linux/arm64"] = "linux/amd64"
 
     @model_validator(mode="after")
-    def _one_origin(self) -> "Base":
+    def _one_origin(self) -> Base:
         if (self.image is None) == (self.bootstrap is None):
             raise ValueError("give exactly one of base.image (pinned by digest) or base.bootstrap")
         return self
@@ -151,7 +151,7 @@ class NoSource(Model):
 
 
 Source = Annotated[
-    Union[IndexSource, WheelhouseSource, WheelUrlSource, GitSource, AptSource, BaseImageSource, HostSource, NoSource],
+    IndexSource | WheelhouseSource | WheelUrlSource | GitSource | AptSource | BaseImageSource | HostSource | NoSource,
     Field(discriminator="kind"),
 ]
 
@@ -170,7 +170,7 @@ class Pin(Model):
     reason: Text | None = Field(None, description="Why the pin is 'none' (required then)")
 
     @model_validator(mode="after")
-    def _none_is_explicit(self) -> "Pin":
+    def _none_is_explicit(self) -> Pin:
         if self.name == "none":
             if self.version != "none" or self.source.kind != "none" or not self.reason:
                 raise ValueError("a pin named 'none' needs version: none, source: {kind: none} and a reason")
@@ -409,7 +409,7 @@ def parse_manifest(path: Path) -> tuple[SkuManifest | None, list[Problem]]:
     except (OSError, UnicodeDecodeError) as exc:
         return None, [Problem(file, "(file)", f"cannot read: {exc}")]
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # SafeLoader subclass
     except yaml.YAMLError as exc:
         return None, [Problem(file, "(yaml)", " ".join(str(exc).split()), "fix the YAML syntax")]
     if not isinstance(data, dict):

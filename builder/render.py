@@ -9,17 +9,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import jinja2
-
-import imagetools
 from packaging.utils import canonicalize_name
 
-from common import __version__
-from engines import serve_launch
-from common.errors import BuildError
+import imagetools
 from builder.lockfile import PY_LAYERS, Lock
 from builder.manifest import GitSource, Pin, SkuManifest
+from common import __version__
+from common.errors import BuildError
 from common.model import Frozen
 from common.paths import TEMPLATES
+from engines import serve_launch
 
 WHEELS_DIR = "wheels"
 # The image's Python environment (gates/static/integrity.py checks it file by file).
@@ -105,7 +104,7 @@ def _environment() -> jinja2.Environment:
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
-        autoescape=False,  # noqa: S701 - Dockerfiles, not HTML; values are grammar-checked
+        autoescape=False,  # Dockerfiles, not HTML; values are grammar-checked
     )
     env.filters["dq"] = _escape_dq
     env.globals["tools"] = _tools_info()
@@ -260,7 +259,9 @@ def _link_wheel(source: Path, dest: Path) -> None:
     src = source.stat()
     if dest.is_file():
         have = dest.stat()
-        if (have.st_ino, have.st_dev) == (src.st_ino, src.st_dev) or (have.st_size == src.st_size and have.st_mtime_ns == src.st_mtime_ns):
+        if (have.st_ino, have.st_dev) == (src.st_ino, src.st_dev) or (
+            have.st_size == src.st_size and have.st_mtime_ns == src.st_mtime_ns
+        ):
             return
         dest.unlink()
     try:

@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.errors import BuildError, NetworkError
 from builder.lockfile import LockedPackage
+from common.errors import BuildError, NetworkError
 from common.paths import STATE
 
 STORE = STATE / "wheels"
@@ -128,7 +128,7 @@ def _download_all(pkgs: list[LockedPackage], *, store: Path, ca_bundle: Path | N
         with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(pkgs)))) as pool:
             futures = [pool.submit(_download, http, pkg, store) for pkg in pkgs]
             errors = []
-            for pkg, future in zip(pkgs, futures):
+            for pkg, future in zip(pkgs, futures, strict=True):
                 try:
                     size, seconds = future.result()
                     on_event(f"fetched {pkg.filename} ({size / 1e6:.1f} MB, {seconds:.1f} s)")

@@ -150,7 +150,7 @@ class RegistryClient:
         who = f", as {self._credentials.username!r}" if self._credentials else ""
         return f"RegistryClient({self.url!r}{who})"
 
-    def __enter__(self) -> "RegistryClient":
+    def __enter__(self) -> RegistryClient:
         return self
 
     def __exit__(self, *_exc: object) -> None:

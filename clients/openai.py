@@ -216,7 +216,7 @@ class ServeClient:
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="skupin-serve",
                                         initializer=enter_netns if pid else None, initargs=(pid,) if pid else ())
 
-    def __enter__(self) -> "ServeClient":
+    def __enter__(self) -> ServeClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -86,7 +86,8 @@ class Project(Frozen):
 
 def linux_x86_64_wheel(files: tuple[IndexFile, ...], *, python: str = "3.12") -> IndexFile | None:
     """The file whose metadata stands for the Linux x86_64 build: a manylinux x86_64 wheel for `python`
-    (or abi3/py3; a py3-none-any wheel for pure-Python projects), preferring non-yanked files without a build tag; None when there is none."""
+    (or abi3/py3; a py3-none-any wheel for pure-Python projects), preferring non-yanked files without a build tag;
+    None when there is none."""
     cp = "cp" + python.replace(".", "")
 
     def score(f: IndexFile) -> tuple[int, int, int]:
@@ -132,7 +133,7 @@ class IndexClient:
         self._projects: dict[str, Project] = {}
         self._metadata: dict[str, dict[str, tuple[str, ...]]] = {}
 
-    def __enter__(self) -> "IndexClient":
+    def __enter__(self) -> IndexClient:
         return self
 
     def __exit__(self, *_exc: object) -> None:

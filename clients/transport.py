@@ -142,6 +142,6 @@ def safe_url(url: str) -> str:
 def body_excerpt(response: httpx.Response) -> str:
     try:
         text = response.text.strip().replace("\n", " ")
-    except Exception:  # noqa: BLE001 - undecodable body
+    except Exception:  # undecodable body
         return ""
     return f": {text[:200]}" if text and not text.startswith("<") else ""

@@ -22,8 +22,19 @@ Its surface is small on purpose:
 
 from dockerd.client import Docker, RunningContainer, connect
 from dockerd.daemon import DEFAULT_SOCKET, DockerdStatus, ensure_dockerd
-from dockerd.specs import (DEADLINE_GRACE_S, KILL_AFTER_S, OWNER_LABEL, SANDBOX_LABEL, SESSION_LABEL, BindMount,
-                           ContainerSpec, ExecResult, ImageInfo, ReapedContainer, RunResult)
+from dockerd.specs import (
+                           DEADLINE_GRACE_S,
+                           KILL_AFTER_S,
+                           OWNER_LABEL,
+                           SANDBOX_LABEL,
+                           SESSION_LABEL,
+                           BindMount,
+                           ContainerSpec,
+                           ExecResult,
+                           ImageInfo,
+                           ReapedContainer,
+                           RunResult,
+)
 
 __all__ = ["DEADLINE_GRACE_S", "DEFAULT_SOCKET", "KILL_AFTER_S", "OWNER_LABEL", "SANDBOX_LABEL", "SESSION_LABEL",
            "BindMount", "ContainerSpec", "Docker", "DockerdStatus", "ExecResult", "ImageInfo", "ReapedContainer",

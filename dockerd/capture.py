@@ -94,7 +94,7 @@ class OutputCapture:
                     self.close()
                     self._on_overflow()
                     break
-        except Exception as exc:  # noqa: BLE001 - a broken stream ends the capture; the exit status says the rest
+        except Exception as exc:  # a broken stream ends the capture; the exit status says the rest
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             self.close()

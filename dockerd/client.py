@@ -23,8 +23,18 @@ from common.errors import BuildError, DockerError
 from dockerd.capture import OutputCapture
 from dockerd.daemon import DEFAULT_SOCKET
 from dockerd.owners import boot_id, owner_gone, owner_labels, pid_namespace
-from dockerd.specs import (DEADLINE_GRACE_S, KILL_AFTER_S, OWNER_LABEL, SANDBOX_LABEL, SESSION_LABEL, ContainerSpec,
-                           ExecResult, ImageInfo, ReapedContainer, RunResult)
+from dockerd.specs import (
+    DEADLINE_GRACE_S,
+    KILL_AFTER_S,
+    OWNER_LABEL,
+    SANDBOX_LABEL,
+    SESSION_LABEL,
+    ContainerSpec,
+    ExecResult,
+    ImageInfo,
+    ReapedContainer,
+    RunResult,
+)
 
 # Debian's 20.10 CLI does BuildKit builds with --secret; a newer CLI without buildx cannot.
 BUILDKIT_CLI_CANDIDATES = ("/usr/bin/docker", "docker")
@@ -38,7 +48,7 @@ def _quiet(_: str) -> None:
 class RunningContainer:
     """A started sandboxed container; made by `Docker.container()`, removed when it exits."""
 
-    def __init__(self, container: "docker.models.containers.Container", capture: OutputCapture) -> None:
+    def __init__(self, container: docker.models.containers.Container, capture: OutputCapture) -> None:
         self._c = container
         self._capture = capture
 
@@ -66,7 +76,9 @@ class RunningContainer:
             return False
         return self._c.status == "running"
 
-    def exec(self, command: list[str] | tuple[str, ...], *, user: str | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
+    def exec(
+        self, command: list[str] | tuple[str, ...], *, user: str | None = None, env: Mapping[str, str] | None = None
+    ) -> ExecResult:
         """Run a command inside the container and wait for it (stdout and stderr merged)."""
         try:
             res = self._c.exec_run(list(command), user=user or "", environment=dict(env or {}), demux=False)
@@ -101,7 +113,7 @@ class _ChunkReader(io.RawIOBase):
         return n
 
 
-def _not_found(exc: "docker.errors.APIError") -> bool:
+def _not_found(exc: docker.errors.APIError) -> bool:
     """The engine answered 404 (ImageNotFound, NotFound, or a bare APIError carrying the status)."""
     return isinstance(exc, docker.errors.NotFound) or exc.status_code == 404
 
@@ -114,7 +126,7 @@ def _is_timeout(exc: BaseException) -> bool:
 class Docker:
     """A connected Docker engine: images, sandboxed containers and BuildKit builds."""
 
-    def __init__(self, client: "docker.DockerClient", *, socket: Path, cli: str | None = None) -> None:
+    def __init__(self, client: docker.DockerClient, *, socket: Path, cli: str | None = None) -> None:
         self._client = client
         self.socket = socket
         self._cli = cli
@@ -129,7 +141,7 @@ class Docker:
         try:
             self._client.ping()
             return str(self._client.version().get("Version", "unknown"))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise DockerError(f"the Docker engine at {self.socket} does not answer: {exc}") from exc
 
     def close(self) -> None:
@@ -263,7 +275,7 @@ class Docker:
             raise
         except docker.errors.APIError as exc:
             raise DockerError(f"pushing {reference} failed: {exc.explanation or exc}") from exc
-        except Exception as exc:  # noqa: BLE001 - requests' connection/read errors mid-stream
+        except Exception as exc:  # requests' connection/read errors mid-stream
             raise DockerError(f"pushing {reference} failed: the push stream broke: {exc}") from exc
         if digest is None:
             raise DockerError(f"pushing {reference}: the engine reported no digest; treating the push as failed")
@@ -273,10 +285,12 @@ class Docker:
         """`tar -C rootfs -c . | docker import - reference`; returns the new image id."""
         cli = self.cli()
         on_event(f"importing {rootfs} as {reference}")
-        tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
         try:
             imp = subprocess.run(
-                [cli, "import", "-", reference], stdin=tar.stdout, capture_output=True, text=True, env=self._cli_env(), check=False
+                [cli, "import", "-", reference], stdin=tar.stdout, capture_output=True, text=True, env=self._cli_env(),
+                check=False
             )
         finally:
             if tar.stdout is not None:
@@ -284,7 +298,8 @@ class Docker:
             tar_err = tar.stderr.read().decode("utf-8", "replace") if tar.stderr else ""
             tar.wait()
         if tar.returncode != 0 or imp.returncode != 0:
-            raise DockerError(f"importing {rootfs} as {reference} failed: tar exit {tar.returncode} {tar_err.strip()}; import exit {imp.returncode} {imp.stderr.strip()}")
+            raise DockerError(f"importing {rootfs} as {reference} failed: tar exit {tar.returncode} {tar_err.strip()}; "
+                              f"import exit {imp.returncode} {imp.stderr.strip()}")
         return imp.stdout.strip()
 
     # ------------------------------------------------------------ containers
@@ -312,7 +327,7 @@ class Docker:
                 raise DockerError(f"image {ref} is not on this engine: {exc.explanation or exc}") from exc
             raise DockerError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
 
-    def _create(self, spec: ContainerSpec) -> "docker.models.containers.Container":
+    def _create(self, spec: ContainerSpec) -> docker.models.containers.Container:
         entrypoint, command = self._argv(spec)
         kwargs: dict = dict(
             image=spec.image,
@@ -336,7 +351,9 @@ class Docker:
             kwargs["entrypoint"] = entrypoint
         if spec.cpus is not None:
             kwargs["nano_cpus"] = int(spec.cpus * 1e9)
-        for key, value in (("user", spec.user), ("working_dir", spec.workdir), ("shm_size", spec.shm_size), ("ipc_mode", spec.ipc), ("name", spec.name)):
+        optional = (("user", spec.user), ("working_dir", spec.workdir), ("shm_size", spec.shm_size), ("ipc_mode", spec.ipc),
+                    ("name", spec.name))
+        for key, value in optional:
             if value is not None:
                 kwargs[key] = value
         if spec.devices:
@@ -363,7 +380,7 @@ class Docker:
         capture.start(sock)
         return capture
 
-    def _start(self, container: "docker.models.containers.Container", spec: ContainerSpec) -> None:
+    def _start(self, container: docker.models.containers.Container, spec: ContainerSpec) -> None:
         try:
             container.start()
         except docker.errors.APIError as exc:
@@ -455,7 +472,7 @@ class Docker:
                          stderr=capture.text(stdout=False), timed_out=code is None,
                          seconds=round(time.monotonic() - start, 3), overflow=capture.overflow)
 
-    def containers(self, *, label: str | None = None, all: bool = True) -> tuple[str, ...]:  # noqa: A002
+    def containers(self, *, label: str | None = None, all: bool = True) -> tuple[str, ...]:
         """Ids of containers (running or not), optionally only those with a label (key or key=value)."""
         filters = {"label": label} if label else None
         try:
@@ -551,7 +568,8 @@ class Docker:
 
     def builder_prune(self) -> None:
         """Drop BuildKit's build cache (for cold-build measurements)."""
-        proc = subprocess.run([self.cli(), "builder", "prune", "--all", "--force"], env=self._cli_env(), capture_output=True, text=True, check=False)
+        proc = subprocess.run([self.cli(), "builder", "prune", "--all", "--force"], env=self._cli_env(), capture_output=True,
+                              text=True, check=False)
         if proc.returncode != 0:
             raise DockerError(f"docker builder prune failed: {proc.stderr.strip()}")
 
@@ -585,6 +603,6 @@ def connect(*, socket: Path = DEFAULT_SOCKET, timeout_s: int = 120, cli: str | N
     try:
         client = docker.DockerClient(base_url=f"unix://{socket}", timeout=timeout_s)
         client.ping()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise DockerError(f"no Docker daemon answers on {socket}: {exc}; fix: run `skupin docker up`") from exc
     return Docker(client, socket=socket, cli=cli)

@@ -29,7 +29,9 @@ class DockerdStatus(Frozen):
 
     socket: str
     server_version: str
-    action: str = Field(description="'already running', 'started dockerd (pid N, log PATH)' or 'installed docker.io and started dockerd (...)'")
+    action: str = Field(
+        description="'already running', 'started dockerd (pid N, log PATH)' or 'installed docker.io and started dockerd (...)'"
+    )
     pid: int | None = None
     log: str | None = None
 
@@ -45,7 +47,7 @@ def _server_version(socket: Path) -> str | None:
             return str(client.version().get("Version", "unknown"))
         finally:
             client.close()
-    except Exception:  # noqa: BLE001 - any failure means "does not answer"
+    except Exception:  # any failure means "does not answer"
         return None
 
 

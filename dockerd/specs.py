@@ -82,8 +82,11 @@ class ContainerSpec(Frozen):
                                 "dies; `run` also uses it as the host's deadline")
     max_stdout_bytes: int = Field(DEFAULT_MAX_STDOUT_BYTES, ge=0,
                                   description="stdout beyond this kills the container (overflow); `run` keeps it whole")
-    max_stderr_bytes: int = Field(DEFAULT_MAX_STDERR_BYTES, ge=0,
-                                  description="stderr beyond this kills the container (overflow); only its head and tail are kept")
+    max_stderr_bytes: int = Field(
+        DEFAULT_MAX_STDERR_BYTES,
+        ge=0,
+        description="stderr beyond this kills the container (overflow); only its head and tail are kept",
+    )
 
 
 class RunResult(Frozen):

@@ -42,7 +42,7 @@ class ServerLaunch(Frozen):
 
 
 def serve_launch(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: str = MODEL_MOUNT,
-                 host: str = "0.0.0.0") -> ServerLaunch | None:  # noqa: S104 - the container's own interfaces
+                 host: str = "0.0.0.0") -> ServerLaunch | None:  # the container's own interfaces
     """The SKU's engine server command serving `model_dir` on host:port; None for an engine with no server."""
     engine = manifest.stack.engine.name
     dtype = manifest.gate.dtype

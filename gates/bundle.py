@@ -20,13 +20,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import imagetools
+from builder.manifest import SkuManifest
 from common import __version__
 from common.errors import BundleError
-from builder.manifest import SkuManifest
+from common.untrusted import load_json, read_regular_file
 from gates import fixture
 from gates.probe_output import MAX_REPORT_BYTES, decode_report
 from gates.tensorio import read_safetensors
-from common.untrusted import load_json, read_regular_file
 
 BUNDLE_FORMAT = "skupin-bundle/1"
 PROBE = Path(imagetools.__file__).with_name("probe.py")
@@ -126,7 +126,7 @@ def make_meta(*, manifest: SkuManifest, model: str, report: dict, folder: Path, 
     return {
         "format": BUNDLE_FORMAT,
         "tool": {"name": "skupin", "version": __version__},
-        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "created": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
         "sku": manifest.name,
         "command": command or [],
         "probe_command": [Path(probe_cmd[0]).name, "imagetools/probe.py", *_relative_args(probe_cmd[2:], folder)],

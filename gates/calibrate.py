@@ -125,7 +125,7 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
         hosts=tuple(sorted({_host(r.env) for r in measurements})),
         versions=_versions(measurements[0].env),
         variations=tuple(r.label for r in measurements),
-        date=date or _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        date=date or _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
         method=(f"skupin calibrate {__version__}: honest runs of the image vs the reference bundle; threshold = "
                 f"max(margin x largest honest value, dtype floor) per statistic (per prompt and mean over prompts) "
                 f"and per kernel op; honest rate = 95% Clopper-Pearson upper bound of calibration exceedances "
@@ -203,7 +203,7 @@ def _reuse(run_out: Path, image_id: str):
         return None, None
     try:
         report, tensors = read_probe_outputs(run_out)
-    except Exception:  # noqa: BLE001 - an unreadable leftover is simply run again
+    except Exception:  # an unreadable leftover is simply run again
         return None, None
     return (report, tensors) if report.get("status") == "ok" else (None, None)
 

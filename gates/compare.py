@@ -203,7 +203,11 @@ def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
                 full_prompts = m
                 available.append("kl_full")
     greedy = None
-    if "model.greedy_ids" in ref and "model.greedy_ids" in cand and ref["model.greedy_ids"].shape == cand["model.greedy_ids"].shape:
+    if (
+        "model.greedy_ids" in ref
+        and "model.greedy_ids" in cand
+        and ref["model.greedy_ids"].shape == cand["model.greedy_ids"].shape
+    ):
         greedy = float((ref["model.greedy_ids"] == cand["model.greedy_ids"]).all(-1).mean())
     for name in available:  # NaN from a broken candidate must not read as "unavailable"
         value = stats[name][:full_prompts] if name == "kl_full" else stats[name]

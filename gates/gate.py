@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from builder.manifest import SkuManifest
 from common import __version__
 from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
+from common.untrusted import open_folder, printable, write_new_file
 from engines import ENGINE_OUTPUTS, MODEL_MOUNT, serve_launch
-from builder.manifest import SkuManifest
 from gates.bundle import PROBE, fixture_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
 from gates.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
-from common.untrusted import open_folder, printable, write_new_file
 from gates.verdict import (
     CheckResult,
     GateVerdict,
@@ -226,7 +226,7 @@ def probe_in_container(*, manifest: SkuManifest, image: str, docker, out: Path, 
                 result = docker.run(spec)
             except DockerError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the engine SDK's own errors (e.g. 409 when removed by someone else)
+            except Exception as exc:  # the engine SDK's own errors (e.g. 409 when removed by someone else)
                 raise DockerError(f"running the probe container failed: {exc}") from exc
         return _probe_run(result, deadline=float(manifest.gate.deadline_s), out_fd=out_fd)
     finally:
@@ -555,7 +555,7 @@ def gate_image(*, stack, image: str, docker, out: Path, on_event: OnEvent = _qui
     adds the serve check's interleaved A/B; `serve_perf` (gates.serving.perf.PerfSettings) overrides its load.
     """
     started = time.monotonic()
-    created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run = _GateRun(stack=stack, image=image, docker=docker, out=out, on_event=on_event,

@@ -1,4 +1,4 @@
-"""Decode what the probe produced (its stdout frame or its output folder) into probe.json and tensors, refusing anything malformed.
+"""Decode what the probe produced (its stdout frame or its output folder) into report and tensors, refusing anything malformed.
 
 In the gate's containers the probe runs with ``--out -`` and writes exactly one frame to stdout
 (imagetools/probe.py: ``FRAME_MAGIC``, 8-byte little-endian length + probe.json, 8-byte little-endian
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from imagetools.probe import FORMAT, FRAME_MAGIC
-from gates.tensorio import MAX_FILE_BYTES, decode_safetensors
 from common.untrusted import UntrustedInputError, load_json, open_folder, printable, read_regular_file
+from gates.tensorio import MAX_FILE_BYTES, decode_safetensors
+from imagetools.probe import FORMAT, FRAME_MAGIC
 
 MAX_REPORT_BYTES = 64 * 1024**2
 MAX_TENSOR_BYTES = MAX_FILE_BYTES

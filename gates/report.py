@@ -95,10 +95,15 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
         src = (f"{prov.get('runs')} honest runs x {prov.get('prompts_per_run')} prompts, margin {prov.get('margin')}, "
                f"{prov.get('date')}" if prov else "no calibrated entry")
         lines += [f"| tolerance | {t.key} ({src}) |"]
-    lines += [f"| tool | skupin {v.tool_version}, {v.created} |",
-              f"| wall time | {v.timings.get('total_s', 0):.1f} s (probe container {v.timings.get('probe_container_s', 0):.1f} s) |",
-              "", "## Checks (in order; the first failure stops the rest)", "",
-              "| check | result | reason |", "|---|---|---|"]
+    lines += [
+        f"| tool | skupin {v.tool_version}, {v.created} |",
+        f"| wall time | {v.timings.get('total_s', 0):.1f} s (probe container {v.timings.get('probe_container_s', 0):.1f} s) |",
+        "",
+        "## Checks (in order; the first failure stops the rest)",
+        "",
+        "| check | result | reason |",
+        "|---|---|---|",
+    ]
     lines += [f"| {c.name} | {ICON[c.status]} | {c.reason.replace('|', '/')} |" for c in v.checks]
     lines += _pins_section(v.check("pins"))
     kernels = _kernel_rows(v)
@@ -110,14 +115,21 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
             note = f" ({row['problem']})" if row.get("problem") else ""
             lines.append(f"| {op} | {_g(row.get('rel_err'))}{note} | {_g(row.get('tolerance'))} | {_g(ratio)} |")
     if v.model_decision:
-        lines += ["", "## Model check", "",
-                  "Per statistic: prompts above the per-prompt threshold, the one-sided binomial test against the "
-                  "calibrated honest exceedance rate, and the mean over prompts against its bound.", "",
-                  "| statistic | per-prompt threshold | exceeding prompts | p-value (alpha) | mean | mean bound | mean / bound | failed by |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Model check",
+            "",
+            "Per statistic: prompts above the per-prompt threshold, the one-sided binomial test against the "
+            "calibrated honest exceedance rate, and the mean over prompts against its bound.",
+            "",
+            "| statistic | per-prompt threshold | exceeding prompts | p-value (alpha) | mean | mean bound | mean / bound "
+            "| failed by |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for d in v.model_decision:
             lines.append(f"| {d.stat} | {_g(d.threshold)} | {d.exceedances}/{d.prompts} | {d.p_value:.2g} ({d.alpha:.2g}) | "
-                         f"{_g(d.mean)} | {_g(d.mean_threshold)} | {_g(d.mean / d.mean_threshold if d.mean_threshold else None)} | "
+                         f"{_g(d.mean)} | {_g(d.mean_threshold)} | "
+                         f"{_g(d.mean / d.mean_threshold if d.mean_threshold else None)} | "
                          f"{', '.join(d.failed_by) or '-'} |")
     model = v.check("model")
     if model and model.details.get("means"):
@@ -137,7 +149,8 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
         lines += ["", "## Prompts above a threshold (first 10)", "", "| prompt | exceeds | " +
                   " | ".join(DECISION_STATS) + " |", "|---|---|" + "---|" * len(DECISION_STATS)]
         for p in worst:
-            lines.append(f"| {p.index} | {', '.join(p.exceeds)} | " + " | ".join(_g(p.stats.get(s)) for s in DECISION_STATS) + " |")
+            cells = " | ".join(_g(p.stats.get(s)) for s in DECISION_STATS)
+            lines.append(f"| {p.index} | {', '.join(p.exceeds)} | {cells} |")
     lines += ["", "How to read this report: docs/GATE.md.", ""]
     return "\n".join(lines)
 
@@ -157,7 +170,7 @@ def plot(*, verdict: GateVerdict, path: Path) -> None:
     rows = math.ceil(panels / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.2 * rows), squeeze=False)
     flat = [ax for row in axes for ax in row]
-    for ax, stat in zip(flat, stats):
+    for ax, stat in zip(flat, stats, strict=False):
         xs = [p.index for p in verdict.prompts if p.stats.get(stat) is not None]
         ys = [p.stats[stat] for p in verdict.prompts if p.stats.get(stat) is not None]
         d = thresholds.get(stat)

@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
-from common.errors import GateCouldNotRun
 from builder.grammar import Name
+from common.errors import GateCouldNotRun
 from common.model import Frozen
 
 FORMAT = "skupin-tolerances/1"
@@ -119,7 +119,9 @@ def lookup(tolerances: Tolerances, key: ToleranceKey, *, path: Path = DEFAULT_PA
 def looser(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:
     """Thresholds of `new` that are looser than `old`'s (for the same key)."""
     found = [f"kernels.{op}" for op, v in new.kernels.items() if op in old.kernels and v > old.kernels[op]]
-    found += [f"per_prompt.{s}" for s, v in new.model.per_prompt.items() if s in old.model.per_prompt and v > old.model.per_prompt[s]]
+    found += [
+        f"per_prompt.{s}" for s, v in new.model.per_prompt.items() if s in old.model.per_prompt and v > old.model.per_prompt[s]
+    ]
     found += [f"mean.{s}" for s, v in new.model.mean.items() if s in old.model.mean and v > old.model.mean[s]]
     if new.model.honest_rate > old.model.honest_rate:
         found.append("honest_rate")

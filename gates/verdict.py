@@ -16,8 +16,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from common.errors import GateCouldNotRun, GateFailed
 from builder.manifest import SkuManifest
+from common.errors import GateCouldNotRun, GateFailed
 from common.model import Frozen
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics
 from gates.static.integrity import IntegrityReport

@@ -228,7 +228,7 @@ def environment(device: str) -> dict:
             props = torch.cuda.get_device_properties(i)
             dev["names"].append(props.name)
             dev.setdefault("capability", list(torch.cuda.get_device_capability(i)))
-            dev.setdefault("arch", getattr(props, "gcnArchName", None) or "sm_%d%d" % torch.cuda.get_device_capability(i))
+            dev.setdefault("arch", getattr(props, "gcnArchName", None) or "sm_{}{}".format(*torch.cuda.get_device_capability(i)))
             dev.setdefault("total_memory", props.total_memory)
             dev.setdefault("multi_processor_count", props.multi_processor_count)
     elif device == "xpu":
@@ -333,7 +333,7 @@ def kernel_battery(device: str) -> tuple[dict, dict]:
             tensors["kernels." + name] = out.detach().cpu()
             status[name] = {"status": "ok", "dtype": str(out.dtype).removeprefix("torch."), "shape": list(out.shape),
                             "finite": bool(torch.isfinite(out.float()).all())}
-        except Exception as exc:  # noqa: BLE001 - a failing op is a result, recorded per op
+        except Exception as exc:  # a failing op is a result, recorded per op
             status[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]}
     return tensors, status
 
@@ -392,10 +392,15 @@ def run_transformers(model_dir: str, ids: list[list[int]], opts: dict, device: s
         for _, batch in _chunks(ids, opts["batch_size"]):
             _greedy_transformers(model, torch.tensor(batch, dtype=torch.long, device=device), opts["new_tokens"], col)
         generate_s = time.perf_counter() - t2
-    info = {"attn_implementation": getattr(model.config, "_attn_implementation", opts["attn"]),
-            "model_dtype": str(model.dtype).removeprefix("torch."), "hidden_states": "decoder last_hidden_state (after final norm)",
-            "greedy": "KV-cache decode, argmax, EOS not special", "load_s": load_s, "forward_s": forward_s,
-            "generate_s": generate_s}
+    info = {
+        "attn_implementation": getattr(model.config, "_attn_implementation", opts["attn"]),
+        "model_dtype": str(model.dtype).removeprefix("torch."),
+        "hidden_states": "decoder last_hidden_state (after final norm)",
+        "greedy": "KV-cache decode, argmax, EOS not special",
+        "load_s": load_s,
+        "forward_s": forward_s,
+        "generate_s": generate_s,
+    }
     return {"tensors": col.tensors(), "info": info}
 
 
@@ -416,9 +421,9 @@ def _collect_teacher(col: Collector, start: int, x, pred_logprobs, hidden) -> No
 
 
 def _greedy_transformers(model, x, new_tokens: int, col: Collector) -> None:
-    import torch
-
     import inspect
+
+    import torch
 
     # transformers >= 5.2x names the KV cache `cache`; earlier releases `past_key_values`
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -451,7 +456,7 @@ def _store_engine_prompt(col: Collector, index: int, prompt: list[int], per_pos:
     """Store one prompt's engine-reported logprobs (positions 0..T-2) in the common layout."""
     import torch
 
-    vals, idx = zip(*(_sorted_top(p, col.top_k) for p in per_pos))
+    vals, idx = zip(*(_sorted_top(p, col.top_k) for p in per_pos), strict=True)
     col.add("target_logprob", torch.tensor(target, dtype=torch.float32))
     col.add("topk_logprobs", torch.tensor(vals, dtype=torch.float32))
     col.add("topk_ids", torch.tensor(idx, dtype=torch.int32))
@@ -467,7 +472,7 @@ def _store_greedy(col: Collector, token_ids: list[int], steps: list[list[tuple[f
     import torch
 
     chosen, margins = [], []
-    for tid, entries in zip(token_ids, steps):
+    for tid, entries in zip(token_ids, steps, strict=True):
         vals, _ = _sorted_top(entries, 2)
         own = next((lp for lp, i in entries if i == tid), vals[0])
         chosen.append(own)
@@ -484,7 +489,7 @@ def run_vllm(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> d
     try:
         from vllm.inputs import TokensPrompt
     except ImportError:  # older vLLM
-        TokensPrompt = dict  # noqa: N806
+        TokensPrompt = dict
     vocab = opts["vocab"]
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, tokenizer=model_dir, dtype=opts["dtype"], seed=0, max_num_seqs=opts["batch_size"],
@@ -499,7 +504,7 @@ def run_vllm(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> d
                          SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab))
             if opts["full_logprobs"] else [])
     forward_s = time.perf_counter() - t1
-    for i, (prompt, out) in enumerate(zip(ids, teacher)):
+    for i, (prompt, out) in enumerate(zip(ids, teacher, strict=True)):
         per_pos = [[(lp.logprob, tid) for tid, lp in d.items() if lp.rank <= opts["top_k"]] for d in out.prompt_logprobs[1:]]
         target = [d[prompt[t + 1]].logprob for t, d in enumerate(out.prompt_logprobs[1:])]
         dense = ([[(lp.logprob, tid) for tid, lp in d.items()] for d in full[i].prompt_logprobs[1:]]
@@ -537,7 +542,7 @@ def run_sglang(model_dir: str, ids: list[list[int]], opts: dict, device: str) ->
         outs = teacher(ids, opts["top_k"])
         full = teacher(ids[: opts["full_logprobs"]], vocab) if opts["full_logprobs"] else []
         forward_s = time.perf_counter() - t1
-        for i, (prompt, out) in enumerate(zip(ids, outs)):
+        for i, (prompt, out) in enumerate(zip(ids, outs, strict=True)):
             meta = out["meta_info"]
             target = [e[0] for e in meta["input_token_logprobs"][1:]]
             per_pos = [[(e[0], e[1]) for e in pos] for pos in meta["input_top_logprobs"][1:]]
@@ -633,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     tensors: dict = {}
     try:
         import torch
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         report["checks"] = {c: {"status": "error", "error": f"torch import failed: {exc}"} for c in args.checks}
         return _finish(args, report, tensors, started, frame_fd)
     if args.threads:
@@ -643,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report["env"] = environment(device)
         report["checks"]["env"] = {"status": "ok"}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         report["checks"]["env"] = _error(exc)
     if "kernels" in args.checks:
         t0 = time.perf_counter()
@@ -653,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             bad = [n for n, s in ops.items() if s["status"] != "ok" or not s["finite"]]
             report["checks"]["kernels"] = {"status": "error" if bad else "ok", "ops": ops,
                                            "failed_ops": bad, "wall_s": time.perf_counter() - t0}
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             report["checks"]["kernels"] = _error(exc)
     if "model" in args.checks:
         t0 = time.perf_counter()
@@ -661,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
             mtensors, info = model_check(args, device)
             tensors.update(mtensors)
             report["checks"]["model"] = {"status": "ok", **info, "wall_s": time.perf_counter() - t0}
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             report["checks"]["model"] = _error(exc)
     return _finish(args, report, tensors, started, frame_fd)
 
@@ -675,7 +680,7 @@ def _finish(args, report: dict, tensors: dict, started: float, frame_fd: int | N
     data = b""
     try:
         data, report["tensors"] = encode_safetensors(tensors, {"format": FORMAT, "probe_version": PROBE_VERSION})
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         report["checks"]["write"] = _error(exc)
     report["finished"] = time.time()
     report["wall_s"] = report["finished"] - started

@@ -54,7 +54,7 @@ def same_code(got: object, want: types.CodeType) -> bool:
     """Structural equality of two code objects and all the code nested in them."""
     if not isinstance(got, types.CodeType) or got != want:
         return False
-    pairs = list(zip(_codes(got), _codes(want)))
+    pairs = list(zip(_codes(got), _codes(want), strict=False))
     if len(pairs) != sum(1 for _ in _codes(want)) or len(pairs) != sum(1 for _ in _codes(got)):
         return False
     return all(a.co_name == b.co_name and a.co_qualname == b.co_qualname and a.co_firstlineno == b.co_firstlineno

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from pydantic import Field
 
+from clients.oci import RegistryClient
 from common.apt import apt_install
 from common.errors import NetworkError, PublishError
-from clients.oci import RegistryClient
 from common.model import Frozen
 from common.paths import REGISTRY_ADDR
 

@@ -29,17 +29,17 @@ import secrets
 import stat
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
 from pydantic import Field
 
+from builder.lockfile import Lock, image_tag
+from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from common import __version__
 from common.errors import BundleError, DockerError, NetworkError, PublishError
-from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
-from builder.lockfile import Lock, image_tag
 from common.model import Frozen, canonical_json
 
 VERIFIED_TAG = "verified"
@@ -288,7 +288,7 @@ class PublishedImage(Frozen):
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def check_registry(*, client: RegistryClient, target: RegistryTarget, hint: str = "") -> None:

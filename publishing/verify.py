@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from pydantic import Field
 
-from common.errors import NetworkError, PublishError, SkupinError
-from clients.oci import RegistryClient, parse_image_ref
 from builder.lockfile import Lock
+from clients.oci import RegistryClient, parse_image_ref
+from common.errors import NetworkError, PublishError, SkupinError
 from common.model import Frozen
 from publishing.publish import VERIFIED_TAG, RegistryTarget, read_record, verdict_facts
 

@@ -27,8 +27,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 from pydantic import ValidationError
 
+from clients.pypi import PYPI_SIMPLE, IndexClient, linux_x86_64_wheel
 from common.errors import CompatError, NetworkError
-from clients.pypi import IndexClient, PYPI_SIMPLE, linux_x86_64_wheel
 from common.model import Frozen
 
 CUDA_RUNTIME = re.compile(r"^nvidia-cuda-runtime(-cu\d+)?$")
@@ -110,7 +110,10 @@ def _wheel_requiring(index: IndexClient, name: str, version: Version, dependency
     return wheel, reqs
 
 
-def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec = RefreshSpec(),
+DEFAULT_SPEC = RefreshSpec()
+
+
+def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec = DEFAULT_SPEC,
                 progress: Progress | None = None) -> Refreshed:
     """Read every covered release's wheel metadata from the index and turn it into compat rows."""
     say = progress or (lambda _m: None)
@@ -222,7 +225,7 @@ def _replace_rows(lines: list[str], section: str, drop: Callable[[dict], bool], 
     return out[:where] + new + out[where:] + lines[end:]
 
 
-def merge_rows(*, text: str, refreshed: Refreshed, spec: RefreshSpec = RefreshSpec()) -> str:
+def merge_rows(*, text: str, refreshed: Refreshed, spec: RefreshSpec = DEFAULT_SPEC) -> str:
     """compat.yaml text with the regenerated rows swapped in; comments and other rows untouched."""
     lines = text.splitlines()
     torch_new = [format_row(r, TORCH_KEYS) for r in refreshed.torch_compiler]
@@ -248,7 +251,7 @@ class RefreshReport(Frozen):
 
 
 def refresh(*, index_url: str = PYPI_SIMPLE, out: Path, compat_path: Path, ca_bundle: Path | None = None,
-            today: datetime.date | None = None, spec: RefreshSpec = RefreshSpec(), timeout: float = 60.0,
+            today: datetime.date | None = None, spec: RefreshSpec = DEFAULT_SPEC, timeout: float = 60.0,
             progress: Progress | None = None) -> RefreshReport:
     """Derive the rows from `index_url`, merge them into `compat_path`'s text, validate, write `out`."""
     from builder.compat import CompatData

@@ -31,10 +31,10 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from common.errors import SkupinError
+from builder.manifest import Pin, SkuManifest, parse_manifest
 from clients.oci import RegistryClient, parse_image_ref
 from clients.pypi import IndexClient
-from builder.manifest import Pin, SkuManifest, parse_manifest
+from common.errors import SkupinError
 from common.model import Frozen
 from common.paths import PYPI_SIMPLE
 
@@ -166,7 +166,10 @@ def _coupled(ctx: _Context, m: SkuManifest, torch: Version, why_prefix: str) -> 
     bumps: list[Bump] = []
     if torch != _public(fw.version):
         if not allowed(pol.framework, _public(fw.version), torch):
-            return [], f"{why_prefix} needs torch {torch}; framework policy '{pol.framework}' does not allow {fw.version} -> {torch}"
+            return (
+                [],
+                f"{why_prefix} needs torch {torch}; framework policy '{pol.framework}' does not allow {fw.version} -> {torch}",
+            )
         bumps.append(Bump(field="stack.framework.version", component=fw.distribution, old=fw.version,
                           new=_with_local(torch, fw.version)))
     new_comp, why = _compiler_for(ctx, m, torch)

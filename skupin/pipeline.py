@@ -17,8 +17,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import PublishError, SkupinError
-from common.paths import REGISTRY_ADDR
 from common.model import Frozen
+from common.paths import REGISTRY_ADDR
 
 OnEvent = Callable[[str], None]
 STAGES = ("check", "lock", "engine", "base", "build", "gate", "registry", "publish", "verify")
@@ -140,9 +140,9 @@ def _ca_bundle(run: _Run) -> Path | None:
 
 def _lock(run: _Run) -> str:
     from builder.check import resolve
-    from common.errors import LockError
     from builder.lock import relock
     from builder.lockfile import lock_path
+    from common.errors import LockError
 
     stack, path = run.ctx["stack"], run.ctx["path"]
     if stack.lock_state == "ok":
@@ -192,7 +192,7 @@ def _gate(run: _Run) -> str:
 
     stack = run.ctx["stack"]  # the locked stack _lock left (or re-resolved after locking)
     built = run.ctx["built"]
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(STATE) / "gates" / stack.manifest.name / stamp
     baseline = _verified_baseline(run, built.image_id)
     if baseline:

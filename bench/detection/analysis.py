@@ -31,6 +31,7 @@ from gates.tolerance import HardBounds, ToleranceEntry, ToleranceKey
 from gates.verdict import judge_kernels, judge_model, kernel_hard_failures
 
 CALIBRATION_BATCHES = (1, 8)
+DEFAULT_HARD = HardBounds()  # the gate's own calibration-free bounds
 
 
 def load_records(paths: Iterable[Path]) -> list[dict]:
@@ -62,9 +63,11 @@ def to_kernels(record: dict) -> tuple[KernelResult, ...]:
 
 def subset(stats: ModelStatistics, idx: np.ndarray) -> ModelStatistics:
     """The statistics of the prompts `idx` only."""
-    return ModelStatistics(per_prompt={s: v[idx] for s, v in stats.per_prompt.items()},
-                           available=tuple(s for s in stats.available if s != "kl_full" or np.isfinite(stats.per_prompt[s][idx]).any()),
-                           nonfinite=stats.nonfinite)
+    return ModelStatistics(
+        per_prompt={s: v[idx] for s, v in stats.per_prompt.items()},
+        available=tuple(s for s in stats.available if s != "kl_full" or np.isfinite(stats.per_prompt[s][idx]).any()),
+        nonfinite=stats.nonfinite,
+    )
 
 
 def is_calibration(record: dict) -> bool:
@@ -95,7 +98,7 @@ def calibrate(*, records: list[dict], key: ToleranceKey, margin: float = 4.0, re
 
 
 def decide(*, stats: ModelStatistics, kernels: tuple[KernelResult, ...], entry: ToleranceEntry,
-           hard: HardBounds = HardBounds()) -> str:
+           hard: HardBounds = DEFAULT_HARD) -> str:
     """The gate's decision: 'pass', or what failed first ('hard' bounds, calibrated 'kernels', 'calibrated' model).
 
     In the gate's order: the kernel battery's hard bounds (no calibration), its calibrated

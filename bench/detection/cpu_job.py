@@ -102,9 +102,26 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - t0:.1f} s", flush=True)
     records.close()
     if args.boot == 1:
-        subprocess.run([sys.executable, __file__, "--out", str(args.out), "--boot", "2", "--llama-ref", str(args.llama_ref),
-                        "--llama-dir", str(args.llama_dir), "--keys", args.keys, "--llama-prompts", str(args.llama_prompts)], check=False,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})  # noqa: S603
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--out",
+                str(args.out),
+                "--boot",
+                "2",
+                "--llama-ref",
+                str(args.llama_ref),
+                "--llama-dir",
+                str(args.llama_dir),
+                "--keys",
+                args.keys,
+                "--llama-prompts",
+                str(args.llama_prompts),
+            ],
+            check=False,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     return 0
 
 

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import runs  # noqa: E402
-from imagetools import probe  # noqa: E402
 from gates.tensorio import read_safetensors  # noqa: E402
+from imagetools import probe  # noqa: E402
 
 HW = "nvidia-hopper"
 BATCHES = (1, 2, 4, 8, 16, 64)
@@ -112,9 +112,25 @@ def main(argv: list[str] | None = None) -> int:
     records.close()
     if args.boot == 1:
         log("boot 2: a fresh process repeats the honest runs")
-        done = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--boot", "2", "--refs", str(args.refs),
-                               "--fixture", str(args.fixture), "--keys", args.keys] + (["--smoke"] if args.smoke else []), check=False,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--out",
+                str(args.out),
+                "--boot",
+                "2",
+                "--refs",
+                str(args.refs),
+                "--fixture",
+                str(args.fixture),
+                "--keys",
+                args.keys,
+            ]
+            + (["--smoke"] if args.smoke else []),
+            check=False,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         if done.returncode:
             log(f"boot 2 failed with {done.returncode}")
     return 0

@@ -105,7 +105,7 @@ def plot(hw: str, keys: dict, path: Path) -> None:
     rows = [("bfloat16", 1), ("bfloat16", 8), ("float32", 1)]
     fig, axes = plt.subplots(len(rows), len(DECISION_STATS), figsize=(4.2 * len(DECISION_STATS), 11), squeeze=False)
     grid = np.logspace(-3, 12, 600)
-    colors = dict(zip(SWAPS, plt.cm.tab10(np.linspace(0, 1, 10))))
+    colors = dict(zip(SWAPS, plt.cm.tab10(np.linspace(0, 1, 10)), strict=False))
     for col, stat in enumerate(DECISION_STATS):
         for row, (dtype, n) in enumerate(rows):
             kind = f"{dtype}, " + ("per prompt" if n == 1 else f"mean of {n} prompts")
@@ -150,6 +150,22 @@ def fmt_rate(c: dict, positive: bool) -> str:
     return f"{k}/{c['total']} = {100 * c['rate']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def decision_totals(raws: dict, n: int) -> dict:
+    """Honest rejects and per-swap catches over every key of a class, for decisions over `n` prompts."""
+    honest = [o for raw in raws.values() for o in raw[n]["honest"]]
+    tot: dict = {"honest": A.count(honest, positive=False), "swaps": {}}
+    for swap in SWAPS:
+        outs = [o for raw in raws.values() for o in raw[n].get(swap, [])]
+        if outs:
+            c = A.count(outs, positive=True)
+            if swap in TARGETS:
+                c["target"] = TARGETS[swap]
+                c["meets_point"] = c["rate"] >= TARGETS[swap]
+                c["meets_ci"] = c["ci95"][0] >= TARGETS[swap]
+            tot["swaps"][swap] = c
+    return tot
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--analyse", action="store_true", help="only analyse the committed records")
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     by_key: dict = {}
     for r in records:
         by_key.setdefault(A.key_of(r), []).append(r)
-    result: dict = {"format": "skupin-detection/1", "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+    result: dict = {"format": "skupin-detection/1", "created": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
                     "method": A.__doc__.strip(), "headline_prompts_per_decision": HEADLINE, "targets": TARGETS,
                     "anchor": ANCHOR, "swaps": {s: DESCRIPTIONS[s] for s in SWAPS}, "classes": {}}
     lines = []
@@ -173,18 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 raws[f"{model}/{dtype}"] = raw
         cls: dict = {"keys": {}}
         for n in SIZES:
-            honest = [o for raw in raws.values() for o in raw[n]["honest"]]
-            tot = {"honest": A.count(honest, positive=False), "swaps": {}}
-            for swap in SWAPS:
-                outs = [o for raw in raws.values() for o in raw[n].get(swap, [])]
-                if outs:
-                    c = A.count(outs, positive=True)
-                    if swap in TARGETS:
-                        c["target"] = TARGETS[swap]
-                        c["meets_point"] = c["rate"] >= TARGETS[swap]
-                        c["meets_ci"] = c["ci95"][0] >= TARGETS[swap]
-                    tot["swaps"][swap] = c
-            cls[f"decisions_{n}"] = tot
+            cls[f"decisions_{n}"] = decision_totals(raws, n)
         cls["honest"] = cls[f"decisions_{HEADLINE}"]["honest"]
         cls["swaps"] = cls[f"decisions_{HEADLINE}"]["swaps"]
         for name, (section, _) in keys.items():

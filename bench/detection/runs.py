@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.detection import swaps
-from imagetools import probe
 from gates.compare import ALL_STATS, kernel_errors, model_statistics
+from imagetools import probe
 
 TOP_K = 20
 

@@ -68,7 +68,7 @@ def ab_from_runs(*, candidate_runs: Sequence[PerfResult], baseline_runs: Sequenc
     """The A/B result from paired rounds (candidate_runs[i] and baseline_runs[i] ran in the same round)."""
     per_round: list[float] = []
     per_level: dict[int, dict[str, list[float]]] = {}
-    for cand, base in zip(candidate_runs, baseline_runs):
+    for cand, base in zip(candidate_runs, baseline_runs, strict=True):
         ratios = []
         for lv in cand.levels:
             other = base.level(lv.concurrency)
@@ -85,12 +85,22 @@ def ab_from_runs(*, candidate_runs: Sequence[PerfResult], baseline_runs: Sequenc
     levels = []
     for c, d in sorted(per_level.items()):
         cl, bl = cand_all.level(c), base_all.level(c)
-        levels.append(ABLevel(concurrency=c, decode_ratio=float(np.nanmedian(d["decode"])),
-                              decode_ratio_min=float(np.nanmin(d["decode"])), decode_ratio_max=float(np.nanmax(d["decode"])),
-                              aggregate_ratio=float(np.nanmedian(d["aggregate"])), ttft_ratio=float(np.nanmedian(d["ttft"])),
-                              candidate_decode_tok_s=cl.decode_tok_s_per_request, baseline_decode_tok_s=bl.decode_tok_s_per_request,
-                              candidate_aggregate_tok_s=cl.aggregate_tok_s, baseline_aggregate_tok_s=bl.aggregate_tok_s,
-                              candidate_ttft_p50_s=cl.ttft_p50_s, baseline_ttft_p50_s=bl.ttft_p50_s))
+        levels.append(
+            ABLevel(
+                concurrency=c,
+                decode_ratio=float(np.nanmedian(d["decode"])),
+                decode_ratio_min=float(np.nanmin(d["decode"])),
+                decode_ratio_max=float(np.nanmax(d["decode"])),
+                aggregate_ratio=float(np.nanmedian(d["aggregate"])),
+                ttft_ratio=float(np.nanmedian(d["ttft"])),
+                candidate_decode_tok_s=cl.decode_tok_s_per_request,
+                baseline_decode_tok_s=bl.decode_tok_s_per_request,
+                candidate_aggregate_tok_s=cl.aggregate_tok_s,
+                baseline_aggregate_tok_s=bl.aggregate_tok_s,
+                candidate_ttft_p50_s=cl.ttft_p50_s,
+                baseline_ttft_p50_s=bl.ttft_p50_s,
+            )
+        )
     ratio = float(np.nanmedian(per_round)) if per_round else float("nan")
     spread = (float(np.nanmin(per_round)), float(np.nanmax(per_round))) if per_round else (float("nan"),) * 2
     text = (f"decode tok/s ratio candidate/baseline {ratio:.3f} (rounds {spread[0]:.3f}-{spread[1]:.3f}, "
@@ -167,9 +177,11 @@ def serve_markdown(details: dict, *, plot_name: str | None = None) -> list[str]:
                   "aggregate tok/s (reps) | spread |", "|---|---|---|---|---|---|---|"]
         for lv in perf["levels"]:
             reps = ", ".join(f"{a:.0f}" for a in lv.get("aggregate_tok_s_reps") or ())
-            lines.append(f"| {lv['concurrency']} | {_ms(lv['ttft_p50_s'])} | {_ms(lv['ttft_p99_s'])} | "
-                         f"{lv['prefill_tok_s']:.0f} | {lv['decode_tok_s_per_request']:.1f} | "
-                         f"{lv['aggregate_tok_s']:.1f} ({reps}) | {100 * lv['spread']:.0f}% |")
+            lines.append(
+                f"| {lv['concurrency']} | {_ms(lv['ttft_p50_s'])} | {_ms(lv['ttft_p99_s'])} | "
+                f"{lv['prefill_tok_s']:.0f} | {lv['decode_tok_s_per_request']:.1f} | "
+                f"{lv['aggregate_tok_s']:.1f} ({reps}) | {100 * lv['spread']:.0f}% |"
+            )
     cost = details.get("cost")
     if cost:
         lines += ["", f"Cost: **${cost['usd_per_1m_output_tokens']:.3g} per 1M output tokens** at ${cost['hourly_usd']:g}/h, "
@@ -179,7 +191,8 @@ def serve_markdown(details: dict, *, plot_name: str | None = None) -> list[str]:
     if ab:
         lines += ["", f"### A/B vs `{ab['baseline_image'][:71]}`", "", f"{ab['summary']} (status {ab['status']}, "
                   f"order per round {' '.join(ab['order'])}).", "",
-                  "| concurrency | decode tok/s cand / base | ratio (min-max) | aggregate ratio | TTFT p50 ms cand / base | TTFT ratio |",
+                  "| concurrency | decode tok/s cand / base | ratio (min-max) | aggregate ratio | TTFT p50 ms cand / base "
+                  "| TTFT ratio |",
                   "|---|---|---|---|---|---|"]
         for lv in ab["levels"]:
             lines.append(f"| {lv['concurrency']} | {lv['candidate_decode_tok_s']:.1f} / {lv['baseline_decode_tok_s']:.1f} | "
@@ -206,7 +219,7 @@ def plot_serve(details: dict, path) -> bool:
     if ab:
         series["baseline"] = ab["baseline"]["levels"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    for (name, levels), color in zip(series.items(), ("tab:blue", "tab:orange")):
+    for (name, levels), color in zip(series.items(), ("tab:blue", "tab:orange"), strict=False):
         xs = [lv["concurrency"] for lv in levels]
         axes[0].plot(xs, [lv["aggregate_tok_s"] for lv in levels], "o-", color=color, label=f"{name} aggregate")
         axes[0].plot(xs, [lv["decode_tok_s_per_request"] for lv in levels], "s--", color=color, label=f"{name} per request")

@@ -1,4 +1,4 @@
-"""Measure an engine server's speed: TTFT, prefill and decode tok/s per concurrency level, with spread, and cost per 1M output tokens.
+"""Measure an engine server's speed: TTFT, prefill and decode tok/s per concurrency level, spreads, cost per 1M output tokens.
 
 Method (``run_perf``): a few warm-up requests (not measured), then for each concurrency level c
 and each repetition, c closed-loop users share `requests` streamed greedy completions of

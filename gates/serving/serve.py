@@ -1,4 +1,4 @@
-"""The serve check: boot the image's own inference server in the gate's sandbox and compare its greedy completions with the reference.
+"""The serve check: boot the image's own server in the gate's sandbox and compare its greedy completions with the reference.
 
 Flow (``serve_check``): render the engine's production launch command (``launch_command``:
 `transformers serve` for the CPU SKU, `vllm serve`, SGLang's `python -m sglang.launch_server`),
@@ -37,10 +37,10 @@ import httpx
 import numpy as np
 from pydantic import Field
 
-from common.errors import DockerError, GateCouldNotRun, SkupinError
 from builder.manifest import ServeGate, SkuManifest
-from common.model import Frozen
 from clients.openai import Completion, ServeClient, wait_ready
+from common.errors import DockerError, GateCouldNotRun, SkupinError
+from common.model import Frozen
 from engines import MODEL_MOUNT, SERVE_ENGINES, SERVE_PORT, ServerLaunch, serve_launch
 
 OnEvent = Callable[[str], None]
@@ -151,7 +151,7 @@ def compare_greedy(*, completions: Sequence[Completion], ref: dict[str, np.ndarr
                    tokenizer, threshold: float, indices: Sequence[int], eos_id: int | None = None) -> tuple[PromptServe, ...]:
     """Each completion vs the reference's greedy continuation of the same prompt (see the module docstring)."""
     results = []
-    for index, completion in zip(indices, completions):
+    for index, completion in zip(indices, completions, strict=True):
         ref_ids = [int(x) for x in ref["model.greedy_ids"][index]]
         margins = ref["model.greedy_margin"][index]
         pieces = reference_pieces(tokenizer=tokenizer, ids=ref_ids, prompt_ids=prompts[index]["ids"])

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import imagetools
-from gates.static.layers import FileView
 from common.untrusted import UntrustedInputError
+from gates.static.layers import FileView
 
 TOOL = Path(imagetools.__file__).with_name("pyc_verify.py")
 NOBODY = 65534
@@ -112,10 +112,10 @@ def run_workers(interpreter: str, jobs: list[tuple[int, str, int, bytes, bytes]]
         except (BrokenPipeError, OSError):
             pass
 
-    feeders = [threading.Thread(target=feed, args=(p, s), daemon=True) for p, s in zip(procs, shards)]
+    feeders = [threading.Thread(target=feed, args=(p, s), daemon=True) for p, s in zip(procs, shards, strict=True)]
     for thread in feeders:
         thread.start()
-    for proc, shard in zip(procs, shards):
+    for proc, shard in zip(procs, shards, strict=True):
         assert proc.stdout is not None and proc.stderr is not None
         for line in proc.stdout:
             row = json.loads(line)

@@ -41,8 +41,8 @@ from pydantic import Field
 
 from builder.lockfile import Lock
 from common.model import Frozen
-from gates.static.layers import Entry, FileView
 from common.untrusted import UntrustedInputError, printable
+from gates.static.layers import Entry, FileView
 
 # Environment variables that make the dynamic loader or the interpreter load other code.
 HIJACK_ENV = ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
@@ -191,7 +191,7 @@ def expected_wheel_files(wheels: dict[str, Path], *, layout: ImageLayout, cache:
         if found is None:
             try:
                 found = wheel_files(path, layout=layout)
-            except Exception as exc:  # noqa: BLE001 - installer raises many kinds; name the wheel
+            except Exception as exc:  # installer raises many kinds; name the wheel
                 problems.append(f"{name}: {path.name}: cannot be read as a wheel: {type(exc).__name__}: {exc}")
                 continue
             if cached:
@@ -452,7 +452,9 @@ def _check_wheels(run: _Run) -> None:
         if entry is None:
             run.find("wheel", f"file of locked {dist} is missing", path)
         elif entry.kind != "f" or entry.sha256 != sha:
-            got = "not a regular file" if entry.kind != "f" else f"sha256 {entry.sha256[:16]}..., the wheel installs {sha[:16]}..."
+            got = (
+                "not a regular file" if entry.kind != "f" else f"sha256 {entry.sha256[:16]}..., the wheel installs {sha[:16]}..."
+            )
             run.find("wheel", f"file of locked {dist} was changed ({got})", path)
         else:
             run.count("wheel_files_verified")
@@ -606,8 +608,8 @@ def inspect_image_files(*, docker, image_id: str, lock: Lock, state: Path, expec
     """The static check of a local image against `lock`: layers indexed (cached under `state`), wheels
     gathered into the wheel store, bytecode recompiled by a host interpreter; see the module docstring."""
     from builder.wheels import STORE, fetch_wheels
-    from gates.static.layers import image_view
     from gates.static.bytecode import bytecode_verifier
+    from gates.static.layers import image_view
 
     info = docker.inspect_image(image_id)
     if info is None:

@@ -70,7 +70,7 @@ class LayerIndex:
         return gzip.compress(json.dumps(doc, separators=(",", ":")).encode(), compresslevel=3)
 
     @classmethod
-    def from_json(cls, data: bytes, *, diff_id: str) -> "LayerIndex":
+    def from_json(cls, data: bytes, *, diff_id: str) -> LayerIndex:
         doc = json.loads(gzip.decompress(data))
         if doc.get("format") != INDEX_FORMAT or doc.get("diff_id") != diff_id:
             raise ValueError("stale or foreign layer index")
@@ -180,7 +180,7 @@ def _tar_rel(name: str) -> str:
     return "" if rel == "." else _check_name(rel)
 
 
-def scan_layer_tar(stream: IO[bytes], *, diff_id: str, store: "BlobStore | None" = None) -> LayerIndex:
+def scan_layer_tar(stream: IO[bytes], *, diff_id: str, store: BlobStore | None = None) -> LayerIndex:
     """Index one layer tar (OCI whiteouts); files `store` wants are copied into it (by sha256)."""
     index = LayerIndex(diff_id=diff_id)
     with tarfile.open(fileobj=stream, mode="r|") as tar:
@@ -203,7 +203,7 @@ def scan_layer_tar(stream: IO[bytes], *, diff_id: str, store: "BlobStore | None"
 
 
 def _tar_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, rel: str, index: LayerIndex,
-               store: "BlobStore | None") -> Entry:
+               store: BlobStore | None) -> Entry:
     mode, mtime = member.mode & 0o7777, int(member.mtime)
     if member.isreg():
         source = tar.extractfile(member)
@@ -227,7 +227,7 @@ def _tar_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, rel: str, index: L
     return Entry("o", mode, 0, mtime)
 
 
-def iter_saved_layers(stream: IO[bytes], *, store: "BlobStore | None" = None) -> Iterator[LayerIndex]:
+def iter_saved_layers(stream: IO[bytes], *, store: BlobStore | None = None) -> Iterator[LayerIndex]:
     """Every layer of a `docker save` stream (legacy `<id>/layer.tar` or OCI `blobs/sha256/<hex>`).
 
     A layer's diff id is the sha256 of its tar bytes, computed while it streams by; members that are
@@ -399,9 +399,9 @@ def image_view(*, docker, image: str, layers: tuple[str, ...], cache: Path,
                on_event: Callable[[str], None] = lambda _: None) -> FileView:
     """The merged FileView of local image `image` whose layers (diff ids, bottom first) are `layers`.
 
-    Each layer is indexed once and cached under `cache` by its diff id; from the engine's overlay2
-    folders when they are on this disk, else from a `docker save` stream (files the checks read are
-    then kept in a content-addressed store next to the indexes).
+    Each layer is indexed once and cached under `cache` by its diff id; from the Docker daemon's
+    overlay2 folders when they are on this disk, else from a `docker save` stream (files the checks
+    read are then kept in a content-addressed store next to the indexes).
     """
     dirs = docker.layer_dirs(image)
     if dirs is not None and len(dirs) != len(layers):
@@ -409,51 +409,65 @@ def image_view(*, docker, image: str, layers: tuple[str, ...], cache: Path,
     mode = "dir" if dirs is not None else "tar"
     folder = Path(cache) / "layers"
     folder.mkdir(parents=True, exist_ok=True)
-    found: dict[str, LayerIndex] = {}
-    for diff_id in layers:
-        path = folder / f"{diff_id.removeprefix('sha256:')}.{mode}.json.gz"
-        try:
-            found[diff_id] = LayerIndex.from_json(path.read_bytes(), diff_id=diff_id)
-        except (OSError, ValueError, KeyError, EOFError):
-            continue
-    missing = [d for d in layers if d not in found]
     store = BlobStore(Path(cache) / "blobs", kept_for_checks)
-    if missing and dirs is not None:
-        for diff_id, root in zip(layers, dirs):
-            if diff_id in found:
-                continue
-            on_event(f"pins: indexing layer {diff_id[7:19]} ({root})")
-            found[diff_id] = _cache(scan_layer_dir(root, diff_id=diff_id), folder, mode)
-    elif missing:
-        on_event(f"pins: indexing {len(missing)} layer(s) from a `docker save` stream of {image}")
-        with docker.save_image(image) as stream:
-            for index in iter_saved_layers(stream, store=store):
-                if index.diff_id in missing:
-                    found[index.diff_id] = _cache(index, folder, mode)
-        lost = [d for d in layers if d not in found]
-        if lost:
-            raise UntrustedInputError(f"{image}: `docker save` did not contain layer(s) {', '.join(d[7:19] for d in lost)}")
+    found = {d: index for d in layers if (index := _cached(folder, d, mode)) is not None}
+    if len(found) < len(layers) and dirs is not None:
+        for diff_id, root in zip(layers, dirs, strict=True):
+            if diff_id not in found:
+                on_event(f"pins: indexing layer {diff_id[7:19]} ({root})")
+                found[diff_id] = _cache(scan_layer_dir(root, diff_id=diff_id), folder, mode)
+    elif len(found) < len(layers):
+        _index_from_save(docker=docker, image=image, layers=layers, found=found, store=store, folder=folder,
+                         on_event=on_event)
     entries = merge(found[d] for d in layers)
-    if dirs is not None:
-        layer_dirs = dirs
-
-        def read(rel: str, entry: Entry, max_bytes: int) -> bytes:
-            fd = open_in_layer(layer_dirs[entry.layer], rel)
-            with os.fdopen(fd, "rb") as handle:
-                data = handle.read(max_bytes + 1)
-            if len(data) > max_bytes:
-                raise UntrustedInputError(f"/{rel}: more than {max_bytes} bytes")
-            return data
-    else:
-        def read(rel: str, entry: Entry, max_bytes: int) -> bytes:
-            try:
-                data = store.path(entry.sha256).read_bytes()
-            except OSError as exc:
-                raise UntrustedInputError(f"/{rel}: not kept from the layer stream") from exc
-            if hashlib.sha256(data).hexdigest() != entry.sha256:
-                raise UntrustedInputError(f"/{rel}: the kept copy does not match its hash")
-            return data
+    read = _dir_reader(dirs) if dirs is not None else _store_reader(store)
     return FileView(entries=entries, layers=tuple(layers), read=read)
+
+
+def _cached(folder: Path, diff_id: str, mode: str) -> LayerIndex | None:
+    try:
+        return LayerIndex.from_json((folder / f"{diff_id.removeprefix('sha256:')}.{mode}.json.gz").read_bytes(),
+                                    diff_id=diff_id)
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+
+
+def _index_from_save(*, docker, image: str, layers: tuple[str, ...], found: dict[str, LayerIndex], store: BlobStore,
+                     folder: Path, on_event: Callable[[str], None]) -> None:
+    """Index the layers `found` lacks from one `docker save` stream of the image."""
+    missing = [d for d in layers if d not in found]
+    on_event(f"pins: indexing {len(missing)} layer(s) from a `docker save` stream of {image}")
+    with docker.save_image(image) as stream:
+        for index in iter_saved_layers(stream, store=store):
+            if index.diff_id in missing:
+                found[index.diff_id] = _cache(index, folder, "tar")
+    lost = [d for d in layers if d not in found]
+    if lost:
+        raise UntrustedInputError(f"{image}: `docker save` did not contain layer(s) {', '.join(d[7:19] for d in lost)}")
+
+
+def _dir_reader(dirs: tuple[Path, ...]) -> Callable[[str, Entry, int], bytes]:
+    """Read a file of the view in place from its layer folder (O_NOFOLLOW at every step)."""
+    def read(rel: str, entry: Entry, max_bytes: int) -> bytes:
+        with os.fdopen(open_in_layer(dirs[entry.layer], rel), "rb") as handle:
+            data = handle.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise UntrustedInputError(f"/{rel}: more than {max_bytes} bytes")
+        return data
+    return read
+
+
+def _store_reader(store: BlobStore) -> Callable[[str, Entry, int], bytes]:
+    """Read a file of the view from the copies kept while its layers streamed by (checked against its hash)."""
+    def read(rel: str, entry: Entry, max_bytes: int) -> bytes:
+        try:
+            data = store.path(entry.sha256).read_bytes()
+        except OSError as exc:
+            raise UntrustedInputError(f"/{rel}: not kept from the layer stream") from exc
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise UntrustedInputError(f"/{rel}: the kept copy does not match its hash")
+        return data
+    return read
 
 
 def _cache(index: LayerIndex, folder: Path, mode: str) -> LayerIndex:

@@ -10,7 +10,6 @@ from pathlib import Path
 from common.errors import SkupinError
 from skupin.cli.output import out, progress_printer
 
-
 # ------------------------------------------------------------------ check / render / matrix / schema
 
 
@@ -39,8 +38,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     from builder.check import resolve
-    from common.paths import sku_path
     from builder.render import render, write_context
+    from common.paths import sku_path
 
     stack = resolve(sku_path(args.sku))
     lock = None if args.unlocked else stack.lock if stack.lock_state == "ok" else None
@@ -130,9 +129,9 @@ def cmd_docker_up(args: argparse.Namespace) -> int:
 
 def cmd_base(args: argparse.Namespace) -> int:
     from builder.base import ensure_base
-    from dockerd import connect
     from builder.manifest import load_manifest
     from common.paths import sku_path
+    from dockerd import connect
 
     manifest = load_manifest(sku_path(args.sku))
     image_id = ensure_base(manifest=manifest, docker=connect(), on_event=progress_printer("plain"))
@@ -142,10 +141,10 @@ def cmd_base(args: argparse.Namespace) -> int:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from builder.build import build_image
-    from dockerd import connect
     from builder.lockfile import lock_path, read_lock
     from builder.manifest import load_manifest
     from common.paths import STATE, sku_path
+    from dockerd import connect
 
     path = sku_path(args.sku)
     manifest = load_manifest(path)
@@ -163,7 +162,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     else:
         for layer in built.layers:
             out(f"  {layer.name:<10} {layer.seconds:8.1f} s  {'cached' if layer.cached else 'built'}")
-        out(f"built {built.image} ({built.image_id[:19]}) in {built.total_s:.1f} s; record {STATE / 'builds' / (built.sku + '.json')}")
+        out(
+            f"built {built.image} ({built.image_id[:19]}) in {built.total_s:.1f} s; "
+            f"record {STATE / 'builds' / (built.sku + '.json')}"
+        )
     return 0
 
 
@@ -242,37 +244,45 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_base)
 
     p = sub.add_parser(
-        "build", help="build, verify (image's pip list == lock) and tag a SKU's image",
+        "build",
+        help="build, verify (image's pip list == lock) and tag a SKU's image",
         description="Gather every locked wheel in the host's wheel store (.skupin/wheels: taken from "
-                    "--wheelhouse or downloaded, each checked against the lock's sha256), render the SKU's "
-                    "Dockerfile from its lock and build it with BuildKit, one step per pin after its locked "
-                    "dependencies, so a point release rebuilds only its own step and those above. Each step "
-                    "binds exactly its wheels and installs them with imagetools/wheel_install.py (hashes checked "
-                    "again, pypa installer, no resolver, no network), compiling each Python file as it is "
-                    "written with imagetools/bytecode.py (unchanged files' code comes from a BuildKit cache "
-                    "mount). The build context is kept in .skupin/contexts/<sku> (locked while a build uses it) so BuildKit re-sends only what changed. After the build the "
-                    "image's own Python must report exactly the locked set; only then is the image "
-                    "tagged and the record written to .skupin/builds/<sku>.json (with per-layer and "
-                    "per-phase times).",
+        "--wheelhouse or downloaded, each checked against the lock's sha256), render the SKU's "
+        "Dockerfile from its lock and build it with BuildKit, one step per pin after its locked "
+        "dependencies, so a point release rebuilds only its own step and those above. Each step "
+        "binds exactly its wheels and installs them with imagetools/wheel_install.py (hashes checked "
+        "again, pypa installer, no resolver, no network), compiling each Python file as it is "
+        "written with imagetools/bytecode.py (unchanged files' code comes from a BuildKit cache "
+        "mount). The build context is kept in .skupin/contexts/<sku> (locked while a build uses it) so BuildKit "
+        "re-sends only what changed. After the build the "
+        "image's own Python must report exactly the locked set; only then is the image "
+        "tagged and the record written to .skupin/builds/<sku>.json (with per-layer and "
+        "per-phase times).",
     )
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--wheelhouse", type=Path, metavar="DIR",
                    help="local wheels, used before any download (needed for wheels locked from a wheelhouse; "
                         "holding every locked wheel means no network at all)")
-    p.add_argument("--ca-bundle", type=Path, metavar="FILE",
-                   help="extra CA bundle trusted by the wheel downloads (never by the image)")
+    p.add_argument(
+        "--ca-bundle", type=Path, metavar="FILE", help="extra CA bundle trusted by the wheel downloads (never by the image)"
+    )
     p.add_argument("--json", action="store_true", help="print the build record as JSON")
-    p.add_argument("--progress", choices=("auto", "tty", "plain"), default="auto", help="live view on a terminal or plain lines (default auto)")
+    p.add_argument("--progress", choices=("auto", "tty", "plain"), default="auto",
+                   help="live view on a terminal or plain lines (default auto)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("wheels", help="the wheel store (.skupin/wheels) that builds gather locked wheels into")
     wsub = p.add_subparsers(dest="wheels_command", metavar="SUBCOMMAND", required=True)
-    r = wsub.add_parser("prune", help="remove stored wheels that no lock names",
-                        description="Remove every wheel in the store whose sha256 is in none of the locks next to "
-                                    "the given manifests (default: skus/), and partial downloads. The next build of "
-                                    "a SKU whose lock names a removed wheel downloads it again.")
-    r.add_argument("paths", nargs="*", default=[], help="manifest files or folders whose locks keep their wheels (default: skus/)")
+    r = wsub.add_parser(
+        "prune",
+        help="remove stored wheels that no lock names",
+        description="Remove every wheel in the store whose sha256 is in none of the locks next to "
+        "the given manifests (default: skus/), and partial downloads. The next build of "
+        "a SKU whose lock names a removed wheel downloads it again.",
+    )
+    r.add_argument("paths", nargs="*", default=[],
+                   help="manifest files or folders whose locks keep their wheels (default: skus/)")
     r.add_argument("--store", metavar="DIR", help="the store (default: .skupin/wheels, or $SKUPIN_STATE/wheels)")
     r.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     r.set_defaults(func=cmd_wheels)

@@ -12,8 +12,8 @@ from skupin.cli.output import err, out
 
 def _stack_and_docker(sku: str):
     from builder.check import resolve
-    from dockerd import connect
     from common.paths import sku_path
+    from dockerd import connect
 
     stack = resolve(sku_path(sku))
     return stack, connect()
@@ -22,7 +22,7 @@ def _stack_and_docker(sku: str):
 def _default_out(kind: str, sku: str) -> Path:
     from common.paths import STATE
 
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     return Path(STATE) / kind / sku / stamp
 
 
@@ -72,10 +72,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `gate` and `calibrate` to the skupin CLI."""
-    p = subparsers.add_parser("gate", help="check an image's files against its lock, boot it, compare its outputs with the NVIDIA reference",
-                              description="Checks, in order: reference, pins (static: the image's files are its lock, "
-                                          "read from its layers before anything runs), boot, kernels, model, serve. "
-                                          "Exit 0: pass; 10: the image failed the gate; 11: the gate could not run.")
+    p = subparsers.add_parser(
+        "gate",
+        help="check an image's files against its lock, boot it, compare its outputs with the NVIDIA reference",
+        description="Checks, in order: reference, pins (static: the image's files are its lock, "
+        "read from its layers before anything runs), boot, kernels, model, serve. "
+        "Exit 0: pass; 10: the image failed the gate; 11: the gate could not run.",
+    )
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--image", metavar="REF", help="image to gate (default: the SKU's build record); any local image works")
     p.add_argument("--json", action="store_true", help="print the verdict JSON on stdout (progress goes to stderr)")

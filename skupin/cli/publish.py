@@ -10,7 +10,6 @@ from common.errors import PublishError
 from skupin.cli.output import err as _err
 from skupin.cli.output import out as _out
 
-
 # ---------------------------------------------------------------- registry
 
 
@@ -70,8 +69,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from dockerd import connect
-    from publishing.publish import parse_target
     from publishing.local_registry import default_registry
+    from publishing.publish import parse_target
     from publishing.verify import pull_verified
 
     target = parse_target(args.registry or default_registry(addr=args.addr).addr)
@@ -124,7 +123,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
-    p.add_argument("--verdict", type=Path, metavar="FILE", help="the gate verdict (default: the newest under .skupin/gates/SKU/ for this image and lock)")
+    p.add_argument(
+        "--verdict",
+        type=Path,
+        metavar="FILE",
+        help="the gate verdict (default: the newest under .skupin/gates/SKU/ for this image and lock)",
+    )
     p.add_argument("--image", metavar="REF", help="the image to publish (default: the SKU's content-addressed tag)")
     p.add_argument("--json", action="store_true", help="print the published image as JSON")
     p.set_defaults(func=cmd_publish)
@@ -145,7 +149,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry, started if needed)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
     p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels (default /opt/wheels when present)")
-    p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="extra CA bundle for pip (default: the host's, when TLS is intercepted)")
+    p.add_argument("--ca-bundle", type=Path, metavar="FILE",
+                   help="extra CA bundle for pip (default: the host's, when TLS is intercepted)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")
     p.set_defaults(func=cmd_run)
 

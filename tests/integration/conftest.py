@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import DEFAULT_SOCKET, Docker, SESSION_LABEL, connect
-from dockerd.client import DockerError
+from common.errors import DockerError
+from dockerd import DEFAULT_SOCKET, SESSION_LABEL, Docker, connect
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"

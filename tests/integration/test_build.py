@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from builder.build import BuiltImage, build_image
-from dockerd import ContainerSpec, Docker
-from common.errors import BuildError
 from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
 from builder.wheels import STORE, store_path
+from common.errors import BuildError
+from dockerd import ContainerSpec, Docker
 
 from .conftest import CPU_SKU
 
@@ -114,13 +114,20 @@ def test_image_distributions_equal_the_lock(docker: Docker, built: BuiltImage, s
 
 
 def test_final_image_does_not_trust_the_build_ca(docker: Docker, built: BuiltImage, marker_ca: tuple[Path, str]) -> None:
-    env = dict(e.split("=", 1) for e in _python(docker, built.image, "import os; print('\\n'.join(f'{k}={v}' for k, v in os.environ.items()))").splitlines() if "=" in e)
+    env = dict(
+        e.split("=", 1)
+        for e in _python(
+            docker, built.image, "import os; print('\\n'.join(f'{k}={v}' for k, v in os.environ.items()))"
+        ).splitlines()
+        if "=" in e
+    )
     assert not set(CA_ENV_KEYS) & set(env), env
     code = (
         "import os, sys\n"
         f"needle = {marker_ca[1]!r}\n"
         "hits, seen = [], 0\n"
-        "for top in ('/etc/ssl', '/usr/share/ca-certificates', '/usr/local/share/ca-certificates', '/opt/skupin', '/run/secrets', '/root'):\n"
+        "for top in ('/etc/ssl', '/usr/share/ca-certificates', '/usr/local/share/ca-certificates', '/opt/skupin',\n"
+        "            '/run/secrets', '/root'):\n"
         "    for d, _, files in os.walk(top):\n"
         "        for f in files:\n"
         "            p = os.path.join(d, f)\n"
@@ -165,8 +172,10 @@ def _broken_engine_wheel(lock: Lock, house: Path) -> Lock:
     the build step that installs it can find out."""
     tf = next(p for p in lock.layers["engine"] if p.name == "transformers")
     (house / tf.filename).write_bytes(b"this is not a zip archive")
-    broken = tf.model_copy(update={"sha256": hashlib.sha256(b"this is not a zip archive").hexdigest(), "source": "wheelhouse", "url": None})
-    return lock.model_copy(update={"layers": {**lock.layers, "engine": tuple(broken if p is tf else p for p in lock.layers["engine"])}})
+    sha = hashlib.sha256(b"this is not a zip archive").hexdigest()
+    broken = tf.model_copy(update={"sha256": sha, "source": "wheelhouse", "url": None})
+    engine_layer = tuple(broken if p is tf else p for p in lock.layers["engine"])
+    return lock.model_copy(update={"layers": {**lock.layers, "engine": engine_layer}})
 
 
 def test_failing_step_names_layer_exit_code_5_and_no_tag(docker: Docker, built: BuiltImage, sku_dir: Path,
@@ -189,7 +198,8 @@ def test_failing_step_names_layer_exit_code_5_and_no_tag(docker: Docker, built: 
         build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=bad, docker=docker,
                     wheelhouse=house, ca_bundle=host_ca_bundle, wheel_store=tmp_path / "store")
     assert "layer 'engine' failed" in str(err.value)
-    assert "transformers-5.24.0-py3-none-any.whl: cannot install: BadZipFile" in str(err.value)  # the tail of the step's log says why
+    # the tail of the step's log says why
+    assert "transformers-5.24.0-py3-none-any.whl: cannot install: BadZipFile" in str(err.value)
     assert not docker.image_exists(tag)
     argv = ["build", str(tmp_path / CPU_SKU.name), "--progress", "plain", "--wheelhouse", str(house)]
     argv += ["--ca-bundle", str(host_ca_bundle)] if host_ca_bundle else []
@@ -256,9 +266,9 @@ def _processes_with(text: str) -> list[str]:
     return found
 
 
-def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(docker: Docker, built: BuiltImage, sku_dir: Path,
-                                                                            wheelhouse: Path | None, host_ca_bundle: Path | None,
-                                                                            tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(
+        docker: Docker, built: BuiltImage, sku_dir: Path, wheelhouse: Path | None, host_ca_bundle: Path | None,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`skupin render --out DIR` gathers each step's wheels next to the Dockerfile, so a plain
     `docker build DIR` reproduces the image (here from the build cache of `built`)."""
     from skupin.cli import main
@@ -276,5 +286,6 @@ def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(doc
         assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in step.iterdir()) == hashes, req.name
     assert sum(len(list(p.iterdir())) for p in (out / "wheels").iterdir()) == len(lock.packages())
     image_id = docker.build(context=out, dockerfile=out / "Dockerfile",
-                            build_args={"SKUPIN_LOCK_HASH": lock.content_hash(), "SKUPIN_DOCKERFILE_SHA256": built.dockerfile_sha256})
+                            build_args={"SKUPIN_LOCK_HASH": lock.content_hash(),
+                                        "SKUPIN_DOCKERFILE_SHA256": built.dockerfile_sha256})
     assert image_id == built.image_id

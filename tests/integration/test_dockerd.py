@@ -1,4 +1,4 @@
-"""The engine adapter against a real engine: readiness, base reuse, the container sandbox."""
+"""The Docker adapter (dockerd) against a real daemon: readiness, base reuse, the container sandbox."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from builder.base import ensure_base
-from dockerd import BindMount, ContainerSpec, Docker, ensure_dockerd
-from common.errors import DockerError
 from builder.manifest import Base, load_manifest
+from common.errors import DockerError
+from dockerd import BindMount, ContainerSpec, Docker, ensure_dockerd
 
 from .conftest import CPU_SKU
 
@@ -29,7 +29,7 @@ def base_image(docker: Docker) -> str:
     return ensure_base(manifest=load_manifest(CPU_SKU), docker=docker)
 
 
-def test_engine_up_is_idempotent(docker: Docker) -> None:
+def test_docker_up_is_idempotent(docker: Docker) -> None:
     pids = _dockerd_pids()
     events: list[str] = []
     status = ensure_dockerd(on_event=events.append, socket=docker.socket)
@@ -40,7 +40,7 @@ def test_engine_up_is_idempotent(docker: Docker) -> None:
     assert any("already running" in e for e in events)
 
 
-def test_cli_engine_up_is_idempotent(docker: Docker, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_engine_up_alias_is_idempotent(docker: Docker, capsys: pytest.CaptureFixture[str]) -> None:
     from skupin.cli import main
 
     pids = _dockerd_pids()
@@ -117,8 +117,14 @@ def test_container_is_removed_on_exception(docker: Docker, base_image: str) -> N
 
 
 def test_memory_limit_applies(docker: Docker, base_image: str) -> None:
-    res = docker.run(_probe_spec(base_image, "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null; true",
-                                 mem_limit="64m"), deadline_s=60)
+    res = docker.run(
+        _probe_spec(
+            base_image,
+            "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null; true",
+            mem_limit="64m",
+        ),
+        deadline_s=60,
+    )
     assert str(64 * 1024 * 1024) in res.stdout
 
 

@@ -22,14 +22,24 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import Docker
-from common.errors import PublishError
 from clients.oci import RegistryClient
-from publishing.publish import read_record
+from common.errors import PublishError
+from dockerd import Docker
 from publishing.local_registry import LocalRegistry, registry_down, registry_up
+from publishing.publish import read_record
 from publishing.verify import verify_reference
-from tests.integration.test_publish import (SKU, TinyImages, configs, free_port, make_lock, make_verdict, publish,
-                                            registry, tags, tiny)  # noqa: F401 - fixtures
+from tests.integration.test_publish import (
+    SKU,
+    TinyImages,
+    configs,
+    free_port,
+    make_lock,
+    make_verdict,
+    publish,
+    registry,  # noqa: F401 - a fixture
+    tags,
+    tiny,  # noqa: F401 - a fixture
+)
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +89,9 @@ class _Proxy(BaseHTTPRequestHandler):
         if blob_upload and self.mode == "slow_blob":
             time.sleep(60)
         conn = http.client.HTTPConnection(self.upstream, timeout=30)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "connection")}
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "connection")
+        }
         headers["Content-Length"] = str(len(body))
         conn.request(self.command, self.path, body=body if body or self.command in ("PUT", "PATCH", "POST") else None,
                      headers=headers)
@@ -156,19 +168,19 @@ def test_push_error_mid_stream_tags_nothing(docker: Docker, registry: LocalRegis
 CHILD = r"""
 import sys, time
 from pathlib import Path
-from dockerd.client import ContainerSpec, connect
+from dockerd import ContainerSpec, connect
 from publishing.local_registry import LocalRegistry
 from tests.integration.test_publish import make_lock, make_verdict, publish
 mode, addr, folder, image_id, url = sys.argv[1:6]
-engine = connect()
+docker = connect()
 reg = LocalRegistry(addr=addr, folder=Path(folder))
 lock = make_lock()
 if mode == "gate":   # a stand-in for the gate's probe container, then publish
     print("GATE", flush=True)
-    engine.run(ContainerSpec(image=image_id, entrypoint=("/usr/bin/sleep", "60"), labels={"io.skupin.test": "sigint"}),
+    docker.run(ContainerSpec(image=image_id, entrypoint=("/usr/bin/sleep", "60"), labels={"io.skupin.test": "sigint"}),
                deadline_s=120)
 print("PUBLISH", flush=True)
-publish(engine=engine, registry=reg, image_id=image_id, lock=lock, verdict=make_verdict(image_id=image_id, lock=lock),
+publish(docker=docker, registry=reg, image_id=image_id, lock=lock, verdict=make_verdict(image_id=image_id, lock=lock),
         url=url, on_event=lambda s: print(s, flush=True))
 print("PUBLISHED", flush=True)
 """
@@ -238,7 +250,7 @@ def test_two_publishes_at_once_end_on_a_gated_digest(docker: Docker, registry: L
         try:
             results[image_id].append(publish(docker=eng, registry=registry, image_id=image_id, lock=lock,
                                              verdict=make_verdict(image_id=image_id, lock=lock)))
-        except Exception as exc:  # noqa: BLE001 - recorded and asserted below
+        except Exception as exc:  # recorded and asserted below
             results[image_id].append(exc)
         finally:
             eng.close()
@@ -276,7 +288,7 @@ def test_gate_failing_image_never_ends_under_a_tag(docker: Docker, registry: Loc
         "the honest image's passing verdict": make_verdict(image_id=honest, lock=lock),
         "a verdict with the decision flipped": forged,
     }
-    for why, verdict in attempts.items():
+    for _why, verdict in attempts.items():
         with pytest.raises(PublishError, match="refusing to publish"):
             publish(docker=docker, registry=registry, image_id=derived, lock=lock, verdict=verdict)
     assert derived not in configs(registry).values()

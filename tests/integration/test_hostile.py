@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import DEADLINE_GRACE_S, Docker, KILL_AFTER_S
+from dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, Docker
 from gates.gate import gate_image
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def _gate(derived, stack, mode: str, out: Path, docker: Docker, **kwargs):
     verdict = gate_image(stack=swapped.stack(stack), image=swapped.image, docker=docker, out=out,
                          wheelhouse=swapped.wheelhouse, **kwargs)
     assert (out / "verdict.json").is_file() and (out / "report.md").is_file()
-    assert not docker.containers(label=f"io.skupin.session={engine.session}"), "a container was left behind"
+    assert not docker.containers(label=f"io.skupin.session={docker.session}"), "a container was left behind"
     return verdict, time.monotonic() - start
 
 
@@ -109,7 +109,7 @@ def test_kill_9_of_skupin_gate_leaves_no_container_past_its_deadline(derived, st
 def _owner(docker: Docker, cid: str) -> int | None:
     try:
         labels = docker._client.api.inspect_container(cid)["Config"]["Labels"]
-    except Exception:  # noqa: BLE001 - removed meanwhile
+    except Exception:  # removed meanwhile
         return None
     value = labels.get("io.skupin.owner-pid")
     return int(value) if value and value.isdigit() else None

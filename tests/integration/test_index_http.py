@@ -1,4 +1,5 @@
-"""clients/pypi.py, clients/oci.py and `compat refresh` against real HTTP servers on loopback (recorded PyPI metadata, a small registry)."""
+"""clients/pypi.py, clients/oci.py and `compat refresh` against real HTTP servers on loopback (recorded PyPI metadata,
+a small registry)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from builder.compat import CompatData
-from releases.compat_refresh import refresh
-from common.errors import NetworkError
 from clients.oci import RegistryClient, docker_credentials, parse_image_ref
 from clients.pypi import IndexClient
+from common.errors import NetworkError
+from releases.compat_refresh import refresh
 from tests.data.index.server import serve_index, serve_registry
 
 REPO = Path(__file__).resolve().parents[2]

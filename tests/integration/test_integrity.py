@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import ContainerSpec, Docker
 from common.paths import STATE
+from dockerd import ContainerSpec, Docker
 from gates.gate import gate_image
 from gates.static.integrity import inspect_image_files
 from gates.static.layers import image_view

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import Docker
-from common.errors import NetworkError, PublishError
-from clients.oci import RegistryClient
 from builder.lockfile import Lock, LockedBase
-from publishing.publish import (PublishedImage, parse_target, plan_publish, publish_image, read_record, record_tag,
-                             verdict_facts)
+from clients.oci import RegistryClient
+from common.errors import NetworkError, PublishError
+from dockerd import Docker
 from publishing.local_registry import LocalRegistry, registry_down, registry_status, registry_up, untag_on_disk
+from publishing.publish import PublishedImage, parse_target, plan_publish, publish_image, read_record, record_tag, verdict_facts
 from publishing.verify import pull_verified, verify_reference
 
 pytestmark = pytest.mark.integration
@@ -219,7 +218,7 @@ def test_refused_verdicts_push_nothing(docker: Docker, registry: LocalRegistry, 
         "another image's pass": make_verdict(image_id=other, lock=lock),
         "an older lock's pass": make_verdict(image_id=image_id, lock=make_lock(salt="f")),
     }
-    for why, verdict in cases.items():
+    for _why, verdict in cases.items():
         with pytest.raises(PublishError, match="refusing to publish"):
             publish(docker=docker, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
     assert tags(registry) == set(), "a refused publish must push nothing"

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import DEADLINE_GRACE_S, Docker, KILL_AFTER_S, SESSION_LABEL
 from builder.manifest import load_manifest
+from dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, SESSION_LABEL, Docker
 from gates.gate import RUN_LABEL, load_reference, probe_in_container, run_label
-from imagetools.probe import FRAME_MAGIC
 from gates.probe_output import MAX_FRAME_BYTES
 from gates.serving.serve import serve_check
 from gates.tolerance import ToleranceKey, load_tolerances
+from imagetools.probe import FRAME_MAGIC
 from tests.integration.conftest import derived_images
 
 pytestmark = pytest.mark.integration
@@ -84,7 +84,7 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 RUNNER = r"""
 import json, sys, time
 from pathlib import Path
-from dockerd.client import connect
+from dockerd import connect
 from builder.manifest import load_manifest
 from gates.gate import probe_in_container
 
@@ -94,11 +94,11 @@ def kib(key):
 manifest_path, image, out, deadline = sys.argv[1:5]
 m = load_manifest(Path(manifest_path))
 m = m.model_copy(update={"gate": m.gate.model_copy(update={"deadline_s": int(deadline)})})
-engine = connect()
+docker = connect()
 before = kib("VmRSS:")
 print("STARTED", flush=True)
 start = time.monotonic()
-run = probe_in_container(manifest=m, image=image, engine=engine, out=Path(out))
+run = probe_in_container(manifest=m, image=image, docker=docker, out=Path(out))
 print(json.dumps({"error": run.error, "exit_code": run.exit_code, "seconds": run.seconds,
                   "wall_s": time.monotonic() - start, "rss_before_kib": before, "peak_rss_kib": kib("VmHWM:")}))
 """
@@ -219,17 +219,17 @@ def test_reap_orphans_removes_the_leftover_of_a_killed_gate_at_once(derive, dock
 
 SLEEPER = """
 import sys, time
-from dockerd.client import ContainerSpec, connect
+from dockerd import ContainerSpec, connect
 with connect().container(ContainerSpec(image=sys.argv[1], entrypoint=("sleep", "600"), labels={"io.skupin.test": sys.argv[2]})):
     print("UP", flush=True)
     time.sleep(600)
 """
 
 
-def test_engine_up_removes_and_names_the_leftovers_of_dead_runs(honest_image: str, docker: Docker, capsys) -> None:
+def test_docker_up_removes_and_names_the_leftovers_of_dead_runs(honest_image: str, docker: Docker, capsys) -> None:
     from skupin.cli import main
 
-    tag = f"engine-up-{os.getpid()}"
+    tag = f"docker-up-{os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-c", SLEEPER, honest_image, tag], cwd=REPO, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE)
     try:
@@ -251,5 +251,5 @@ def test_a_server_streaming_hostile_events_fails_the_serve_check_cleanly(derive,
     check = serve_check(manifest=stack.manifest, image=derive("badsse"), docker=docker, ref=ref, entry=entry,
                         ready_deadline_s=60)
     assert check.status == "fail" and "not a JSON object" in check.reason, check.reason
-    assert not docker.containers(label=f"{SESSION_LABEL}={engine.session}"), "the server container was left behind"
+    assert not docker.containers(label=f"{SESSION_LABEL}={docker.session}"), "the server container was left behind"
     print(f"bad SSE: {check.reason[:200]} ({time.monotonic() - start:.1f} s)")

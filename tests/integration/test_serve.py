@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import Docker
 from builder.manifest import ServeGate
+from dockerd import Docker
 from gates.gate import gate_image, load_reference
 from gates.serving.perf import PerfSettings
 from gates.serving.serve import NOT_PROVIDED, serve_check

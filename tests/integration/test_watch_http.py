@@ -63,7 +63,7 @@ def test_engine_release_needing_new_torch_moves_torch_triton_engine_together(tmp
     # comments and layout kept: every comment line survives and only the bumped lines differ
     old_lines, new_lines = before.splitlines(), after.splitlines()
     assert len(old_lines) == len(new_lines)
-    changed = [(a, b) for a, b in zip(old_lines, new_lines) if a != b]
+    changed = [(a, b) for a, b in zip(old_lines, new_lines, strict=False) if a != b]
     assert len(changed) == 4  # three versions and the description
     assert all(not a.lstrip().startswith("#") for a, _ in changed)
     assert "vLLM 0.33.0" in m.description and "torch 2.14.0" in m.description

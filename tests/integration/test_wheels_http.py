@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import NetworkError
 from builder.lockfile import LockedPackage
 from builder.wheels import fetch_wheels, store_path
+from common.errors import NetworkError
 from tests.data.index.server import serve_index
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,9 @@ def test_busy_server_is_retried_and_a_missing_file_is_a_network_error(tmp_path):
         got = fetch_wheels([pkg], store=tmp_path / "store", retries=3, backoff=0.0)
         assert got[pkg.sha256].read_bytes() == b"a" and len(state["requests"]) == 3
         gone = _pkg(url, "b-1.0-py3-none-any.whl", b"b")
-        with pytest.raises(NetworkError, match="b-1.0-py3-none-any.whl: wheel download: GET .*/files/b-1.0-py3-none-any.whl answered HTTP 404"):
+        with pytest.raises(
+            NetworkError, match="b-1.0-py3-none-any.whl: wheel download: GET .*/files/b-1.0-py3-none-any.whl answered HTTP 404"
+        ):
             fetch_wheels([gone], store=tmp_path / "store", retries=1, backoff=0.0)
     with pytest.raises(NetworkError, match="failed after 2 attempt"):
         fetch_wheels([pkg.model_copy(update={"url": "http://127.0.0.1:9/a.whl", "sha256": "e" * 64})],

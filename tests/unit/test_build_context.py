@@ -44,8 +44,12 @@ def test_kept_context_rewrites_only_what_changed_and_prunes_the_rest(tmp_path):
     stored.parent.mkdir()
     stored.write_bytes(b"wheel a")
     out = tmp_path / "ctx"
-    write_context(rendered=_rendered({"requirements/engine.txt": "a==1\n"}, {"wheels/framework": {"a-1-py3-none-any.whl": "a" * 64}}),
-                  out=out, wheels={"a" * 64: stored}, prune=True)
+    write_context(
+        rendered=_rendered({"requirements/engine.txt": "a==1\n"}, {"wheels/framework": {"a-1-py3-none-any.whl": "a" * 64}}),
+        out=out,
+        wheels={"a" * 64: stored},
+        prune=True,
+    )
     wheel = out / "wheels/framework/a-1-py3-none-any.whl"
     assert wheel.stat().st_ino == stored.stat().st_ino  # hard link, not a copy
     req = out / "requirements/engine.txt"

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import BundleError
 from builder.manifest import load_manifest
+from common.errors import BundleError
 from gates import bundle, fixture
 from gates.tensorio import (
     bf16_round,

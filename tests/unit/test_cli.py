@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from skupin.cli import main
 from builder.manifest import manifest_schema
 from common.paths import SKUS
+from skupin.cli import main
 
 CPU = SKUS / "cpu-x86_64.yaml"
 
@@ -101,8 +101,11 @@ def test_building_the_cli_does_not_import_the_stages():
     import subprocess
     import sys
 
-    code = ("import sys; from skupin.cli import build_parser; build_parser(); "
-            "print(sorted(m for m in ('releases.watch', 'releases.compat_refresh', 'clients.pypi', 'clients.oci', 'clients.transport', 'publishing.local_registry', "
-            "'builder.manifest', 'pydantic', 'packaging') if m in sys.modules))")
+    code = (
+        "import sys; from skupin.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('releases.watch', 'releases.compat_refresh', 'clients.pypi', 'clients.oci', "
+        "'clients.transport', 'publishing.local_registry', "
+        "'builder.manifest', 'pydantic', 'packaging') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
+from pydantic import ValidationError
 
 from builder.compat import CompatData, check_compat, load_compat
 from builder.manifest import SkuManifest, load_manifest
@@ -96,7 +97,7 @@ def test_load_compat_is_frozen_and_cached():
     data = load_compat()
     assert isinstance(data, CompatData)
     assert load_compat() is data
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         data.families = ()  # type: ignore[misc]
 
 

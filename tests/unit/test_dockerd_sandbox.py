@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from dockerd import ContainerSpec, DEADLINE_GRACE_S, Docker, KILL_AFTER_S, SANDBOX_LABEL
-from dockerd.client import OutputCapture, owner_gone, owner_labels
-from dockerd.specs import OWNER_BOOT_LABEL, OWNER_PIDNS_LABEL, OWNER_PID_LABEL, OWNER_START_LABEL
+from dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, SANDBOX_LABEL, ContainerSpec, Docker
+from dockerd.capture import OutputCapture
+from dockerd.owners import owner_gone, owner_labels
+from dockerd.specs import OWNER_BOOT_LABEL, OWNER_PID_LABEL, OWNER_PIDNS_LABEL, OWNER_START_LABEL
 
 # ---------------------------------------------------------------- capture
 

@@ -13,8 +13,15 @@ from pathlib import Path
 import pytest
 
 from builder.lockfile import Lock, LockedBase, LockedPackage
-from gates.static.integrity import (Finding, ImageLayout, _HashingDestination, check_integrity, parse_md5sums, parse_status,
-                             upstream_version)
+from gates.static.integrity import (
+    Finding,
+    ImageLayout,
+    _HashingDestination,
+    check_integrity,
+    parse_md5sums,
+    parse_status,
+    upstream_version,
+)
 from gates.static.layers import Entry, FileView
 from tests.data.wheels import make_wheel
 

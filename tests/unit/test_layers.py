@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gates.static.layers import Entry, FileView, LayerIndex, merge, open_in_layer, scan_layer_dir, scan_layer_tar
 from common.untrusted import UntrustedInputError
+from gates.static.layers import Entry, FileView, LayerIndex, merge, open_in_layer, scan_layer_dir, scan_layer_tar
 
 
 def _tar(members: list[tuple[str, bytes | str | None]]) -> io.BytesIO:

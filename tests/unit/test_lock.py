@@ -11,7 +11,6 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from common.errors import LockError
 from builder.lock import (
     PipRequest,
     Resolved,
@@ -25,6 +24,7 @@ from builder.lock import (
 )
 from builder.lockfile import PY_LAYERS, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
+from common.errors import LockError
 from common.model import canonical_json
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from common.errors import ManifestError
 from builder.manifest import SkuManifest, _problem, load_manifest, parse_manifest
+from common.errors import ManifestError
 
 ROOT = Path(__file__).resolve().parents[2]
 SKUS = ROOT / "skus"

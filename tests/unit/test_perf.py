@@ -10,8 +10,17 @@ import httpx
 import pytest
 
 from gates.serving.ab import ab_from_runs, interleaved_ab, plot_serve, serve_markdown
-from gates.serving.perf import (PerfResult, PerfSettings, Sample, cost_per_million, cost_summary, merge_perf, percentile, run_perf,
-                        summarize_level)
+from gates.serving.perf import (
+    PerfResult,
+    PerfSettings,
+    Sample,
+    cost_per_million,
+    cost_summary,
+    merge_perf,
+    percentile,
+    run_perf,
+    summarize_level,
+)
 from gates.serving.serve import ServeClient
 
 

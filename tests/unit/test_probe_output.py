@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dockerd import RunResult
-from common.errors import BundleError
 from builder.manifest import load_manifest
+from common.errors import BundleError
+from dockerd import RunResult
 from gates.gate import MODEL_MOUNT, PROBE_MOUNT, _host_folder, _probe_run, probe_spec, sandbox_cpus
-from imagetools.probe import FORMAT, FRAME_MAGIC
 from gates.probe_output import decode_outputs, read_output_folder, split_frame
 from gates.tensorio import encode_safetensors
+from imagetools.probe import FORMAT, FRAME_MAGIC
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "imagetools" / "probe.py"

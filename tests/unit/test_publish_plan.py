@@ -8,15 +8,26 @@ import os
 
 import pytest
 
-from common.errors import DockerError, NetworkError, PublishError
-from clients.oci import Manifest
 from builder.lockfile import Lock, LockedBase
-from skupin.pipeline import STAGES, RunSummary, StageResult
-from publishing.publish import (OCI_MANIFEST, RECORD_MEDIA_TYPE, VERIFIED_TAG, VerificationRecord, find_verdict,
-                             parse_target, plan_publish, publish_image, record_artifact, record_tag, refusals,
-                             verdict_facts)
+from clients.oci import Manifest
+from common.errors import DockerError, NetworkError, PublishError
 from publishing.local_registry import LocalRegistry, render_config
+from publishing.publish import (
+    OCI_MANIFEST,
+    RECORD_MEDIA_TYPE,
+    VERIFIED_TAG,
+    VerificationRecord,
+    find_verdict,
+    parse_target,
+    plan_publish,
+    publish_image,
+    record_artifact,
+    record_tag,
+    refusals,
+    verdict_facts,
+)
 from publishing.verify import Verification
+from skupin.pipeline import STAGES, RunSummary, StageResult
 
 IMAGE = "sha256:" + "1" * 64
 OTHER = "sha256:" + "2" * 64
@@ -272,7 +283,7 @@ def _in_thread(fn, timeout_s: float = 10.0):
     def call() -> None:
         try:
             box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+        except BaseException as exc:  # re-raised on the test's thread
             box["error"] = exc
 
     worker = threading.Thread(target=call, daemon=True)

@@ -57,7 +57,7 @@ def test_a_source_that_does_not_compile_has_no_genuine_bytecode() -> None:
     assert "does not compile" in verify(b"def (:\n", pyc_of(SOURCE), DFILE, 0)
 
 
-SYSTEM_PYTHON = Path("/usr/bin/python%d.%d" % sys.version_info[:2])
+SYSTEM_PYTHON = Path("/usr/bin/python{}.{}".format(*sys.version_info[:2]))
 needs_system_python = pytest.mark.skipif(not SYSTEM_PYTHON.is_file(), reason=f"no {SYSTEM_PYTHON} (workers run as nobody)")
 
 
@@ -92,7 +92,7 @@ def test_the_host_interpreter_must_be_identical_or_of_the_same_release(monkeypat
     path, how = pyc_check.host_interpreter(same, "usr/bin/python3.11", None)
     assert (path, how) == (str(host), "byte-identical")
     other = _view(b"another build")
-    release = "%d.%d.%d" % sys.version_info[:3]
+    release = "{}.{}.{}".format(*sys.version_info[:3])
     path, how = pyc_check.host_interpreter(other, "usr/bin/python3.11", release)
     assert path is not None and how == f"same release {release}"
     path, why = pyc_check.host_interpreter(other, "usr/bin/python3.11", "3.99.0")

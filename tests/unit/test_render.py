@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import BuildError
 from builder.lockfile import Lock, LockedBase, LockedPackage
 from builder.manifest import load_manifest
-from common.paths import REPO, SKUS
 from builder.render import render, write_context
+from common.errors import BuildError
+from common.paths import REPO, SKUS
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 MANIFESTS = sorted(SKUS.glob("*.yaml"))
@@ -53,7 +53,10 @@ def test_dockerfile_names_the_tools_it_mounts(tmp_path):
         digest = hashlib.sha256()
         for rel, text in sorted(tools.items()):
             digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
-        assert f"(pypa installer {installer.__version__}) and tools/bytecode.py; tools sha256 {digest.hexdigest()[:16]}" in rendered.text
+        assert (
+            f"(pypa installer {installer.__version__}) and tools/bytecode.py; tools sha256 {digest.hexdigest()[:16]}"
+            in rendered.text
+        )
         assert tools["tools/bytecode.py"] == BYTECODE_TOOL.read_text()
         assert tools["tools/wheel_install.py"] == INSTALL_TOOL.read_text()
         package = Path(installer.__file__).parent
@@ -139,7 +142,8 @@ def test_locked_render_installs_exactly_the_locked_set(tmp_path):
     assert rendered.files["requirements/framework-deps.txt"] == "sympy==1.14.0 --hash=sha256:" + "b" * 64 + "\n"
     assert rendered.files["requirements/framework.txt"] == "torch==2.13.0+cpu --hash=sha256:" + "a" * 64 + "\n"
     text = rendered.text
-    assert text.index("--keep /opt/skupin/requirements/framework-deps.txt") < text.index("--keep /opt/skupin/requirements/framework.txt")
+    deps, pin = "--keep /opt/skupin/requirements/framework-deps.txt", "--keep /opt/skupin/requirements/framework.txt"
+    assert text.index(deps) < text.index(pin)
     assert "requirements/engine-deps.txt" not in rendered.files  # transformers alone: no separate deps step
     assert "requirements/extras.txt" not in rendered.files
     # Each step binds only its own wheels (so its cache key sees only them), named with their hashes.
@@ -150,11 +154,12 @@ def test_locked_render_installs_exactly_the_locked_set(tmp_path):
     }
     runs = [r for r in text.split("\nRUN ")[1:] if "skupin-tools" in r]
     assert len(runs) == 3
-    for run, step in zip(runs, ("framework-deps", "framework", "engine")):
+    for run, step in zip(runs, ("framework-deps", "framework", "engine"), strict=True):
         # One step, one layer: its wheels and its requirements file are bound, the tool keeps a copy.
         assert run.startswith(f"--mount=type=bind,source=wheels/{step},target=/tmp/skupin-wheels "
                               f"--mount=type=bind,source=requirements/{step}.txt,target=/tmp/skupin-requirements.txt ")
-        assert (f"python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels --keep /opt/skupin/requirements/{step}.txt"
+        assert ("python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels "
+                f"--keep /opt/skupin/requirements/{step}.txt"
                 in run)
         assert run.split("\n")[3].endswith(" /tmp/skupin-requirements.txt")
     assert "COPY requirements/" not in text

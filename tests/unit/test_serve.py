@@ -11,10 +11,22 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from common.errors import GateCouldNotRun
 from builder.manifest import load_manifest
 from clients.openai import MAX_LINE_BYTES, StreamError, bounded_lines, parse_stream
-from gates.serving.serve import Completion, NOT_PROVIDED, ServeClient, compare_greedy, judge_greedy, launch_command, near_tie_threshold, prompt_input, reference_pieces, server_spec, wait_ready
+from common.errors import GateCouldNotRun
+from gates.serving.serve import (
+    NOT_PROVIDED,
+    Completion,
+    ServeClient,
+    compare_greedy,
+    judge_greedy,
+    launch_command,
+    near_tie_threshold,
+    prompt_input,
+    reference_pieces,
+    server_spec,
+    wait_ready,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"

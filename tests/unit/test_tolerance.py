@@ -9,8 +9,16 @@ from common.errors import GateCouldNotRun
 from gates.calibrate import HonestRun, derive_entry
 from gates.compare import kernel_errors, model_statistics
 from gates.gate import bundle_sha256, repo_root
-from gates.tolerance import (DEFAULT_PATH, Tolerances, ToleranceKey, dump_tolerances, load_tolerances, lookup,
-                             merge_entry, write_tolerances)
+from gates.tolerance import (
+    DEFAULT_PATH,
+    ToleranceKey,
+    Tolerances,
+    dump_tolerances,
+    load_tolerances,
+    lookup,
+    merge_entry,
+    write_tolerances,
+)
 from tests.unit.test_compare import candidate, probe_tensors, synthetic
 
 KEY = ToleranceKey(hardware_class="cpu-test", dtype="float32", model="tiny")

@@ -12,10 +12,18 @@ from builder.lockfile import read_lock
 from builder.manifest import load_manifest
 from gates.compare import KernelResult, ModelStatistics
 from gates.report import write_report
-from gates.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
 from gates.static.integrity import Finding, IntegrityReport
-from gates.verdict import (CheckResult, GateVerdict, binomial_sf, clopper_pearson_upper, decide, judge_kernels,
-                           judge_model, judge_pins)
+from gates.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
+from gates.verdict import (
+    CheckResult,
+    GateVerdict,
+    binomial_sf,
+    clopper_pearson_upper,
+    decide,
+    judge_kernels,
+    judge_model,
+    judge_pins,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 N = 64

@@ -53,7 +53,7 @@ def test_apply_keeps_comments_and_moves_description(tmp_path):
     before = path.read_text(encoding="utf-8")
     apply_proposal(report.proposals[0])
     after = path.read_text(encoding="utf-8")
-    diff = [(a, b) for a, b in zip(before.splitlines(), after.splitlines()) if a != b]
+    diff = [(a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=False) if a != b]
     assert [b for _, b in diff] == ["description: NVIDIA H200 141GB, CUDA 13.0, torch 2.13.0 cu130, triton 3.7.1, vLLM 0.32.1",
                                     "    version: 0.32.1"]
 

@@ -76,7 +76,9 @@ def test_installs_exactly_the_locked_wheels_with_scripts_records_and_bytecode(tm
         "transformers/models/auto/modeling_auto.py": "Y = 2\n",
     }, scripts={"transformers": "transformers.cli:main"}, data_scripts={"helper.sh": "#!/bin/sh\necho hi\n"})
     _, dep_sha = make_wheel(wheels, "tiny-dep", "1.0", {"tiny_dep.py": "A = 1\n"})
-    req = _requirements(tmp_path, ["# locked", f"tiny-dep==1.0 --hash=sha256:{dep_sha}", f"transformers==5.24.0 --hash=sha256:{tf_sha}"])
+    req = _requirements(
+        tmp_path, ["# locked", f"tiny-dep==1.0 --hash=sha256:{dep_sha}", f"transformers==5.24.0 --hash=sha256:{tf_sha}"]
+    )
 
     assert _run(tmp_path, req, wheels, prefix, "--keep", str(prefix / "requirements/engine.txt")) == 0
 
@@ -117,7 +119,8 @@ def test_files_compile_in_worker_processes_while_the_rest_unpacks(tmp_path, caps
 def test_an_installed_older_version_is_replaced_by_its_record(tmp_path, capsys):
     prefix, site = _prefix(tmp_path)
     old_dir, new_dir = tmp_path / "old", tmp_path / "new"
-    _, old_sha = make_wheel(old_dir, "setuptools", "65.5.0", {"setuptools/__init__.py": "V = 65\n", "pkg_resources/__init__.py": "P = 1\n"})
+    old_files = {"setuptools/__init__.py": "V = 65\n", "pkg_resources/__init__.py": "P = 1\n"}
+    _, old_sha = make_wheel(old_dir, "setuptools", "65.5.0", old_files)
     assert _run(tmp_path, _requirements(tmp_path, [f"setuptools==65.5.0 --hash=sha256:{old_sha}"]), old_dir, prefix) == 0
     assert (site / "pkg_resources/__pycache__").is_dir()
     _, new_sha = make_wheel(new_dir, "setuptools", "84.2.1", {"setuptools/__init__.py": "V = 84\n"})
@@ -156,7 +159,8 @@ def test_wheels_that_do_not_match_the_lock_stop_the_step_before_anything_is_inst
     assert list(site.iterdir()) == []
 
 
-@pytest.mark.parametrize("line", ["good>=1.0 --hash=sha256:" + "a" * 64, "good==1.0", "good @ https://x/good.whl --hash=sha256:" + "a" * 64])
+@pytest.mark.parametrize("line", ["good>=1.0 --hash=sha256:" + "a" * 64, "good==1.0",
+                                  "good @ https://x/good.whl --hash=sha256:" + "a" * 64])
 def test_a_requirement_line_that_is_not_pinned_and_hashed_is_refused(tmp_path, capsys, line):
     prefix, _ = _prefix(tmp_path)
     req = _requirements(tmp_path, [line])
@@ -178,8 +182,8 @@ def test_the_rendered_tools_folder_works_alone_in_a_fresh_venv(tmp_path):
     """What a build step runs: the context's tools/ (both tools and installer's package) with a
     venv's own Python, which has neither skupin nor installer installed."""
     from builder.manifest import load_manifest
-    from common.paths import SKUS
     from builder.render import render
+    from common.paths import SKUS
 
     rendered = render(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))
     for rel, text in rendered.files.items():

@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from common.errors import BuildError
 from builder.lockfile import LockedPackage
 from builder.wheels import fetch_wheels, store_path
+from common.errors import BuildError
 
 
 def _pkg(name: str, data: bytes, *, source: str = "index", url: str | None = "https://files.example/x.whl") -> LockedPackage:
@@ -71,9 +71,9 @@ def test_everything_that_cannot_be_gathered_is_reported_together_before_any_down
 def test_prune_keeps_what_the_locks_name_and_drops_the_rest(tmp_path, capsys):
     import shutil
 
-    from skupin.cli import main
     from builder.lockfile import lock_path, read_lock
     from common.paths import SKUS
+    from skupin.cli import main
 
     skus = tmp_path / "skus"
     skus.mkdir()

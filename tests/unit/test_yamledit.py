@@ -27,7 +27,7 @@ items:
 def test_only_the_scalars_change():
     out = set_scalars(TEXT, {"stack.engine.version": "0.27.1", "stack.engine.source.ref": "v0.27.1",
                              "items[0].version": "2.4.7"})
-    changed = [(a, b) for a, b in zip(TEXT.splitlines(), out.splitlines()) if a != b]
+    changed = [(a, b) for a, b in zip(TEXT.splitlines(), out.splitlines(), strict=False) if a != b]
     assert len(changed) == 3 and len(out.splitlines()) == len(TEXT.splitlines())
     assert "    # why this version" in out and "name: demo   # trailing comment" in out
     data = yaml.safe_load(out)

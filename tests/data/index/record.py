@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from packaging.version import Version  # noqa: E402
+from packaging.version import Version
 
 from clients.pypi import IndexClient, linux_x86_64_wheel
 
@@ -57,7 +57,7 @@ def main() -> int:
                 try:
                     pep658 = ix.http.request("GET", f.url + ".metadata", ok=(200, 404)).status_code == 200
                     return v, f, ix.core_metadata(f), "PEP 658 .metadata" if pep658 else "wheel METADATA (HTTP range)"
-                except Exception as exc:  # noqa: BLE001 - recorded as missing
+                except Exception as exc:  # recorded as missing
                     return v, f, None, f"failed: {exc}"
 
             with ThreadPoolExecutor(8) as pool:

@@ -110,7 +110,7 @@ def _patch_functional(module, mode: str) -> None:
     original = module.silu
     factor = 1.0 + 2.0**-7
 
-    def silu(input, inplace=False):  # noqa: A002 - torch's own argument name
+    def silu(input, inplace=False):  # torch's own argument name
         return original(input, inplace=inplace) * factor
 
     module.silu = silu
