@@ -14,7 +14,7 @@ from builder.grammar import Name, Sha256
 from common.errors import LockError
 from common.model import Frozen, canonical_json
 
-LOCK_VERSION = 1
+LOCK_VERSION: Literal[1] = 1
 # Python layers in build order, slowest- to fastest-moving.
 PY_LAYERS = ("framework", "compiler", "engine", "extras")
 

@@ -13,6 +13,7 @@ answer raises ``StreamError`` naming it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import re
@@ -181,7 +182,8 @@ def parse_stream(lines: Iterable[str], *, sent: float, clock: Callable[[], float
                 pieces.append(choice["text"])
                 times.append(clock() - sent)
     total = clock() - sent
-    token_ids = tuple(ids) if ids and all(i is not None for i in ids) else None  # type: ignore[arg-type]
+    known = [i for i in ids if i is not None]
+    token_ids = tuple(known) if ids and len(known) == len(ids) else None
     return Completion(text="".join(pieces), pieces=tuple(pieces), token_ids=token_ids,
                       logprobs=tuple(logprobs) if saw_logprobs else None,
                       prompt_tokens=_count(usage.get("prompt_tokens"), "prompt_tokens"),
@@ -214,7 +216,7 @@ class ServeClient:
         self._clients: list[httpx.Client] = []
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="skupin-serve",
-                                        initializer=enter_netns if pid else None, initargs=(pid,) if pid else ())
+                                        initializer=functools.partial(enter_netns, pid) if pid else None)
 
     def __enter__(self) -> ServeClient:
         return self

@@ -275,7 +275,7 @@ class _RangeFile(io.RawIOBase):
             self.pos += len(piece)
         return bytes(out)
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b) -> int:
         data = self.read(len(b))
         b[: len(data)] = data
         return len(data)

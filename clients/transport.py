@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 
@@ -34,7 +35,10 @@ def lazy_module(name: str):
     return module
 
 
-httpx = lazy_module("httpx")
+if TYPE_CHECKING:
+    import httpx
+else:
+    httpx = lazy_module("httpx")
 
 from common.errors import NetworkError  # noqa: E402 - after the lazy httpx
 

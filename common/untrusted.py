@@ -62,7 +62,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def load_json(data: bytes | str, *, source: str, max_bytes: int = MAX_JSON_BYTES,
+def load_json(data: bytes | bytearray | memoryview | str, *, source: str, max_bytes: int = MAX_JSON_BYTES,
               max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse untrusted JSON with size and depth limits; UntrustedInputError naming `source` otherwise."""
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)

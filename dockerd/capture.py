@@ -108,6 +108,8 @@ class OutputCapture:
 
     def close(self) -> None:
         """Stop reading: shut the attach socket down (wakes a blocked reader) and release its connection."""
+        if self._sock is None:
+            return
         raw = getattr(self._sock, "_sock", self._sock)
         with contextlib.suppress(OSError, AttributeError):
             raw.shutdown(_socket.SHUT_RDWR)

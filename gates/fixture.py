@@ -14,6 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -214,7 +215,7 @@ def prompt_set(spec: FixtureSpec, tok, words: list[str]) -> list[dict]:
     """spec.prompts texts of words whose encoding (with <s>) is exactly spec.prompt_tokens ids."""
     rng = np.random.default_rng(spec.prompt_seed)
     single = [w for w in words if len(tok.encode(w).ids) == 2]
-    prompts = []
+    prompts: list[dict[str, Any]] = []
     for _ in range(spec.prompts):
         text_words: list[str] = []
         ids = tok.encode("").ids

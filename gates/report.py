@@ -172,7 +172,7 @@ def plot(*, verdict: GateVerdict, path: Path) -> None:
     flat = [ax for row in axes for ax in row]
     for ax, stat in zip(flat, stats, strict=False):
         xs = [p.index for p in verdict.prompts if p.stats.get(stat) is not None]
-        ys = [p.stats[stat] for p in verdict.prompts if p.stats.get(stat) is not None]
+        ys = [float(v) for p in verdict.prompts if (v := p.stats.get(stat)) is not None]
         d = thresholds.get(stat)
         # The points go in before the reference lines: a line drawn on an axis with no data yet
         # makes matplotlib autoscale to a single value ("identical low and high ylims").

@@ -84,10 +84,10 @@ def encode_safetensors(
         if name in as_bf16:
             raw, dtype = bf16_bits(array.astype(np.float32)).astype("<u2").tobytes(), "BF16"
         else:
-            dtype = _NUMPY_TO_ST.get(array.dtype.name)
-            if dtype is None:
+            known = _NUMPY_TO_ST.get(array.dtype.name)
+            if known is None:
                 raise BundleError(f"tensor {name!r}: numpy dtype {array.dtype} cannot be written")
-            raw = np.ascontiguousarray(array, dtype=np.dtype(DTYPES[dtype][0])).tobytes()
+            raw, dtype = np.ascontiguousarray(array, dtype=np.dtype(DTYPES[known][0])).tobytes(), known
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
         chunks.append(raw)
         offset += len(raw)

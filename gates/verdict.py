@@ -24,7 +24,7 @@ from gates.static.integrity import IntegrityReport
 from gates.static.integrity import summary as integrity_summary
 from gates.tolerance import HardBounds, ToleranceEntry
 
-VERDICT_FORMAT = "skupin-verdict/1"
+VERDICT_FORMAT: Literal["skupin-verdict/1"] = "skupin-verdict/1"
 Status = Literal["pass", "fail", "error", "skipped"]
 Decision = Literal["pass", "fail", "could_not_run"]
 
@@ -242,7 +242,7 @@ def judge_kernels(*, results: tuple[KernelResult, ...], entry: ToleranceEntry) -
         more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
         return CheckResult(name="kernels", status="fail", reason=failures[0] + more,
                            details={"ops": rows, "failures": failures})
-    worst = max((r.rel_err / entry.kernels[r.op], r.op) for r in results if entry.kernels[r.op] > 0)
+    worst = max(((r.rel_err or 0.0) / entry.kernels[r.op], r.op) for r in results if entry.kernels[r.op] > 0)
     return CheckResult(name="kernels", status="pass",
                        reason=f"{len(results)} ops within tolerance (closest: {worst[1]} at {worst[0]:.2f}x its bound)",
                        details={"ops": rows})

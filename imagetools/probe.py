@@ -317,8 +317,10 @@ def kernel_battery(device: str) -> tuple[dict, dict]:
         "rmsnorm.bfloat16": lambda: rmsnorm(on(xn, torch.bfloat16), on(wn, torch.bfloat16)),
         "silu.float32": lambda: F.silu(on(xs, torch.float32)),
         "silu.bfloat16": lambda: F.silu(on(xs, torch.bfloat16)),
-        "sdpa.float32": lambda: F.scaled_dot_product_attention(*(on(t, torch.float32) for t in (q, k, v)), is_causal=True),
-        "sdpa.bfloat16": lambda: F.scaled_dot_product_attention(*(on(t, torch.bfloat16) for t in (q, k, v)), is_causal=True),
+        "sdpa.float32": lambda: F.scaled_dot_product_attention(on(q, torch.float32), on(k, torch.float32),
+                                                               on(v, torch.float32), is_causal=True),
+        "sdpa.bfloat16": lambda: F.scaled_dot_product_attention(on(q, torch.bfloat16), on(k, torch.bfloat16),
+                                                                on(v, torch.bfloat16), is_causal=True),
         "int4.dequant": lambda: int4_dequant(packed.to(device), on(scales, torch.float32), group),
         "int4.matmul.bfloat16": lambda: on(xq, torch.bfloat16)
         @ int4_dequant(packed.to(device), on(scales, torch.bfloat16), group).t(),
@@ -376,7 +378,7 @@ def run_transformers(model_dir: str, ids: list[list[int]], opts: dict, device: s
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(opts["dtype"]),
                                                  attn_implementation=opts["attn"])
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type `.to` through a decorator
     load_s = time.perf_counter() - t0
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     col = Collector(opts["top_k"], opts["full_logprobs"])

@@ -115,8 +115,10 @@ class _Context:
         return self._registries[url]
 
     def close(self) -> None:
-        for client in [*self._indexes.values(), *self._registries.values()]:
-            client.close()
+        for index in self._indexes.values():
+            index.close()
+        for registry in self._registries.values():
+            registry.close()
 
     def requires(self, pin: Pin, version: Version, dist: str) -> SpecifierSet | None:
         """The specifier the release's Linux x86_64 wheel puts on `dist` (None when it has no such requirement)."""

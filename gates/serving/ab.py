@@ -85,6 +85,8 @@ def ab_from_runs(*, candidate_runs: Sequence[PerfResult], baseline_runs: Sequenc
     levels = []
     for c, d in sorted(per_level.items()):
         cl, bl = cand_all.level(c), base_all.level(c)
+        if cl is None or bl is None:  # a level both sides measured in some round, merged from their runs
+            continue
         levels.append(
             ABLevel(
                 concurrency=c,

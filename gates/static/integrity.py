@@ -149,7 +149,8 @@ class _HashingDestination:
     def _script(self, name: str, module: str, attr: str, section: str):
         from installer.scripts import Script
 
-        script_name, data = Script(name, module, attr, section).generate(self._inner.interpreter, "posix")
+        kind: Literal["console", "gui"] = "gui" if section == "gui" else "console"
+        script_name, data = Script(name, module, attr, kind).generate(self._inner.interpreter, "posix")
         return self._write("scripts", script_name, io.BytesIO(data), True)
 
 
@@ -500,7 +501,7 @@ def _bytecode(run: _Run, path: str, entry: Entry) -> bool:
     source = f"{pyc.group('dir')}/{pyc.group('name')}.py"
     real = run.view.resolve(source)
     src = run.view.get(real) if real else None
-    if src is None or src.kind != "f" or not (_accounted(run, source) and _accounted(run, real)):
+    if real is None or src is None or src.kind != "f" or not (_accounted(run, source) and _accounted(run, real)):
         return False
     run.pycs.append(Bytecode(pyc=path, source=source, real_source=real, opt=int(pyc.group("opt") or 0)))
     return True

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import IO, NamedTuple, cast
 
 from common.untrusted import UntrustedInputError
 
@@ -244,7 +244,7 @@ def iter_saved_layers(stream: IO[bytes], *, store: BlobStore | None = None) -> I
             if not head:
                 hashing.drain()
                 continue
-            index = scan_layer_tar(hashing, diff_id="pending", store=store)
+            index = scan_layer_tar(cast(IO[bytes], hashing), diff_id="pending", store=store)
             hashing.drain()
             index.diff_id = "sha256:" + hashing.sha.hexdigest()
             yield index
