@@ -11,6 +11,7 @@ gate cannot run) and the reason names the package to install.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -98,10 +99,17 @@ def _frames(jobs: list[tuple[int, str, int, bytes, bytes]]) -> Iterator[bytes]:
 def run_workers(interpreter: str, jobs: list[tuple[int, str, int, bytes, bytes]], *, workers: int) -> dict[int, str]:
     """id -> '' (verified) or why not, for every job, over `workers` sandboxed processes."""
     shards = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
+    with contextlib.ExitStack() as scope:  # every worker's pipes closed and process waited for, however it ends
+        procs = [scope.enter_context(subprocess.Popen(
+            [interpreter, "-I", "-S", "-B", "-c", TOOL.read_text(encoding="utf-8")], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd="/", close_fds=True, preexec_fn=_limit_worker))
+            for _ in shards]
+        return _collect(procs, shards)
+
+
+def _collect(procs: list[subprocess.Popen], shards: list[list]) -> dict[int, str]:
+    """Feed each worker its shard on a thread and read its results; a worker that stops fails what it had left."""
     results: dict[int, str] = {}
-    procs = [subprocess.Popen([interpreter, "-I", "-S", "-B", "-c", TOOL.read_text(encoding="utf-8")],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
-                              cwd="/", close_fds=True, preexec_fn=_limit_worker) for _ in shards]
 
     def feed(proc: subprocess.Popen, shard: list) -> None:
         assert proc.stdin is not None
