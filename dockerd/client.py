@@ -285,18 +285,16 @@ class Docker:
         """`tar -C rootfs -c . | docker import - reference`; returns the new image id."""
         cli = self.cli()
         on_event(f"importing {rootfs} as {reference}")
-        tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
-        try:
-            imp = subprocess.run(
-                [cli, "import", "-", reference], stdin=tar.stdout, capture_output=True, text=True, env=self._cli_env(),
-                check=False
-            )
-        finally:
-            if tar.stdout is not None:
-                tar.stdout.close()
-            tar_err = tar.stderr.read().decode("utf-8", "replace") if tar.stderr else ""
-            tar.wait()
+        with subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) as tar:  # both pipes closed and tar waited for
+            try:
+                imp = subprocess.run([cli, "import", "-", reference], stdin=tar.stdout, capture_output=True, text=True,
+                                     env=self._cli_env(), check=False)
+            finally:
+                if tar.stdout is not None:
+                    tar.stdout.close()
+                tar_err = tar.stderr.read().decode("utf-8", "replace") if tar.stderr else ""
+                tar.wait()
         if tar.returncode != 0 or imp.returncode != 0:
             raise DockerError(f"importing {rootfs} as {reference} failed: tar exit {tar.returncode} {tar_err.strip()}; "
                               f"import exit {imp.returncode} {imp.stderr.strip()}")
@@ -552,19 +550,19 @@ class Docker:
                 raise BuildError("docker build succeeded but wrote no image id") from exc
 
     def _stream(self, cmd: list[str], *, on_line: OnEvent) -> int:
-        proc = subprocess.Popen(
+        with subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=self._cli_env(), start_new_session=True, text=True, errors="replace", bufsize=1,
             preexec_fn=_interrupt_when_parent_dies,
-        )
-        try:
-            assert proc.stdout is not None
-            for raw in proc.stdout:
-                on_line(raw.rstrip("\n"))
-            return proc.wait()
-        except BaseException:
-            _interrupt(proc)
-            raise
+        ) as proc:  # its pipe is closed and the process waited for, however this ends
+            try:
+                assert proc.stdout is not None
+                for raw in proc.stdout:
+                    on_line(raw.rstrip("\n"))
+                return proc.wait()
+            except BaseException:
+                _interrupt(proc)
+                raise
 
     def builder_prune(self) -> None:
         """Drop BuildKit's build cache (for cold-build measurements)."""

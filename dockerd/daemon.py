@@ -17,6 +17,9 @@ from common.model import Frozen
 
 DEFAULT_SOCKET = Path("/var/run/docker.sock")
 DEFAULT_DOCKERD_LOG = Path("/var/log/skupin-dockerd.log")
+# The dockerd this process started keeps running after it (a daemon, in its own session): its handle is kept
+# for the life of this process, so it is never collected while running (that would be a ResourceWarning).
+STARTED: list[subprocess.Popen] = []
 OnEvent = Callable[[str], None]
 
 
@@ -91,6 +94,7 @@ def ensure_dockerd(
             ["dockerd", "--host", f"unix://{socket}"],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
+    STARTED.append(proc)
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         version = _server_version(socket)

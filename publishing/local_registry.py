@@ -37,6 +37,7 @@ from common.paths import REGISTRY_ADDR
 
 DEFAULT_ADDR = REGISTRY_ADDR
 BINARY = "docker-registry"
+STARTED: list[subprocess.Popen] = []
 APT_PACKAGE = "docker-registry"
 OnEvent = Callable[[str], None]
 
@@ -195,6 +196,7 @@ def registry_up(*, registry: LocalRegistry, deadline_s: float = 20, on_event: On
     with open(registry.log_path, "ab") as log:
         proc = subprocess.Popen([binary, "serve", str(registry.config_path.resolve())], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    STARTED.append(proc)  # a daemon that outlives this process: keep its handle (see dockerd.daemon.STARTED)
     registry.pid_path.write_text(f"{proc.pid}\n", encoding="utf-8")
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:

@@ -187,7 +187,7 @@ def test_kill_9_of_the_gate_leaves_the_container_only_until_its_own_deadline(der
         attrs = _inspect(docker, cid)
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.communicate()  # waits and closes its pipes
     host = attrs["HostConfig"]
     assert all(not m["RW"] for m in attrs["Mounts"]), attrs["Mounts"]  # nothing the container can write
     assert host["IpcMode"] == "private" and host["AutoRemove"] and host["LogConfig"]["Type"] == "none"
@@ -209,7 +209,7 @@ def test_reap_orphans_removes_the_leftover_of_a_killed_gate_at_once(derive, dock
         assert cid not in [r.id for r in docker.reap_orphans()]  # its owner lives: left alone
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.communicate()  # waits and closes its pipes
     start = time.monotonic()
     reaped = {r.id: r for r in docker.reap_orphans()}
     assert cid in reaped and "has exited" in reaped[cid].reason, reaped
@@ -237,7 +237,7 @@ def test_docker_up_removes_and_names_the_leftovers_of_dead_runs(honest_image: st
         (cid,) = docker.containers(label=f"io.skupin.test={tag}")
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.communicate()  # waits and closes its pipes
     assert main(["docker", "up"]) == 0
     out = capsys.readouterr().out
     assert "already running" in out and "removed a leftover container" in out and cid[:12] in out, out
