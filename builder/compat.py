@@ -14,15 +14,18 @@ from typing import Literal
 
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 from pydantic import ValidationError
 
 from builder.manifest import Pin, SkuManifest
 from common.errors import CompatError, Problem
 from common.model import Frozen
+from engines import UnknownEngine, engine_named
 
 COMPAT_PATH = Path(__file__).with_name("data") / "compat.yaml"
 REFRESH = "run `skupin compat refresh` or add a row to builder/data/compat.yaml"
+ADD_ENGINE = "docs/guide-new-accelerator.md, \"Adding an engine\""
 
 Family = Literal["cuda", "rocm", "xpu", "cpu"]
 
@@ -151,7 +154,7 @@ def check_compat(*, manifest: SkuManifest, file: str, compat: CompatData | None 
     problems = _family_vendor(manifest, file, data)
     problems += _variant_rules(manifest, file, data)
     problems += _torch_compiler(manifest, file, data)
-    problems += _engine_torch(manifest, file, data)
+    problems += _engine_known(manifest, file) or _engine_torch(manifest, file, data)
     problems += _cuda_driver(manifest, file, data)
     return problems
 
@@ -285,6 +288,22 @@ def _torch_compiler(m: SkuManifest, file: str, data: CompatData) -> list[Problem
                     f"set stack.compiler.version: {want}")
         )
     return problems
+
+
+def _engine_known(m: SkuManifest, file: str) -> list[Problem]:
+    """stack.engine names an engine of engines/ALL_ENGINES, installed as one of its distributions."""
+    eng = m.stack.engine
+    if eng.name == "none":
+        return []
+    try:
+        engine = engine_named(eng.name)
+    except UnknownEngine as exc:
+        return [Problem(file, "stack.engine.name", str(exc), f"name one of them, or add the engine ({ADD_ENGINE})")]
+    known = [d.name for d in engine.DISTRIBUTIONS]
+    if canonicalize_name(eng.distribution) in {canonicalize_name(name) for name in known}:
+        return []
+    return [Problem(file, "stack.engine.package", f"engine {eng.name} is not installed as {eng.distribution}; "
+                    f"expected {' or '.join(known)}", f"set stack.engine.package: {known[0]} (or remove it)")]
 
 
 def _engine_torch(m: SkuManifest, file: str, data: CompatData) -> list[Problem]:
