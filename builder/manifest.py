@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from builder.families import Family, Vendor
 from builder.grammar import (
     DebName,
     DebVersion,
@@ -42,7 +43,7 @@ Model = Frozen
 class Accelerator(Model):
     """What the image runs on."""
 
-    vendor: Literal["nvidia", "amd", "intel", "cpu"]
+    vendor: Vendor
     device: SafeValue = Field(description="Marketing name, e.g. H200, MI355X, x86_64 CPU")
     arch: Name = Field(description="ISA the kernels are built for: sm_90, gfx942, gfx950, xe-hpc, x86_64")
     hardware_class: Name = Field(description="Tolerance class the gate calibrates per, e.g. nvidia-hopper")
@@ -72,7 +73,7 @@ class Bootstrap(Model):
 class Base(Model):
     """Where the image starts: a registry image pinned by digest, or a local bootstrap recipe."""
 
-    family: Literal["cuda", "rocm", "xpu", "cpu"] = Field(description="Selects templates/<family>.Dockerfile.j2")
+    family: Family = Field(description="Selects templates/<family>.Dockerfile.j2")
     image: ImageRef | None = None
     bootstrap: Bootstrap | None = None
     os: Name = Field(description="Distribution of the base, e.g. debian-12, ubuntu-24.04")
