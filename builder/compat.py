@@ -136,12 +136,12 @@ def load_compat(path: Path = COMPAT_PATH) -> CompatData:
 
 def _validate_versions(compat: CompatData) -> None:
     """Fail on load, not mid-check, when a row carries a bad version or specifier."""
-    for row in compat.torch_compiler:
-        Version(row.torch), SpecifierSet(row.requires)
-    for row in compat.engine_torch:
-        Version(row.version), SpecifierSet(row.torch)
-    for row in compat.cuda_driver:
-        Version(row.cuda), Version(row.min_driver)
+    for torch_row in compat.torch_compiler:
+        Version(torch_row.torch), SpecifierSet(torch_row.requires)
+    for engine_row in compat.engine_torch:
+        Version(engine_row.version), SpecifierSet(engine_row.torch)
+    for driver_row in compat.cuda_driver:
+        Version(driver_row.cuda), Version(driver_row.min_driver)
 
 
 def _validate_families(compat: CompatData) -> None:
@@ -214,7 +214,7 @@ def _variant_rules(m: SkuManifest, file: str, data: CompatData) -> list[Problem]
     if fw.variant is None:
         return [Problem(file, "stack.framework.variant", "torch needs a wheel variant (cu130, rocm7.2, xpu, cpu)",
                         f"set stack.framework.variant: {local}" if local else "set stack.framework.variant")]
-    if local is not None and local != fw.variant:
+    if version is not None and local is not None and local != fw.variant:
         problems.append(
             Problem(file, "stack.framework.version",
                     f"local label +{local} of torch {fw.version} does not match variant {fw.variant}; expected +{fw.variant}",

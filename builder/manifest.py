@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from builder.families import Family, Vendor
 from builder.grammar import (
@@ -342,7 +343,7 @@ def _first_model(annotation: Any) -> Any:
     return None
 
 
-def _problem(file: str, err: dict[str, Any]) -> Problem:
+def _problem(file: str, err: ErrorDetails) -> Problem:
     raw = err["loc"]
     # pydantic inserts the discriminator tag after `source` (source.index.url); drop only those.
     loc = tuple(p for i, p in enumerate(raw) if not (i and raw[i - 1] == "source" and p in _SOURCE_TAGS))
@@ -383,7 +384,10 @@ def _control_char_problems(file: str, data: Any, loc: tuple[Any, ...] = ()) -> l
     return found
 
 
-class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml when present: ~10x faster
+_SafeLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: ~10x faster
+
+
+class _UniqueKeyLoader(_SafeLoader):
     """SafeLoader that refuses duplicate keys instead of keeping the last one."""
 
 
