@@ -14,17 +14,19 @@ from typing import Literal
 
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 from pydantic import ValidationError
 
+from builder.families import ALL_FAMILIES, Family
 from builder.manifest import Pin, SkuManifest
 from common.errors import CompatError, Problem
 from common.model import Frozen
+from engines import UnknownEngine, engine_named
 
 COMPAT_PATH = Path(__file__).with_name("data") / "compat.yaml"
 REFRESH = "run `skupin compat refresh` or add a row to builder/data/compat.yaml"
-
-Family = Literal["cuda", "rocm", "xpu", "cpu"]
+ADD_ENGINE = "docs/guide-new-accelerator.md, \"Adding an engine\""
 
 
 class Row(Frozen):
@@ -35,10 +37,9 @@ class Row(Frozen):
 
 
 class FamilyRow(Row):
-    """A base family: its vendor, the compiler distribution torch needs, the driver pins it accepts."""
+    """A base family (builder/families.py): the compiler distribution torch needs there, the driver pins it accepts."""
 
     family: Family
-    vendor: Literal["nvidia", "amd", "intel", "cpu"]
     compiler: str
     drivers: tuple[str, ...]
 
@@ -127,19 +128,28 @@ def load_compat(path: Path = COMPAT_PATH) -> CompatData:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         compat = CompatData.model_validate(data)
         _validate_versions(compat)
-    except (OSError, yaml.YAMLError, ValidationError, InvalidVersion, InvalidSpecifier) as exc:
+        _validate_families(compat)
+    except (OSError, yaml.YAMLError, ValidationError, InvalidVersion, InvalidSpecifier, ValueError) as exc:
         raise CompatError(f"{path}: invalid compatibility data: {exc}") from exc
     return compat
 
 
 def _validate_versions(compat: CompatData) -> None:
     """Fail on load, not mid-check, when a row carries a bad version or specifier."""
-    for row in compat.torch_compiler:
-        Version(row.torch), SpecifierSet(row.requires)
-    for row in compat.engine_torch:
-        Version(row.version), SpecifierSet(row.torch)
-    for row in compat.cuda_driver:
-        Version(row.cuda), Version(row.min_driver)
+    for torch_row in compat.torch_compiler:
+        Version(torch_row.torch), SpecifierSet(torch_row.requires)
+    for engine_row in compat.engine_torch:
+        Version(engine_row.version), SpecifierSet(engine_row.torch)
+    for driver_row in compat.cuda_driver:
+        Version(driver_row.cuda), Version(driver_row.min_driver)
+
+
+def _validate_families(compat: CompatData) -> None:
+    """Fail on load when a family of builder/families.py has no row, or more than one, in `families`."""
+    counts = {name: sum(row.family == name for row in compat.families) for name in ALL_FAMILIES}
+    wrong = sorted(name for name, count in counts.items() if count != 1)
+    if wrong:
+        raise ValueError(f"families: each family needs exactly one row; not so for {', '.join(wrong)}")
 
 
 # ---------------------------------------------------------------- the check
@@ -148,10 +158,10 @@ def _validate_versions(compat: CompatData) -> None:
 def check_compat(*, manifest: SkuManifest, file: str, compat: CompatData | None = None) -> list[Problem]:
     """Every compatibility problem of one manifest's pins (empty when they fit together)."""
     data = compat if compat is not None else load_compat()
-    problems = _family_vendor(manifest, file, data)
+    problems = _family_vendor(manifest, file)
     problems += _variant_rules(manifest, file, data)
     problems += _torch_compiler(manifest, file, data)
-    problems += _engine_torch(manifest, file, data)
+    problems += _engine_known(manifest, file) or _engine_torch(manifest, file, data)
     problems += _cuda_driver(manifest, file, data)
     return problems
 
@@ -177,20 +187,20 @@ def _expected(spec: str) -> str:
     return spec[2:] if spec.startswith("==") and "," not in spec else spec
 
 
-def _family_vendor(m: SkuManifest, file: str, data: CompatData) -> list[Problem]:
-    row = data.family(m.base.family)
-    if row is None:
-        return [Problem(file, "base.family", f"family {m.base.family!r} is not in the compatibility data", REFRESH)]
-    if m.accelerator.vendor != row.vendor:
-        return [
-            Problem(
-                file,
-                "accelerator.vendor",
-                f"base.family {row.family} is for vendor {row.vendor}, not {m.accelerator.vendor}; expected {row.vendor}",
-                f"set accelerator.vendor: {row.vendor} or choose the base family of {m.accelerator.vendor}",
-            )
-        ]
-    return []
+def _family_vendor(m: SkuManifest, file: str) -> list[Problem]:
+    """base.family <-> accelerator.vendor (builder/families.py)."""
+    family = ALL_FAMILIES[m.base.family]
+    if m.accelerator.vendor in family.vendors:
+        return []
+    vendors = " or ".join(family.vendors)
+    return [
+        Problem(
+            file,
+            "accelerator.vendor",
+            f"base.family {family.name} is for vendor {vendors}, not {m.accelerator.vendor}; expected {vendors}",
+            f"set accelerator.vendor: {family.vendors[0]} or choose the base family of {m.accelerator.vendor}",
+        )
+    ]
 
 
 def _variant_rules(m: SkuManifest, file: str, data: CompatData) -> list[Problem]:
@@ -204,7 +214,7 @@ def _variant_rules(m: SkuManifest, file: str, data: CompatData) -> list[Problem]
     if fw.variant is None:
         return [Problem(file, "stack.framework.variant", "torch needs a wheel variant (cu130, rocm7.2, xpu, cpu)",
                         f"set stack.framework.variant: {local}" if local else "set stack.framework.variant")]
-    if local is not None and local != fw.variant:
+    if version is not None and local is not None and local != fw.variant:
         problems.append(
             Problem(file, "stack.framework.version",
                     f"local label +{local} of torch {fw.version} does not match variant {fw.variant}; expected +{fw.variant}",
@@ -285,6 +295,22 @@ def _torch_compiler(m: SkuManifest, file: str, data: CompatData) -> list[Problem
                     f"set stack.compiler.version: {want}")
         )
     return problems
+
+
+def _engine_known(m: SkuManifest, file: str) -> list[Problem]:
+    """stack.engine names an engine of engines/ALL_ENGINES, installed as one of its distributions."""
+    eng = m.stack.engine
+    if eng.name == "none":
+        return []
+    try:
+        engine = engine_named(eng.name)
+    except UnknownEngine as exc:
+        return [Problem(file, "stack.engine.name", str(exc), f"name one of them, or add the engine ({ADD_ENGINE})")]
+    known = [d.name for d in engine.DISTRIBUTIONS]
+    if canonicalize_name(eng.distribution) in {canonicalize_name(name) for name in known}:
+        return []
+    return [Problem(file, "stack.engine.package", f"engine {eng.name} is not installed as {eng.distribution}; "
+                    f"expected {' or '.join(known)}", f"set stack.engine.package: {known[0]} (or remove it)")]
 
 
 def _engine_torch(m: SkuManifest, file: str, data: CompatData) -> list[Problem]:

@@ -8,7 +8,9 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
+from builder.families import Family, Vendor
 from builder.grammar import (
     DebName,
     DebVersion,
@@ -42,7 +44,7 @@ Model = Frozen
 class Accelerator(Model):
     """What the image runs on."""
 
-    vendor: Literal["nvidia", "amd", "intel", "cpu"]
+    vendor: Vendor
     device: SafeValue = Field(description="Marketing name, e.g. H200, MI355X, x86_64 CPU")
     arch: Name = Field(description="ISA the kernels are built for: sm_90, gfx942, gfx950, xe-hpc, x86_64")
     hardware_class: Name = Field(description="Tolerance class the gate calibrates per, e.g. nvidia-hopper")
@@ -72,7 +74,7 @@ class Bootstrap(Model):
 class Base(Model):
     """Where the image starts: a registry image pinned by digest, or a local bootstrap recipe."""
 
-    family: Literal["cuda", "rocm", "xpu", "cpu"] = Field(description="Selects templates/<family>.Dockerfile.j2")
+    family: Family = Field(description="Selects templates/<family>.Dockerfile.j2")
     image: ImageRef | None = None
     bootstrap: Bootstrap | None = None
     os: Name = Field(description="Distribution of the base, e.g. debian-12, ubuntu-24.04")
@@ -341,7 +343,7 @@ def _first_model(annotation: Any) -> Any:
     return None
 
 
-def _problem(file: str, err: dict[str, Any]) -> Problem:
+def _problem(file: str, err: ErrorDetails) -> Problem:
     raw = err["loc"]
     # pydantic inserts the discriminator tag after `source` (source.index.url); drop only those.
     loc = tuple(p for i, p in enumerate(raw) if not (i and raw[i - 1] == "source" and p in _SOURCE_TAGS))
@@ -382,7 +384,10 @@ def _control_char_problems(file: str, data: Any, loc: tuple[Any, ...] = ()) -> l
     return found
 
 
-class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml when present: ~10x faster
+_SafeLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: ~10x faster
+
+
+class _UniqueKeyLoader(_SafeLoader):
     """SafeLoader that refuses duplicate keys instead of keeping the last one."""
 
 

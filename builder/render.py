@@ -12,6 +12,7 @@ import jinja2
 from packaging.utils import canonicalize_name
 
 import imagetools
+from builder.families import ALL_FAMILIES
 from builder.lockfile import PY_LAYERS, Lock
 from builder.manifest import GitSource, Pin, SkuManifest
 from common import __version__
@@ -200,11 +201,11 @@ def render(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDocker
         "serve": serve_launch(manifest=manifest),
         "tool_version": __version__,
     }
+    name = ALL_FAMILIES[manifest.base.family].template
     try:
-        template = _environment().get_template(f"{manifest.base.family}.Dockerfile.j2")
-        text = template.render(**context)
+        text = _environment().get_template(name).render(**context)
     except jinja2.TemplateError as exc:
-        raise BuildError(f"templates/{manifest.base.family}.Dockerfile.j2: cannot render: {exc}") from exc
+        raise BuildError(f"templates/{name}: cannot render: {exc}") from exc
     text = "\n".join(line.rstrip() for line in text.strip().splitlines()) + "\n"
     return RenderedDockerfile(
         sku=manifest.name,

@@ -1,66 +1,89 @@
-"""How each inference engine serves its OpenAI-compatible API: the image's default command and what the gate sends it.
+"""The inference engines (transformers, vLLM, SGLang), one module each, and ALL_ENGINES, the registry everyone reads.
 
-One function, two users: the Dockerfile's ``CMD`` (builder/render.py), so that
-``docker run -v MODEL:/model -p 8000:8000 IMAGE`` serves the model, and the gate's serve check
-(gates/serving/serve.py), which boots exactly that command in its sandbox with the fixture mounted at the
-same path. The gate therefore runs the image the way production does: there is no gate-only
-mount path or command line for a start-up hook to key on (docs/GATE.md, threat model).
+Each engine module declares what the rest of skupin needs of it (engines/base.py: InferenceEngine):
+the distributions it is installed as (and where `skupin compat refresh` reads its torch requirement),
+the probe adapter that runs it, what that adapter reports (hidden states, full-vocabulary logprobs),
+and its OpenAI-compatible server launch. The launch has two users: the Dockerfile's ``CMD``
+(builder/render.py), so that ``docker run -v MODEL:/model -p 8000:8000 IMAGE`` serves the model, and
+the gate's serve check (gates/serving/serve.py), which boots exactly that command in its sandbox
+with the fixture mounted at the same path. The gate therefore runs the image the way production
+does: there is no gate-only mount path or command line for a start-up hook to key on (docs/GATE.md,
+threat model). Adding an engine: one module here and one line in ALL_ENGINES
+(docs/guide-new-accelerator.md, "Adding an engine").
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Final
 
-from pydantic import Field
+from common.errors import ManifestError
+from engines import sglang, transformers, vllm
+from engines.base import (
+    MODEL_MOUNT,
+    SERVE_PORT,
+    SERVED_NAME,
+    Distribution,
+    InferenceEngine,
+    Output,
+    ServedSku,
+    ServerLaunch,
+)
 
-from builder.manifest import SkuManifest
-from common.model import Frozen
+__all__ = [
+    "ALL_ENGINES", "DEFAULT_ENGINE", "MODEL_MOUNT", "SERVED_NAME", "SERVE_PORT", "Distribution", "InferenceEngine",
+    "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_named", "engine_outputs",
+    "probe_adapter", "refresh_sources", "serve_launch",
+]
 
-MODEL_MOUNT = "/model"
-# What each engine's probe adapter returns besides the teacher-forced top-k logprobs (imagetools/probe.py): a
-# candidate that leaves out one of these loses a statistic, so the gate fails it instead of skipping it.
-ENGINE_OUTPUTS: dict[str, frozenset[str]] = {
-    "transformers": frozenset({"hidden", "logprobs_full"}),  # final hidden states, full-vocabulary logprobs
-    "vllm": frozenset({"logprobs_full"}),
-    "sglang": frozenset({"logprobs_full"}),
+ALL_ENGINES: Final[dict[str, InferenceEngine]] = {
+    "transformers": transformers,
+    "vllm": vllm,
+    "sglang": sglang,
 }
-SERVE_PORT = 8000
-SERVED_NAME = "skupin-model"
-SERVE_ENGINES = ("transformers", "vllm", "sglang")
+# The engine whose probe adapter runs when a SKU names no registered engine (stack.engine.name: none),
+# and the default of `skupin reference capture --engine`.
+DEFAULT_ENGINE: Final = "transformers"
 
 
-class ServerLaunch(Frozen):
-    """How one engine's OpenAI-compatible server is started and addressed."""
-
-    engine: Literal["transformers", "vllm", "sglang"]
-    argv: tuple[str, ...] = Field(description="The production launch command, entrypoint first")
-    port: int
-    model_id: str = Field(description="The `model` field requests must name")
-    health_path: str = "/health"
-    returns_logprobs: bool = Field(description="Whether the engine honours `logprobs` on /v1/completions")
-    request_extra: dict[str, Any] = Field(default_factory=dict, description="Engine-specific request fields")
+class UnknownEngine(ManifestError):
+    """A manifest or a command names an inference engine that is not in ALL_ENGINES."""
 
 
-def serve_launch(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: str = MODEL_MOUNT,
+def engine_named(name: str) -> InferenceEngine:
+    """The registered engine called `name`, or UnknownEngine naming the known ones."""
+    engine = ALL_ENGINES.get(name)
+    if engine is None:
+        raise UnknownEngine(f"unknown inference engine {name!r} (known: {', '.join(ALL_ENGINES)})")
+    return engine
+
+
+def probe_adapter(name: str) -> str:
+    """The probe adapter that runs engine `name`; DEFAULT_ENGINE's for a SKU without a registered engine."""
+    return ALL_ENGINES.get(name, ALL_ENGINES[DEFAULT_ENGINE]).PROBE_ADAPTER
+
+
+def engine_outputs(name: str) -> frozenset[Output]:
+    """What engine `name`'s probe adapter reports besides top-k logprobs; nothing for an engine not in ALL_ENGINES."""
+    engine = ALL_ENGINES.get(name)
+    return engine.OUTPUTS if engine is not None else frozenset()
+
+
+def engine_distributions() -> tuple[str, ...]:
+    """Every distribution name any engine is installed as, in registry order."""
+    return tuple(d.name for engine in ALL_ENGINES.values() for d in engine.DISTRIBUTIONS)
+
+
+def refresh_sources() -> tuple[tuple[str, str], ...]:
+    """(distribution, first release) of every engine distribution whose engine_torch rows refresh derives."""
+    return tuple((d.name, d.refresh_since) for engine in ALL_ENGINES.values() for d in engine.DISTRIBUTIONS
+                 if d.refresh_since is not None)
+
+
+def serve_launch(*, manifest: ServedSku, port: int = SERVE_PORT, model_dir: str = MODEL_MOUNT,
                  host: str = "0.0.0.0") -> ServerLaunch | None:  # the container's own interfaces
-    """The SKU's engine server command serving `model_dir` on host:port; None for an engine with no server."""
-    engine = manifest.stack.engine.name
-    dtype = manifest.gate.dtype
-    if engine == "transformers":
-        device = "cpu" if manifest.accelerator.vendor == "cpu" else "auto"
-        return ServerLaunch(engine="transformers", port=port, model_id=model_dir, returns_logprobs=False,
-                            argv=("transformers", "serve", model_dir, "--host", host, "--port", str(port),
-                                  "--dtype", dtype, "--device", device, "--log-level", "info"))
-    if engine == "vllm":
-        return ServerLaunch(engine="vllm", port=port, model_id=SERVED_NAME, returns_logprobs=True,
-                            request_extra={"ignore_eos": True, "return_tokens_as_token_ids": True},
-                            argv=("vllm", "serve", model_dir, "--host", host, "--port", str(port), "--dtype", dtype,
-                                  "--served-model-name", SERVED_NAME, "--seed", "0", "--max-logprobs", "20",
-                                  "--disable-log-requests"))
-    if engine == "sglang":
-        return ServerLaunch(engine="sglang", port=port, model_id=SERVED_NAME, returns_logprobs=True,
-                            request_extra={"ignore_eos": True},
-                            argv=("python3", "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host,
-                                  "--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME,
-                                  "--random-seed", "0"))
-    return None
+    """The SKU's engine server command serving `model_dir` on host:port; None for an engine not in ALL_ENGINES."""
+    engine = ALL_ENGINES.get(manifest.stack.engine.name)
+    if engine is None:
+        return None
+    return engine.server(dtype=manifest.gate.dtype, vendor=manifest.accelerator.vendor, port=port,
+                         model_dir=model_dir, host=host)

@@ -23,6 +23,7 @@ import numpy as np
 
 from common import __version__
 from common.errors import GateCouldNotRun
+from engines import engine_distributions
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics, kernel_errors, model_statistics
 from gates.tolerance import ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
 from gates.verdict import clopper_pearson_upper
@@ -148,7 +149,7 @@ def _host(env: dict[str, Any]) -> str:
 def _versions(env: dict[str, Any]) -> dict[str, str]:
     dists = env.get("distributions") or {}
     out = {"python": str(env.get("python")), "torch": str(env.get("torch"))}
-    for name in ("transformers", "vllm", "sglang", "triton", "numpy", "safetensors"):
+    for name in (*engine_distributions(), "triton", "numpy", "safetensors"):
         if name in dists:
             out[name] = str(dists[name])
     return out

@@ -34,7 +34,7 @@ from builder.manifest import SkuManifest
 from common import __version__
 from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
 from common.untrusted import open_folder, printable, write_new_file
-from engines import ENGINE_OUTPUTS, MODEL_MOUNT, serve_launch
+from engines import MODEL_MOUNT, engine_outputs, probe_adapter, serve_launch
 from gates.bundle import PROBE, fixture_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
@@ -188,7 +188,7 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
 
     gate, engine = manifest.gate, manifest.stack.engine.name
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
-                      engine=engine if engine in ("transformers", "vllm", "sglang") else "transformers", threads=threads)
+                      engine=probe_adapter(engine), threads=threads)
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=("python3",), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,
@@ -503,7 +503,7 @@ def _check_model(run: _GateRun) -> None:
     if problem:
         run.add(CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}"))
     engine = run.manifest.stack.engine.name
-    missing = sorted(f"model.{name}" for name in ENGINE_OUTPUTS.get(engine, ())
+    missing = sorted(f"model.{name}" for name in engine_outputs(engine)
                      if f"model.{name}" in run.ref and f"model.{name}" not in run.probe.tensors)
     if missing:
         run.add(CheckResult(name="model", status="fail",

@@ -7,7 +7,8 @@ not used: on PyPI it can disagree with the wheels (vllm 0.33.0: JSON says torch=
 wheels say torch==2.14.0).
 
 Rows regenerated: `torch_compiler` rows of family cuda (torch >= spec.torch_min), and
-`engine_torch` rows of the spec's engines (vllm >= 0.8.5, sglang >= 0.5.19). Every other row
+`engine_torch` rows of the spec's engine distributions (by default each engine distribution in
+engines/ that names a `refresh_since`: vllm >= 0.8.5, sglang >= 0.5.19). Every other row
 (ROCm/XPU, release-note facts such as CUDA -> driver) and every comment of builder/data/compat.yaml
 is kept as it is: the file is edited line by line, not dumped.
 """
@@ -30,6 +31,7 @@ from pydantic import ValidationError
 from clients.pypi import PYPI_SIMPLE, IndexClient, linux_x86_64_wheel
 from common.errors import CompatError, NetworkError
 from common.model import Frozen
+from engines import refresh_sources
 
 CUDA_RUNTIME = re.compile(r"^nvidia-cuda-runtime(-cu\d+)?$")
 TORCH_KEYS = ("torch", "family", "compiler", "requires", "cuda_runtime", "source", "date")
@@ -38,10 +40,10 @@ Progress = Callable[[str], None]
 
 
 class RefreshSpec(Frozen):
-    """What refresh covers: torch releases from torch_min; each engine from its minimum release."""
+    """What refresh covers: torch releases from torch_min; each engine distribution from its first release."""
 
     torch_min: str = "2.4.0"
-    engines: tuple[tuple[str, str], ...] = (("vllm", "0.8.5"), ("sglang", "0.5.19"))
+    engines: tuple[tuple[str, str], ...] = refresh_sources()
     python: str = "3.12"
 
 

@@ -41,7 +41,7 @@ from builder.manifest import ServeGate, SkuManifest
 from clients.openai import Completion, ServeClient, wait_ready
 from common.errors import DockerError, GateCouldNotRun, SkupinError
 from common.model import Frozen
-from engines import MODEL_MOUNT, SERVE_ENGINES, SERVE_PORT, ServerLaunch, serve_launch
+from engines import ALL_ENGINES, MODEL_MOUNT, SERVE_PORT, ServerLaunch, serve_launch
 
 OnEvent = Callable[[str], None]
 NOT_PROVIDED = "not provided by engine"
@@ -55,11 +55,11 @@ def _quiet(_: str) -> None:
 
 
 def launch_command(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: str = MODEL_MOUNT) -> ServerLaunch:
-    """The image's own server command (engines/__init__.py: its Dockerfile CMD), or GateCouldNotRun."""
+    """The image's own server command (engines/<engine>.py: its Dockerfile CMD), or GateCouldNotRun."""
     launch = serve_launch(manifest=manifest, port=port, model_dir=model_dir)
     if launch is None:
         raise GateCouldNotRun(f"{manifest.name}: no serve launch command for engine {manifest.stack.engine.name!r} "
-                              f"(known: {', '.join(SERVE_ENGINES)})")
+                              f"(known: {', '.join(ALL_ENGINES)})")
     return launch
 
 
@@ -248,8 +248,8 @@ def serve_settings(manifest: SkuManifest) -> ServeGate:
 
 
 def prompt_input(launch: ServerLaunch, prompt: dict) -> str | list[int]:
-    """What a reference prompt is sent as: its token ids, except to `transformers serve`, which gets the text."""
-    return prompt["text"] if launch.engine == "transformers" else prompt["ids"]
+    """What a reference prompt is sent as: its token ids, or its text to a server that takes no ids (`transformers serve`)."""
+    return prompt["text"] if launch.prompt == "text" else prompt["ids"]
 
 
 def greedy_completions(*, server: RunningServer, prompts: Sequence[dict], indices: Sequence[int],

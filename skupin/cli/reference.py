@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from common.errors import SkupinError
+from engines import ALL_ENGINES, DEFAULT_ENGINE, probe_adapter
 
 
 def _sku_manifest(sku: str):
@@ -23,7 +24,7 @@ def cmd_reference_capture(args: argparse.Namespace) -> int:
 
     manifest = _sku_manifest(args.sku)
     out = capture(manifest=manifest, out=Path(args.out), dtype=args.dtype, batch_size=args.batch_size,
-                  model_dir=Path(args.model_dir) if args.model_dir else None, engine=args.engine,
+                  model_dir=Path(args.model_dir) if args.model_dir else None, engine=probe_adapter(args.engine),
                   full_logprobs=args.full_logprobs, threads=args.threads, model=args.model, command=["skupin", *sys.argv[1:]])
     meta = json.loads((out / "meta.json").read_text())  # capture() has just verified the bundle
     gpu = meta["gpu"]
@@ -76,7 +77,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="new bundle folder")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the SKU's gate dtype")
     p.add_argument("--batch-size", type=int, help="override the SKU's gate batch size")
-    p.add_argument("--engine", default="transformers", choices=("transformers", "vllm", "sglang"))
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=tuple(ALL_ENGINES))
     p.add_argument("--model", choices=FIXTURE_NAMES, help="fixture to capture (default: the SKU's gate.model)")
     p.add_argument("--model-dir", metavar="DIR", help="fixture folder (default: committed or freshly generated)")
     p.add_argument("--full-logprobs", type=int, default=4, help="prompts whose full-vocab logprobs are stored")

@@ -1,0 +1,23 @@
+"""Hugging Face transformers: `transformers serve`, and the probe's reference adapter (hidden states, full logprobs)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from engines.base import Distribution, Output, ServerLaunch
+
+NAME: Final = "transformers"
+# torch is required only through the `serving` extra, which `skupin compat refresh` does not evaluate:
+# its engine_torch row is written by hand.
+DISTRIBUTIONS: Final = (Distribution(name="transformers", refresh_since=None),)
+PROBE_ADAPTER: Final = "transformers"
+OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
+
+
+def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str) -> ServerLaunch:
+    """`transformers serve` on the model folder, which it also takes as the model id; prompts go as text."""
+    device = "cpu" if vendor == "cpu" else "auto"
+    return ServerLaunch(engine=NAME, port=port, model_id=model_dir, health_path="/health", returns_logprobs=False,
+                        prompt="text",
+                        argv=("transformers", "serve", model_dir, "--host", host, "--port", str(port),
+                              "--dtype", dtype, "--device", device, "--log-level", "info"))

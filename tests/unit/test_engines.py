@@ -1,0 +1,136 @@
+"""The inference-engine registry: each module declares the protocol, the probe's adapters match, readers use it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import engines
+from builder.compat import check_compat, load_compat
+from builder.manifest import SkuManifest, load_manifest
+from engines import (
+    ALL_ENGINES,
+    DEFAULT_ENGINE,
+    InferenceEngine,
+    UnknownEngine,
+    engine_distributions,
+    engine_named,
+    engine_outputs,
+    probe_adapter,
+    refresh_sources,
+    serve_launch,
+)
+from releases.compat_refresh import DEFAULT_SPEC
+
+REPO = Path(__file__).resolve().parents[2]
+SKUS = REPO / "skus"
+PROBE = REPO / "imagetools" / "probe.py"
+FILE = "skus/test.yaml"
+MEMBERS = sorted(name for name in vars(InferenceEngine) if not name.startswith("_"))
+
+
+def _probe_constant(name: str) -> object:
+    """A module-level constant of imagetools/probe.py, read with ast (the probe imports torch lazily, not here)."""
+    for node in ast.parse(PROBE.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            if isinstance(node.value, ast.Dict):
+                return tuple(ast.literal_eval(k) for k in node.value.keys if k is not None)
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"imagetools/probe.py has no {name}")
+
+
+def with_engine(manifest: SkuManifest, **update: object) -> SkuManifest:
+    stack = manifest.stack
+    return manifest.model_copy(update={"stack": stack.model_copy(update={"engine": stack.engine.model_copy(update=update)})})
+
+
+@pytest.fixture(scope="module")
+def h200() -> SkuManifest:
+    return load_manifest(SKUS / "nvidia-h200-vllm.yaml")
+
+
+# ---------------------------------------------------------------- the registry itself
+
+
+def test_protocol_members_are_what_the_docs_say() -> None:
+    assert MEMBERS == ["DISTRIBUTIONS", "NAME", "OUTPUTS", "PROBE_ADAPTER", "server"]
+
+
+@pytest.mark.parametrize("name", sorted(ALL_ENGINES))
+def test_each_engine_module_declares_every_member_under_its_own_name(name: str) -> None:
+    engine = ALL_ENGINES[name]
+    assert all(hasattr(engine, member) for member in MEMBERS), [m for m in MEMBERS if not hasattr(engine, m)]
+    assert engine.NAME == name and engine.DISTRIBUTIONS[0].name == name
+    assert engine is getattr(engines, name)  # one module per engine, named after it
+    launch = engine.server(dtype="float32", vendor="nvidia", port=8000, model_dir="/model", host="0.0.0.0")
+    assert launch.engine == name and launch.port == 8000 and "/model" in launch.argv
+    assert launch.health_path.startswith("/")
+
+
+def test_the_probes_adapters_are_the_registrys() -> None:
+    """imagetools/probe.py imports nothing of skupin, so it lists its adapters itself: the lists cannot drift."""
+    adapters = {engine.PROBE_ADAPTER for engine in ALL_ENGINES.values()}
+    assert set(_probe_constant("ADAPTERS")) == adapters
+    assert set(_probe_constant("ENGINES")) == adapters
+    assert DEFAULT_ENGINE in ALL_ENGINES
+
+
+def test_unknown_engine_names_the_known_ones() -> None:
+    with pytest.raises(UnknownEngine, match=rf"unknown inference engine 'llamacpp' \(known: {', '.join(ALL_ENGINES)}\)"):
+        engine_named("llamacpp")
+    assert engine_named("vllm") is engines.vllm
+    assert probe_adapter("none") == "transformers" and probe_adapter("sglang") == "sglang"
+    assert engine_outputs("none") == frozenset() and engine_outputs("transformers") == {"hidden", "logprobs_full"}
+
+
+def test_serve_launch_reads_the_registry(h200: SkuManifest) -> None:
+    assert serve_launch(manifest=with_engine(h200, name="llamacpp")) is None
+    launch = serve_launch(manifest=h200)
+    assert launch is not None and launch.engine == "vllm" and launch.prompt == "ids"
+    assert launch.argv[3:] == ("--host", "0.0.0.0", "--port", "8000", "--dtype", h200.gate.dtype,
+                               "--served-model-name", "skupin-model", "--seed", "0", "--max-logprobs", "20",
+                               "--disable-log-requests")
+
+
+# ---------------------------------------------------------------- its readers
+
+
+def test_compat_refresh_covers_every_refreshed_distribution_and_no_other() -> None:
+    assert DEFAULT_SPEC.engines == refresh_sources()
+    assert {"vllm": "0.8.5", "sglang": "0.5.19"}.items() <= dict(refresh_sources()).items()
+    assert "transformers" not in dict(refresh_sources())  # torch only through an extra: its row is kept by hand
+
+
+def test_every_engine_torch_row_belongs_to_a_registered_distribution() -> None:
+    rows = {row.engine for row in load_compat().engine_torch}
+    assert rows == set(engine_distributions())
+
+
+def test_unknown_engine_is_one_clear_problem(h200: SkuManifest) -> None:
+    problems = check_compat(manifest=with_engine(h200, name="llamacpp"), file=FILE)
+    assert [str(p) for p in problems] == [
+        f"skus/test.yaml: stack.engine.name: unknown inference engine 'llamacpp' (known: {', '.join(ALL_ENGINES)}); "
+        "fix: name one of them, or add the engine (docs/guide-new-accelerator.md, \"Adding an engine\")"
+    ]
+
+
+def test_an_engine_installed_as_another_distribution_is_a_problem(h200: SkuManifest) -> None:
+    (problem,) = check_compat(manifest=with_engine(h200, package="sglang"), file=FILE)
+    assert str(problem) == ("skus/test.yaml: stack.engine.package: engine vllm is not installed as sglang; "
+                            "expected vllm; fix: set stack.engine.package: vllm (or remove it)")
+    assert check_compat(manifest=with_engine(h200, package="vllm"), file=FILE) == []
+
+
+def test_cli_reference_capture_offers_the_registrys_engines() -> None:
+    import argparse
+
+    from skupin.cli.reference import add_commands
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["reference", "capture", "--sku", "cpu-x86_64", "--out", "x"])
+    assert args.engine == DEFAULT_ENGINE
+    with pytest.raises(SystemExit):
+        parser.parse_args(["reference", "capture", "--sku", "x", "--out", "x", "--engine", "llamacpp"])
