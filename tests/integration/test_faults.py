@@ -88,15 +88,18 @@ class _Proxy(BaseHTTPRequestHandler):
             return self._fault(500, "UNKNOWN")
         if blob_upload and self.mode == "slow_blob":
             time.sleep(60)
-        conn = http.client.HTTPConnection(self.upstream, timeout=30)
         headers = {
             k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "connection")
         }
         headers["Content-Length"] = str(len(body))
-        conn.request(self.command, self.path, body=body if body or self.command in ("PUT", "PATCH", "POST") else None,
-                     headers=headers)
-        response = conn.getresponse()
-        data = response.read()
+        conn = http.client.HTTPConnection(self.upstream, timeout=30)
+        try:
+            conn.request(self.command, self.path, body=body if body or self.command in ("PUT", "PATCH", "POST") else None,
+                         headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
         self.send_response(response.status)
         for k, v in response.getheaders():
             if k.lower() not in ("transfer-encoding", "content-length", "connection"):
@@ -105,7 +108,6 @@ class _Proxy(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
-        conn.close()
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 
@@ -154,6 +156,7 @@ def test_push_error_mid_stream_tags_nothing(docker: Docker, registry: LocalRegis
             publish(docker=docker, registry=registry, image_id=image_id, lock=lock, verdict=verdict, url=proxy)
     finally:
         server.shutdown()
+        server.server_close()
     assert any("/blobs/uploads/" in h for h in hits), "the fault proxy saw no upload: the push never started"
     assert human_tags(registry) == set()
     assert not [r for r in (docker.inspect_image(image_id).tags) if "skupin-push-" in r], "local temporary tag left"
@@ -220,6 +223,7 @@ def test_sigint_during_publish_publishes_nothing(docker: Docker, registry: Local
                                        wait_for="pushing", docker=docker)
     finally:
         server.shutdown()
+        server.server_close()
     assert code != 0 and "KeyboardInterrupt" in out and "PUBLISHED" not in out, out
     assert human_tags(registry) == set()
     assert not [t for t in docker.inspect_image(image_id).tags if "skupin-push-" in t], "local temporary tag left"
