@@ -161,7 +161,7 @@ def compile_one(path: Path, cache: Path | None) -> str:
             pass
     try:
         code = compile(source, str(path), "exec", dont_inherit=True)
-    except Exception:  # SyntaxError, ValueError (NUL bytes), RecursionError...: no pyc, as with pip
+    except Exception:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError...: no pyc, as with pip
         return "failed"
     body = marshal.dumps(code)
     _write(pyc, _header(st) + body)

@@ -41,8 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bytecode.py and installer/ sit next to this file
 
-import bytecode
-from installer.utils import canonicalize_name, parse_wheel_filename
+import bytecode  # noqa: E402 - after the path it is found on
+from installer.utils import canonicalize_name, parse_wheel_filename  # noqa: E402
 
 REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)\s+--hash=sha256:([0-9a-f]{64})$")
 INSTALLER_NAME = b"skupin\n"
@@ -208,7 +208,7 @@ def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler
     paths = scheme(prefix)
     site = Path(paths["purelib"])
     interpreter = os.path.join(paths["scripts"], "python") if prefix else sys.executable
-    for name, _version, wheel in wheels:
+    for name, version, wheel in wheels:
         replaced = uninstall(name, site)
         if replaced is not None:
             print(f"replaced {name} {replaced}")
@@ -216,7 +216,7 @@ def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler
         try:
             with WheelFile.open(wheel) as source:
                 install_wheel(source, destination, {"INSTALLER": INSTALLER_NAME})
-        except Exception as exc:  # installer raises several types: name the wheel
+        except Exception as exc:  # noqa: BLE001 - installer raises several types: name the wheel
             raise StepError(f"{wheel.name}: cannot install: {type(exc).__name__}: {exc}", 4) from exc
 
 
