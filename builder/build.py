@@ -38,7 +38,7 @@ from pydantic import Field
 from builder.base import ensure_base
 from builder.lockfile import Lock, image_tag
 from builder.manifest import SkuManifest
-from builder.render import render, write_context
+from builder.render import render_manifest, write_context
 from builder.wheels import STORE, fetch_wheels
 from common.errors import BuildError, DockerError, LockError
 from common.model import Frozen
@@ -225,7 +225,7 @@ def _refuse_stale(*, manifest: SkuManifest, manifest_path: Path, lock: Lock) -> 
     """LockError when the lock no longer matches the manifest (the image would not be what it says)."""
     from builder.lock import stale_reasons
 
-    reasons = stale_reasons(manifest=manifest, lock=lock, dockerfile_sha256=render(manifest=manifest).sha256)
+    reasons = stale_reasons(manifest=manifest, lock=lock, dockerfile_sha256=render_manifest(manifest=manifest).sha256)
     if reasons:
         raise LockError(f"{manifest_path}: the lock does not match the manifest: {'; '.join(reasons)}; "
                         f"fix: run `skupin lock {manifest.name}`")
@@ -317,7 +317,7 @@ def build_image(
 
     base_id = ensure_base(manifest=manifest, docker=docker, on_event=on_line)
     phase("base")
-    rendered = render(manifest=manifest, lock=lock)
+    rendered = render_manifest(manifest=manifest, lock=lock)
     tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
     lock_hash = lock.content_hash()
     lines: list[str] = []

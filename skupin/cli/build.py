@@ -38,12 +38,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     from builder.check import resolve
-    from builder.render import render, write_context
+    from builder.render import render, render_manifest, write_context
     from common.paths import sku_path
 
     stack = resolve(sku_path(args.sku))
-    lock = None if args.unlocked else stack.lock if stack.lock_state == "ok" else None
-    rendered = render(manifest=stack.manifest, lock=lock)
+    lock = None if args.unlocked else stack.current_lock
+    rendered = render_manifest(manifest=stack.manifest) if args.unlocked else render(stack)
     if args.out:
         stored = {}
         if lock is not None:  # a locked context holds each step's wheels: `docker build DIR` needs no network
@@ -51,8 +51,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
             stored = fetch_wheels(lock.packages().values(), wheelhouse=args.wheelhouse,
                                   ca_bundle=args.ca_bundle, on_event=lambda line: print(line, file=sys.stderr))
-        out = write_context(rendered=rendered, out=Path(args.out), wheels=stored)
-        out(f"wrote {out / 'Dockerfile'} and {len(rendered.files)} context file(s) and {len(stored)} wheel(s); "
+        folder = write_context(rendered=rendered, out=Path(args.out), wheels=stored)
+        out(f"wrote {folder / 'Dockerfile'} and {len(rendered.files)} context file(s) and {len(stored)} wheel(s); "
              f"sha256 {rendered.sha256}")
     else:
         sys.stdout.write(rendered.text)

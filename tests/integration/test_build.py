@@ -39,11 +39,11 @@ def sku_dir(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path | None, h
         shutil.copy(committed, lock_path(folder / CPU_SKU.name))
     else:
         from builder.lock import lock_sku
-        from builder.render import render
+        from builder.render import render_manifest
 
         manifest = load_manifest(folder / CPU_SKU.name)
         lock = lock_sku(manifest=manifest, manifest_path=folder / CPU_SKU.name, wheelhouse=wheelhouse,
-                        dockerfile_sha256=render(manifest=manifest).sha256, ca_bundle=host_ca_bundle)
+                        dockerfile_sha256=render_manifest(manifest=manifest).sha256, ca_bundle=host_ca_bundle)
         write_lock(lock, lock_path(folder / CPU_SKU.name))
     return folder
 
