@@ -172,14 +172,12 @@ def _base(run: _Run) -> str:
 
 
 def _build(run: _Run) -> str:
-    from builder.build import build_image
+    from builder.build import build
+    from builder.render import render
     from common.paths import STATE
 
-    stack, path = run.ctx["stack"], run.ctx["path"]
-    assert stack.lock is not None  # _lock left a fresh, locked stack or raised
-    built = build_image(manifest=stack.manifest, manifest_path=path, lock=stack.lock,
-                        docker=run.ctx["docker"], wheelhouse=_wheelhouse(run), ca_bundle=_ca_bundle(run),
-                        progress="plain", on_line=run.say, no_cache=run.options.no_cache, records=STATE / "builds")
+    built = build(render(run.ctx["stack"]), run.ctx["docker"], wheelhouse=_wheelhouse(run), ca_bundle=_ca_bundle(run),
+                  progress="plain", on_line=run.say, no_cache=run.options.no_cache, records=STATE / "builds")
     run.ctx["built"] = built
     cached = sum(1 for layer in built.layers if layer.cached)
     return f"{built.image} ({built.image_id[:19]}; {cached}/{len(built.layers)} layers cached)"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
+from typing import Literal
 
 from common.errors import SkupinError
 from skupin.cli.output import out, progress_printer
@@ -84,6 +86,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prefixed(name: str, line: str) -> None:
+    print(f"{name}: {line}", file=sys.stderr, flush=True)
+
+
 def cmd_lock(args: argparse.Namespace) -> int:
     from builder.lock import relock
     from builder.lockfile import image_tag, lock_path
@@ -96,7 +102,7 @@ def cmd_lock(args: argparse.Namespace) -> int:
         lock = relock(
             manifest=manifest, manifest_path=path, wheelhouse=args.wheelhouse, index_url=args.index_url,
             ca_bundle=args.ca_bundle,
-            progress=lambda line, name=manifest.name: print(f"{name}: {line}", file=sys.stderr, flush=True),
+            progress=functools.partial(_prefixed, manifest.name),
         )
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
         tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
@@ -140,18 +146,17 @@ def cmd_base(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from builder.build import build_image
-    from builder.lockfile import lock_path, read_lock
-    from builder.manifest import load_manifest
+    from builder.build import build
+    from builder.check import resolve
+    from builder.render import render
     from common.paths import STATE, sku_path
     from dockerd import connect
 
-    path = sku_path(args.sku)
-    manifest = load_manifest(path)
-    lock = read_lock(lock_path(path))
-    mode = args.progress if args.progress != "auto" else ("tty" if sys.stderr.isatty() else "plain")
-    built = build_image(
-        manifest=manifest, manifest_path=path, lock=lock, docker=connect(),
+    stack = resolve(sku_path(args.sku))
+    mode: Literal["tty", "plain"] = "tty" if args.progress == "tty" or (args.progress == "auto" and sys.stderr.isatty()) \
+        else "plain"
+    built = build(
+        render(stack), connect(),
         wheelhouse=args.wheelhouse, ca_bundle=args.ca_bundle, progress=mode,
         on_line=progress_printer(mode), no_cache=args.no_cache, records=STATE / "builds",
     )
