@@ -96,8 +96,9 @@ class BuiltImage(Frozen):
     total_s: float
     phases: dict[str, float] = Field(
         default_factory=dict,
-        description="Wall seconds per phase: base (check or bootstrap), context (render + sync), "
-                    "buildkit (the `docker build`), verify (the image's Python vs. the lock), tag",
+        description="Wall seconds per step of the plan: base (check or bootstrap), wheels (gather them in the "
+                    "store), context (sync the build context), buildkit (the `docker build`), verify (the image's "
+                    "Python vs. the lock), tag",
     )
     size_bytes: int
     installed: dict[str, str] = Field(description="Distributions the image's own Python reports: name -> version")
