@@ -190,7 +190,7 @@ def plan_layers(
             problems.append(Problem(file, f"stack.{layer}.source", "comes from a wheelhouse but no wheelhouse was given",
                                     f"skupin lock {sku} --wheelhouse DIR"))
             continue
-        if src.kind == "wheelhouse" and not wheelhouse.is_dir():
+        if src.kind == "wheelhouse" and wheelhouse is not None and not wheelhouse.is_dir():
             problems.append(Problem(file, f"stack.{layer}.source", f"wheelhouse {wheelhouse} is not a folder",
                                     "pass the folder that holds the wheels"))
             continue
@@ -286,10 +286,11 @@ def parse_report(report: Mapping, *, layer: str) -> dict[str, Resolved]:
                 problems.append(f"{name} {version}: cannot hash wheelhouse file {local}: {exc}")
                 continue
         else:
-            sha, where, source = _report_hash(info), url, "url" if item.get("is_direct") else "index"
-            if sha is None:
+            reported = _report_hash(info)
+            if reported is None:
                 problems.append(f"{name} {version}: the index gave no sha256 for {filename}")
                 continue
+            sha, where, source = reported, url, "url" if item.get("is_direct") else "index"
         out[name] = Resolved(name=name, version=version, filename=filename, sha256=sha, url=where, source=source,
                              requires_dist=tuple(meta.get("requires_dist") or ()))
     if problems:
@@ -520,7 +521,7 @@ def assign_layers(
     layers: dict[str, tuple[LockedPackage, ...]] = {layer: () for layer in PY_LAYERS}
     roots: list[str] = []
     below: set[str] = set()
-    url_pins = {canonicalize_name(d) for p in plans for d, _, _ in p.url_pins}
+    url_pins = {str(canonicalize_name(d)) for p in plans for d, _, _ in p.url_pins}
     for plan in plans:
         roots += plan.requirements
         needed = closure(resolved, roots, env).needed
