@@ -588,7 +588,7 @@ def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, o
     """Gate any local image `image` for the SKU of `stack` and write verdict.json, report.md and plot.png to `out`.
 
     `gate` is the stage for an image built here; this is the same gate for one that was not (`skupin
-    gate --image`, a third-party image, calibration and the tests' tampered images). Checks run in
+    gate --image`, a third-party image, the tests' tampered images). Checks run in
     order and the first one that does not pass stops the rest. `baseline` (an image) adds the serve
     check's interleaved A/B; `serve_perf` overrides its load.
     """
