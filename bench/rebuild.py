@@ -35,9 +35,11 @@ import yaml
 from packaging.utils import canonicalize_name
 
 from builder.base import ensure_base
-from builder.build import build_image
+from builder.build import build
+from builder.check import resolve
 from builder.lockfile import Lock, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
+from builder.render import render
 from dockerd import connect, ensure_dockerd
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,9 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         # The cold build also starts with an empty wheel store: it downloads every locked wheel
         # (torch comes from the wheelhouse); the point releases then reuse that store.
         store = Path(tmp, "wheels")
-        cold = build_image(manifest=load_manifest(cold_manifest), manifest_path=cold_manifest, lock=cold_lock,
-                           docker=docker, wheelhouse=wheelhouse, ca_bundle=ca, no_cache=args.cold == "no-cache",
-                           wheel_store=store)
+        cold = build(render(resolve(cold_manifest, require_lock=True)), docker, wheelhouse=wheelhouse, ca_bundle=ca,
+                     no_cache=args.cold == "no-cache", wheel_store=store)
         say(f"cold: {cold.total_s:.1f} s")
         builds = []
         for version, point_manifest, point_lock in points:
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             # under it (the cold build leaves ~2 GB): measurements do not bleed into each other.
             quiet = settle(say)
             say(f"point-release build {old_version} -> {version} (with the cache of the cold build)")
-            built = build_image(manifest=load_manifest(point_manifest), manifest_path=point_manifest, lock=point_lock,
-                                docker=docker, wheelhouse=wheelhouse, ca_bundle=ca, wheel_store=store)
+            built = build(render(resolve(point_manifest, require_lock=True)), docker, wheelhouse=wheelhouse, ca_bundle=ca,
+                          wheel_store=store)
             say(f"point release {version}: {built.total_s:.1f} s")
             builds.append((version, point_lock, built, quiet))
 

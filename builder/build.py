@@ -1,21 +1,24 @@
-"""Build a SKU's image from its lock: render, BuildKit build, verify the installed set, then tag.
+"""Build a SKU's image from its locked render: a pure planner, then an executor that runs Docker.
 
-The flow of `build_image` (a lock that no longer matches the manifest is refused first):
-1. make sure the base exists (`builder.base.ensure_base`);
-2. gather every locked wheel in the host's wheel store (`builder.wheels`: from the wheelhouse or
-   downloaded, each checked against the lock's sha256; the extra CA bundle is trusted here);
-3. render the Dockerfile with the lock and sync the SKU's build context folder
-   (`.skupin/contexts/<sku>`, kept between builds and locked while in use, so that BuildKit
-   re-sends only what changed; each step's wheels are hard-linked from the store);
-4. `docker build` through the engine adapter with no tag (`--iidfile`); the locked steps need
-   no network and no CA (the CA bundle reaches BuildKit, as the secret `skupin_ca`, only if the
-   Dockerfile mounts it);
-5. parse BuildKit's plain progress into per-layer durations and cache hits, mapping each step
-   to the `# layer: NAME` comment above its instruction;
-6. ask the image's own Python (in a sandboxed container) for its installed distributions and
-   fail unless they equal the lock;
-7. only then tag the content-addressed tag (`builder.lockfile.image_tag`) and write the build
-   record (`.skupin/builds/<sku>.json`).
+`build(rendered, docker)` is the build stage. `plan_build(rendered)` decides every step before
+anything runs (pure: no Docker, no network, no files; tested without Docker, as cibuildwheel's
+`get_build_steps`), refusing a render whose stack has no current lock; `execute_build` runs the
+steps in order:
+1. `EnsureBase`: make sure the base exists (`builder.base.ensure_base`);
+2. `GatherWheels`: every locked wheel into the host's wheel store (`builder.wheels`: from the
+   wheelhouse or downloaded, each checked against the lock's sha256; the extra CA bundle is
+   trusted here);
+3. `WriteContext`: sync the SKU's build context folder (`.skupin/contexts/<sku>`, kept between
+   builds and locked while in use, so that BuildKit re-sends only what changed; each step's wheels
+   are hard-linked from the store);
+4. `RunBuildKit`: `docker build` through the Docker adapter with no tag (`--iidfile`); the locked
+   steps need no network and no CA (the CA bundle reaches BuildKit, as the secret `skupin_ca`,
+   only if the Dockerfile mounts it); BuildKit's plain progress is parsed into per-layer
+   durations and cache hits, mapping each step to the `# layer: NAME` comment above its instruction;
+5. `VerifyInstalled`: ask the image's own Python (in a sandboxed container) for its installed
+   distributions and fail unless they equal the lock;
+6. `TagImage`: only then tag the content-addressed tag (`builder.lockfile.image_tag`);
+7. `WriteRecord`: write the build record (`.skupin/builds/<sku>.json`).
 A failure at any step raises BuildError naming the layer with the tail of its log; no tag is made.
 """
 
@@ -27,7 +30,8 @@ import functools
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -36,14 +40,15 @@ from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from builder.base import ensure_base
-from builder.lockfile import Lock, image_tag
+from builder.lockfile import Lock, LockedPackage, image_tag
 from builder.manifest import SkuManifest
-from builder.render import render, write_context
+from builder.render import RenderedDockerfile, write_context
+from builder.stack import ResolvedStack
 from builder.wheels import STORE, fetch_wheels
 from common.errors import BuildError, DockerError, LockError
 from common.model import Frozen
 from common.paths import STATE
-from dockerd import ContainerSpec, Docker
+from dockerd import ContainerSpec, Docker, ImageInfo
 
 OnLine = Callable[[str], None]
 Progress = Literal["tty", "plain"]
@@ -91,12 +96,15 @@ class BuiltImage(Frozen):
     total_s: float
     phases: dict[str, float] = Field(
         default_factory=dict,
-        description="Wall seconds per phase: base (check or bootstrap), context (render + sync), "
-                    "buildkit (the `docker build`), verify (the image's Python vs. the lock), tag",
+        description="Wall seconds per step of the plan: base (check or bootstrap), wheels (gather them in the "
+                    "store), context (sync the build context), buildkit (the `docker build`), verify (the image's "
+                    "Python vs. the lock), tag",
     )
     size_bytes: int
     installed: dict[str, str] = Field(description="Distributions the image's own Python reports: name -> version")
     created: str
+    stack: ResolvedStack = Field(exclude=True, description="The stack it was built from (for the gate and publish; "
+                                                          "not part of the build record)")
 
 
 # ---------------------------------------------------------------- Dockerfile -> layers
@@ -221,16 +229,6 @@ def layer_timings(steps: list[_Step]) -> tuple[LayerTiming, ...]:
     )
 
 
-def _refuse_stale(*, manifest: SkuManifest, manifest_path: Path, lock: Lock) -> None:
-    """LockError when the lock no longer matches the manifest (the image would not be what it says)."""
-    from builder.lock import stale_reasons
-
-    reasons = stale_reasons(manifest=manifest, lock=lock, dockerfile_sha256=render(manifest=manifest).sha256)
-    if reasons:
-        raise LockError(f"{manifest_path}: the lock does not match the manifest: {'; '.join(reasons)}; "
-                        f"fix: run `skupin lock {manifest.name}`")
-
-
 def _failure(exc: BuildError, *, lines: list[str], dockerfile: str, ca_given: bool = True) -> BuildError:
     steps = parse_progress(lines, dockerfile=dockerfile)
     failed = next((s for s in steps if s.error), None)
@@ -273,122 +271,262 @@ def installed_distributions(*, docker: Docker, image: str, deadline_s: float = 1
     return {canonicalize_name(k): str(v) for k, v in data.items()}
 
 
-def compare_with_lock(*, installed: dict[str, str], lock: Lock) -> list[str]:
+def locked_versions(lock: Lock) -> dict[str, str]:
+    """Every locked distribution: canonical name -> version (what the image must contain, exactly)."""
+    return {n: p.version for n, p in lock.packages().items()}  # keys already canonical
+
+
+def compare_installed(*, installed: Mapping[str, str], locked: Mapping[str, str]) -> list[str]:
     """Every difference between what the image contains and what the lock says (empty = equal)."""
-    locked = {n: p.version for n, p in lock.packages().items()}  # keys already canonical
     problems = [f"{n}: locked {v}, image has {installed.get(n, 'nothing')}"
                 for n, v in sorted(locked.items()) if installed.get(n) != v]
     problems += [f"{n}: image has {v}, not in the lock" for n, v in sorted(installed.items()) if n not in locked]
     return problems
 
 
-# ---------------------------------------------------------------- the build
+# ---------------------------------------------------------------- the plan (pure)
 
 
-def build_image(
-    *,
-    manifest: SkuManifest,
-    manifest_path: Path,
-    lock: Lock,
-    docker: Docker,
-    wheelhouse: Path | None = None,
-    ca_bundle: Path | None = None,
-    progress: Progress = "plain",
-    on_line: OnLine = _quiet,
-    no_cache: bool = False,
-    records: Path | None = None,
-    wheel_store: Path | None = None,
-) -> BuiltImage:
-    """Build, verify and tag the SKU's image from its lock; write the build record; see the module doc."""
-    if lock.sku != manifest.name:
-        raise BuildError(f"{manifest_path}: the lock is for SKU {lock.sku!r}, not {manifest.name!r}")
-    if ca_bundle is not None and not ca_bundle.is_file():
-        raise BuildError(f"--ca-bundle {ca_bundle}: no such file")
-    _refuse_stale(manifest=manifest, manifest_path=manifest_path, lock=lock)  # before any Docker work
-    start = time.monotonic()
-    phases: dict[str, float] = {}
-    mark = start
+class EnsureBase(Frozen):
+    """Make the SKU's base image available: reuse it, bootstrap it or pull it by digest."""
 
-    def phase(name: str) -> None:
-        nonlocal mark
-        now = time.monotonic()
-        phases[name] = round(now - mark, 3)
-        mark = now
+    kind: Literal["base"] = "base"
+    manifest: SkuManifest
 
-    base_id = ensure_base(manifest=manifest, docker=docker, on_event=on_line)
-    phase("base")
-    rendered = render(manifest=manifest, lock=lock)
-    tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
-    lock_hash = lock.content_hash()
-    lines: list[str] = []
-    sink = _sink(progress=progress, on_line=on_line, dockerfile=rendered.text, lines=lines)
-    stored = fetch_wheels(
-        lock.packages().values(), store=wheel_store or STORE, wheelhouse=wheelhouse,
-        ca_bundle=ca_bundle, on_event=on_line,
-    )
-    phase("wheels")
-    with _context_folder(STATE / "contexts" / manifest.name, on_line=on_line) as folder:
-        ctx = write_context(rendered=rendered, out=folder, wheels=stored, prune=True)
-        phase("context")
-        try:
-            image_id = docker.build(
-                context=ctx,
-                dockerfile=ctx / "Dockerfile",
-                build_args={
-                    "SKUPIN_BASE": manifest.base.reference,
-                    "SKUPIN_LOCK_HASH": lock_hash,
-                    "SKUPIN_DOCKERFILE_SHA256": rendered.sha256,
-                },
-                secrets={CA_SECRET_ID: ca_bundle} if ca_bundle and f"id={CA_SECRET_ID}" in rendered.text else None,
-                no_cache=no_cache,
-                on_line=sink,
-            )
-        except BuildError as exc:
-            raise _failure(exc, lines=lines, dockerfile=rendered.text, ca_given=ca_bundle is not None) from exc
-    phase("buildkit")
-    steps = parse_progress(lines, dockerfile=rendered.text)
-    installed = installed_distributions(docker=docker, image=image_id)
-    problems = compare_with_lock(installed=installed, lock=lock)
-    phase("verify")
+
+class GatherWheels(Frozen):
+    """Put every locked wheel into the wheel store, each checked against the lock's sha256."""
+
+    kind: Literal["wheels"] = "wheels"
+    packages: tuple[LockedPackage, ...]
+    store: Path
+    wheelhouse: Path | None = None
+    ca_bundle: Path | None = None
+
+
+class WriteContext(Frozen):
+    """Sync the SKU's build-context folder with the rendered files and the gathered wheels (held under a lock)."""
+
+    kind: Literal["context"] = "context"
+    folder: Path
+
+
+class RunBuildKit(Frozen):
+    """`docker build` the context, untagged; the context's lock is released when it ends."""
+
+    kind: Literal["buildkit"] = "buildkit"
+    build_args: dict[str, str]
+    secrets: dict[str, Path] = Field(default_factory=dict)
+    no_cache: bool = False
+    ca_given: bool = Field(False, description="An extra CA bundle was given (else a TLS failure's hint asks for one)")
+
+
+class VerifyInstalled(Frozen):
+    """The image's own Python must report exactly the locked distributions."""
+
+    kind: Literal["verify"] = "verify"
+    locked: dict[str, str] = Field(description="Canonical name -> version, from the lock")
+
+
+class TagImage(Frozen):
+    """Tag the verified image with its content-addressed tag."""
+
+    kind: Literal["tag"] = "tag"
+    tag: str
+
+
+class WriteRecord(Frozen):
+    """Write the build record `<folder>/<sku>.json`."""
+
+    kind: Literal["record"] = "record"
+    folder: Path
+
+
+BuildStep = EnsureBase | GatherWheels | WriteContext | RunBuildKit | VerifyInstalled | TagImage | WriteRecord
+
+
+def locked_stack(rendered: RenderedDockerfile) -> tuple[ResolvedStack, Lock]:
+    """The stack `rendered` came from and its current lock; LockError (BuildError for a bare render) otherwise."""
+    stack = rendered.stack
+    if stack is None:
+        raise BuildError(f"the Dockerfile of {rendered.sku} was rendered from a bare manifest, not a resolved stack; "
+                         "fix: build render(resolve(path))")
+    lock = stack.current_lock
+    if lock is None or not rendered.locked:
+        raise LockError(f"{stack.manifest_path}: cannot build from a lock that is {stack.lock_state} ({stack.lock_note})")
+    return stack, lock
+
+
+def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, ca_bundle: Path | None = None,
+               no_cache: bool = False, records: Path | None = None, wheel_store: Path | None = None,
+               contexts: Path | None = None) -> tuple[BuildStep, ...]:
+    """Every step of the build of `rendered`, decided before anything runs (pure: no Docker, network or files).
+
+    `rendered` must come from a stack whose lock is current (LockError otherwise: the image would not
+    be what its lock says). Without `records` no build record is written.
+    """
+    stack, lock = locked_stack(rendered)
+    manifest = stack.manifest
+    secrets = {CA_SECRET_ID: ca_bundle} if ca_bundle is not None and f"id={CA_SECRET_ID}" in rendered.text else {}
+    steps: list[BuildStep] = [
+        EnsureBase(manifest=manifest),
+        GatherWheels(packages=tuple(lock.packages().values()), store=wheel_store or STORE, wheelhouse=wheelhouse,
+                     ca_bundle=ca_bundle),
+        WriteContext(folder=(contexts or STATE / "contexts") / manifest.name),
+        RunBuildKit(build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
+                                "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
+                    secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None),
+        VerifyInstalled(locked=locked_versions(lock)),
+        TagImage(tag=image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)),
+    ]
+    if records is not None:
+        steps.append(WriteRecord(folder=records))
+    return tuple(steps)
+
+
+# ---------------------------------------------------------------- the executor
+
+
+@dataclass
+class _Execution:
+    """What the steps of one build have made so far (the executor's bookkeeping; the result is the BuiltImage)."""
+
+    rendered: RenderedDockerfile
+    stack: ResolvedStack
+    lock: Lock
+    docker: Docker
+    progress: Progress
+    on_line: OnLine
+    started: float
+    held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # the context folder's lock
+    base_id: str = ""
+    wheels: dict[str, Path] = field(default_factory=dict)
+    context: Path | None = None
+    lines: list[str] = field(default_factory=list)
+    image_id: str = ""
+    steps: list[_Step] = field(default_factory=list)
+    installed: dict[str, str] = field(default_factory=dict)
+    image: ImageInfo | None = None
+    tag: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
+    built: BuiltImage | None = None
+
+    def result(self) -> BuiltImage:
+        """The BuiltImage of a tagged build (made once: the record and the caller get the same object)."""
+        if self.built is None:
+            self.built = self._make()
+        return self.built
+
+    def _make(self) -> BuiltImage:
+        info = self.image
+        if info is None:
+            raise BuildError(f"the build plan of {self.stack.manifest.name} ends before the image was tagged")
+        return BuiltImage(
+            sku=self.stack.manifest.name, image=self.tag, image_id=info.id, tags=info.tags, labels=info.labels,
+            base_id=self.base_id, lock_sha256=self.lock.content_hash(), dockerfile_sha256=self.rendered.sha256,
+            layers=layer_timings(self.steps),
+            steps=tuple(StepTiming(number=s.number, name=s.name[:200], layer=s.layer, seconds=s.seconds, cached=s.cached)
+                        for s in self.steps),
+            cache_hits=sum(1 for s in self.steps if s.cached), total_s=round(time.monotonic() - self.started, 2),
+            phases=dict(self.phases), size_bytes=info.size, installed=self.installed,
+            created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), stack=self.stack)
+
+
+def _ensure_base(step: EnsureBase, run: _Execution) -> None:
+    run.base_id = ensure_base(manifest=step.manifest, docker=run.docker, on_event=run.on_line)
+
+
+def _gather_wheels(step: GatherWheels, run: _Execution) -> None:
+    run.wheels = fetch_wheels(step.packages, store=step.store, wheelhouse=step.wheelhouse, ca_bundle=step.ca_bundle,
+                              on_event=run.on_line)
+
+
+def _write_context(step: WriteContext, run: _Execution) -> None:
+    folder = run.held.enter_context(_context_folder(step.folder, on_line=run.on_line))
+    run.context = write_context(rendered=run.rendered, out=folder, wheels=run.wheels, prune=True)
+
+
+def _run_buildkit(step: RunBuildKit, run: _Execution) -> None:
+    context = run.context
+    if context is None:
+        raise BuildError("the build plan runs BuildKit before it wrote the build context")
+    sink = _sink(progress=run.progress, on_line=run.on_line, dockerfile=run.rendered.text, lines=run.lines)
+    try:
+        run.image_id = run.docker.build(context=context, dockerfile=context / "Dockerfile", build_args=step.build_args,
+                                        secrets=step.secrets or None, no_cache=step.no_cache, on_line=sink)
+    except BuildError as exc:
+        raise _failure(exc, lines=run.lines, dockerfile=run.rendered.text, ca_given=step.ca_given) from exc
+    finally:
+        run.held.close()  # the context folder is free for the next build of this SKU
+    run.steps = parse_progress(run.lines, dockerfile=run.rendered.text)
+
+
+def _verify_installed(step: VerifyInstalled, run: _Execution) -> None:
+    run.installed = installed_distributions(docker=run.docker, image=run.image_id)
+    problems = compare_installed(installed=run.installed, locked=step.locked)
     if problems:
         raise BuildError(
-            f"image {image_id[:19]} of {manifest.name} does not contain its locked set ({len(problems)} difference(s)); "
-            "not tagged:\n"
-            + "\n".join(problems[:40])
+            f"image {run.image_id[:19]} of {run.stack.manifest.name} does not contain its locked set "
+            f"({len(problems)} difference(s)); not tagged:\n" + "\n".join(problems[:40])
         )
-    docker.tag(image_id, tag)
-    info = docker.inspect_image(tag)
+
+
+def _tag_image(step: TagImage, run: _Execution) -> None:
+    run.docker.tag(run.image_id, step.tag)
+    info = run.docker.inspect_image(step.tag)
     if info is None:
-        raise DockerError(f"tagged {image_id} as {tag} but the engine does not show it")
-    phase("tag")
-    built = BuiltImage(
-        sku=manifest.name,
-        image=tag,
-        image_id=info.id,
-        tags=info.tags,
-        labels=info.labels,
-        base_id=base_id,
-        lock_sha256=lock_hash,
-        dockerfile_sha256=rendered.sha256,
-        layers=layer_timings(steps),
-        steps=tuple(
-            StepTiming(number=s.number, name=s.name[:200], layer=s.layer, seconds=s.seconds, cached=s.cached) for s in steps
-        ),
-        cache_hits=sum(1 for s in steps if s.cached),
-        total_s=round(time.monotonic() - start, 2),
-        phases=phases,
-        size_bytes=info.size,
-        installed=installed,
-        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    )
-    if records is not None:
-        write_record(built=built, folder=records)
-    return built
+        raise DockerError(f"tagged {run.image_id} as {step.tag} but the engine does not show it")
+    run.image, run.tag = info, step.tag
+
+
+def _run_step(step: BuildStep, run: _Execution) -> None:
+    """Run one step of a plan."""
+    match step:
+        case EnsureBase():
+            _ensure_base(step, run)
+        case GatherWheels():
+            _gather_wheels(step, run)
+        case WriteContext():
+            _write_context(step, run)
+        case RunBuildKit():
+            _run_buildkit(step, run)
+        case VerifyInstalled():
+            _verify_installed(step, run)
+        case TagImage():
+            _tag_image(step, run)
+        case WriteRecord():
+            write_record(built=run.result(), folder=step.folder)
+
+
+def execute_build(steps: tuple[BuildStep, ...], *, rendered: RenderedDockerfile, docker: Docker,
+                  progress: Progress = "plain", on_line: OnLine = _quiet) -> BuiltImage:
+    """Run a plan of `plan_build` in order (each step but the record timed as a phase); the tagged BuiltImage."""
+    stack, lock = locked_stack(rendered)
+    run = _Execution(rendered=rendered, stack=stack, lock=lock, docker=docker, progress=progress, on_line=on_line,
+                     started=time.monotonic())
+    with run.held:
+        for step in steps:
+            start = time.monotonic()
+            _run_step(step, run)
+            if step.kind != "record":
+                run.phases[step.kind] = round(time.monotonic() - start, 3)
+    return run.result()
+
+
+def build(rendered: RenderedDockerfile, docker: Docker, *, wheelhouse: Path | None = None,
+          ca_bundle: Path | None = None, progress: Progress = "plain", on_line: OnLine = _quiet, no_cache: bool = False,
+          records: Path | None = None, wheel_store: Path | None = None) -> BuiltImage:
+    """The build stage: plan the build of a locked render (`plan_build`), then run the plan; see the module doc."""
+    steps = plan_build(rendered, wheelhouse=wheelhouse, ca_bundle=ca_bundle, no_cache=no_cache, records=records,
+                       wheel_store=wheel_store)
+    if ca_bundle is not None and not ca_bundle.is_file():
+        raise BuildError(f"--ca-bundle {ca_bundle}: no such file")
+    return execute_build(steps, rendered=rendered, docker=docker, progress=progress, on_line=on_line)
 
 
 @contextlib.contextmanager
-def _context_folder(folder: Path, *, on_line: OnLine):
-    """The SKU's build-context folder, held under an exclusive lock for the whole build."""
+def _context_folder(folder: Path, *, on_line: OnLine) -> Iterator[Path]:
+    """The SKU's build-context folder under an exclusive lock (held from writing the context to the end of BuildKit)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_name(folder.name + ".lock"), "a") as handle:
         try:
@@ -400,7 +538,6 @@ def _context_folder(folder: Path, *, on_line: OnLine):
             yield folder
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
 
 def _sink(*, progress: Progress, on_line: OnLine, dockerfile: str, lines: list[str]) -> OnLine:
     """Collect every line; pass all of them on (plain) or one status line per step event (tty)."""

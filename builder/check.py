@@ -6,18 +6,11 @@ from pathlib import Path
 
 from builder.lockfile import Lock
 from builder.manifest import SkuManifest, display_path, parse_manifest
+from builder.stack import LockState, ResolvedStack
 from common.errors import CompatError, ManifestError, Problem
 from common.model import Frozen
 
-
-class ResolvedStack(Frozen):
-    """A manifest that passed check, with its lock when one exists and is fresh."""
-
-    manifest: SkuManifest
-    manifest_path: str
-    lock: Lock | None = None
-    lock_state: str = "unlocked"  # ok | unlocked | stale
-    lock_note: str = ""
+__all__ = ["ResolvedStack", "SkuReport", "check_file", "check_paths", "raise_for", "resolve"]
 
 
 class SkuReport(Frozen):
@@ -29,13 +22,13 @@ class SkuReport(Frozen):
     compat_problems: tuple[Problem, ...] = ()
 
 
-def _lock_state(manifest: SkuManifest, path: Path) -> tuple[Lock | None, str, str]:
+def _lock_state(manifest: SkuManifest, path: Path) -> tuple[Lock | None, LockState, str]:
     """(lock, state, note); stale locks are returned too so callers can say what moved."""
     from builder.lock import lock_status
-    from builder.render import render
+    from builder.render import render_manifest
 
     state, note, lock = lock_status(manifest=manifest, manifest_path=path,
-                                    dockerfile_sha256=lambda: render(manifest=manifest).sha256)
+                                    dockerfile_sha256=lambda: render_manifest(manifest=manifest).sha256)
     return lock, state, note
 
 
@@ -47,10 +40,12 @@ def check_file(path: Path, *, with_lock: bool = True) -> SkuReport:
     if manifest is None:
         return SkuReport(file=str(path), stack=None, manifest_problems=tuple(problems))
     compat = check_compat(manifest=manifest, file=display_path(path))
-    lock, state, note = None, "unlocked", ""
+    lock: Lock | None = None
+    state: LockState = "unlocked"
+    note = ""
     if with_lock and not compat:
         lock, state, note = _lock_state(manifest, path)
-    stack = ResolvedStack(manifest=manifest, manifest_path=str(path), lock=lock, lock_state=state, lock_note=note)
+    stack = ResolvedStack(manifest=manifest, manifest_path=path, lock=lock, lock_state=state, lock_note=note)
     return SkuReport(file=str(path), stack=stack, compat_problems=tuple(compat))
 
 
@@ -72,12 +67,16 @@ def raise_for(reports: list[SkuReport]) -> None:
 
 
 def resolve(path: Path, *, require_lock: bool = False) -> ResolvedStack:
-    """Check one SKU and return its resolved stack, raising on any problem."""
+    """The first stage: check one SKU's manifest, its pins' compatibility and its lock; raise on any problem.
+
+    A stale or missing lock is reported in the stack (`lock_state`), not raised, unless `require_lock`.
+    """
     from common.errors import LockError
 
     report = check_file(path)
     raise_for([report])
-    assert report.stack is not None
+    if report.stack is None:  # not reached: raise_for raised for a report without a stack
+        raise ManifestError(f"{report.file}: not a manifest")
     if require_lock and report.stack.lock_state != "ok":
         name = report.stack.manifest.name
         raise LockError(f"{report.file}: lock is {report.stack.lock_state}: {report.stack.lock_note}; "

@@ -35,6 +35,7 @@ from packaging.version import InvalidVersion, Version
 
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
+from builder.stack import LockState
 from builder.wheels import file_sha256
 from common import __version__
 from common.errors import LockError, Problem
@@ -620,16 +621,16 @@ def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | Non
 
 def _pins_dockerfile_sha256(manifest: SkuManifest) -> str:
     """The hash a lock records and `check` compares: the pins-only render of the manifest."""
-    from builder.render import render
+    from builder.render import render_manifest
 
-    return render(manifest=manifest).sha256
+    return render_manifest(manifest=manifest).sha256
 
 
 # ---------------------------------------------------------------- is a lock still current?
 
 
 def lock_status(*, manifest: SkuManifest, manifest_path: Path,
-                dockerfile_sha256: str | Callable[[], str]) -> tuple[str, str, Lock | None]:
+                dockerfile_sha256: str | Callable[[], str]) -> tuple[LockState, str, Lock | None]:
     """("ok" | "unlocked" | "stale", why, the lock when it could be read) for the lock next to a
     manifest. `dockerfile_sha256` may be a function: the Dockerfile is rendered only when a lock exists."""
     path = lock_path(manifest_path)

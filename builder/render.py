@@ -13,8 +13,9 @@ from packaging.utils import canonicalize_name
 
 import imagetools
 from builder.families import ALL_FAMILIES
-from builder.lockfile import PY_LAYERS, Lock
+from builder.lockfile import PY_LAYERS, Lock, LockedPackage
 from builder.manifest import GitSource, Pin, SkuManifest
+from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import BuildError
 from common.model import Frozen
@@ -84,7 +85,7 @@ class PipLayer(Frozen):
 
 
 class RenderedDockerfile(Frozen):
-    """The Dockerfile text, its hash, and the files that go into its build context."""
+    """The Dockerfile text, its hash, the files of its build context, and the stack it was rendered from."""
 
     sku: str
     text: str
@@ -92,6 +93,7 @@ class RenderedDockerfile(Frozen):
     files: dict[str, str]  # context-relative path -> text content
     wheels: dict[str, dict[str, str]]  # context folder (wheels/<step>) -> {wheel file name: sha256} it must hold
     locked: bool
+    stack: ResolvedStack | None = None  # None for a bare manifest (`render_manifest`): such a render is never built
 
 
 def _escape_dq(value: str) -> str:
@@ -139,6 +141,11 @@ def _index_of(manifest: SkuManifest, layer: str) -> tuple[str, tuple[str, ...]]:
     return primary, extras
 
 
+def _locked_layer(lock: Lock, layer: str) -> tuple[LockedPackage, ...]:
+    """The packages the lock puts in `layer` (none when it names no such layer)."""
+    return next((packages for name, packages in lock.layers.items() if name == layer), ())
+
+
 def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dict[str, str], dict[str, dict[str, str]]]:
     pins = _layer_pins(manifest)
     layers: list[PipLayer] = []
@@ -148,7 +155,7 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
         git = next((p.source for p in pins[name] if isinstance(p.source, GitSource)), None)
         steps = []
         if lock is not None:
-            pkgs = sorted(lock.layers.get(name, ()), key=lambda p: p.name.lower())
+            pkgs = sorted(_locked_layer(lock, name), key=lambda p: p.name.lower())
             # The pin itself gets its own step after its dependencies, so a point release of the
             # pin that keeps its dependencies rebuilds only that small step (and the ones above);
             # each step binds only its own wheels, so its cache key does not see the others'.
@@ -183,8 +190,17 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
     return layers, files, wheels
 
 
-def render(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDockerfile:
-    """Render the Dockerfile of a SKU; with a lock each layer installs exactly its locked set."""
+def render(stack: ResolvedStack) -> RenderedDockerfile:
+    """The render stage: the stack's Dockerfile and context, from its lock when that lock is current (else the pins)."""
+    rendered = render_manifest(manifest=stack.manifest, lock=stack.current_lock)
+    return rendered.model_copy(update={"stack": stack})
+
+
+def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDockerfile:
+    """Render a manifest's Dockerfile; with a lock each layer installs exactly its locked set.
+
+    Without a lock this is the pins-only render whose hash a lock records (`skupin render --unlocked`).
+    """
     layers, files, wheels = _plan(manifest, lock)
     context = {
         "sku": manifest,
@@ -235,11 +251,11 @@ def write_context(*, rendered: RenderedDockerfile, out: Path, wheels: Mapping[st
         if not names:
             wanted[Path(folder) / ".keep"] = ""
         for name, sha in names.items():
-            source = (wheels or {}).get(sha)
-            if source is None or not source.is_file():
+            stored = (wheels or {}).get(sha)
+            if stored is None or not stored.is_file():
                 missing.append(f"{folder}/{name}")
                 continue
-            wanted[Path(folder) / name] = source
+            wanted[Path(folder) / name] = stored
     if missing:
         raise BuildError(f"{len(missing)} locked wheel(s) not gathered for the context: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else "") + "; fix: fetch them first (builder.wheels.fetch_wheels)")

@@ -1,17 +1,19 @@
 """Gate an image: run the probe in a sandboxed container, compare with the reference bundle, decide.
 
-Stage function: ``gate_image(*, stack, image, engine, out, on_event) -> GateVerdict``. The probe
+Stage function: ``gate(built, docker, *, out, on_event) -> GateVerdict`` for an image built here;
+``gate_image(*, stack, image, docker, out, on_event)`` is the same gate for any local image. The probe
 (imagetools/probe.py) and the model fixture are mounted read-only into the image under test; nothing
 the container can write is mounted. The container has no network, no capabilities,
 no-new-privileges, a read-only root with a tmpfs /tmp, private IPC, the SKU's memory limit, a CPU
 and a pid limit, an output cap and an in-container deadline, and is always removed (also at the
-deadline, on a crash, Ctrl-C or when skupin itself is killed: the engine adapter guarantees it).
+deadline, on a crash, Ctrl-C or when skupin itself is killed: the Docker adapter guarantees it).
 The probe prints its outputs as one frame on stdout (``--out -``); the host parses it strictly
 (gates/probe_output.py) and writes the raw outputs and the container's log into the host-only
 folder OUT/probe/. Nothing is unpickled.
 Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
 the image runs: its files are its lock, gates/static/integrity.py), boot, kernels, model, serve
-(gates/serving/serve.py: the engine's own server; `baseline` adds an interleaved A/B).
+(gates/serving/serve.py: the engine's own server; `baseline` adds an interleaved A/B). Each check
+returns its CheckResult; the driver records it and stops at the first that did not pass.
 """
 
 from __future__ import annotations
@@ -26,23 +28,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from builder.build import BuiltImage
+from builder.lockfile import Lock
 from builder.manifest import SkuManifest
+from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
 from common.untrusted import open_folder, printable, write_new_file
+from dockerd import Docker, ImageInfo, RunResult
 from engines import MODEL_MOUNT, engine_outputs, probe_adapter, serve_launch
 from gates.bundle import PROBE, fixture_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
-from gates.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
+from gates.serving.perf import PerfSettings
+from gates.tolerance import DEFAULT_PATH, ToleranceEntry, ToleranceKey, Tolerances, load_tolerances
 from gates.verdict import (
     CheckResult,
     GateVerdict,
+    PromptResult,
     ReferenceInfo,
+    StatDecision,
     ToleranceInfo,
     decide,
     judge_kernels,
@@ -50,9 +59,6 @@ from gates.verdict import (
     judge_pins,
     kernel_hard_failures,
 )
-
-if TYPE_CHECKING:
-    from dockerd import ImageInfo
 
 OnEvent = Callable[[str], None]
 PROBE_MOUNT = "/skupin/probe.py"
@@ -134,7 +140,7 @@ def image_from_build_record(sku: str) -> str:
         raise GateCouldNotRun(f"{path}: no build record for {sku}; fix: skupin build {sku}, or pass --image") from exc
 
 
-def resolve_image(*, docker, image: str) -> ImageInfo:
+def resolve_image(*, docker: Docker, image: str) -> ImageInfo:
     """The ImageInfo (id, labels, ...) of local image `image`, or GateCouldNotRun."""
     info = docker.inspect_image(image)
     if info is None:
@@ -205,7 +211,7 @@ def read_probe_outputs(out: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
     return read_output_folder(Path(out))
 
 
-def probe_in_container(*, manifest: SkuManifest, image: str, docker, out: Path, batch_size: int | None = None,
+def probe_in_container(*, manifest: SkuManifest, image: str, docker: Docker, out: Path, batch_size: int | None = None,
                        threads: int = 0, model_dir: Path | None = None) -> ProbeRun:
     """Run the probe on `image` in the sandbox and read its output frame; failures come back in ProbeRun.error.
 
@@ -251,11 +257,12 @@ def _host_folder(out: Path) -> int:
     return fd
 
 
-def _probe_run(result, *, deadline: float, out_fd: int) -> ProbeRun:
+def _probe_run(result: RunResult, *, deadline: float, out_fd: int) -> ProbeRun:
     """The ProbeRun of a finished probe container: its frame decoded, or the reason it is unusable."""
     tail = (result.stderr.strip() or printable(result.stdout_excerpt, 3000))[-3000:]
-    base = {"exit_code": result.exit_code, "seconds": result.seconds, "logs_tail": tail}
-    problem, report, tensors = "", {}, {}
+    problem = ""
+    report: dict[str, Any] = {}
+    tensors: dict[str, np.ndarray] = {}
     if result.timed_out:
         problem = f"the probe did not finish within the deadline of {deadline:.0f} s (container killed and removed)"
     elif result.overflow:
@@ -272,11 +279,12 @@ def _probe_run(result, *, deadline: float, out_fd: int) -> ProbeRun:
             write_new_file("tensors.safetensors", tensors_raw, dir_fd=out_fd)
     write_new_file("container.log", _container_log(result, problem).encode("utf-8"), dir_fd=out_fd)
     if problem:
-        return ProbeRun(error=problem, timed_out=result.timed_out, **base)
-    return ProbeRun(report=report, tensors=tensors, **base)
+        return ProbeRun(error=problem, timed_out=result.timed_out, exit_code=result.exit_code, seconds=result.seconds,
+                        logs_tail=tail)
+    return ProbeRun(report=report, tensors=tensors, exit_code=result.exit_code, seconds=result.seconds, logs_tail=tail)
 
 
-def _container_log(result, problem: str) -> str:
+def _container_log(result: RunResult, problem: str) -> str:
     """container.log: how the probe container ended and the head and tail of what it printed."""
     stdout = (f"(one output frame, {len(result.stdout_bytes)} bytes)" if not problem
               else result.stdout_excerpt[-MAX_LOG_CHARS // 2:])
@@ -285,7 +293,7 @@ def _container_log(result, problem: str) -> str:
             f"--- stdout\n{stdout}\n--- stderr\n{result.stderr[-MAX_LOG_CHARS:]}\n")
 
 
-def reap_leftovers(*, docker, on_event: OnEvent) -> None:
+def reap_leftovers(*, docker: Docker, on_event: OnEvent) -> None:
     """Remove the sandbox containers of dead skupin processes (dockerd: Docker.reap_orphans) and say so."""
     try:
         reaped = docker.reap_orphans()
@@ -296,7 +304,7 @@ def reap_leftovers(*, docker, on_event: OnEvent) -> None:
         on_event(f"removed a leftover container: {leftover.describe()}")
 
 
-# ---------------------------------------------------------------- the stage
+# ---------------------------------------------------------------- the checks
 
 
 def _probe_check_error(report: dict[str, Any], name: str) -> str:
@@ -311,71 +319,70 @@ def _skip_rest(checks: list[CheckResult], names: tuple[str, ...], why: str) -> N
     checks.extend(CheckResult(name=n, status="skipped", reason=why) for n in names if n not in done)
 
 
-class _Stop(Exception):
-    """A check did not pass: the remaining checks are skipped and the verdict is written."""
-
-
 @dataclass
 class _GateRun:
-    """The mutable state of one gate run, filled check by check (the verdict is built from it at the end)."""
+    """One gate run: its inputs, the results recorded so far, and what the passed checks computed for the next.
 
-    stack: Any
+    A check returns its CheckResult; the driver (`_run_checks`) records it and runs the next check only
+    when it passed or was skipped, so a check reads only what the checks before it filled in.
+    """
+
+    stack: ResolvedStack
     image: str
-    docker: Any
+    docker: Docker
     out: Path
     on_event: OnEvent
     tolerances_path: Path
     reference: Path | None
     baseline: str | None
-    serve_perf: Any
+    serve_perf: PerfSettings | None
+    scratch: Path  # one fixture folder for the whole run (boot resolves it, serve reuses it)
     wheelhouse: Path | None = None
     checks: list[CheckResult] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    image_id: str | None = None
+    image_id: str = ""  # filled by pins
     image_lock_label: str | None = None
-    reference_info: ReferenceInfo | None = None
-    tolerance_info: ToleranceInfo | None = None
-    decisions: tuple = ()
-    prompts: tuple = ()
-    probe_summary: dict[str, Any] = field(default_factory=dict)
+    reference_info: ReferenceInfo | None = None  # filled by reference, with `ref`
     ref: dict[str, np.ndarray] = field(default_factory=dict)
-    tolerances: Any = None
-    entry: Any = None
+    tolerances: Tolerances = field(default_factory=Tolerances)  # filled by the tolerance lookup, with the next three
+    entry: ToleranceEntry | None = None
     tol_problem: str = ""
-    probe: ProbeRun | None = None
-    scratch: Path | None = None
+    tolerance_info: ToleranceInfo | None = None
+    probe: ProbeRun = field(default_factory=ProbeRun)  # filled by boot, with `probe_summary` and `model_dir`
+    probe_summary: dict[str, Any] = field(default_factory=dict)
     model_dir: Path | None = None
+    decisions: tuple[StatDecision, ...] = ()  # filled by model, with `prompts`
+    prompts: tuple[PromptResult, ...] = ()
 
     @property
     def manifest(self) -> SkuManifest:
         return self.stack.manifest
 
     @property
-    def lock(self):
-        return self.stack.lock if getattr(self.stack, "lock_state", "") == "ok" else None
+    def lock(self) -> Lock | None:
+        return self.stack.current_lock
 
     def wanted(self, check: str) -> bool:
         return check in self.manifest.gate.checks
 
-    def add(self, result: CheckResult, *, stop_unless_pass: bool = True) -> None:
-        """Record a check's result; stop the run unless it passed (or was skipped)."""
+    def record(self, result: CheckResult) -> None:
+        """Record a check's result and say it."""
         self.checks.append(result)
         self.on_event(f"{result.name}: {result.status}: {result.reason}")
-        if stop_unless_pass and result.status not in ("pass", "skipped"):
-            raise _Stop
 
     def time(self, name: str, since: float) -> None:
         self.timings[name] = round(time.monotonic() - since, 3)
 
 
-def _check_reference(run: _GateRun) -> None:
+def _check_reference(run: _GateRun) -> CheckResult:
     """The bundle's hashes, then its fit to the SKU (model, prompt set, dtype)."""
     t0 = time.monotonic()
     folder = reference_folder(manifest=run.manifest, folder=run.reference)
     try:
-        meta, run.ref, ref_sha = load_reference(manifest=run.manifest, folder=folder)
+        meta, ref, ref_sha = load_reference(manifest=run.manifest, folder=folder)
     except BundleError as exc:
-        run.add(CheckResult(name="reference", status="error", reason=str(exc)))
+        return CheckResult(name="reference", status="error", reason=str(exc))
+    run.ref = ref
     gpu, engine, model = meta.get("gpu") or {}, meta.get("engine") or {}, meta.get("model") or {}
     run.reference_info = ReferenceInfo(
         path=str(folder), sha256=ref_sha, gpu=gpu.get("name"), driver=meta.get("driver"), torch=meta.get("torch"),
@@ -383,9 +390,9 @@ def _check_reference(run: _GateRun) -> None:
         model_sha256=model.get("sha256"), prompts_sha256=(meta.get("prompts") or {}).get("sha256"),
         dtype=meta.get("dtype"))
     run.time("reference_s", t0)
-    run.add(CheckResult(name="reference", status="pass",
-                        reason=f"bundle {ref_sha[:12]} verified: {model.get('name')} {meta.get('dtype')} "
-                               f"on {gpu.get('name')}"))
+    return CheckResult(name="reference", status="pass",
+                       reason=f"bundle {ref_sha[:12]} verified: {model.get('name')} {meta.get('dtype')} "
+                              f"on {gpu.get('name')}")
 
 
 def _find_tolerance(run: _GateRun) -> None:
@@ -394,7 +401,7 @@ def _find_tolerance(run: _GateRun) -> None:
     m = run.manifest
     key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype=m.gate.dtype, model=m.gate.model)
     entry = run.tolerances.find(key)
-    ref_sha = run.reference_info.sha256
+    ref_sha = run.reference_info.sha256 if run.reference_info is not None else ""
     if entry is None:
         run.tol_problem = (f"no calibrated tolerance for {key.label()} in {run.tolerances_path}; "
                            f"fix: skupin calibrate {m.name}")
@@ -421,32 +428,32 @@ def _summarise_probe(probe: ProbeRun) -> dict[str, Any]:
                        for k, v in (report.get("checks") or {}).items()}}
 
 
-def _check_boot(run: _GateRun) -> None:
+def _check_boot(run: _GateRun) -> CheckResult:
     """Run the probe once in the sandbox: the image starts and reports its environment."""
     t0 = time.monotonic()
     try:
         run.on_event(f"booting {run.image} ({run.image_id[:19]}) with the probe "
                      f"(deadline {run.manifest.gate.deadline_s} s)")
         run.model_dir = fixture_folder(name=run.manifest.gate.model, model_dir=None, scratch=run.scratch)
-        run.probe = probe_in_container(manifest=run.manifest, image=run.image_id, docker=run.docker,
-                                       out=run.out / "probe", model_dir=run.model_dir)
+        probe = probe_in_container(manifest=run.manifest, image=run.image_id, docker=run.docker,
+                                   out=run.out / "probe", model_dir=run.model_dir)
     except (GateCouldNotRun, DockerError, BundleError) as exc:
-        run.add(CheckResult(name="boot", status="error", reason=str(exc)))
+        return CheckResult(name="boot", status="error", reason=str(exc))
+    run.probe = probe
     run.time("probe_container_s", t0)
-    probe, report = run.probe, run.probe.report
     run.probe_summary = _summarise_probe(probe)
-    if probe.error or _probe_check_error(report, "env"):
-        run.add(CheckResult(name="boot", status="error",
-                            reason=probe.error or f"the probe could not read the environment: "
-                                                  f"{_probe_check_error(report, 'env')}",
-                            details={"logs_tail": probe.logs_tail[-2000:]}))
-    env = report.get("env") or {}
-    run.add(CheckResult(name="boot", status="pass",
-                        reason=f"the image booted and the probe ran in {probe.seconds:.1f} s (python "
-                               f"{env.get('python')}, torch {env.get('torch')}, device {report.get('device')})"))
+    env_problem = _probe_check_error(probe.report, "env")
+    if probe.error or env_problem:
+        return CheckResult(name="boot", status="error",
+                           reason=probe.error or f"the probe could not read the environment: {env_problem}",
+                           details={"logs_tail": probe.logs_tail[-2000:]})
+    env = probe.report.get("env") or {}
+    return CheckResult(name="boot", status="pass",
+                       reason=f"the image booted and the probe ran in {probe.seconds:.1f} s (python "
+                              f"{env.get('python')}, torch {env.get('torch')}, device {probe.report.get('device')})")
 
 
-def _check_pins(run: _GateRun) -> None:
+def _check_pins(run: _GateRun) -> CheckResult:
     """Before anything runs: the image's files are exactly its lock, read from its layers (gates/static/integrity.py);
     on a GPU host the host's driver is in the pinned series (read on the host, not from inside the image)."""
     from common.paths import STATE
@@ -458,13 +465,13 @@ def _check_pins(run: _GateRun) -> None:
     try:
         info = resolve_image(docker=run.docker, image=run.image)
     except (GateCouldNotRun, DockerError) as exc:
-        run.add(CheckResult(name="pins", status="error", reason=str(exc)))
+        return CheckResult(name="pins", status="error", reason=str(exc))
     run.image_id = info.id
     run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256")
     if lock is None:
-        run.add(CheckResult(name="pins", status="error",
-                            reason=f"{m.name} has no current lock, so the image's files cannot be checked against one; "
-                                   f"fix: skupin lock {m.name}"))
+        return CheckResult(name="pins", status="error",
+                           reason=f"{m.name} has no current lock, so the image's files cannot be checked against one; "
+                                  f"fix: skupin lock {m.name}")
     launch = serve_launch(manifest=m)
     run.on_event(f"pins: checking the files of {run.image} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
     try:
@@ -472,69 +479,71 @@ def _check_pins(run: _GateRun) -> None:
                                      expected_cmd=launch.argv if launch else None, wheelhouse=run.wheelhouse,
                                      on_event=run.on_event)
     except SkupinError as exc:
-        run.add(CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}"))
+        return CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}")
     run.time("pins_s", t0)
     gpu_host = m.accelerator.vendor != "cpu"
-    run.add(judge_pins(report=report, manifest=m, host_driver=host_driver() if gpu_host else None, gpu_host=gpu_host))
+    return judge_pins(report=report, manifest=m, host_driver=host_driver() if gpu_host else None, gpu_host=gpu_host)
 
 
-def _check_kernels(run: _GateRun) -> None:
+def _check_kernels(run: _GateRun) -> CheckResult:
     """Hard bounds first (no calibration), then every op against its calibrated tolerance."""
     t0 = time.monotonic()
     results = kernel_errors(run.ref, run.probe.tensors)
     hard = kernel_hard_failures(results=results, hard=run.tolerances.hard_bounds)
     if hard:
         more = f" (+{len(hard) - 1} more)" if len(hard) > 1 else ""
-        run.add(CheckResult(name="kernels", status="fail", reason=hard[0] + more, details={"hard_bounds": hard}))
+        return CheckResult(name="kernels", status="fail", reason=hard[0] + more, details={"hard_bounds": hard})
     if run.entry is None:
-        run.add(CheckResult(name="kernels", status="error", reason=run.tol_problem))
+        return CheckResult(name="kernels", status="error", reason=run.tol_problem)
     result = judge_kernels(results=results, entry=run.entry)
     problem = _probe_check_error(run.probe.report, "kernels")
     if problem and result.status == "pass":
         result = CheckResult(name="kernels", status="error", reason=f"the probe's kernel battery failed: {problem}")
     run.time("kernels_s", t0)
-    run.add(result)
+    return result
 
 
-def _check_model(run: _GateRun) -> None:
+def _check_model(run: _GateRun) -> CheckResult:
     """Teacher-forced statistics per prompt against the reference: hard bounds, binomial tests, means."""
     t0 = time.monotonic()
     problem = _probe_check_error(run.probe.report, "model")
     if problem:
-        run.add(CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}"))
+        return CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}")
     engine = run.manifest.stack.engine.name
     missing = sorted(f"model.{name}" for name in engine_outputs(engine)
                      if f"model.{name}" in run.ref and f"model.{name}" not in run.probe.tensors)
     if missing:
-        run.add(CheckResult(name="model", status="fail",
-                            reason=f"the candidate returned no {', '.join(missing)}, which the {engine} engine provides: "
-                                   "a statistic would be lost, so the model check fails instead of skipping it"))
+        return CheckResult(name="model", status="fail",
+                           reason=f"the candidate returned no {', '.join(missing)}, which the {engine} engine provides: "
+                                  "a statistic would be lost, so the model check fails instead of skipping it")
     try:
         stats = model_statistics(run.ref, run.probe.tensors)
     except CompareError as exc:
-        run.add(CheckResult(name="model", status="error", reason=str(exc)))
+        return CheckResult(name="model", status="error", reason=str(exc))
     result, run.decisions, run.prompts = judge_model(stats=stats, entry=run.entry, hard=run.tolerances.hard_bounds)
     if result.status == "error" and run.tol_problem:
         result = result.model_copy(update={"reason": f"{run.tol_problem} (hard bounds passed)"})
     run.time("model_s", t0)
-    run.add(result)
+    return result
 
 
-def _check_serve(run: _GateRun) -> None:
+def _check_serve(run: _GateRun) -> CheckResult:
     """The engine's own server: greedy completions vs the reference, speed (gates/serving/serve.py)."""
     from gates.serving.serve import serve_check
 
     t0 = time.monotonic()
     run.on_event("serve: booting the engine's server in the sandbox")
-    result = serve_check(manifest=run.manifest, image=run.image_id, docker=run.docker, ref=run.ref, entry=run.entry,
-                         baseline=run.baseline, model_dir=run.model_dir, perf=run.serve_perf, on_event=run.on_event)
+    result: CheckResult = serve_check(manifest=run.manifest, image=run.image_id, docker=run.docker, ref=run.ref,
+                                      entry=run.entry, baseline=run.baseline, model_dir=run.model_dir,
+                                      perf=run.serve_perf, on_event=run.on_event)
     run.time("serve_s", t0)
-    run.add(result)
+    return result
 
 
-# (check, the name of the result it records or "" for none, the gate.checks entry it needs or None for always):
+Check = Callable[[_GateRun], CheckResult | None]
+# (check, the name of the result it returns or "" for none, the gate.checks entry it needs or None for always):
 # a check whose entry is not in the SKU's gate.checks is recorded as skipped and not run.
-CHECKS: tuple[tuple[Callable[[_GateRun], None], str, str | None], ...] = (
+CHECKS: tuple[tuple[Check, str, str | None], ...] = (
     (_check_reference, "reference", None),
     (_find_tolerance, "", None),
     (_check_pins, "pins", None),
@@ -546,33 +555,53 @@ CHECKS: tuple[tuple[Callable[[_GateRun], None], str, str | None], ...] = (
 CHECK_NAMES = tuple(name for _, name, _ in CHECKS if name)
 
 
-def gate_image(*, stack, image: str, docker, out: Path, on_event: OnEvent = _quiet,
-               tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
-               serve_perf=None, wheelhouse: Path | None = None) -> GateVerdict:
-    """Gate `image` for the SKU of `stack` (a ResolvedStack) and write verdict.json, report.md and plot.png to `out`.
+def _run_checks(run: _GateRun) -> None:
+    """Run the checks in order, recording each result; the first that neither passed nor was skipped ends the run."""
+    for check, name, needs in CHECKS:
+        if needs is not None and not run.wanted(needs):
+            result: CheckResult | None = CheckResult(name=name, status="skipped",
+                                                     reason=f"{needs} is not in the SKU's gate.checks")
+        else:
+            result = check(run)
+        if result is None:
+            continue
+        run.record(result)
+        if result.status not in ("pass", "skipped"):
+            return
 
-    Checks run in order and the first one that does not pass stops the rest. `baseline` (an image)
-    adds the serve check's interleaved A/B; `serve_perf` (gates.serving.perf.PerfSettings) overrides its load.
+
+# ---------------------------------------------------------------- the stage
+
+
+def gate(built: BuiltImage, docker: Docker, *, out: Path, on_event: OnEvent = _quiet,
+         tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
+         serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None) -> GateVerdict:
+    """The gate stage: gate the image `build` made, for the stack it was built from (see `gate_image`)."""
+    return gate_image(stack=built.stack, image=built.image, docker=docker, out=out, on_event=on_event,
+                      tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
+                      wheelhouse=wheelhouse)
+
+
+def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, on_event: OnEvent = _quiet,
+               tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
+               serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None) -> GateVerdict:
+    """Gate any local image `image` for the SKU of `stack` and write verdict.json, report.md and plot.png to `out`.
+
+    `gate` is the stage for an image built here; this is the same gate for one that was not (`skupin
+    gate --image`, a third-party image, the tests' tampered images). Checks run in
+    order and the first one that does not pass stops the rest. `baseline` (an image) adds the serve
+    check's interleaved A/B; `serve_perf` overrides its load.
     """
     started = time.monotonic()
     created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    run = _GateRun(stack=stack, image=image, docker=docker, out=out, on_event=on_event,
-                   tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
-                   wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse())
     reap_leftovers(docker=docker, on_event=on_event)
-    # One fixture folder for the whole run (boot resolves it, serve reuses it): a generated fixture lives here.
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
-        run.scratch = Path(scratch)
-        try:
-            for check, name, needs in CHECKS:
-                if needs is None or run.wanted(needs):
-                    check(run)
-                else:
-                    run.add(CheckResult(name=name, status="skipped", reason=f"{needs} is not in the SKU's gate.checks"))
-        except _Stop:
-            pass
+        run = _GateRun(stack=stack, image=image, docker=docker, out=out, on_event=on_event,
+                       tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
+                       scratch=Path(scratch), wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse())
+        _run_checks(run)
     return _finish(run, started=started, created=created)
 
 
@@ -586,10 +615,10 @@ def _finish(run: _GateRun, *, started: float, created: str) -> GateVerdict:
     lock = run.lock
     verdict = GateVerdict(
         sku=run.manifest.name, hardware_class=run.manifest.accelerator.hardware_class, image=run.image,
-        image_id=run.image_id, lock_hash=lock.content_hash() if lock else None, image_lock_label=run.image_lock_label,
-        reference=run.reference_info, tolerance=run.tolerance_info, checks=tuple(run.checks),
-        model_decision=run.decisions, prompts=run.prompts, decision=decision, reason=reason, timings=run.timings,
-        probe=run.probe_summary, tool_version=__version__, created=created)
+        image_id=run.image_id or None, lock_hash=lock.content_hash() if lock else None,
+        image_lock_label=run.image_lock_label, reference=run.reference_info, tolerance=run.tolerance_info,
+        checks=tuple(run.checks), model_decision=run.decisions, prompts=run.prompts, decision=decision, reason=reason,
+        timings=run.timings, probe=run.probe_summary, tool_version=__version__, created=created)
     t0 = time.monotonic()
     write_report(verdict=verdict, out=run.out)
     run.on_event(f"verdict: {decision}: {reason} (report {run.out / 'report.md'}; {time.monotonic() - t0:.1f} s)")

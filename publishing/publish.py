@@ -1,6 +1,9 @@
 """Publish a gated image: refuse unless its verdict passed for this image and lock, push by digest, record, tag.
 
-The flow (`plan_publish` is pure and decides whether to publish at all; `publish_image` executes):
+`publish(built, verdict, target)` is the publish stage: the image `build` made, with the verdict
+`gate` returned (parsed once into `VerdictFacts`). `plan_publish` is pure and decides whether to
+publish at all; `publish_image` executes the plan. `publish_sku` is the same for an image and a
+verdict file found on this host (`skupin publish`). The flow:
 
 1. refuse (PublishError) unless the verdict passed, names this exact image id, this SKU and the
    SKU's current lock hash, and its pins and model checks passed;
@@ -24,6 +27,7 @@ never names a digest that has no record, even when the publish dies between two 
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import stat
@@ -36,11 +40,14 @@ from urllib.parse import urlparse
 
 from pydantic import Field
 
+from builder.build import BuiltImage
 from builder.lockfile import Lock, image_tag
 from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from common import __version__
 from common.errors import BundleError, DockerError, NetworkError, PublishError
 from common.model import Frozen, canonical_json
+from dockerd import Docker, ImageInfo
+from gates.verdict import GateVerdict
 
 VERIFIED_TAG = "verified"
 PUSH_TAG_PREFIX = "skupin-push-"
@@ -93,7 +100,7 @@ def parse_target(text: str) -> RegistryTarget:
 
 
 class VerdictFacts(Frozen):
-    """What publish needs from a gate verdict (gates/verdict.py GateVerdict, read as JSON)."""
+    """What publish needs from a gate verdict (gates/verdict.py GateVerdict, read as JSON), and that JSON."""
 
     sku: str
     decision: str
@@ -103,6 +110,13 @@ class VerdictFacts(Frozen):
     bundle_sha256: str | None
     created: str | None
     checks: dict[str, str] = Field(description="check name -> status")
+    document: dict[str, Any] = Field(default_factory=dict, repr=False,
+                                     description="The verdict JSON these facts were read from (the record stores it)")
+
+
+def facts_of(verdict: GateVerdict) -> VerdictFacts:
+    """The facts of a verdict the gate returned, read exactly as its verdict.json would be."""
+    return verdict_facts(json.loads(verdict.model_dump_json()))
 
 
 def verdict_facts(data: dict[str, Any]) -> VerdictFacts:
@@ -117,7 +131,7 @@ def verdict_facts(data: dict[str, Any]) -> VerdictFacts:
     return VerdictFacts(sku=str(data["sku"]), decision=str(decision), reason=str(data.get("reason") or ""),
                         image_id=data.get("image_id"), lock_hash=data.get("lock_hash"),
                         bundle_sha256=reference.get("sha256") if isinstance(reference, dict) else None,
-                        created=data.get("created"), checks=checks)
+                        created=data.get("created"), checks=checks, document=data)
 
 
 def refusals(*, sku: str, image_id: str, lock_sha256: str, verdict: VerdictFacts) -> list[str]:
@@ -157,6 +171,7 @@ class PublishPlan(Frozen):
     version_tag: str
     tags: tuple[str, ...] = Field(description="Human tags, moved in this order after the push and the record")
     push_tag: str
+    verdict: VerdictFacts = Field(description="The verdict that allowed it (its JSON goes into the record)")
 
     @property
     def push_reference(self) -> str:
@@ -181,7 +196,7 @@ def plan_publish(*, sku: str, engine_version: str, lock: Lock, image_id: str, ve
     vtag = version_tag(sku=sku, engine_version=engine_version, lock=lock)
     return PublishPlan(sku=sku, target=target, repository=target.repository(sku), image_id=image_id,
                        lock_sha256=lock_sha, version_tag=vtag, tags=(vtag, VERIFIED_TAG),
-                       push_tag=push_tag or PUSH_TAG_PREFIX + secrets.token_hex(6))
+                       push_tag=push_tag or PUSH_TAG_PREFIX + secrets.token_hex(6), verdict=verdict)
 
 
 # ---------------------------------------------------------------- the verification record
@@ -300,7 +315,7 @@ def check_registry(*, client: RegistryClient, target: RegistryTarget, hint: str 
         raise PublishError(f"the registry {target.url} does not answer: {exc}; nothing was pushed or tagged; fix: {fix}") from exc
 
 
-def push_by_digest(*, plan: PublishPlan, docker, on_event: OnEvent = _quiet) -> str:
+def push_by_digest(*, plan: PublishPlan, docker: Docker, on_event: OnEvent = _quiet) -> str:
     """Push the image under the plan's temporary tag; return the digest. The local temporary tag always goes."""
     docker.tag(plan.image_id, plan.push_reference)
     try:
@@ -314,12 +329,12 @@ def push_by_digest(*, plan: PublishPlan, docker, on_event: OnEvent = _quiet) -> 
             on_event(f"could not remove the local temporary tag {plan.push_reference}")
 
 
-def publish_image(*, plan: PublishPlan, verdict: dict[str, Any], lock: Lock, docker, client: RegistryClient,
+def publish_image(*, plan: PublishPlan, lock: Lock, docker: Docker, client: RegistryClient,
                   untag: Untag | None = None, on_event: OnEvent = _quiet, registry_hint: str = "") -> PublishedImage:
     """Execute a plan (see the module doc). Nothing is tagged unless every earlier step succeeded."""
     start = time.monotonic()
     check_registry(client=client, target=plan.target, hint=registry_hint)
-    facts = verdict_facts(verdict)
+    facts = plan.verdict
     on_event(f"pushing {plan.image_id[:19]} as {plan.push_reference}")
     digest = ""
     try:
@@ -337,7 +352,7 @@ def publish_image(*, plan: PublishPlan, verdict: dict[str, Any], lock: Lock, doc
         record = VerificationRecord(
             sku=plan.sku, repository=plan.repository, image_digest=digest, image_id=plan.image_id,
             lock_sha256=plan.lock_sha256, lock=lock.model_dump(mode="json"), bundle_sha256=str(facts.bundle_sha256),
-            gate_decision=facts.decision, gate_date=facts.created, verdict=verdict, tool_version=__version__,
+            gate_decision=facts.decision, gate_date=facts.created, verdict=facts.document, tool_version=__version__,
             published=_now())
         record_digest = _store_record(plan=plan, record=record, subject=image, client=client)
         on_event(f"stored the verification record {plan.repository}:{record_tag(digest)}")
@@ -400,7 +415,7 @@ def _drop_push_tag(*, plan: PublishPlan, client: RegistryClient, untag: Untag | 
 # ---------------------------------------------------------------- a SKU, from its files (for the CLI and `run`)
 
 
-def publish_target(registry: str | None, addr: str):
+def publish_target(registry: str | None, addr: str) -> tuple[RegistryTarget, Untag | None, str]:
     """The registry to publish to; for our default local registry also the on-disk untag and the `up` hint."""
     from publishing.local_registry import default_registry, untag_on_disk
 
@@ -484,8 +499,9 @@ def _read_verdict(path: Path, sku: str) -> dict:
 
 
 def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,
-                docker, on_event: OnEvent = _quiet) -> PublishedImage:
-    """Load the SKU, its current lock, its built image and verdict; plan and publish (used by `publish` and `run`)."""
+                docker: Docker, on_event: OnEvent = _quiet) -> PublishedImage:
+    """`skupin publish`: the SKU's current lock, an image on this host and its verdict file (given, or the newest
+    under .skupin/gates/ for this image and lock), each read once; then plan and publish."""
     from builder.lockfile import lock_path, read_lock
     from builder.manifest import load_manifest
     from common.paths import sku_path
@@ -494,9 +510,7 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     manifest = load_manifest(path)
     lock = read_lock(lock_path(path))
     ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
-    info = docker.inspect_image(ref)
-    if info is None:
-        raise PublishError(f"image {ref} is not on this engine; fix: skupin build {manifest.name}")
+    info = _local_image(docker=docker, ref=ref, sku=manifest.name)
     found = (verdict_path, None) if verdict_path else find_verdict(sku=manifest.name, image_id=info.id,
                                                                    lock_sha256=lock.content_hash())
     if found is None:
@@ -507,6 +521,34 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     target, untag, hint = publish_target(registry, addr)
     plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
                         verdict=verdict_facts(verdict), target=target)
-    with RegistryClient(target.url) as client:
-        return publish_image(plan=plan, verdict=verdict, lock=lock, docker=docker, client=client, untag=untag,
-                             on_event=on_event, registry_hint=hint)
+    return _execute(plan=plan, lock=lock, docker=docker, untag=untag, registry_hint=hint, on_event=on_event)
+
+
+def publish(built: BuiltImage, verdict: GateVerdict, target: RegistryTarget, *, docker: Docker,
+            untag: Untag | None = None, registry_hint: str = "", on_event: OnEvent = _quiet) -> PublishedImage:
+    """The publish stage: the image `build` made, allowed by the verdict `gate` returned for it; see the module doc.
+
+    `untag` removes a temporary tag where the registry cannot (our local registry: `publish_target`).
+    """
+    lock = built.stack.current_lock
+    if lock is None:
+        raise PublishError(f"{built.sku}: the stack it was built from has no current lock; fix: skupin lock {built.sku}")
+    info = _local_image(docker=docker, ref=built.image_id, sku=built.sku)
+    plan = plan_publish(sku=built.sku, engine_version=built.stack.manifest.stack.engine.version, lock=lock,
+                        image_id=info.id, verdict=facts_of(verdict), target=target)
+    return _execute(plan=plan, lock=lock, docker=docker, untag=untag, registry_hint=registry_hint, on_event=on_event)
+
+
+def _local_image(*, docker: Docker, ref: str, sku: str) -> ImageInfo:
+    info = docker.inspect_image(ref)
+    if info is None:
+        raise PublishError(f"image {ref} is not on this engine; fix: skupin build {sku}")
+    return info
+
+
+def _execute(*, plan: PublishPlan, lock: Lock, docker: Docker, untag: Untag | None, registry_hint: str,
+             on_event: OnEvent) -> PublishedImage:
+    """Run a plan against its registry (one client for the whole publish)."""
+    with RegistryClient(plan.target.url) as client:
+        return publish_image(plan=plan, lock=lock, docker=docker, client=client, untag=untag, on_event=on_event,
+                             registry_hint=registry_hint)

@@ -1,10 +1,13 @@
-"""Run the whole flow for one SKU (`skupin run`): check, lock, engine, base, build, gate, registry, publish, verify.
+"""Run the whole flow for one SKU (`skupin run`): check, lock, docker, base, build, gate, registry, publish, verify.
 
-Each stage is one call into its own module, in order, timed; the first failure stops the run and
-every later stage is reported as not run. Ctrl-C (SIGINT) stops the stage in progress: the engine
-adapter removes any container it started, a build is cancelled, and nothing is published unless
-the publish stage had already moved the tags (the human tags move last, after the record).
-`RunSummary.table()` is the summary table the CLI prints at the end.
+`run_pipeline` is a straight line of the stage calls, each taking the frozen object the one before
+made: resolve -> render -> build -> gate -> publish, then verify what was published. The
+Dockerfile is rendered once and the verdict read once. Each stage is timed and becomes one row of
+the summary; the first failure stops the run and every later stage is reported as not run. Ctrl-C
+(SIGINT) stops the stage in progress: the Docker adapter removes any container it started, a build
+is cancelled, and nothing is published unless the publish stage had already moved the tags (the
+human tags move last, after the record). `RunSummary.table()` is the summary table the CLI prints
+at the end.
 """
 
 from __future__ import annotations
@@ -13,16 +16,32 @@ import datetime as _dt
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.errors import PublishError, SkupinError
+from builder.base import ensure_base
+from builder.build import BuiltImage, build
+from builder.check import resolve
+from builder.lock import default_ca_bundle, relock
+from builder.lockfile import lock_path
+from builder.render import render
+from builder.stack import ResolvedStack
+from common.errors import LockError, PublishError, SkupinError
 from common.model import Frozen
-from common.paths import REGISTRY_ADDR
+from common.paths import REGISTRY_ADDR, STATE, sku_path
+from dockerd import Docker, connect, ensure_dockerd
+from gates.gate import gate
+from gates.verdict import GateVerdict, raise_for_verdict
+from publishing.local_registry import default_registry, registry_up
+from publishing.publish import PublishedImage, parse_target, publish, publish_target
+from publishing.verify import verified_image_id, verify_reference
 
 OnEvent = Callable[[str], None]
-STAGES = ("check", "lock", "engine", "base", "build", "gate", "registry", "publish", "verify")
+STAGES = ("check", "lock", "docker", "base", "build", "gate", "registry", "publish", "verify")
 DEFAULT_WHEELHOUSE = Path("/opt/wheels")
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def _quiet(_: str) -> None:
@@ -38,6 +57,20 @@ class RunOptions(Frozen):
     wheelhouse: Path | None = None
     ca_bundle: Path | None = None
     no_cache: bool = False
+
+    def local_wheelhouse(self) -> Path | None:
+        """--wheelhouse, else /opt/wheels when it exists."""
+        if self.wheelhouse is not None:
+            return self.wheelhouse
+        return DEFAULT_WHEELHOUSE if DEFAULT_WHEELHOUSE.is_dir() else None
+
+    def trusted_ca(self) -> Path | None:
+        """--ca-bundle, else the host's bundle when TLS is intercepted here."""
+        return self.ca_bundle or default_ca_bundle()
+
+    def local_registry(self) -> bool:
+        """Whether this run publishes to the local registry (which it then starts)."""
+        return self.registry is None or parse_target(self.registry).host == self.addr
 
 
 class StageResult(Frozen):
@@ -69,19 +102,19 @@ class RunSummary(BaseModel):
         return rows
 
 
-class _Run:
-    """Mutable bookkeeping for one run (kept private; the result is the frozen RunSummary)."""
+class _Rows:
+    """The summary rows of one run, one per stage as it ends (the result is the frozen RunSummary)."""
 
-    def __init__(self, options: RunOptions, on_event: OnEvent) -> None:
-        self.options, self.say = options, on_event
+    def __init__(self, say: OnEvent) -> None:
+        self.say = say
         self.rows: list[StageResult] = []
-        self.ctx: dict = {}
 
-    def stage(self, name: str, fn: Callable[[], str]) -> None:
+    def stage(self, name: str, fn: Callable[P, tuple[T, str]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run one stage, timed: its value for the next stage; its detail (or its error) goes into the row."""
         self.say(f"== {name}")
         start = time.monotonic()
         try:
-            detail = fn()
+            value, detail = fn(*args, **kwargs)
         except KeyboardInterrupt:
             self.rows.append(StageResult(stage=name, result="interrupted", seconds=round(time.monotonic() - start, 2)))
             raise
@@ -90,176 +123,121 @@ class _Run:
                                          detail=exc.lines()[0][:160]))
             raise
         result = "skipped" if detail.startswith("skipped") else "ok"
-        self.rows.append(StageResult(stage=name, result=result, seconds=round(time.monotonic() - start, 2), detail=detail[:160]))
+        self.rows.append(StageResult(stage=name, result=result, seconds=round(time.monotonic() - start, 2),
+                                     detail=detail[:160]))
+        return value
 
 
 def run_pipeline(*, options: RunOptions, on_event: OnEvent = _quiet) -> RunSummary:
     """Run every stage in order; never raises a SkupinError or KeyboardInterrupt (both end in the summary)."""
-    run = _Run(options, on_event)
+    rows = _Rows(on_event)
+    reference: str | None = None
     error: SkupinError | None = None
     interrupted = False
     try:
-        for name in STAGES:
-            run.stage(name, lambda name=name: _STAGE_FUNCS[name](run))
+        reference = _flow(options, rows)
     except SkupinError as exc:
         error = exc
     except KeyboardInterrupt:
         interrupted = True
         error = SkupinError("interrupted: nothing was published after the interrupted stage")
-        error.exit_code = 130  # type: ignore[misc]
-    done = {r.stage for r in run.rows}
-    rows = run.rows + [StageResult(stage=s, result="not run") for s in STAGES if s not in done]
-    return RunSummary(sku=options.sku, stages=tuple(rows), reference=run.ctx.get("reference") if error is None else None,
-                      error=error, interrupted=interrupted)
+        error.exit_code = 130
+    done = {r.stage for r in rows.rows}
+    stages = rows.rows + [StageResult(stage=s, result="not run") for s in STAGES if s not in done]
+    return RunSummary(sku=options.sku, stages=tuple(stages), reference=reference, error=error, interrupted=interrupted)
 
 
-# ---------------------------------------------------------------- the stages
+def _flow(options: RunOptions, rows: _Rows) -> str:
+    """The straight line: each stage takes what the one before made; the verified reference."""
+    say = rows.say
+    stack = rows.stage("check", _check, sku_path(options.sku))
+    stack = rows.stage("lock", _lock, stack, options, say)
+    docker = rows.stage("docker", _docker, say)
+    rows.stage("base", _base, stack, docker, say)
+    built = rows.stage("build", _build, stack, docker, options, say)
+    verdict = rows.stage("gate", _gate, built, docker, options, say)
+    rows.stage("registry", _registry, options, say)
+    published = rows.stage("publish", _publish, built, verdict, docker, options, say)
+    return rows.stage("verify", _verify, published, say)
 
 
-def _check(run: _Run) -> str:
-    from builder.check import resolve
-    from common.paths import sku_path
+# ---------------------------------------------------------------- the stages: (value, detail for the summary)
 
-    path = sku_path(run.options.sku)
+
+def _check(path: Path) -> tuple[ResolvedStack, str]:
     stack = resolve(path)
-    run.ctx.update(path=path, stack=stack)
-    return f"{stack.manifest.name}: manifest and pins ok; lock {stack.lock_state}"
+    return stack, f"{stack.manifest.name}: manifest and pins ok; lock {stack.lock_state}"
 
 
-def _wheelhouse(run: _Run) -> Path | None:
-    if run.options.wheelhouse is not None:
-        return run.options.wheelhouse
-    return DEFAULT_WHEELHOUSE if DEFAULT_WHEELHOUSE.is_dir() else None
-
-
-def _ca_bundle(run: _Run) -> Path | None:
-    from builder.lock import default_ca_bundle
-
-    return run.options.ca_bundle or default_ca_bundle()
-
-
-def _lock(run: _Run) -> str:
-    from builder.check import resolve
-    from builder.lock import relock
-    from builder.lockfile import lock_path
-    from common.errors import LockError
-
-    stack, path = run.ctx["stack"], run.ctx["path"]
+def _lock(stack: ResolvedStack, options: RunOptions, say: OnEvent) -> tuple[ResolvedStack, str]:
+    """The stack with a current lock: as it is, or locked now when it had none (a stale lock is an error)."""
+    path = stack.manifest_path
     if stack.lock_state == "ok":
-        return f"skipped: {stack.lock_note}"
+        return stack, f"skipped: {stack.lock_note}"
     if stack.lock_state == "stale":
         raise LockError(f"{path}: the lock is stale: {stack.lock_note}")
-    manifest = stack.manifest
-    lock = relock(manifest=manifest, manifest_path=path, wheelhouse=_wheelhouse(run), progress=run.say,
-                  ca_bundle=_ca_bundle(run))
-    run.ctx["stack"] = resolve(path, require_lock=True)
-    return f"wrote {lock_path(path).name} ({lock.content_hash()[:12]})"
+    lock = relock(manifest=stack.manifest, manifest_path=path, wheelhouse=options.local_wheelhouse(), progress=say,
+                  ca_bundle=options.trusted_ca())
+    return resolve(path, require_lock=True), f"wrote {lock_path(path).name} ({lock.content_hash()[:12]})"
 
 
-def _engine(run: _Run) -> str:
-    from dockerd import connect, ensure_dockerd
-
-    status = ensure_dockerd(on_event=run.say)
-    run.ctx["docker"] = connect()
-    return f"docker {status.server_version}: {status.action}"
+def _docker(say: OnEvent) -> tuple[Docker, str]:
+    status = ensure_dockerd(on_event=say)
+    return connect(), f"docker {status.server_version}: {status.action}"
 
 
-def _base(run: _Run) -> str:
-    from builder.base import ensure_base
-
-    image_id = ensure_base(manifest=run.ctx["stack"].manifest, docker=run.ctx["docker"], on_event=run.say)
-    return f"base {image_id[:19]}"
+def _base(stack: ResolvedStack, docker: Docker, say: OnEvent) -> tuple[str, str]:
+    image_id = ensure_base(manifest=stack.manifest, docker=docker, on_event=say)
+    return image_id, f"base {image_id[:19]}"
 
 
-def _build(run: _Run) -> str:
-    from builder.build import build_image
-    from common.paths import STATE
-
-    stack, path = run.ctx["stack"], run.ctx["path"]
-    assert stack.lock is not None  # _lock left a fresh, locked stack or raised
-    built = build_image(manifest=stack.manifest, manifest_path=path, lock=stack.lock,
-                        docker=run.ctx["docker"], wheelhouse=_wheelhouse(run), ca_bundle=_ca_bundle(run),
-                        progress="plain", on_line=run.say, no_cache=run.options.no_cache, records=STATE / "builds")
-    run.ctx["built"] = built
+def _build(stack: ResolvedStack, docker: Docker, options: RunOptions, say: OnEvent) -> tuple[BuiltImage, str]:
+    built = build(render(stack), docker, wheelhouse=options.local_wheelhouse(), ca_bundle=options.trusted_ca(),
+                  progress="plain", on_line=say, no_cache=options.no_cache, records=STATE / "builds")
     cached = sum(1 for layer in built.layers if layer.cached)
-    return f"{built.image} ({built.image_id[:19]}; {cached}/{len(built.layers)} layers cached)"
+    return built, f"{built.image} ({built.image_id[:19]}; {cached}/{len(built.layers)} layers cached)"
 
 
-def _gate(run: _Run) -> str:
-    from common.paths import STATE
-    from gates.gate import gate_image
-    from gates.verdict import raise_for_verdict
-
-    stack = run.ctx["stack"]  # the locked stack _lock left (or re-resolved after locking)
-    built = run.ctx["built"]
+def _gate(built: BuiltImage, docker: Docker, options: RunOptions, say: OnEvent) -> tuple[GateVerdict, str]:
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = Path(STATE) / "gates" / stack.manifest.name / stamp
-    baseline = _verified_baseline(run, built.image_id)
+    out = Path(STATE) / "gates" / built.sku / stamp
+    baseline = _verified_baseline(built, docker, options)
     if baseline:
-        run.say(f"serve A/B baseline: the currently verified image {baseline[:19]}")
-    verdict = gate_image(stack=stack, image=built.image, docker=run.ctx["docker"], out=out, on_event=run.say,
-                         baseline=baseline, wheelhouse=_wheelhouse(run))
-    if not (out / "verdict.json").is_file():
-        raise PublishError(f"the gate wrote no {out / 'verdict.json'}")
-    run.ctx["verdict_path"] = out / "verdict.json"
+        say(f"serve A/B baseline: the currently verified image {baseline[:19]}")
+    verdict = gate(built, docker, out=out, on_event=say, baseline=baseline, wheelhouse=options.local_wheelhouse())
     raise_for_verdict(verdict)
-    return f"{verdict.decision}: {verdict.reason[:100]} ({out / 'report.md'})"
+    return verdict, f"{verdict.decision}: {verdict.reason[:100]} ({out / 'report.md'})"
 
 
-def _verified_baseline(run: _Run, image_id: str) -> str | None:
-    """The SKU's currently verified image, when this engine holds it and it is not the new build."""
-    from publishing.publish import publish_target
-    from publishing.verify import verified_image_id
-
-    target, _, _ = publish_target(run.options.registry, run.options.addr)
-    verified = verified_image_id(sku=run.ctx["stack"].manifest.name, target=target)
-    if verified and verified != image_id and run.ctx["docker"].image_exists(verified):
+def _verified_baseline(built: BuiltImage, docker: Docker, options: RunOptions) -> str | None:
+    """The SKU's currently verified image, when this Docker daemon holds it and it is not the new build."""
+    target, _, _ = publish_target(options.registry, options.addr)
+    verified = verified_image_id(sku=built.sku, target=target)
+    if verified and verified != built.image_id and docker.image_exists(verified):
         return verified
     return None
 
 
-def _is_local(run: _Run) -> bool:
-    from publishing.publish import parse_target
-
-    return run.options.registry is None or parse_target(run.options.registry).host == run.options.addr
-
-
-def _registry(run: _Run) -> str:
-    from publishing.local_registry import default_registry, registry_up
-
-    if not _is_local(run):
-        return f"skipped: publishing to {run.options.registry}"
-    status = registry_up(registry=default_registry(addr=run.options.addr), on_event=run.say)
-    return f"{status.url}: {status.action}"
+def _registry(options: RunOptions, say: OnEvent) -> tuple[None, str]:
+    if not options.local_registry():
+        return None, f"skipped: publishing to {options.registry}"
+    status = registry_up(registry=default_registry(addr=options.addr), on_event=say)
+    return None, f"{status.url}: {status.action}"
 
 
-def _publish(run: _Run) -> str:
-    from publishing.publish import publish_sku
-
-    built = run.ctx["built"]
-    published = publish_sku(sku=run.options.sku, registry=run.options.registry, addr=run.options.addr,
-                            verdict_path=run.ctx["verdict_path"], image=built.image_id, docker=run.ctx["docker"],
-                            on_event=run.say)
-    run.ctx["published"] = published
-    return f"{published.reference} (push {published.push_s:.1f} s)"
+def _publish(built: BuiltImage, verdict: GateVerdict, docker: Docker, options: RunOptions,
+             say: OnEvent) -> tuple[PublishedImage, str]:
+    target, untag, hint = publish_target(options.registry, options.addr)  # after `registry up`: it knows the local one
+    published = publish(built, verdict, target, docker=docker, untag=untag, registry_hint=hint, on_event=say)
+    return published, f"{published.reference} (push {published.push_s:.1f} s)"
 
 
-def _verify(run: _Run) -> str:
-    from publishing.verify import verify_reference
-
-    published = run.ctx["published"]
+def _verify(published: PublishedImage, say: OnEvent) -> tuple[str, str]:
     ref = f"{published.reference.split('@')[0]}:{published.tags[-1]}"
     result = verify_reference(ref=ref)
-    run.say(result.line())
-    if not result.ok:
+    say(result.line())
+    if not result.ok or result.reference is None:
         raise PublishError(result.line())
     if result.digest != published.digest:
         raise PublishError(f"{ref} resolves to {result.digest}, this run published {published.digest}")
-    run.ctx["reference"] = result.reference
-    return result.line()[:160]
-
-
-_STAGE_FUNCS: dict[str, Callable[[_Run], str]] = {
-    "check": _check, "lock": _lock, "engine": _engine, "base": _base, "build": _build, "gate": _gate,
-    "registry": _registry, "publish": _publish, "verify": _verify,
-}
+    return result.reference, result.line()[:160]

@@ -40,12 +40,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     from builder.check import resolve
-    from builder.render import render, write_context
+    from builder.render import render, render_manifest, write_context
     from common.paths import sku_path
 
     stack = resolve(sku_path(args.sku))
-    lock = None if args.unlocked else stack.lock if stack.lock_state == "ok" else None
-    rendered = render(manifest=stack.manifest, lock=lock)
+    lock = None if args.unlocked else stack.current_lock
+    rendered = render_manifest(manifest=stack.manifest) if args.unlocked else render(stack)
     if args.out:
         stored = {}
         if lock is not None:  # a locked context holds each step's wheels: `docker build DIR` needs no network
@@ -146,19 +146,17 @@ def cmd_base(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from builder.build import build_image
-    from builder.lockfile import lock_path, read_lock
-    from builder.manifest import load_manifest
+    from builder.build import build
+    from builder.check import resolve
+    from builder.render import render
     from common.paths import STATE, sku_path
     from dockerd import connect
 
-    path = sku_path(args.sku)
-    manifest = load_manifest(path)
-    lock = read_lock(lock_path(path))
+    stack = resolve(sku_path(args.sku))
     mode: Literal["tty", "plain"] = "tty" if args.progress == "tty" or (args.progress == "auto" and sys.stderr.isatty()) \
         else "plain"
-    built = build_image(
-        manifest=manifest, manifest_path=path, lock=lock, docker=connect(),
+    built = build(
+        render(stack), connect(),
         wheelhouse=args.wheelhouse, ca_bundle=args.ca_bundle, progress=mode,
         on_line=progress_printer(mode), no_cache=args.no_cache, records=STATE / "builds",
     )

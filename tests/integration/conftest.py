@@ -83,10 +83,10 @@ def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
         data = json.loads(record.read_text())
         if data.get("lock_sha256") == stack.lock.content_hash() and docker.image_exists(data["image_id"]):
             return data["image_id"]
-    from builder.build import build_image
+    from builder.build import build
+    from builder.render import render
 
-    built = build_image(manifest=stack.manifest, manifest_path=CPU_SKU, lock=stack.lock, docker=docker,
-                        wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
+    built = build(render(stack), docker, wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
     return built.image_id
 
 

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from builder.build import BuiltImage, build_image
+from builder.build import BuiltImage, build
+from builder.check import resolve
 from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
+from builder.render import render
 from builder.wheels import STORE, store_path
 from common.errors import BuildError
 from dockerd import ContainerSpec, Docker
@@ -39,11 +41,11 @@ def sku_dir(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path | None, h
         shutil.copy(committed, lock_path(folder / CPU_SKU.name))
     else:
         from builder.lock import lock_sku
-        from builder.render import render
+        from builder.render import render_manifest
 
         manifest = load_manifest(folder / CPU_SKU.name)
         lock = lock_sku(manifest=manifest, manifest_path=folder / CPU_SKU.name, wheelhouse=wheelhouse,
-                        dockerfile_sha256=render(manifest=manifest).sha256, ca_bundle=host_ca_bundle)
+                        dockerfile_sha256=render_manifest(manifest=manifest).sha256, ca_bundle=host_ca_bundle)
         write_lock(lock, lock_path(folder / CPU_SKU.name))
     return folder
 
@@ -71,10 +73,9 @@ def built(docker: Docker, sku_dir: Path, wheelhouse: Path | None, marker_ca: tup
     downloaded trusting the marker CA."""
     path = sku_dir / CPU_SKU.name
     lines: list[str] = []
-    result = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)),
-                         docker=docker, wheelhouse=wheelhouse, ca_bundle=marker_ca[0], progress="plain",
-                         on_line=lines.append, no_cache=True, records=tmp_path_factory.mktemp("records"),
-                         wheel_store=tmp_path_factory.mktemp("wheels"))
+    result = build(render(resolve(path)), docker, wheelhouse=wheelhouse, ca_bundle=marker_ca[0], progress="plain",
+                   on_line=lines.append, no_cache=True, records=tmp_path_factory.mktemp("records"),
+                   wheel_store=tmp_path_factory.mktemp("wheels"))
     assert any("DONE" in line for line in lines)
     assert any(line.startswith("fetched transformers-") for line in lines)
     return result
@@ -159,8 +160,7 @@ def test_build_record_and_layers(docker: Docker, built: BuiltImage) -> None:
 def test_rebuild_is_all_cache_and_same_image(docker: Docker, built: BuiltImage, sku_dir: Path, wheelhouse: Path | None,
                                              host_ca_bundle: Path | None, tmp_path: Path) -> None:
     path = sku_dir / CPU_SKU.name
-    again = build_image(manifest=load_manifest(path), manifest_path=path, lock=read_lock(lock_path(path)), docker=docker,
-                        wheelhouse=wheelhouse, ca_bundle=host_ca_bundle, records=tmp_path)
+    again = build(render(resolve(path)), docker, wheelhouse=wheelhouse, ca_bundle=host_ca_bundle, records=tmp_path)
     assert again.image_id == built.image_id
     assert all(layer.cached for layer in again.layers if layer.name in ("python", "framework", "compiler", "engine"))
     record = json.loads((tmp_path / f"{again.sku}.json").read_text())
@@ -195,8 +195,8 @@ def test_failing_step_names_layer_exit_code_5_and_no_tag(docker: Docker, built: 
     tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=bad)
     tags_to_remove.append(tag)
     with pytest.raises(BuildError) as err:
-        build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=bad, docker=docker,
-                    wheelhouse=house, ca_bundle=host_ca_bundle, wheel_store=tmp_path / "store")
+        build(render(resolve(tmp_path / CPU_SKU.name)), docker, wheelhouse=house, ca_bundle=host_ca_bundle,
+              wheel_store=tmp_path / "store")
     assert "layer 'engine' failed" in str(err.value)
     # the tail of the step's log says why
     assert "transformers-5.24.0-py3-none-any.whl: cannot install: BadZipFile" in str(err.value)
@@ -222,11 +222,11 @@ def test_a_wheel_that_does_not_match_the_lock_stops_the_build_before_buildkit(do
     tf = next(p for p in lock.layers["engine"] if p.name == "transformers")
     (house / tf.filename).write_bytes(b"a tampered wheel")
     shutil.copy(sku_dir / CPU_SKU.name, tmp_path / CPU_SKU.name)
-    manifest = load_manifest(tmp_path / CPU_SKU.name)
+    write_lock(lock, lock_path(tmp_path / CPU_SKU.name))
     lines: list[str] = []
     with pytest.raises(BuildError, match=f"{house / tf.filename}: sha256 [0-9a-f]{{64}}, but the lock says {tf.sha256}"):
-        build_image(manifest=manifest, manifest_path=tmp_path / CPU_SKU.name, lock=lock, docker=docker, wheelhouse=house,
-                    wheel_store=tmp_path / "store", on_line=lines.append, progress="plain")
+        build(render(resolve(tmp_path / CPU_SKU.name)), docker, wheelhouse=house, wheel_store=tmp_path / "store",
+              on_line=lines.append, progress="plain")
     assert not any(line.startswith("#") for line in lines)  # BuildKit never started
 
 

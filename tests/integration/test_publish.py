@@ -112,7 +112,7 @@ def publish(*, docker: Docker, registry: LocalRegistry, image_id: str, lock: Loc
     plan = plan_publish(sku=SKU, engine_version="5.24.0", lock=lock, image_id=image_id,
                         verdict=verdict_facts(verdict), target=target)
     with RegistryClient(target.url, retries=1, backoff=0.1) as client:
-        return publish_image(plan=plan, verdict=verdict, lock=lock, docker=docker, client=client, on_event=on_event,
+        return publish_image(plan=plan, lock=lock, docker=docker, client=client, on_event=on_event,
                              untag=lambda repo, tag: untag_on_disk(registry=registry, repository=repo, tag=tag))
 
 
@@ -237,7 +237,7 @@ def test_end_to_end_cpu_image_gate_publish_and_verify(docker: Docker, registry: 
                         image_id=honest_image, verdict=verdict_facts(verdict), target=target)
     t0 = time.monotonic()
     with RegistryClient(target.url) as client:
-        published = publish_image(plan=plan, verdict=verdict, lock=lock, docker=docker, client=client,
+        published = publish_image(plan=plan, lock=lock, docker=docker, client=client,
                                   untag=lambda r, t: untag_on_disk(registry=registry, repository=r, tag=t))
         assert read_record(client=client, repository="cpu-x86_64", digest=published.digest).image_id == honest_image
     result = verify_reference(ref=f"{registry.addr}/cpu-x86_64:verified")

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
-import pytest
 
 from builder.manifest import load_manifest
+from builder.stack import ResolvedStack
 from common.paths import SKUS
-from gates.gate import ProbeRun, _check_model, _GateRun, _Stop
+from gates.gate import ProbeRun, _check_model, _GateRun
 
 
 def _run(ref: dict, cand: dict) -> _GateRun:
     manifest = load_manifest(SKUS / "cpu-x86_64.yaml")  # engine transformers: hidden states and full logprobs
-    run = _GateRun(stack=SimpleNamespace(manifest=manifest), image="img", docker=None, out=Path("."),
-                   on_event=lambda _: None, tolerances_path=Path("."), reference=None, baseline=None, serve_perf=None)
+    stack = ResolvedStack(manifest=manifest, manifest_path=SKUS / "cpu-x86_64.yaml")
+    run = _GateRun(stack=stack, image="img", docker=None, out=Path("."),  # type: ignore[arg-type]
+                   on_event=lambda _: None, tolerances_path=Path("."), reference=None, baseline=None, serve_perf=None,
+                   scratch=Path("."))
     run.ref, run.probe = ref, ProbeRun(report={"checks": {"model": {"status": "ok"}}}, tensors=cand)
     return run
 
@@ -24,14 +25,35 @@ def _run(ref: dict, cand: dict) -> _GateRun:
 def test_a_candidate_without_the_hidden_states_its_engine_provides_fails() -> None:
     ref = {"model.hidden": np.zeros((2, 3, 4), np.float32), "model.logprobs_full": np.zeros((1, 2, 5), np.float32)}
     run = _run(ref, {"model.logprobs_full": ref["model.logprobs_full"]})
-    with pytest.raises(_Stop):
-        _check_model(run)
-    assert run.checks[-1].status == "fail"
-    assert run.checks[-1].reason.startswith("the candidate returned no model.hidden, which the transformers engine provides")
+    result = _check_model(run)
+    assert result.status == "fail"
+    assert result.reason.startswith("the candidate returned no model.hidden, which the transformers engine provides")
 
 
 def test_outputs_the_reference_lacks_are_not_required() -> None:
     run = _run({}, {})
-    with pytest.raises(_Stop):
-        _check_model(run)
-    assert "returned no" not in run.checks[-1].reason  # it fails later, for its own reason
+    result = _check_model(run)
+    assert result.status not in ("pass", "skipped")  # the driver stops the run here
+    assert "returned no" not in result.reason  # it fails later, for its own reason
+
+
+def test_the_driver_records_each_result_and_stops_at_the_first_that_did_not_pass(monkeypatch) -> None:
+    """Checks return their results (no exception ends a run); skipped ones do not stop it."""
+    import gates.gate as gate
+    from gates.verdict import CheckResult
+
+    ran: list[str] = []
+
+    def check(name: str, status: str):
+        def run_check(_run: _GateRun) -> CheckResult | None:
+            ran.append(name)
+            return CheckResult(name=name, status=status, reason=name) if name else None  # type: ignore[arg-type]
+        return run_check
+
+    monkeypatch.setattr(gate, "CHECKS", (
+        (check("a", "pass"), "a", None), (check("", ""), "", None), (check("b", "pass"), "b", "not-wanted"),
+        (check("c", "error"), "c", None), (check("d", "pass"), "d", None)))
+    run = _run({}, {})
+    gate._run_checks(run)
+    assert ran == ["a", "", "c"]
+    assert [(c.name, c.status) for c in run.checks] == [("a", "pass"), ("b", "skipped"), ("c", "error")]

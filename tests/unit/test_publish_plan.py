@@ -207,7 +207,7 @@ class FakeRegistry:
 def test_record_goes_in_before_the_human_tags_and_verified_last():
     reg, eng = FakeRegistry(), FakeEngine()
     p = plan(verdict())
-    out = publish_image(plan=p, verdict=verdict(), lock=lock(), docker=eng, client=reg)  # type: ignore[arg-type]
+    out = publish_image(plan=p, lock=lock(), docker=eng, client=reg)  # type: ignore[arg-type]
     assert reg.log == [record_tag(IMAGE_MANIFEST.digest), p.version_tag, VERIFIED_TAG, "delete skupin-push-test"]
     assert reg.manifests[VERIFIED_TAG][0] == IMAGE_MANIFEST.body  # the tag names exactly the pushed manifest
     assert ("untag-local", p.push_reference) in eng.calls and out.leftover_tags == ()
@@ -217,7 +217,7 @@ def test_record_goes_in_before_the_human_tags_and_verified_last():
 def test_a_failure_tags_nothing(fault):
     reg, eng = FakeRegistry(down=fault == "registry down"), FakeEngine(push_error=fault == "push")
     with pytest.raises(PublishError, match="nothing was"):
-        publish_image(plan=plan(verdict()), verdict=verdict(), lock=lock(), docker=eng, client=reg)  # type: ignore[arg-type]
+        publish_image(plan=plan(verdict()), lock=lock(), docker=eng, client=reg)  # type: ignore[arg-type]
     assert not [r for r in reg.manifests if not r.startswith("skupin-push-")]
     if fault == "push":
         assert eng.calls[-1][0] == "untag-local"
@@ -231,7 +231,7 @@ def test_a_pushed_manifest_of_another_image_is_not_tagged():
     other = _image_manifest(OTHER)
     reg.get_manifest = lambda repo, ref, accept=(): other  # type: ignore[method-assign]
     with pytest.raises(PublishError, match="not the gated image"):
-        publish_image(plan=plan(verdict()), verdict=verdict(), lock=lock(), docker=Wrong(), client=reg)  # type: ignore[arg-type]
+        publish_image(plan=plan(verdict()), lock=lock(), docker=Wrong(), client=reg)  # type: ignore[arg-type]
     assert reg.log == ["delete skupin-push-test"]
 
 
@@ -359,3 +359,41 @@ def test_run_summary_table():
     assert len(table) == len(STAGES) + 2 and table[-1].split()[:3] == ["total", "VERIFIED", "9.0"]
     failed = RunSummary(sku="x", stages=rows[:2], error=PublishError("no")).table()
     assert "FAILED" in failed[-1]
+
+
+def test_the_publish_stage_reads_the_verdict_once_and_records_it_as_the_gate_wrote_it(monkeypatch):
+    """publish(built, verdict, target): the verdict object is turned into facts once; the record holds its JSON."""
+    import publishing.publish as publishing
+    from builder.build import BuiltImage
+    from builder.manifest import load_manifest
+    from builder.stack import ResolvedStack
+    from common.paths import SKUS
+    from dockerd import ImageInfo
+    from gates.verdict import GateVerdict
+
+    class Engine(FakeEngine):
+        def inspect_image(self, ref):
+            return ImageInfo(id=IMAGE, tags=(), repo_digests=(), labels={}, size=1, layers=(), created="now")
+
+    class Registry(FakeRegistry):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_exc):
+            return None
+
+    stack = ResolvedStack(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"), manifest_path=SKUS / "cpu-x86_64.yaml",
+                          lock=lock(), lock_state="ok")
+    built = BuiltImage(sku="cpu-x86_64", image="skupin/cpu-x86_64:x", image_id=IMAGE, tags=(), labels={}, base_id="b",
+                       lock_sha256=lock().content_hash(), dockerfile_sha256="c" * 64, layers=(), steps=(), cache_hits=0,
+                       total_s=1.0, size_bytes=1, installed={}, created="now", stack=stack)
+    gated = GateVerdict.model_validate({**verdict(), "hardware_class": "cpu-x86_64", "image": built.image,
+                                        "tolerance": None, "timings": {"total_s": 1.0}, "tool_version": "0.1.0"})
+    reg, reads = Registry(), []
+    monkeypatch.setattr(publishing, "RegistryClient", lambda _url: reg)
+    real = publishing.verdict_facts
+    monkeypatch.setattr(publishing, "verdict_facts", lambda data: reads.append(data) or real(data))
+    out = publishing.publish(built, gated, parse_target("127.0.0.1:5000"), docker=Engine())  # type: ignore[arg-type]
+    assert len(reads) == 1 and out.image_id == IMAGE and out.tags[-1] == VERIFIED_TAG
+    record = publishing.read_record(client=reg, repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest)  # type: ignore[arg-type]
+    assert record.verdict == json.loads(gated.model_dump_json()) and record.gate_decision == "pass"

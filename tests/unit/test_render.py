@@ -12,7 +12,7 @@ import pytest
 
 from builder.lockfile import Lock, LockedBase, LockedPackage
 from builder.manifest import load_manifest
-from builder.render import render, write_context
+from builder.render import render_manifest, write_context
 from common.errors import BuildError
 from common.paths import REPO, SKUS
 
@@ -30,7 +30,7 @@ def test_snapshot(path):
     """The rendered (pins-only) Dockerfile equals the committed snapshot (UPDATE_SNAPSHOTS=1 rewrites)."""
     # The tools' hash is checked by test_dockerfile_names_the_tools_it_mounts, so an edit to
     # imagetools/bytecode.py or imagetools/wheel_install.py does not rewrite every snapshot.
-    text = re.sub(r"(; tools sha256 )[0-9a-f]{16}$", r"\1<tools>", render(manifest=load_manifest(path)).text, flags=re.M)
+    text = re.sub(r"(; tools sha256 )[0-9a-f]{16}$", r"\1<tools>", render_manifest(manifest=load_manifest(path)).text, flags=re.M)
     snap = SNAPSHOTS / f"{path.stem}.Dockerfile"
     if os.environ.get("UPDATE_SNAPSHOTS") == "1":
         snap.write_text(text, encoding="utf-8")
@@ -48,7 +48,7 @@ def test_dockerfile_names_the_tools_it_mounts(tmp_path):
     from builder.render import BYTECODE_TOOL, INSTALL_TOOL
 
     manifest = _cpu()
-    for rendered in (render(manifest=manifest), render(manifest=manifest, lock=_lock(manifest, tmp_path))):
+    for rendered in (render_manifest(manifest=manifest), render_manifest(manifest=manifest, lock=_lock(manifest, tmp_path))):
         tools = {rel: text for rel, text in rendered.files.items() if rel.startswith("tools/")}
         digest = hashlib.sha256()
         for rel, text in sorted(tools.items()):
@@ -62,7 +62,7 @@ def test_dockerfile_names_the_tools_it_mounts(tmp_path):
         package = Path(installer.__file__).parent
         assert {rel for rel in tools if rel.startswith("tools/installer/")} == {
             f"tools/installer/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")}
-    unlocked = render(manifest=manifest).text.split("\nRUN ")
+    unlocked = render_manifest(manifest=manifest).text.split("\nRUN ")
     runs = [r for r in unlocked if "pip install" in r]
     assert runs and all("--no-compile" in r and "/tmp/skupin-tools/bytecode.py --since /tmp/skupin-stamp" in r for r in runs)
 
@@ -70,7 +70,7 @@ def test_dockerfile_names_the_tools_it_mounts(tmp_path):
 @pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
 def test_starts_from_pinned_base_and_installs_the_four_pins(path):
     manifest = load_manifest(path)
-    rendered = render(manifest=manifest)
+    rendered = render_manifest(manifest=manifest)
     text = rendered.text
     base = manifest.base.image or manifest.base.bootstrap.local_tag()
     assert f"ARG SKUPIN_BASE={base}\nFROM ${{SKUPIN_BASE}}" in text
@@ -91,7 +91,7 @@ def test_starts_from_pinned_base_and_installs_the_four_pins(path):
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
 def test_layers_in_order_and_labels_last(path):
-    text = render(manifest=load_manifest(path)).text
+    text = render_manifest(manifest=load_manifest(path)).text
     positions = [text.index(f"# layer: {layer}\n") for layer in LAYERS]
     assert positions == sorted(positions)
     instructions = [ln for ln in text.splitlines() if ln and not ln.startswith((" ", "#"))]
@@ -103,7 +103,7 @@ def test_layers_in_order_and_labels_last(path):
 @pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
 def test_hadolint_clean(path, tmp_path):
     dockerfile = tmp_path / "Dockerfile"
-    dockerfile.write_text(render(manifest=load_manifest(path)).text, encoding="utf-8")
+    dockerfile.write_text(render_manifest(manifest=load_manifest(path)).text, encoding="utf-8")
     binary = shutil.which("hadolint") or str(REPO / ".venv/bin/hadolint")
     result = subprocess.run([binary, "-c", str(REPO / ".hadolint.yaml"), "--no-color", str(dockerfile)],
                             capture_output=True, text=True, check=False)
@@ -116,7 +116,7 @@ def _cpu():
 
 def test_description_cannot_break_out_of_the_label():
     manifest = _cpu().model_copy(update={"description": 'x" \\ $(id) `id` LABEL evil="1'})
-    text = render(manifest=manifest).text
+    text = render_manifest(manifest=manifest).text
     line = next(ln for ln in text.splitlines() if "image.description" in ln)
     assert line.strip() == 'org.opencontainers.image.description="x\\" \\\\ \\$(id) `id` LABEL evil=\\"1" \\'
 
@@ -136,7 +136,7 @@ def _lock(manifest, tmp_path) -> Lock:
 
 def test_locked_render_installs_exactly_the_locked_set(tmp_path):
     manifest = _cpu()
-    rendered = render(manifest=manifest, lock=_lock(manifest, tmp_path))
+    rendered = render_manifest(manifest=manifest, lock=_lock(manifest, tmp_path))
     # The pin gets its own step after its dependencies: a point release of the pin alone
     # leaves the dependency step cached.
     assert rendered.files["requirements/framework-deps.txt"] == "sympy==1.14.0 --hash=sha256:" + "b" * 64 + "\n"
@@ -174,20 +174,20 @@ def test_a_locked_image_has_no_pip_and_serves_by_default(tmp_path):
     from engines import serve_launch
 
     manifest = _cpu()
-    text = render(manifest=manifest, lock=_lock(manifest, tmp_path)).text
+    text = render_manifest(manifest=manifest, lock=_lock(manifest, tmp_path)).text
     # Only locked wheels in the venv (gates/static/integrity.py accounts for every file): no pip, no activate scripts.
     assert " -m venv --without-pip /opt/skupin/venv \\\n && rm -f /opt/skupin/venv/bin/activate* " in text
     cmd = next(line for line in text.splitlines() if line.startswith("CMD "))
     assert json.loads(cmd[4:]) == list(serve_launch(manifest=manifest).argv)
     assert json.loads(cmd[4:])[:3] == ["transformers", "serve", "/model"] and "EXPOSE 8000" in text
     assert text.index("CMD ") < text.index("LABEL ")  # labels last
-    unlocked = render(manifest=manifest).text
+    unlocked = render_manifest(manifest=manifest).text
     assert " -m venv /opt/skupin/venv" in unlocked  # pins-only renders keep pip: they install with it
 
 
 def test_write_context_links_each_steps_wheels_and_refuses_missing(tmp_path):
     manifest = _cpu()
-    rendered = render(manifest=manifest, lock=_lock(manifest, tmp_path))
+    rendered = render_manifest(manifest=manifest, lock=_lock(manifest, tmp_path))
     files = {}
     for name, sha in (("torch", "a"), ("sympy", "b")):
         files[sha * 64] = tmp_path / f"{name}.whl"
@@ -205,3 +205,18 @@ def test_write_context_links_each_steps_wheels_and_refuses_missing(tmp_path):
     assert sorted(p.name for p in (out / "wheels").iterdir()) == ["engine", "framework", "framework-deps"]
     assert [p.name for p in (out / "wheels/engine").iterdir()] == ["transformers-5.24.0-py3-none-any.whl"]
     assert (out / "requirements/engine.txt").read_text() == "transformers==5.24.0 --hash=sha256:" + "c" * 64 + "\n"
+
+
+def test_render_stage_uses_the_stacks_lock_only_while_it_is_current(tmp_path):
+    """`render(stack)` is `render_manifest` with the stack's current lock, and carries the stack for the build."""
+    from builder.render import render
+    from builder.stack import ResolvedStack
+
+    manifest = _cpu()
+    lock = _lock(manifest, tmp_path)
+    current = ResolvedStack(manifest=manifest, manifest_path=SKUS / "cpu-x86_64.yaml", lock=lock, lock_state="ok")
+    rendered = render(current)
+    assert rendered.stack == current and rendered.locked
+    assert rendered.text == render_manifest(manifest=manifest, lock=lock).text
+    stale = current.model_copy(update={"lock_state": "stale"})
+    assert render(stale).text == render_manifest(manifest=manifest).text and not render(stale).locked

@@ -182,10 +182,10 @@ def test_the_rendered_tools_folder_works_alone_in_a_fresh_venv(tmp_path):
     """What a build step runs: the context's tools/ (both tools and installer's package) with a
     venv's own Python, which has neither skupin nor installer installed."""
     from builder.manifest import load_manifest
-    from builder.render import render
+    from builder.render import render_manifest
     from common.paths import SKUS
 
-    rendered = render(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))
+    rendered = render_manifest(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))
     for rel, text in rendered.files.items():
         if rel.startswith("tools/"):
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,129 @@
+"""The build planner (pure: no Docker, no network, no files) and its executor on a fake Docker adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from builder.build import (
+    CA_SECRET_ID,
+    EnsureBase,
+    GatherWheels,
+    RunBuildKit,
+    TagImage,
+    VerifyInstalled,
+    WriteContext,
+    WriteRecord,
+    execute_build,
+    plan_build,
+)
+from builder.check import resolve
+from builder.lockfile import image_tag
+from builder.render import render, render_manifest
+from common.errors import BuildError, LockError
+from common.paths import SKUS
+from dockerd import ImageInfo, RunResult
+
+CPU = SKUS / "cpu-x86_64.yaml"
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    """The CPU SKU rendered from its committed lock."""
+    return render(resolve(CPU, require_lock=True))
+
+
+def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
+    stack = rendered.stack
+    lock = stack.lock
+    steps = plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records",
+                       wheel_store=tmp_path / "store", contexts=tmp_path / "contexts")
+    assert [step.kind for step in steps] == ["base", "wheels", "context", "buildkit", "verify", "tag", "record"]
+    base, wheels, context, buildkit, verify, tag, record = steps
+    assert base == EnsureBase(manifest=stack.manifest)
+    assert wheels == GatherWheels(packages=tuple(lock.packages().values()), store=tmp_path / "store",
+                                  wheelhouse=tmp_path / "house")
+    assert context == WriteContext(folder=tmp_path / "contexts" / "cpu-x86_64")
+    assert buildkit == RunBuildKit(build_args={"SKUPIN_BASE": stack.manifest.base.reference,
+                                               "SKUPIN_LOCK_HASH": lock.content_hash(),
+                                               "SKUPIN_DOCKERFILE_SHA256": rendered.sha256})
+    assert verify == VerifyInstalled(locked={name: p.version for name, p in lock.packages().items()})
+    assert tag == TagImage(tag=image_tag(sku="cpu-x86_64", engine_version=stack.manifest.stack.engine.version, lock=lock))
+    assert record == WriteRecord(folder=tmp_path / "records")
+    assert plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records",
+                      wheel_store=tmp_path / "store", contexts=tmp_path / "contexts") == steps  # a plan is a value
+
+
+def test_no_record_step_without_a_record_folder(rendered):
+    assert "record" not in [step.kind for step in plan_build(rendered)]
+
+
+def test_the_ca_bundle_reaches_buildkit_only_where_the_dockerfile_mounts_it(rendered, tmp_path):
+    ca = tmp_path / "ca.pem"
+    locked = plan_build(rendered, ca_bundle=ca)
+    buildkit = next(step for step in locked if isinstance(step, RunBuildKit))
+    assert buildkit.secrets == {} and buildkit.ca_given  # locked steps need no CA
+    assert next(step for step in locked if isinstance(step, GatherWheels)).ca_bundle == ca  # the downloads trust it
+    mounting = rendered.model_copy(update={"text": rendered.text + f"RUN --mount=type=secret,id={CA_SECRET_ID} true\n"})
+    buildkit = next(step for step in plan_build(mounting, ca_bundle=ca) if isinstance(step, RunBuildKit))
+    assert buildkit.secrets == {CA_SECRET_ID: ca}
+
+
+def test_a_render_without_a_current_lock_is_never_planned(rendered):
+    stale = rendered.stack.model_copy(update={"lock_state": "stale", "lock_note": "the manifest changed since the lock"})
+    with pytest.raises(LockError, match="cannot build from a lock that is stale .the manifest changed"):
+        plan_build(render(stale))
+    with pytest.raises(LockError, match="cannot build from a lock that is stale"):
+        plan_build(rendered.model_copy(update={"stack": stale}))  # locked text, but the stack's lock moved
+    with pytest.raises(BuildError, match="bare manifest"):
+        plan_build(render_manifest(manifest=rendered.stack.manifest, lock=rendered.stack.lock))
+
+
+class _FakeDocker:
+    """The adapter calls the executor makes for base, verify and tag; every call is logged."""
+
+    def __init__(self, installed: dict[str, str]) -> None:
+        self.installed, self.calls = installed, []
+
+    def inspect_image(self, ref: str) -> ImageInfo:
+        self.calls.append(("inspect", ref))
+        return ImageInfo(id="sha256:" + "1" * 64, tags=(ref,), repo_digests=(), labels={"io.skupin.sku": "cpu-x86_64"},
+                         size=123, layers=(), created="now")
+
+    def run(self, spec, *, deadline_s=None) -> RunResult:
+        self.calls.append(("run", spec.image))
+        return RunResult(exit_code=0, stdout_bytes=json.dumps(self.installed).encode(), stderr="", timed_out=False,
+                         seconds=0.1)
+
+    def tag(self, image: str, tag: str) -> None:
+        self.calls.append(("tag", image, tag))
+
+
+def _without_buildkit(steps):
+    """The plan less the steps that need the wheel store, a context folder and BuildKit."""
+    return tuple(step for step in steps if step.kind not in ("wheels", "context", "buildkit"))
+
+
+def test_the_executor_runs_the_steps_in_order_and_records_what_it_returns(rendered, tmp_path):
+    lock = rendered.stack.lock
+    docker = _FakeDocker({name: p.version for name, p in lock.packages().items()})
+    steps = _without_buildkit(plan_build(rendered, records=tmp_path))
+    built = execute_build(steps, rendered=rendered, docker=docker)  # type: ignore[arg-type]
+    tag = steps[-2].tag
+    assert [call[0] for call in docker.calls] == ["inspect", "run", "tag", "inspect"]
+    assert docker.calls[2] == ("tag", "", tag) and built.image == tag and built.stack == rendered.stack
+    assert list(built.phases) == ["base", "verify", "tag"]
+    record = json.loads((tmp_path / "cpu-x86_64.json").read_text())
+    assert record == json.loads(built.model_dump_json()) and "stack" not in record  # the record leaves the stack out
+
+
+def test_an_image_that_is_not_its_lock_is_never_tagged(rendered, tmp_path):
+    lock = rendered.stack.lock
+    installed = {name: p.version for name, p in lock.packages().items()} | {"evil": "1.0"}
+    docker = _FakeDocker(installed)
+    with pytest.raises(BuildError, match="(?s)does not contain its locked set .1 difference.*evil: image has 1.0"):
+        execute_build(_without_buildkit(plan_build(rendered, records=tmp_path)), rendered=rendered,
+                      docker=docker)  # type: ignore[arg-type]
+    assert "tag" not in [call[0] for call in docker.calls] and not list(Path(tmp_path).iterdir())
