@@ -67,7 +67,7 @@ def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: S
     """The sandboxed server container (gates.gate.sandbox_spec): no network, no capabilities, read-only root and
     model, the SKU's limits."""
     from dockerd import BindMount
-    from gates.gate import sandbox_spec
+    from gates.sandbox import sandbox_spec
 
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=(launch.argv[0],), command=launch.argv[1:],

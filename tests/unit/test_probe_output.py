@@ -14,8 +14,9 @@ import pytest
 from builder.manifest import load_manifest
 from common.errors import BundleError
 from dockerd import RunResult
-from gates.gate import MODEL_MOUNT, PROBE_MOUNT, _host_folder, _probe_run, probe_spec, sandbox_cpus
+from gates.gate import MODEL_MOUNT, PROBE_MOUNT, _host_folder, _probe_run, probe_spec
 from gates.probe_output import decode_outputs, read_output_folder, split_frame
+from gates.sandbox import sandbox_cpus
 from gates.tensorio import encode_safetensors
 from imagetools.probe import FORMAT, FRAME_MAGIC
 
