@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from builder.compat import check_compat
+from builder.lock import lock_status
 from builder.lockfile import Lock
 from builder.manifest import SkuManifest, display_path, parse_manifest
+from builder.render import render_manifest
 from builder.stack import LockState, ResolvedStack
-from common.errors import CompatError, ManifestError, Problem
+from common.errors import CompatError, LockError, ManifestError, Problem
 from common.model import Frozen
+from common.paths import manifest_files
 
 __all__ = ["ResolvedStack", "SkuReport", "check_file", "check_paths", "raise_for", "resolve"]
 
@@ -24,8 +28,6 @@ class SkuReport(Frozen):
 
 def _lock_state(manifest: SkuManifest, path: Path) -> tuple[Lock | None, LockState, str]:
     """(lock, state, note); stale locks are returned too so callers can say what moved."""
-    from builder.lock import lock_status
-    from builder.render import render_manifest
 
     state, note, lock = lock_status(manifest=manifest, manifest_path=path,
                                     dockerfile_sha256=lambda: render_manifest(manifest=manifest).sha256)
@@ -34,7 +36,6 @@ def _lock_state(manifest: SkuManifest, path: Path) -> tuple[Lock | None, LockSta
 
 def check_file(path: Path, *, with_lock: bool = True) -> SkuReport:
     """Check one manifest file: grammar, compatibility, lock."""
-    from builder.compat import check_compat
 
     manifest, problems = parse_manifest(path)
     if manifest is None:
@@ -51,7 +52,6 @@ def check_file(path: Path, *, with_lock: bool = True) -> SkuReport:
 
 def check_paths(paths: list[Path], *, with_lock: bool = True) -> list[SkuReport]:
     """Check every manifest under `paths` (files or folders)."""
-    from common.paths import manifest_files
 
     return [check_file(p, with_lock=with_lock) for p in manifest_files(paths)]
 
@@ -71,7 +71,6 @@ def resolve(path: Path, *, require_lock: bool = False) -> ResolvedStack:
 
     A stale or missing lock is reported in the stack (`lock_state`), not raised, unless `require_lock`.
     """
-    from common.errors import LockError
 
     report = check_file(path)
     raise_for([report])

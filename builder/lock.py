@@ -35,6 +35,7 @@ from packaging.version import InvalidVersion, Version
 
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
+from builder.render import render_manifest
 from builder.stack import LockState
 from builder.wheels import file_sha256
 from common import __version__
@@ -621,7 +622,6 @@ def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | Non
 
 def _pins_dockerfile_sha256(manifest: SkuManifest) -> str:
     """The hash a lock records and `check` compares: the pins-only render of the manifest."""
-    from builder.render import render_manifest
 
     return render_manifest(manifest=manifest).sha256
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -62,7 +63,6 @@ class Bootstrap(Model):
 
     def recipe_sha256(self) -> str:
         """sha256 of the recipe's canonical JSON: the same recipe names the same local base."""
-        import hashlib
 
         return hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
 
@@ -461,7 +461,6 @@ BUILD_INPUTS = ("schema_version", "name", "accelerator", "base", "stack", "extra
 
 def manifest_digest(manifest: SkuManifest) -> str:
     """sha256 of the canonical JSON of the manifest's build inputs: comments and key order do not change it."""
-    import hashlib
 
     data = manifest.model_dump(mode="json", include=set(BUILD_INPUTS))
     return hashlib.sha256(canonical_json(data)).hexdigest()

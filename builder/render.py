@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+import installer
 import jinja2
 from packaging.utils import canonicalize_name
 
@@ -45,7 +46,6 @@ INSTALL_TOOL = Path(imagetools.__file__).with_name("wheel_install.py")
 @functools.cache
 def _tools() -> dict[str, str]:
     """Context path -> text of every tool file, read once per process."""
-    import installer
 
     files = {f"{TOOLS_DIR}/{tool.name}": tool.read_text(encoding="utf-8") for tool in (BYTECODE_TOOL, INSTALL_TOOL)}
     package = Path(installer.__file__).parent
@@ -56,7 +56,6 @@ def _tools() -> dict[str, str]:
 
 @functools.cache
 def _tools_info() -> dict[str, str]:
-    import installer
 
     digest = hashlib.sha256()
     for rel, text in sorted(_tools().items()):

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from builder.lockfile import LockedPackage
+from clients.transport import Transport
 from common.errors import BuildError, NetworkError
 from common.paths import STATE
 
@@ -121,7 +122,6 @@ def _store_local(pkg: LockedPackage, path: Path, store: Path) -> None:
 
 def _download_all(pkgs: list[LockedPackage], *, store: Path, ca_bundle: Path | None, on_event: OnEvent, jobs: int,
                   timeout: float, retries: int, backoff: float) -> None:
-    from clients.transport import Transport
 
     http = Transport(timeout=timeout, retries=retries, ca_bundle=ca_bundle, backoff=backoff, sleep=None, what="wheel download")
     try:

@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 
 from common import __version__
-from common.errors import GateCouldNotRun
+from common.errors import DockerError, GateCouldNotRun
 from engines import engine_distributions
+from gates.bundle import fixture_folder
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics, kernel_errors, model_statistics
+from gates.gate import load_reference, probe_in_container, read_probe_outputs, reap_leftovers, resolve_image
 from gates.tolerance import ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
 from gates.verdict import clopper_pearson_upper
 
@@ -162,8 +164,6 @@ def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
                     variations: tuple[tuple[int, int], ...] = DEFAULT_VARIATIONS, margin: float = DEFAULT_MARGIN,
                     on_event: Callable[[str], None] = lambda _: None) -> ToleranceEntry:
     """Run the honest image `boots` x `variations` times in the gate's sandbox and derive the entry."""
-    from gates.bundle import fixture_folder
-    from gates.gate import load_reference, reap_leftovers, resolve_image
 
     manifest = stack.manifest
     reap_leftovers(docker=docker, on_event=on_event)
@@ -197,7 +197,6 @@ def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
 
 def _reuse(run_out: Path, image_id: str):
     """(probe.json, tensors) of a finished honest run of the same image in `run_out` (resume), else (None, None)."""
-    from gates.gate import read_probe_outputs
 
     marker = run_out / "image-id"
     if not (run_out / "probe.json").is_file() or not marker.is_file() or marker.read_text().strip() != image_id:
@@ -211,8 +210,6 @@ def _reuse(run_out: Path, image_id: str):
 
 def _honest_run(*, manifest, image: str, docker, out: Path, batch: int, threads: int, label: str, model_dir: Path):
     """One honest probe container (retried once when the engine fails underneath it)."""
-    from common.errors import DockerError
-    from gates.gate import probe_in_container
 
     for attempt in (1, 2):
         try:

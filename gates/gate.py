@@ -38,14 +38,18 @@ from builder.manifest import SkuManifest
 from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
+from common.paths import REPO, STATE
 from common.untrusted import open_folder, printable, write_new_file
-from dockerd import Docker, ImageInfo, RunResult
+from dockerd import BindMount, Docker, ImageInfo, RunResult
 from engines import MODEL_MOUNT, engine_outputs, probe_adapter, serve_launch
-from gates.bundle import PROBE, fixture_folder, probe_args
+from gates.bundle import PROBE, fixture_folder, load_bundle, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
+from gates.report import write_report
 from gates.sandbox import sandbox_spec
 from gates.serving.perf import PerfSettings
+from gates.serving.serve import serve_check
+from gates.static.integrity import inspect_image_files
 from gates.tolerance import DEFAULT_PATH, ToleranceEntry, ToleranceKey, Tolerances, load_tolerances
 from gates.verdict import (
     CheckResult,
@@ -60,6 +64,7 @@ from gates.verdict import (
     judge_pins,
     kernel_hard_failures,
 )
+from imagetools.probe import host_driver
 
 OnEvent = Callable[[str], None]
 PROBE_MOUNT = "/skupin/probe.py"
@@ -91,7 +96,6 @@ class ProbeRun:
 
 
 def repo_root() -> Path:
-    from common.paths import REPO
 
     return Path(REPO)
 
@@ -108,7 +112,6 @@ def reference_folder(*, manifest: SkuManifest, folder: Path | None = None) -> Pa
 
 def load_reference(*, manifest: SkuManifest, folder: Path | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray], str]:
     """Verify the SKU's reference bundle (hashes, model, prompt set, dtype) and read it: (meta, tensors, sha256)."""
-    from gates.bundle import load_bundle
 
     folder = reference_folder(manifest=manifest, folder=folder)
     if not folder.is_dir():
@@ -125,7 +128,6 @@ def default_wheelhouse() -> Path | None:
 
 def image_from_build_record(sku: str) -> str:
     """The image of the SKU's build record (.skupin/builds/<sku>.json), or GateCouldNotRun with the fix."""
-    from common.paths import STATE
 
     path = Path(STATE) / "builds" / f"{sku}.json"
     try:
@@ -155,7 +157,6 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
                threads: int = 0):
     """The sandboxed container that runs the probe on `image` (see the module docstring); `out` only names the run
     (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted."""
-    from dockerd import BindMount
 
     gate, engine = manifest.gate, manifest.stack.engine.name
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
@@ -421,9 +422,6 @@ def _check_boot(run: _GateRun) -> CheckResult:
 def _check_pins(run: _GateRun) -> CheckResult:
     """Before anything runs: the image's files are exactly its lock, read from its layers (gates/static/integrity.py);
     on a GPU host the host's driver is in the pinned series (read on the host, not from inside the image)."""
-    from common.paths import STATE
-    from gates.static.integrity import inspect_image_files
-    from imagetools.probe import host_driver
 
     t0 = time.monotonic()
     m, lock = run.manifest, run.lock
@@ -494,7 +492,6 @@ def _check_model(run: _GateRun) -> CheckResult:
 
 def _check_serve(run: _GateRun) -> CheckResult:
     """The engine's own server: greedy completions vs the reference, speed (gates/serving/serve.py)."""
-    from gates.serving.serve import serve_check
 
     t0 = time.monotonic()
     run.on_event("serve: booting the engine's server in the sandbox")
@@ -572,7 +569,6 @@ def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, o
 
 def _finish(run: _GateRun, *, started: float, created: str) -> GateVerdict:
     """Skip what did not run, decide, and write verdict.json, report.md and plot.png."""
-    from gates.report import write_report
 
     _skip_rest(run.checks, CHECK_NAMES, "not evaluated: an earlier check did not pass")
     decision, reason = decide(tuple(run.checks))

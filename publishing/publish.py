@@ -41,13 +41,17 @@ from urllib.parse import urlparse
 from pydantic import Field
 
 from builder.build import BuiltImage
-from builder.lockfile import Lock, image_tag
+from builder.lockfile import Lock, image_tag, lock_path, read_lock
+from builder.manifest import load_manifest
 from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from common import __version__
 from common.errors import BundleError, DockerError, NetworkError, PublishError
 from common.model import Frozen, canonical_json
+from common.paths import STATE, sku_path
+from common.untrusted import load_json, read_regular_file
 from dockerd import Docker, ImageInfo
 from gates.verdict import GateVerdict
+from publishing.local_registry import default_registry, untag_on_disk
 
 VERIFIED_TAG = "verified"
 PUSH_TAG_PREFIX = "skupin-push-"
@@ -417,7 +421,6 @@ def _drop_push_tag(*, plan: PublishPlan, client: RegistryClient, untag: Untag | 
 
 def publish_target(registry: str | None, addr: str) -> tuple[RegistryTarget, Untag | None, str]:
     """The registry to publish to; for our default local registry also the on-disk untag and the `up` hint."""
-    from publishing.local_registry import default_registry, untag_on_disk
 
     local = default_registry(addr=addr)
     target = parse_target(registry or local.addr)
@@ -436,7 +439,6 @@ def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, di
     SKU was never gated. An older pass never hides a newer fail. Only regular files count (lstat: a link,
     a FIFO or a folder named verdict.json is skipped, links to folders are not followed), and each is
     read bounded in size and JSON depth, so nothing in that folder can hang or crash publish."""
-    from common.paths import STATE
 
     found = _verdict_files(Path(STATE) / "gates" / sku)
     newest: dict | None = None
@@ -479,7 +481,6 @@ def _load_verdict(path: Path) -> dict | None:
 
 
 def _read_bounded(path: Path) -> Any:
-    from common.untrusted import load_json, read_regular_file
 
     return load_json(read_regular_file(path, max_bytes=MAX_VERDICT_BYTES), source=str(path))
 
@@ -502,9 +503,6 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
                 docker: Docker, on_event: OnEvent = _quiet) -> PublishedImage:
     """`skupin publish`: the SKU's current lock, an image on this host and its verdict file (given, or the newest
     under .skupin/gates/ for this image and lock), each read once; then plan and publish."""
-    from builder.lockfile import lock_path, read_lock
-    from builder.manifest import load_manifest
-    from common.paths import sku_path
 
     path = sku_path(sku)
     manifest = load_manifest(path)

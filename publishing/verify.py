@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 from pydantic import Field
 
-from builder.lockfile import Lock
+from builder.lockfile import Lock, lock_path, read_lock
 from clients.oci import RegistryClient, parse_image_ref
 from common.errors import NetworkError, PublishError, SkupinError
 from common.model import Frozen
+from common.paths import sku_path
 from publishing.publish import VERIFIED_TAG, RegistryTarget, read_record, verdict_facts
 
 CurrentLock = Callable[[str], str]  # sku -> content hash of its committed lock (raises SkupinError when none)
@@ -44,8 +45,6 @@ class Verification(Frozen):
 
 def committed_lock_hash(sku: str) -> str:
     """The content hash of skus/<sku>.lock.json (the SKU's current lock)."""
-    from builder.lockfile import lock_path, read_lock
-    from common.paths import sku_path
 
     return read_lock(lock_path(sku_path(sku))).content_hash()
 

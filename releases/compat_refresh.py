@@ -20,6 +20,7 @@ import json
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -28,6 +29,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 from pydantic import ValidationError
 
+from builder.compat import CompatData
 from clients.pypi import PYPI_SIMPLE, IndexClient, linux_x86_64_wheel
 from common.errors import CompatError, NetworkError
 from common.model import Frozen
@@ -154,7 +156,6 @@ def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec =
 
 def _prefetch(index: IndexClient, spec: RefreshSpec, workers: int = 8) -> None:
     """Fetch every covered wheel's metadata concurrently (the client caches it); errors surface later, in order."""
-    from concurrent.futures import ThreadPoolExecutor
 
     wanted = [("torch", spec.torch_min), *spec.engines]
     files = []
@@ -256,7 +257,6 @@ def refresh(*, index_url: str = PYPI_SIMPLE, out: Path, compat_path: Path, ca_bu
             today: datetime.date | None = None, spec: RefreshSpec = DEFAULT_SPEC, timeout: float = 60.0,
             progress: Progress | None = None) -> RefreshReport:
     """Derive the rows from `index_url`, merge them into `compat_path`'s text, validate, write `out`."""
-    from builder.compat import CompatData
 
     started = time.monotonic()
     with IndexClient(index_url, ca_bundle=ca_bundle, timeout=timeout) as index:

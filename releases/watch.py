@@ -31,12 +31,15 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from builder.lock import relock as lock_and_write
 from builder.manifest import Pin, SkuManifest, parse_manifest
 from clients.oci import RegistryClient, parse_image_ref
 from clients.pypi import IndexClient
-from common.errors import SkupinError
+from common.errors import ManifestError, SkupinError
 from common.model import Frozen
-from common.paths import PYPI_SIMPLE
+from common.paths import PYPI_SIMPLE, manifest_files
+from releases.compat_refresh import applicable
+from releases.yamledit import get_scalar, set_scalars
 
 Progress = Callable[[str], None]
 
@@ -122,7 +125,6 @@ class _Context:
 
     def requires(self, pin: Pin, version: Version, dist: str) -> SpecifierSet | None:
         """The specifier the release's Linux x86_64 wheel puts on `dist` (None when it has no such requirement)."""
-        from releases.compat_refresh import applicable
 
         reqs = applicable(self.index(pin).requires_dist(pin.distribution, version), python="3.12")
         req: Requirement | None = reqs.get(canonicalize_name(dist))
@@ -332,7 +334,6 @@ def plan_sku(ctx: _Context, m: SkuManifest, path: Path) -> Proposal:
 
 def _description(text: str, bumps: tuple[Bump, ...]) -> dict[str, str]:
     """The description with each bumped version token replaced, when it appears exactly once."""
-    from releases.yamledit import get_scalar
 
     try:
         desc = get_scalar(text, "description")
@@ -348,8 +349,6 @@ def _description(text: str, bumps: tuple[Bump, ...]) -> dict[str, str]:
 def apply_proposal(proposal: Proposal) -> tuple[Path, SkuManifest]:
     """Rewrite one manifest in place: only the bumped scalars (and the description's version tokens)
     change. Returns the path and the rewritten manifest, validated before it replaced the file."""
-    from common.errors import ManifestError
-    from releases.yamledit import set_scalars
 
     path = Path(proposal.manifest)
     text = path.read_text(encoding="utf-8")
@@ -371,7 +370,6 @@ Relock = Callable[[SkuManifest, Path], None]
 
 def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None) -> None:
     """Lock one SKU with builder.lock (raises LockError when its sources are unreachable)."""
-    from builder.lock import relock as lock_and_write
 
     lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse)
 
@@ -380,7 +378,6 @@ def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str 
           apply: bool = False, relock_fn: Relock | None = None, ca_bundle: Path | None = None,
           timeout: float = 30.0) -> WatchReport:
     """Plan every SKU under `paths`; with `apply`, edit manifests and relock with `relock_fn` (None: leave stale)."""
-    from common.paths import manifest_files
 
     ctx = _Context(index_url=index_url, registry_url=registry_url, ca_bundle=ca_bundle, timeout=timeout)
     proposals: list[Proposal] = []

@@ -27,6 +27,7 @@ with a failure naming it (``StreamError``), never an uncaught exception.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,14 @@ from builder.manifest import ServeGate, SkuManifest
 from clients.openai import Completion, ServeClient, wait_ready
 from common.errors import DockerError, GateCouldNotRun, SkupinError
 from common.model import Frozen
+from dockerd import BindMount
 from engines import ALL_ENGINES, MODEL_MOUNT, SERVE_PORT, ServerLaunch, serve_launch
+from gates.bundle import fixture_folder
+from gates.fixture import load_prompts
+from gates.sandbox import sandbox_spec
+from gates.serving.ab import interleaved_ab
+from gates.serving.perf import PerfSettings, cost_summary, run_perf
+from gates.verdict import CheckResult, binomial_sf
 
 OnEvent = Callable[[str], None]
 NOT_PROVIDED = "not provided by engine"
@@ -66,8 +74,6 @@ def launch_command(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: 
 def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: ServerLaunch, role: str = "gate-serve"):
     """The sandboxed server container (gates.gate.sandbox_spec): no network, no capabilities, read-only root and
     model, the SKU's limits."""
-    from dockerd import BindMount
-    from gates.sandbox import sandbox_spec
 
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=(launch.argv[0],), command=launch.argv[1:],
@@ -176,7 +182,6 @@ def compare_greedy(*, completions: Sequence[Completion], ref: dict[str, np.ndarr
 def judge_greedy(*, results: Sequence[PromptServe], threshold: float, logprob_threshold: float | None,
                  honest_rate: float, alpha: float, logprobs_provided: bool) -> tuple[bool, str, dict[str, Any]]:
     """(passed, reason, details) of the greedy comparison: no divergence outside near ties; logprobs like the model check."""
-    from gates.verdict import binomial_sf
 
     diverged = [r for r in results if r.status == "diverged"]
     ties = [r for r in results if r.status == "near_tie"]
@@ -271,12 +276,7 @@ def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.
     `model_dir` is a fixture folder already checked by gates.bundle.fixture_folder (the gate resolves it once);
     without it the SKU's fixture is resolved and checked here.
     """
-    import tempfile
 
-    from gates.bundle import fixture_folder
-    from gates.fixture import load_prompts
-    from gates.serving.perf import PerfSettings
-    from gates.verdict import CheckResult
 
     started = time.monotonic()
     settings = serve_settings(manifest)
@@ -312,9 +312,6 @@ def _serve(*, manifest, image, docker, ref, entry, baseline, folder, prompt_set,
            ab_rounds, ready_deadline_s, on_event, started):
     from tokenizers import Tokenizer
 
-    from gates.serving.ab import interleaved_ab
-    from gates.serving.perf import cost_summary, run_perf
-    from gates.verdict import CheckResult
 
     prompts = prompt_set["prompts"]
     indices = list(range(min(len(prompts), int(ref["model.greedy_ids"].shape[0]))))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import posixpath
 import re
 from collections.abc import Callable, Iterable
@@ -37,12 +38,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from installer import install
+from installer.destinations import SchemeDictionaryDestination
+from installer.records import Hash, RecordEntry
+from installer.scripts import Script
+from installer.sources import WheelFile
+from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from builder.lockfile import Lock
+from builder.wheels import STORE, fetch_wheels
 from common.model import Frozen
 from common.untrusted import UntrustedInputError, printable
-from gates.static.layers import Entry, FileView
+from gates.static.bytecode import bytecode_verifier
+from gates.static.layers import Entry, FileView, image_view
 
 # Environment variables that make the dynamic loader or the interpreter load other code.
 HIJACK_ENV = ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
@@ -123,7 +132,6 @@ class _HashingDestination:
     """A pypa installer destination that writes nothing: it records (absolute path -> sha256) of every file."""
 
     def __init__(self, scheme: dict[str, str], interpreter: str) -> None:
-        from installer.destinations import SchemeDictionaryDestination
 
         self._inner = SchemeDictionaryDestination(scheme_dict=scheme, interpreter=interpreter, script_kind="posix")
         self.files: dict[str, str] = {}
@@ -135,7 +143,6 @@ class _HashingDestination:
         self.write_script = inner.write_script
 
     def _write(self, scheme: str, path: str, stream, is_executable: bool):
-        from installer.records import Hash, RecordEntry
 
         digest, size = hashlib.sha256(), 0
         while chunk := stream.read(1 << 20):
@@ -147,7 +154,6 @@ class _HashingDestination:
         return RecordEntry(path, Hash("sha256", encoded), size)
 
     def _script(self, name: str, module: str, attr: str, section: str):
-        from installer.scripts import Script
 
         kind: Literal["console", "gui"] = "gui" if section == "gui" else "console"
         script_name, data = Script(name, module, attr, kind).generate(self._inner.interpreter, "posix")
@@ -156,8 +162,6 @@ class _HashingDestination:
 
 def wheel_files(wheel: Path, *, layout: ImageLayout, installer_name: bytes = b"skupin\n") -> dict[str, str]:
     """path (relative to /) -> sha256 of every file installing `wheel` into the image's venv writes."""
-    from installer import install
-    from installer.sources import WheelFile
 
     destination = _HashingDestination(layout.scheme(), interpreter=f"/{layout.venv}/bin/python")
     with WheelFile.open(wheel) as source:
@@ -168,7 +172,6 @@ def wheel_files(wheel: Path, *, layout: ImageLayout, installer_name: bytes = b"s
 def expected_wheel_files(wheels: dict[str, Path], *, layout: ImageLayout, cache: Path | None = None
                          ) -> tuple[dict[str, tuple[str, str]], list[str]]:
     """(path -> (sha256, distribution) for every locked wheel, problems); results cached by wheel hash."""
-    import json
 
     files: dict[str, tuple[str, str]] = {}
     problems: list[str] = []
@@ -538,7 +541,6 @@ def _unaccounted_python(run: _Run, path: str, entry: Entry) -> None:
 
 
 def _canonical(name: str) -> str:
-    from packaging.utils import canonicalize_name
 
     return str(canonicalize_name(name))
 
@@ -608,9 +610,6 @@ def inspect_image_files(*, docker, image_id: str, lock: Lock, state: Path, expec
                         on_event: Callable[[str], None] = lambda _: None) -> IntegrityReport:
     """The static check of a local image against `lock`: layers indexed (cached under `state`), wheels
     gathered into the wheel store, bytecode recompiled by a host interpreter; see the module docstring."""
-    from builder.wheels import STORE, fetch_wheels
-    from gates.static.bytecode import bytecode_verifier
-    from gates.static.layers import image_view
 
     info = docker.inspect_image(image_id)
     if info is None:

@@ -253,7 +253,7 @@ def test_verification_lines():
 
 
 def test_find_verdict_returns_the_parsed_data(tmp_path, monkeypatch):
-    monkeypatch.setattr("common.paths.STATE", tmp_path)
+    monkeypatch.setattr("publishing.publish.STATE", tmp_path)
     assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64) is None
     gates = tmp_path / "gates" / "s"
 
@@ -296,7 +296,7 @@ def _in_thread(fn, timeout_s: float = 10.0):
 
 
 def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_path, monkeypatch):
-    monkeypatch.setattr("common.paths.STATE", tmp_path)
+    monkeypatch.setattr("publishing.publish.STATE", tmp_path)
     gates = tmp_path / "gates" / "s"
     (gates / "good").mkdir(parents=True)
     match = {"image_id": IMAGE, "lock_hash": "f" * 64, "decision": "pass"}
