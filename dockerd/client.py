@@ -29,6 +29,7 @@ from dockerd.specs import (
     OWNER_LABEL,
     SANDBOX_LABEL,
     SESSION_LABEL,
+    TIMEOUT,
     ContainerSpec,
     ExecResult,
     ImageInfo,
@@ -315,7 +316,7 @@ class Docker:
         if not argv:
             raise DockerError(f"image {spec.image} has no command to run under a deadline")
         limit = int(spec.deadline_s + DEADLINE_GRACE_S + 0.999)
-        return ["timeout", f"--kill-after={KILL_AFTER_S}", f"{limit}s", *argv], None
+        return [TIMEOUT, f"--kill-after={KILL_AFTER_S}", f"{limit}s", *argv], None
 
     def _image_config(self, ref: str) -> dict:
         try:

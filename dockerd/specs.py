@@ -22,6 +22,9 @@ OWNER_PIDNS_LABEL = "io.skupin.owner-pidns"
 # `timeout` sends SIGTERM then, and SIGKILL KILL_AFTER_S later.
 DEADLINE_GRACE_S = 15
 KILL_AFTER_S = 10
+# coreutils' `timeout`, by absolute path: a command under a deadline never looks it up through the image's PATH
+# (Debian and Ubuntu install it there, usr-merged or not).
+TIMEOUT = "/usr/bin/timeout"
 DEFAULT_MAX_STDOUT_BYTES = 256 * 1024**2
 DEFAULT_MAX_STDERR_BYTES = 1024**3
 

@@ -192,8 +192,8 @@ def test_kill_9_of_the_gate_leaves_the_container_only_until_its_own_deadline(der
     assert all(not m["RW"] for m in attrs["Mounts"]), attrs["Mounts"]  # nothing the container can write
     assert host["IpcMode"] == "private" and host["AutoRemove"] and host["LogConfig"]["Type"] == "none"
     assert host["NanoCpus"] > 0 and host["NetworkMode"] == "none" and host["ReadonlyRootfs"]
-    assert attrs["Path"] == "timeout" and attrs["Args"][:2] == [f"--kill-after={KILL_AFTER_S}",
-                                                               f"{deadline + DEADLINE_GRACE_S}s"]
+    assert attrs["Path"] == "/usr/bin/timeout" and attrs["Args"][:2] == [f"--kill-after={KILL_AFTER_S}",
+                                                                        f"{deadline + DEADLINE_GRACE_S}s"]
     assert docker.containers(label=label) == (cid,)  # skupin is dead: only the in-container deadline is left
     gone = _gone_within(docker, label, deadline + DEADLINE_GRACE_S + KILL_AFTER_S + 15)
     print(f"kill -9: the container was gone {time.monotonic() - seen:.1f} s after it started running "

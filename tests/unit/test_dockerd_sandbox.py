@@ -67,7 +67,7 @@ def docker() -> Docker:
 def test_a_deadline_runs_the_command_under_timeout_as_pid_1() -> None:
     spec = ContainerSpec(image="img", entrypoint=("python3",), command=("/skupin/probe.py", "--out", "-"), deadline_s=100)
     entry, command = docker()._argv(spec)
-    assert entry == ["timeout", f"--kill-after={KILL_AFTER_S}", f"{100 + DEADLINE_GRACE_S}s", "python3",
+    assert entry == ["/usr/bin/timeout", f"--kill-after={KILL_AFTER_S}", f"{100 + DEADLINE_GRACE_S}s", "python3",
                      "/skupin/probe.py", "--out", "-"]
     assert command is None
 
