@@ -39,7 +39,7 @@ from typing import Literal
 from packaging.utils import canonicalize_name
 from pydantic import Field
 
-from builder.base import ensure_base
+from builder.base import BASES, ensure_base
 from builder.lockfile import Lock, LockedPackage, image_tag
 from builder.manifest import SkuManifest
 from builder.render import RenderedDockerfile, write_context
@@ -292,6 +292,7 @@ class EnsureBase(Frozen):
 
     kind: Literal["base"] = "base"
     manifest: SkuManifest
+    bases: Path = BASES  # the host's records of bootstrap bases (builder/base.py)
 
 
 class GatherWheels(Frozen):
@@ -359,7 +360,7 @@ def locked_stack(rendered: RenderedDockerfile) -> tuple[ResolvedStack, Lock]:
 
 def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, ca_bundle: Path | None = None,
                no_cache: bool = False, records: Path | None = None, wheel_store: Path | None = None,
-               contexts: Path | None = None) -> tuple[BuildStep, ...]:
+               contexts: Path | None = None, bases: Path | None = None) -> tuple[BuildStep, ...]:
     """Every step of the build of `rendered`, decided before anything runs (pure: no Docker, network or files).
 
     `rendered` must come from a stack whose lock is current (LockError otherwise: the image would not
@@ -369,7 +370,7 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
     manifest = stack.manifest
     secrets = {CA_SECRET_ID: ca_bundle} if ca_bundle is not None and f"id={CA_SECRET_ID}" in rendered.text else {}
     steps: list[BuildStep] = [
-        EnsureBase(manifest=manifest),
+        EnsureBase(manifest=manifest, bases=bases or BASES),
         GatherWheels(packages=tuple(lock.packages().values()), store=wheel_store or STORE, wheelhouse=wheelhouse,
                      ca_bundle=ca_bundle),
         WriteContext(folder=(contexts or STATE / "contexts") / manifest.name),
@@ -433,7 +434,7 @@ class _Execution:
 
 
 def _ensure_base(step: EnsureBase, run: _Execution) -> None:
-    run.base_id = ensure_base(manifest=step.manifest, docker=run.docker, on_event=run.on_line)
+    run.base_id = ensure_base(manifest=step.manifest, docker=run.docker, on_event=run.on_line, bases=step.bases)
 
 
 def _gather_wheels(step: GatherWheels, run: _Execution) -> None:

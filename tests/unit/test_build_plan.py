@@ -100,16 +100,19 @@ class _FakeDocker:
     def tag(self, image: str, tag: str) -> None:
         self.calls.append(("tag", image, tag))
 
+    def image_config(self, ref: str) -> dict:
+        return {}
+
 
 def _without_buildkit(steps):
     """The plan less the steps that need the wheel store, a context folder and BuildKit."""
     return tuple(step for step in steps if step.kind not in ("wheels", "context", "buildkit"))
 
 
-def test_the_executor_runs_the_steps_in_order_and_records_what_it_returns(rendered, tmp_path):
+def test_the_executor_runs_the_steps_in_order_and_records_what_it_returns(rendered, tmp_path, tmp_path_factory):
     lock = rendered.stack.lock
     docker = _FakeDocker({name: p.version for name, p in lock.packages().items()})
-    steps = _without_buildkit(plan_build(rendered, records=tmp_path))
+    steps = _without_buildkit(plan_build(rendered, records=tmp_path, bases=tmp_path_factory.mktemp("bases")))
     built = execute_build(steps, rendered=rendered, docker=docker)  # type: ignore[arg-type]
     tag = steps[-2].tag
     assert [call[0] for call in docker.calls] == ["inspect", "run", "tag", "inspect"]
@@ -119,11 +122,11 @@ def test_the_executor_runs_the_steps_in_order_and_records_what_it_returns(render
     assert record == json.loads(built.model_dump_json()) and "stack" not in record  # the record leaves the stack out
 
 
-def test_an_image_that_is_not_its_lock_is_never_tagged(rendered, tmp_path):
+def test_an_image_that_is_not_its_lock_is_never_tagged(rendered, tmp_path, tmp_path_factory):
     lock = rendered.stack.lock
     installed = {name: p.version for name, p in lock.packages().items()} | {"evil": "1.0"}
     docker = _FakeDocker(installed)
     with pytest.raises(BuildError, match="(?s)does not contain its locked set .1 difference.*evil: image has 1.0"):
-        execute_build(_without_buildkit(plan_build(rendered, records=tmp_path)), rendered=rendered,
-                      docker=docker)  # type: ignore[arg-type]
+        execute_build(_without_buildkit(plan_build(rendered, records=tmp_path, bases=tmp_path_factory.mktemp("bases"))),
+                      rendered=rendered, docker=docker)  # type: ignore[arg-type]
     assert "tag" not in [call[0] for call in docker.calls] and not list(Path(tmp_path).iterdir())
