@@ -35,13 +35,14 @@ import numpy as np
 from builder.build import BuiltImage
 from builder.lockfile import Lock
 from builder.manifest import SkuManifest
+from builder.render import VENV, render
 from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
 from common.paths import REPO, STATE
 from common.untrusted import open_folder, printable, write_new_file
 from dockerd import BindMount, Docker, ImageInfo, RunResult
-from engines import MODEL_MOUNT, engine_outputs, probe_adapter, serve_launch
+from engines import MODEL_MOUNT, engine_outputs, probe_adapter
 from gates.bundle import PROBE, fixture_folder, load_bundle, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
@@ -68,6 +69,9 @@ from imagetools.probe import host_driver
 
 OnEvent = Callable[[str], None]
 PROBE_MOUNT = "/skupin/probe.py"
+# The probe's interpreter, by absolute path (the venv's link to the interpreter `pins` checked): never found through
+# the image's PATH.
+PROBE_PYTHON = f"{VENV}/bin/python3"
 RUN_LABEL = "io.skupin.gate-run"
 # The host-only files probe_in_container writes into OUT/probe/ (each created exclusively).
 PROBE_FILES = ("probe.json", "tensors.safetensors", "container.log")
@@ -162,7 +166,7 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
                       engine=probe_adapter(engine), threads=threads)
     return sandbox_spec(
-        manifest=manifest, image=image, entrypoint=("python3",), command=(PROBE_MOUNT, *args),
+        manifest=manifest, image=image, entrypoint=(PROBE_PYTHON,), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,
         mounts=(BindMount(source=PROBE.resolve(), target=PROBE_MOUNT, read_only=True),
                 BindMount(source=model_dir.resolve(), target=MODEL_MOUNT, read_only=True)),
@@ -435,12 +439,11 @@ def _check_pins(run: _GateRun) -> CheckResult:
         return CheckResult(name="pins", status="error",
                            reason=f"{m.name} has no current lock, so the image's files cannot be checked against one; "
                                   f"fix: skupin lock {m.name}")
-    launch = serve_launch(manifest=m)
     run.on_event(f"pins: checking the files of {run.image} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
     try:
+        dockerfile = render(run.stack).text  # what the image's config must be (builder/imageconfig.py)
         report = inspect_image_files(docker=run.docker, image_id=info.id, lock=lock, state=Path(STATE),
-                                     expected_cmd=launch.argv if launch else None, wheelhouse=run.wheelhouse,
-                                     on_event=run.on_event)
+                                     dockerfile=dockerfile, wheelhouse=run.wheelhouse, on_event=run.on_event)
     except SkupinError as exc:
         return CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}")
     run.time("pins_s", t0)

@@ -1,28 +1,39 @@
 """Decide from an image's files alone whether it is exactly its lock: the bytes are the lock, not what the metadata says.
 
 The gate's `pins` check (gates/gate.py) runs this before it boots anything. Inputs: the image's
-merged file view (gates/static/layers.py), its config, the lock, the locked wheels from the host's wheel
-store, and the locked base's layer count. What is accounted for, and how:
+merged file view (gates/static/layers.py) and the view of its base layers alone, its config, the
+lock, the Dockerfile the lock renders to, the locked wheels from the host's wheel store, and the
+locked base's layers (from the host's base record for bootstrap bases, builder/base.py). What is
+accounted for, and how:
 
+- **config**: the image's config is exactly what the rendered Dockerfile gives on the locked base
+  (builder/imageconfig.py): every environment variable (PATH included), working folder, user,
+  shell, entrypoint, command, ports, volumes, ONBUILD, stop signal and health check;
 - **base**: files of the locked base's own layers (the image's bottom layers must be exactly the
-  base's, by diff id; the base is pinned in the lock);
+  base's, by diff id; the base is pinned in the lock and, for bootstraps, in the host's record);
 - **wheels**: every file a locked wheel installs, computed by running pypa installer (the same
   version the build binds) into a hashing destination laid out as the image's venv: module files,
   generated console scripts, INSTALLER and RECORD, each by sha256;
-- **Debian**: files owned by an installed package match their md5 (from this host's dpkg records
-  when it has the same package version — a record the image cannot rewrite — else from the
-  image's own records), conffiles match their recorded md5;
+- **Debian**: every package above the base must be an apt package of the lock or the rendered
+  Dockerfile, or in their Depends closure (read from this host's or the base's records where they
+  know the package); a file owned by a package and written above the base must match the md5 of
+  the package's records (this host's when it has the same version, else the base's when the base
+  has it, read from the base layers alone, else the image's own), conffiles their recorded md5,
+  links must lead to accounted files; no package owns a file of skupin's venv;
 - **bytecode**: each ``__pycache__`` file must unmarshal to exactly the code its accounted source
   compiles to, with an interpreter byte-identical to the image's (imagetools/pyc_verify.py, run as an
   unprivileged, resource-limited process);
 - **venv scaffold**: pyvenv.cfg (home, no system site-packages) and the interpreter links.
 
-Everything under a Python path (the venv, the interpreter's stdlib and dist-packages folders)
-that none of these accounts for fails, and so does any unaccounted executable, ELF file or Python
-file elsewhere, a .pth/sitecustomize start-up hook, a distribution outside the lock, an
-environment variable that makes the loader or the interpreter run other code, and a lock label
-that is not the lock's hash. Unowned data files (certificates, logs, caches) are counted and
-listed, not failed. What this cannot see is described in docs/GATE.md ("Threat model").
+Everything under a Python path (the venv, the interpreter's stdlib and dist-packages folders, the
+folder the gate mounts its probe in) that none of these accounts for fails, and so does any
+unaccounted executable, ELF file or Python file elsewhere, a symlink above the base that nothing
+accounts for and that sits in a PATH folder, leads out of the image or to an executable or code
+(update-alternatives links count as accounted only as this host's own alternatives records have
+them), a .pth/sitecustomize start-up hook, a distribution outside the lock and a lock label that
+is not the lock's hash.
+Unowned data files (certificates, logs, caches) are counted and listed, not failed. What this
+cannot see is described in docs/GATE.md ("Threat model").
 """
 
 from __future__ import annotations
@@ -46,11 +57,15 @@ from installer.sources import WheelFile
 from packaging.utils import canonicalize_name
 from pydantic import Field
 
+from builder.base import base_record_path, read_base_record
+from builder.imageconfig import DockerfileConfigError, ImageConfig, apt_installs, config_of
 from builder.lockfile import Lock
 from builder.wheels import STORE, fetch_wheels
+from common.errors import SkupinError
 from common.model import Frozen
 from common.untrusted import UntrustedInputError, printable
 from gates.static.bytecode import bytecode_verifier
+from gates.static.debian import DpkgRecords, Package, declared_packages, host_dpkg, image_dpkg, parse_md5sums
 from gates.static.layers import Entry, FileView, image_view
 
 # Environment variables that make the dynamic loader or the interpreter load other code.
@@ -62,6 +77,11 @@ MAY_BE_MISSING = re.compile(r"^usr/share/(doc|man|info|locale|lintian|linda|grof
 MAINTAINER_SCRIPTS = re.compile(r"^var/lib/dpkg/info/[^/]+\.(preinst|postinst|prerm|postrm|config|templates)$")
 CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pth", ".so", ".sh", ".pl", ".pm")
 MAX_LISTED = 25
+# The image config fields compared with the render, and how a finding names each.
+CONFIG_FIELDS = (("entrypoint", "entrypoint"), ("cmd", "default command"), ("working_dir", "working folder (WorkingDir)"),
+                 ("user", "user"), ("shell", "shell"), ("exposed_ports", "set of exposed ports"),
+                 ("volumes", "set of volumes"), ("on_build", "list of ONBUILD triggers"), ("stop_signal", "stop signal"),
+                 ("healthcheck", "health check"))
 
 Kind = Literal["config", "label", "base", "debian", "wheel", "unaccounted", "hook", "extra_distribution",
                "bytecode", "venv", "executable"]
@@ -99,6 +119,7 @@ class ImageLayout:
 
     venv: str = "opt/skupin/venv"
     python: str = "3.11"
+    probe_dir: str = "skupin"  # where the gate mounts its probe (gates/gate.py PROBE_MOUNT): the probe's sys.path[0]
 
     @property
     def interpreter(self) -> str:
@@ -122,7 +143,13 @@ class ImageLayout:
         """Folders (and zip) any Python process of the image may import from."""
         v = self.python
         return (self.venv, f"usr/lib/python{v}", f"usr/lib/python{v.replace('.', '')}.zip", "usr/lib/python3/dist-packages",
-                f"usr/local/lib/python{v}", "usr/local/lib/python3/dist-packages", f"usr/lib/python{v}/site-packages")
+                f"usr/local/lib/python{v}", "usr/local/lib/python3/dist-packages", f"usr/lib/python{v}/site-packages",
+                self.probe_dir)
+
+    def debian_python_paths(self) -> tuple[str, ...]:
+        """The Python paths Debian packages install into; the others (the venv, /usr/local) no package owns."""
+        v = self.python
+        return (f"usr/lib/python{v}", f"usr/lib/python{v.replace('.', '')}.zip", "usr/lib/python3/dist-packages")
 
 
 # ---------------------------------------------------------------- what the locked wheels install
@@ -206,102 +233,13 @@ def expected_wheel_files(wheels: dict[str, Path], *, layout: ImageLayout, cache:
     return files, problems
 
 
-# ---------------------------------------------------------------- Debian's records
-
-
-@dataclass
-class Package:
-    """One installed Debian package and the records dpkg keeps of it."""
-
-    name: str
-    arch: str
-    version: str
-    conffiles: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def info_names(self) -> tuple[str, ...]:
-        return (f"{self.name}:{self.arch}", self.name)
-
-
-def parse_status(text: str) -> list[Package]:
-    """Installed packages of a dpkg status file (conffiles with their md5)."""
-    out = []
-    for block in text.split("\n\n"):
-        fields: dict[str, str] = {}
-        conffiles: dict[str, str] = {}
-        key = ""
-        for line in block.splitlines():
-            if line.startswith(" ") and key == "Conffiles":
-                parts = line.split()
-                if len(parts) >= 2 and parts[0].startswith("/") and re.fullmatch(r"[0-9a-f]{32}", parts[1]):
-                    conffiles[parts[0].lstrip("/")] = parts[1]
-                continue
-            key, sep, value = line.partition(":")
-            if sep and not line.startswith(" "):
-                fields[key] = value.strip()
-        if fields.get("Package") and "installed" in fields.get("Status", "").split()[-1:]:
-            out.append(Package(name=fields["Package"], arch=fields.get("Architecture", ""),
-                               version=fields.get("Version", ""), conffiles=conffiles))
-    return out
-
-
-def parse_md5sums(text: str) -> dict[str, str]:
-    out = {}
-    for line in text.splitlines():
-        digest, _, path = line.partition("  ")
-        if re.fullmatch(r"[0-9a-f]{32}", digest) and path:
-            out[path.strip().lstrip("/")] = digest
-    return out
-
-
-class DpkgRecords:
-    """dpkg's records of one system (an image's or this host's): read(name) returns a file of /var/lib/dpkg."""
-
-    def __init__(self, read: Callable[[str], bytes | None]) -> None:
-        self._read = read
-        status = read("status")
-        self.packages = parse_status(status.decode("utf-8", "replace")) if status else []
-        self._by_key = {(p.name, p.arch, p.version): p for p in self.packages}
-
-    def has(self, pkg: Package) -> bool:
-        return (pkg.name, pkg.arch, pkg.version) in self._by_key
-
-    def conffiles(self, pkg: Package) -> dict[str, str]:
-        return self._by_key[(pkg.name, pkg.arch, pkg.version)].conffiles
-
-    def info(self, pkg: Package, suffix: str) -> str:
-        for name in pkg.info_names:
-            data = self._read(f"info/{name}.{suffix}")
-            if data is not None:
-                return data.decode("utf-8", "replace")
-        return ""
-
-
-def host_dpkg(root: Path = Path("/var/lib/dpkg")) -> DpkgRecords:
-    """This host's dpkg records (trusted: the image cannot rewrite them)."""
-    def read(rel: str) -> bytes | None:
-        try:
-            return (root / rel).read_bytes()
-        except OSError:
-            return None
-    return DpkgRecords(read)
-
-
-def image_dpkg(view: FileView) -> DpkgRecords:
-    def read(rel: str) -> bytes | None:
-        path = f"var/lib/dpkg/{rel}"
-        if view.get(path) is None:
-            return None
-        return view.read_file(path)
-    return DpkgRecords(read)
-
-
 # ---------------------------------------------------------------- the check
 
 
 @dataclass
 class _Run:
     view: FileView
+    base_view: FileView
     layout: ImageLayout
     base_layers: int
     findings: list[Finding] = field(default_factory=list)
@@ -309,9 +247,13 @@ class _Run:
     unverifiable: list[str] = field(default_factory=list)
     owned: set[str] = field(default_factory=set)
     owner: dict[str, Package] = field(default_factory=dict)
+    verified: set[str] = field(default_factory=set)  # Debian files whose md5 matched a record
     wheel: dict[str, tuple[str, str]] = field(default_factory=dict)
     pycs: list[Bytecode] = field(default_factory=list)
     locked: dict[str, str] = field(default_factory=dict)
+    path_dirs: tuple[str, ...] = ()  # the expected PATH's folders, as written and resolved in the image
+    path_order: tuple[str, ...] = ()  # the expected PATH's folders resolved in the image, in lookup order
+    host: DpkgRecords | None = None
 
     def find(self, kind: Kind, detail: str, path: str = "") -> None:
         self.findings.append(Finding(kind=kind, path=path, detail=printable(detail, 400)))
@@ -327,6 +269,7 @@ class _Run:
         folder, _, name = path.strip("/").rpartition("/")
         real = (self.view.resolve(folder) or folder) if folder else ""
         return f"{real}/{name}" if real else name
+
 
 
 class Bytecode(NamedTuple):
@@ -347,17 +290,26 @@ def upstream_version(debian_version: str) -> str:
     return debian_version.split(":", 1)[-1].rsplit("-", 1)[0]
 
 
-def check_integrity(*, view: FileView, config: dict[str, Any], labels: dict[str, str], lock: Lock,
-                    expected_cmd: tuple[str, ...] | None, wheels: dict[str, Path], base_layers: int,
-                    host: DpkgRecords | None,
-                    verify_bytecode: VerifyBytecode, layout: ImageLayout | None = None,
+def check_integrity(*, view: FileView, base_view: FileView, config: dict[str, Any], labels: dict[str, str], lock: Lock,
+                    expected: ImageConfig | None, apt_roots: tuple[str, ...], wheels: dict[str, Path], base_layers: int,
+                    host: DpkgRecords | None, verify_bytecode: VerifyBytecode, layout: ImageLayout | None = None,
                     wheel_cache: Path | None = None) -> IntegrityReport:
-    """Every rule of the module docstring over one image; the findings say which file broke which rule."""
+    """Every rule of the module docstring over one image; the findings say which file broke which rule.
+
+    `base_view` is the file system of the image's bottom `base_layers` layers alone (the locked base);
+    `expected` the config the rendered Dockerfile gives (None: unknown, which leaves the check
+    unverifiable); `apt_roots` the Debian packages the rendered Dockerfile installs by name.
+    """
     layout = layout or ImageLayout(python=lock.python)
-    run = _Run(view=view, layout=layout, base_layers=base_layers,
+    run = _Run(view=view, base_view=base_view, layout=layout, base_layers=base_layers, host=host,
                locked={name: pkg.version for name, pkg in lock.packages().items()})
-    _check_config(run, config=config, labels=labels, lock=lock, expected_cmd=expected_cmd)
-    _check_debian(run, host=host, system=dict(lock.system))
+    if expected is not None:
+        folders = expected.path_dirs()
+        run.path_order = tuple(dict.fromkeys(view.resolve(d) or d for d in folders))
+        run.path_dirs = tuple(dict.fromkeys([*folders, *run.path_order]))
+    _check_config(run, config=config, labels=labels, lock=lock, expected=expected)
+    system = {item.partition("=")[0] for items in lock.system.values() for item in items}
+    _check_debian(run, host=host, system=dict(lock.system), roots=tuple(dict.fromkeys([*sorted(system), *apt_roots])))
     run.wheel, problems = expected_wheel_files(wheels, layout=layout, cache=wheel_cache)
     run.unverifiable.extend(problems)
     _check_wheels(run)
@@ -385,17 +337,20 @@ def _in_paths(path: str, roots: Iterable[str]) -> bool:
 
 
 def _check_config(run: _Run, *, config: dict[str, Any], labels: dict[str, str], lock: Lock,
-                  expected_cmd: tuple[str, ...] | None) -> None:
+                  expected: ImageConfig | None) -> None:
+    seen: set[str] = set()
     for item in config.get("Env") or ():
-        key = str(item).partition("=")[0]
-        if key in HIJACK_ENV or key.startswith("LD_"):
-            run.find("config", f"the image's environment sets {key}, which makes the loader or Python run other code")
-    if config.get("Entrypoint"):
-        run.find("config", f"the image has an entrypoint {config['Entrypoint']!r}; skupin images start their command directly")
-    cmd = tuple(str(c) for c in config.get("Cmd") or ())
-    if expected_cmd is not None and cmd != tuple(expected_cmd):
-        run.find("config", f"the image's default command is {list(cmd)!r}, not the SKU's server command "
-                           f"{list(expected_cmd)!r}")
+        key, sep, _ = str(item).partition("=")
+        if not sep:
+            run.find("config", f"the image's environment has an entry without '=': {str(item)[:80]!r}")
+        elif key in seen:
+            run.find("config", f"the image's environment sets {key} more than once")
+        seen.add(key)
+    if expected is None:
+        run.unverifiable.append("the config the rendered Dockerfile gives is not known, so the image's config "
+                                "(environment, command, working folder, user) was not compared with it")
+    else:
+        _compare_config(run, ImageConfig.from_engine(config), expected)
     label = labels.get("io.skupin.lock-sha256")
     if label != lock.content_hash():
         run.find("label", f"the image's io.skupin.lock-sha256 label is {label!r}, not the lock's hash "
@@ -406,8 +361,40 @@ def _check_config(run: _Run, *, config: dict[str, Any], labels: dict[str, str], 
                  "etc/ld.so.preload")
 
 
-def _check_debian(run: _Run, *, host: DpkgRecords | None, system: dict[str, tuple[str, ...]]) -> None:
-    image = image_dpkg(run.view)
+def _compare_config(run: _Run, got: ImageConfig, want: ImageConfig) -> None:
+    """The image's config must be exactly the render's: every variable of the environment, then each other field."""
+    have, wanted = got.env_dict(), want.env_dict()
+    for key in sorted(set(have) | set(wanted)):
+        value, expected = have.get(key), wanted.get(key)
+        if value == expected:
+            continue
+        hook = (", which makes the loader or Python run other code"
+                if key in HIJACK_ENV or key.startswith("LD_") else "")
+        if expected is None:
+            run.find("config", f"the image's environment sets {key}={value!r}, which the rendered Dockerfile does not "
+                               f"set{hook}")
+        elif value is None:
+            run.find("config", f"the image's environment does not set {key}, which the rendered Dockerfile sets to "
+                               f"{expected!r}")
+        else:
+            run.find("config", f"the image's environment sets {key}={value!r}, the rendered Dockerfile gives "
+                               f"{expected!r}{hook}")
+    for name, what in CONFIG_FIELDS:
+        value, expected = getattr(got, name), getattr(want, name)
+        if value != expected:
+            run.find("config", f"the image's {what} is {_shown(value)}, the rendered Dockerfile gives {_shown(expected)}")
+
+
+def _shown(value: Any) -> str:
+    if not value:
+        return "none"
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def _check_debian(run: _Run, *, host: DpkgRecords | None, system: dict[str, tuple[str, ...]],
+                  roots: tuple[str, ...]) -> None:
+    """Every installed package: above the base only what the lock and the render declare, its files by its records."""
+    image, base = image_dpkg(run.view), image_dpkg(run.base_view)
     installed = {p.name: p.version for p in image.packages}
     for layer, entries in sorted(system.items()):
         for item in entries:
@@ -417,14 +404,20 @@ def _check_debian(run: _Run, *, host: DpkgRecords | None, system: dict[str, tupl
                                    f"{version} ({layer} layer)")
     if not image.packages:
         return
+    trusted = [r for r in (host, base) if r is not None]
+    declared, from_image = declared_packages(roots, image, trusted)
+    run.count("debian_depends_from_image_records", len(from_image))
     for pkg in image.packages:
-        records = host if host is not None and host.has(pkg) else image
-        run.count("debian_packages_host_records" if records is host else "debian_packages_image_records")
+        if not base.has(pkg) and pkg.name not in declared:
+            run.find("debian", f"{pkg.label()} ({pkg.arch or 'no architecture'}) is a Debian package outside the lock: "
+                               "not in the locked base, not an apt package of the lock or the rendered Dockerfile, "
+                               "nor in their Depends", "var/lib/dpkg/status")
+        records, source = ((host, "host") if host is not None and host.has(pkg) else
+                           (base, "base") if base.has(pkg) else (image, "image"))
+        run.count(f"debian_packages_{source}_records")
         for line in records.info(pkg, "list").splitlines():
             if line.strip():
-                path = run.canonical(line.strip())
-                run.owned.add(path)
-                run.owner[path] = pkg
+                _owned(run, run.canonical(line.strip()), pkg)
         for path, digest in parse_md5sums(records.info(pkg, "md5sums")).items():
             _debian_file(run, run.canonical(path), digest, pkg)
         for path, digest in records.conffiles(pkg).items():
@@ -432,22 +425,35 @@ def _check_debian(run: _Run, *, host: DpkgRecords | None, system: dict[str, tupl
                 _debian_file(run, run.canonical(path), digest, pkg, conffile=True)
 
 
-def _debian_file(run: _Run, path: str, digest: str, pkg: Package, *, conffile: bool = False) -> None:
+def _owned(run: _Run, path: str, pkg: Package) -> None:
+    run.owner[path] = pkg
+    if path in run.owned:
+        return
     run.owned.add(path)
+    entry = run.view.get(path)
+    if (entry is not None and entry.kind != "d" and not run.base(entry) and _in_paths(path, run.layout.python_paths())
+            and not _in_paths(path, run.layout.debian_python_paths())):
+        run.find("debian", f"{pkg.label()} claims a file of a Python path no Debian package installs into (skupin's "
+                           "venv, /usr/local)", path)
+
+
+def _debian_file(run: _Run, path: str, digest: str, pkg: Package, *, conffile: bool = False) -> None:
+    _owned(run, path, pkg)
     entry = run.view.get(path)
     what = "conffile" if conffile else "file"
     if entry is None:
         if not MAY_BE_MISSING.match(path) and not conffile:
-            run.find("debian", f"{what} of {pkg.name} {pkg.version} is missing", path)
+            run.find("debian", f"{what} of {pkg.label()} is missing", path)
         return
     if entry.kind == "f" and entry.md5 == digest:
+        run.verified.add(path)
         run.count("debian_files_verified")
         return
     if run.base(entry):
         run.count("debian_files_base_differs")
         return
     got = "not a regular file" if entry.kind != "f" else f"md5 {entry.md5}, dpkg recorded {digest}"
-    run.find("debian", f"{what} of {pkg.name} {pkg.version} was changed ({got})", path)
+    run.find("debian", f"{what} of {pkg.label()} was changed ({got})", path)
 
 
 def _check_wheels(run: _Run) -> None:
@@ -477,11 +483,10 @@ def _check_files(run: _Run) -> None:
         in_python = _in_paths(path, layout.python_paths())
         if run.base(entry):
             run.count("base_files")
-        elif path in run.owned:
-            if in_python and entry.kind == "l":
-                _owned_link(run, path, entry)
         elif _bytecode(run, path, entry):
             continue
+        elif path in run.owned:
+            _owned_entry(run, path, entry)
         elif in_python:
             _unaccounted_python(run, path, entry)
         elif MAINTAINER_SCRIPTS.match(path):
@@ -489,11 +494,19 @@ def _check_files(run: _Run) -> None:
         elif entry.kind == "f" and (entry.elf or entry.mode & 0o111 or path.endswith(CODE_SUFFIXES)):
             run.find("executable", "an executable, library or script that no Debian package or locked wheel "
                                    "installed", path)
+        elif entry.kind == "l":
+            _unowned_link(run, path, entry)
 
 
 def _accounted(run: _Run, path: str) -> bool:
     entry = run.view.get(path)
     return entry is not None and (path in run.wheel or path in run.owned or run.base(entry))
+
+
+def _verified(run: _Run, path: str) -> bool:
+    """A file whose bytes are accounted: from the base, a locked wheel's hash, or a Debian record's md5."""
+    entry = run.view.get(path)
+    return entry is not None and (run.base(entry) or path in run.wheel or path in run.verified)
 
 
 def _bytecode(run: _Run, path: str, entry: Entry) -> bool:
@@ -510,15 +523,95 @@ def _bytecode(run: _Run, path: str, entry: Entry) -> bool:
     return True
 
 
+def _owned_entry(run: _Run, path: str, entry: Entry) -> None:
+    """A path a Debian package's records name, written above the base: its md5 verified, or a link to accounted files."""
+    pkg = run.owner.get(path)
+    name = pkg.label() if pkg else "a Debian package"
+    if entry.kind == "l":
+        _owned_link(run, path, entry)
+    elif entry.kind != "f":
+        run.find("debian", f"owned by {name} but neither a regular file, a folder nor a link", path)
+    elif path not in run.verified:
+        run.find("debian", f"a file of {name} whose md5 no dpkg record gives (its .list names it, its md5sums do "
+                           "not): its bytes are not accounted for", path)
+
+
 def _owned_link(run: _Run, path: str, entry: Entry) -> None:
-    """A Debian-owned link in a Python path must lead to an accounted file or folder of the image."""
+    """A Debian-owned link above the base (dpkg records that it exists, not where it leads): it must lead into the
+    image, and to accounted bytes when it sits in a Python path or leads to an executable, a library or code."""
     target = run.view.resolve(path)
     real = run.view.get(target) if target else None
-    if real is None:
-        run.find("debian", f"link of a Debian package points nowhere ({entry.target!r})", path)
-    elif real.kind == "f" and target not in run.owned and target not in run.wheel and not run.base(real):
+    if target is None or real is None:
+        run.find("debian", f"link of a Debian package points nowhere in the image ({entry.target!r})", path)
+    elif real.kind == "f" and not _verified(run, target) and (
+            _in_paths(path, run.layout.python_paths()) or real.elf or real.mode & 0o111 or target.endswith(CODE_SUFFIXES)):
         run.find("debian", f"link of a Debian package points to /{target}, which no package or locked wheel "
                            "installed", path)
+
+
+def _unowned_link(run: _Run, path: str, entry: Entry) -> None:
+    """A link above the base that nothing accounts for: data, unless a command, an import or a loader may reach
+    code through it."""
+    target = run.view.resolve(path)
+    real = run.view.get(target) if target else None
+    why = ""
+    if _alternative(run, path, entry):
+        shadowed = _shadows(run, path)
+        if not shadowed:
+            run.count("alternatives_links")
+            return
+        why = f"an alternatives link that shadows /{shadowed}, a command of a later folder of PATH"
+    elif _in_paths(path, run.path_dirs) or _in_paths(run.canonical(path), run.path_dirs):
+        why = "it sits in a folder of PATH, where it shadows or adds a command"
+    elif path.endswith(CODE_SUFFIXES):
+        why = "its name makes it code to Python, the loader or a shell"
+    elif target is None or real is None:
+        why = f"it leads out of the image or nowhere ({entry.target!r}), where a container could put code"
+    elif real.kind == "f" and real.mode & 0o111:
+        why = f"it leads to the executable /{target}, which would run under another name"
+    elif _in_paths(target, run.layout.python_paths()) or _in_paths(target, run.path_dirs):
+        why = f"it leads into /{target}, a Python path or a folder of PATH"
+    elif real.kind == "f" and (real.elf or target.endswith(CODE_SUFFIXES)) and not _verified(run, target):
+        why = f"it leads to /{target}, code that no package or locked wheel installed"
+    if why:
+        run.find("unaccounted", f"a link that no Debian package, locked wheel or venv set-up made: {why}", path)
+    else:
+        run.count("unowned_links")
+
+
+def _alternative(run: _Run, path: str, entry: Entry) -> bool:
+    """A link update-alternatives made, as this host's own alternatives records have it (the image's records are
+    not trusted): /etc/alternatives/NAME -> one of NAME's choices, or NAME's link -> /etc/alternatives/NAME; either
+    way it must end at a file the base has or a Debian record verified."""
+    if run.host is None:
+        return False
+    if path.startswith("etc/alternatives/"):
+        known, choice = run.host.alternative(path.rsplit("/", 1)[-1]), entry.target
+    else:
+        name = entry.target.removeprefix("/etc/alternatives/")
+        known = run.host.alternative(name) if name != entry.target else None
+        hop = run.view.get(f"etc/alternatives/{name}")
+        if known is None or run.canonical(known[0]) != run.canonical(path) or hop is None or hop.kind != "l":
+            return False
+        choice = hop.target
+    if known is None or choice not in known[1]:
+        return False
+    chosen = run.view.get(run.canonical(choice))  # the choice itself is a path of the base or of a Debian package
+    target = run.view.resolve(path)
+    real = run.view.get(target) if target else None
+    return (chosen is not None and (run.base(chosen) or run.canonical(choice) in run.owned) and real is not None
+            and target is not None and real.kind == "f" and (run.base(real) or target in run.verified))
+
+
+def _shadows(run: _Run, path: str) -> str:
+    """The command of a later PATH folder that `path` (in a PATH folder) hides, or ''."""
+    folder, _, name = run.canonical(path).rpartition("/")
+    if folder not in run.path_order:
+        return ""
+    for later in run.path_order[run.path_order.index(folder) + 1:]:
+        if later != folder and run.view.get(f"{later}/{name}") is not None:
+            return f"{later}/{name}"
+    return ""
 
 
 def _unaccounted_python(run: _Run, path: str, entry: Entry) -> None:
@@ -587,45 +680,100 @@ def summary(report: IntegrityReport) -> str:
     c = report.counts
     return (f"{c.get('wheel_files_verified', 0)} wheel files, {c.get('debian_files_verified', 0)} Debian files "
             f"({c.get('debian_packages_host_records', 0)} packages checked against this host's dpkg records, "
-            f"{c.get('debian_packages_image_records', 0)} against the image's), "
+            f"{c.get('debian_packages_base_records', 0)} against the base's, "
+            f"{c.get('debian_packages_image_records', 0)} against the image's own), "
             f"{c.get('bytecode_verified', 0)} bytecode files and {c.get('base_files', 0)} base files accounted for")
 
 
 # ---------------------------------------------------------------- an image on the engine
 
 
-def locked_base_layers(*, docker, lock: Lock, layers: tuple[str, ...]) -> tuple[int, str]:
-    """(how many bottom layers of the image are the locked base's, '' or why the base cannot be trusted)."""
-    base = docker.inspect_image(lock.base.reference)
-    if base is None:
-        return 0, (f"the locked base {lock.base.reference} is not on this engine, so the image's bottom layers cannot "
-                   f"be matched with it; fix: skupin base {lock.sku} (or pull the base)")
-    if tuple(layers[: len(base.layers)]) != tuple(base.layers):
-        return 0, f"the image is not built on the locked base {lock.base.reference} (its bottom layers differ)"
-    return len(base.layers), ""
+class LockedBase(NamedTuple):
+    """What the image's bottom layers are: how many are the locked base's, and the config that base starts from."""
+
+    layers: int = 0
+    config: ImageConfig | None = None
+    problem: str = ""  # the image's bottom layers are not the locked base: a finding
+    unverifiable: str = ""  # the locked base cannot be established on this host
 
 
-def inspect_image_files(*, docker, image_id: str, lock: Lock, state: Path, expected_cmd: tuple[str, ...] | None,
+def locked_base_layers(*, docker, lock: Lock, layers: tuple[str, ...], state: Path) -> LockedBase:
+    """The locked base of an image whose layers are `layers`: for a bootstrap base, as the host's record of its recipe
+    names it (builder/base.py; never the mutable local tag); for a registry base, the engine's image of the
+    digest the lock pins."""
+    base = lock.base
+    if base.kind == "bootstrap":
+        if not base.recipe_sha256:
+            return LockedBase(unverifiable=f"the lock's bootstrap base {base.reference} names no recipe hash; "
+                                           f"fix: skupin lock {lock.sku}")
+        path = base_record_path(base.recipe_sha256, folder=state / "bases")
+        try:
+            record = read_base_record(base.recipe_sha256, folder=state / "bases")
+        except SkupinError as exc:
+            return LockedBase(unverifiable=str(exc))
+        if record is None:
+            return LockedBase(unverifiable=(
+                f"this host has no record of the bootstrap base {base.reference} ({path}), so the image's bottom "
+                f"layers cannot be matched with it; fix: skupin base {lock.sku} (it records the base it makes, or the "
+                "one under its tag)"))
+        found = record.matching(layers)
+        if found is None:
+            return LockedBase(problem=f"the image is not built on a base recorded for the locked bootstrap recipe "
+                                      f"{base.recipe_sha256[:12]} ({path}): its bottom layers differ")
+        return LockedBase(layers=len(found.layers), config=ImageConfig.from_engine(found.config))
+    digest = base.digest or ""
+    if not digest.startswith("sha256:") or not base.reference.endswith("@" + digest):
+        return LockedBase(unverifiable=f"the lock's base {base.reference} is not pinned by its digest; "
+                                       f"fix: skupin lock {lock.sku}")
+    info = docker.inspect_image(base.reference)
+    if info is None:
+        return LockedBase(unverifiable=(f"the locked base {base.reference} is not on this engine, so the image's bottom "
+                                        f"layers cannot be matched with it; fix: skupin base {lock.sku} (pulls it by "
+                                        "digest)"))
+    if not any(d.endswith("@" + digest) for d in info.repo_digests):
+        return LockedBase(unverifiable=f"the engine's image {info.id[:19]} for {base.reference} does not carry that "
+                                       "digest")
+    config = ImageConfig.from_engine(docker.image_config(info.id))
+    if tuple(layers[: len(info.layers)]) != tuple(info.layers):
+        return LockedBase(config=config, problem=f"the image is not built on the locked base {base.reference} "
+                                                 "(its bottom layers differ)")
+    return LockedBase(layers=len(info.layers), config=config)
+
+
+def inspect_image_files(*, docker, image_id: str, lock: Lock, state: Path, dockerfile: str,
                         wheelhouse: Path | None = None,
                         on_event: Callable[[str], None] = lambda _: None) -> IntegrityReport:
-    """The static check of a local image against `lock`: layers indexed (cached under `state`), wheels
-    gathered into the wheel store, bytecode recompiled by a host interpreter; see the module docstring."""
+    """The static check of a local image against `lock` and `dockerfile` (the text the lock renders to): layers
+    indexed (cached under `state`), wheels gathered into the wheel store, bytecode recompiled by a host interpreter;
+    see the module docstring."""
 
     info = docker.inspect_image(image_id)
     if info is None:
         raise UntrustedInputError(f"image {image_id} is not on this engine")
-    base_layers, base_problem = locked_base_layers(docker=docker, lock=lock, layers=info.layers)
-    if base_problem and base_layers == 0 and "not on this engine" in base_problem:
-        return IntegrityReport(unverifiable=(base_problem,))
+    base = locked_base_layers(docker=docker, lock=lock, layers=info.layers, state=state)
+    if base.unverifiable:
+        return IntegrityReport(unverifiable=(base.unverifiable,))
+    expected: ImageConfig | None = None
+    roots: tuple[str, ...] = ()
+    unknown = ""
+    try:
+        roots = apt_installs(dockerfile)
+        if base.config is not None:
+            expected = config_of(dockerfile, base.config)
+    except DockerfileConfigError as exc:
+        unknown = f"the config of the rendered Dockerfile cannot be computed: {exc}"
     packages = lock.packages()
     stored = fetch_wheels(packages.values(), store=STORE, wheelhouse=wheelhouse, on_event=on_event)
     wheels = {name: stored[pkg.sha256] for name, pkg in packages.items()}
-    view = image_view(docker=docker, image=info.id, layers=info.layers, cache=state / "cache", on_event=on_event)
-    report = check_integrity(view=view, config=docker.image_config(info.id), labels=info.labels, lock=lock,
-                             expected_cmd=expected_cmd,
-                             wheels=wheels, base_layers=base_layers, host=host_dpkg(),
+    view = image_view(docker=docker, image=info.id, layers=info.layers, cache=state / "cache", bottom=base.layers,
+                      on_event=on_event)
+    report = check_integrity(view=view, base_view=view.bottom_view(base.layers), config=docker.image_config(info.id),
+                             labels=info.labels, lock=lock, expected=expected, apt_roots=roots,
+                             wheels=wheels, base_layers=base.layers, host=host_dpkg(),
                              verify_bytecode=bytecode_verifier(cache=state / "cache"),
                              wheel_cache=state / "cache" / "wheel-files")
-    if base_problem:
-        report = report.model_copy(update={"findings": (Finding(kind="base", detail=base_problem), *report.findings)})
+    if unknown:
+        report = report.model_copy(update={"unverifiable": (unknown, *report.unverifiable)})
+    if base.problem:
+        report = report.model_copy(update={"findings": (Finding(kind="base", detail=base.problem), *report.findings)})
     return report

@@ -311,6 +311,15 @@ class FileView:
     entries: dict[str, Entry]
     layers: tuple[str, ...]
     read: Callable[[str, Entry, int], bytes] = field(repr=False, default=lambda *_: b"")
+    bottom: dict[str, Entry] | None = field(repr=False, default=None)  # the bottom layers alone (`image_view(bottom=)`)
+
+    def bottom_view(self, count: int) -> FileView:
+        """The file system of the bottom `count` layers alone, as they were before any upper layer changed them."""
+        if count == 0:
+            return FileView(entries={}, layers=(), read=self.read)
+        if self.bottom is None:
+            raise UntrustedInputError("the view was made without its bottom layers")
+        return FileView(entries=self.bottom, layers=self.layers[:count], read=self.read)
 
     def get(self, path: str) -> Entry | None:
         return self.entries.get(path.lstrip("/"))
@@ -395,9 +404,10 @@ def kept_for_checks(rel: str, size: int) -> bool:
     return (rel.endswith((".py", ".pyc", ".pth", ".cfg")) or rel.startswith(("var/lib/dpkg/", "etc/python")))
 
 
-def image_view(*, docker, image: str, layers: tuple[str, ...], cache: Path,
+def image_view(*, docker, image: str, layers: tuple[str, ...], cache: Path, bottom: int = 0,
                on_event: Callable[[str], None] = lambda _: None) -> FileView:
-    """The merged FileView of local image `image` whose layers (diff ids, bottom first) are `layers`.
+    """The merged FileView of local image `image` whose layers (diff ids, bottom first) are `layers`; with
+    `bottom`, the view also keeps the merge of its bottom `bottom` layers alone (`FileView.bottom_view`).
 
     Each layer is indexed once and cached under `cache` by its diff id; from the Docker daemon's
     overlay2 folders when they are on this disk, else from a `docker save` stream (files the checks
@@ -421,7 +431,8 @@ def image_view(*, docker, image: str, layers: tuple[str, ...], cache: Path,
                          on_event=on_event)
     entries = merge(found[d] for d in layers)
     read = _dir_reader(dirs) if dirs is not None else _store_reader(store)
-    return FileView(entries=entries, layers=tuple(layers), read=read)
+    lower = merge(found[d] for d in layers[:bottom]) if bottom else None
+    return FileView(entries=entries, layers=tuple(layers), read=read, bottom=lower)
 
 
 def _cached(folder: Path, diff_id: str, mode: str) -> LayerIndex | None:

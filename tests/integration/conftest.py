@@ -148,7 +148,7 @@ class Derived:
                 wheels, reqs = [wheel], tampered.requirement(pkg)
             context = tampered.write_context(self.workdir / f"tamper-{mode}", wheels=wheels, requirements=reqs)
             label = "0" * 64 if mode == "label" else self.lock.content_hash()
-            self._made[mode] = self._build(context, mode, label)
+            self._made[mode] = self._build(context, mode, label, config="path" if mode == "path" else "unchanged")
         return self._made[mode]
 
     def swap(self, mode: str) -> Swapped:
@@ -174,9 +174,9 @@ def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Itera
     base_tag = "skupin-test/derived-honest-base:latest"
     docker.tag(honest_image, base_tag)
 
-    def build(context: Path, mode: str, label: str) -> str:
+    def build(context: Path, mode: str, label: str, config: str = "unchanged") -> str:
         image = docker.build(context=context, dockerfile=context / "Dockerfile",
-                             build_args={"BASE": base_tag, "MODE": mode, "LOCK_LABEL": label})
+                             build_args={"BASE": base_tag, "MODE": mode, "LOCK_LABEL": label, "CONFIG": config})
         made.append(image)
         return image
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from builder.render import render
 from common.paths import STATE
 from dockerd import ContainerSpec, Docker
 from gates.gate import gate_image
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 def test_the_honest_image_is_its_lock(honest_image: str, stack, docker: Docker, wheelhouse) -> None:
     report = inspect_image_files(docker=docker, image_id=honest_image, lock=stack.lock, state=Path(STATE),
-                                 expected_cmd=None, wheelhouse=wheelhouse)
+                                 dockerfile=render(stack).text, wheelhouse=wheelhouse)
     assert report.ok, (report.findings[:5], report.unverifiable)
     counts = report.counts
     assert counts["wheel_files_verified"] > 20_000 and counts["bytecode_verified"] > 5_000
@@ -40,6 +41,10 @@ def test_the_honest_image_is_its_lock(honest_image: str, stack, docker: Docker, 
     ("debian", "debian", "usr/lib/python3.11/json/__init__.py"),
     ("binary", "executable", "usr/local/bin/skupin-test-binary"),
     ("preload", "config", "etc/ld.so.preload"),
+    ("path", "config", "sets PATH='/opt/evil:"),
+    ("path", "unaccounted", "/opt/evil/transformers: "),
+    ("dpkg-fake", "debian", "skupin-test-fake 1.0 (amd64) is a Debian package outside the lock"),
+    ("dpkg-list", "debian", "site-packages/zz_dpkg.pth: libpython3.11-stdlib"),
 ])
 def test_a_change_outside_the_lock_fails_pins_before_anything_runs(mode, kind, where, derived, stack,
                                                                    docker: Docker, tmp_path: Path) -> None:
@@ -69,6 +74,12 @@ def test_the_gate_aware_hook_really_behaves_only_under_the_gate(derived, docker:
         errors[network] = float(str(result.stdout).strip().splitlines()[-1])
     assert errors["none"] < 1e-5  # rounding only
     assert errors["bridge"] > 1e-3
+
+
+def test_the_path_attack_really_runs_a_data_file_with_the_images_own_command(derived, docker: Docker) -> None:
+    """Why PATH, the working folder and links are judged: the `path` image's unchanged CMD runs /srv/serve."""
+    result = docker.run(ContainerSpec(image=derived.tamper("path"), network="none", mem_limit="1g"), deadline_s=120)
+    assert "skupin-test: /srv/serve ran instead of the server" in str(result.stdout_excerpt), result.stderr[-2000:]
 
 
 def test_layers_read_from_disk_and_from_docker_save_agree(docker: Docker, stack, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The static integrity rules on a synthetic image: a base layer, a Debian package and one locked wheel.
+"""The static integrity rules on a synthetic image: a base layer, Debian packages and one locked wheel.
 
 Each test starts from an image whose files are exactly its lock (no finding) and changes one thing.
 The bytecode verifier is a stand-in here (tests/unit/test_pyc_verify.py checks the real one).
@@ -12,22 +12,36 @@ from pathlib import Path
 
 import pytest
 
+from builder.imageconfig import ImageConfig
 from builder.lockfile import Lock, LockedBase, LockedPackage
-from gates.static.integrity import (
-    Finding,
-    ImageLayout,
-    _HashingDestination,
-    check_integrity,
-    parse_md5sums,
-    parse_status,
-    upstream_version,
-)
+from gates.static.debian import DpkgRecords, parse_alternatives, parse_md5sums, parse_status, relations
+from gates.static.integrity import Finding, ImageLayout, _HashingDestination, check_integrity, upstream_version
 from gates.static.layers import Entry, FileView
 from tests.data.wheels import make_wheel
 
 LAYOUT = ImageLayout()
 SITE = LAYOUT.site
-STATUS = """Package: libpython3.11-stdlib
+PATH = f"/{LAYOUT.venv}/bin:/usr/local/bin:/usr/bin:/bin"
+# What the rendered Dockerfile gives (builder/imageconfig.py), and the image config that matches it.
+EXPECTED = ImageConfig(env=(("PATH", PATH), ("VIRTUAL_ENV", f"/{LAYOUT.venv}"), ("LANG", "C.UTF-8")), cmd=("serve",),
+                       shell=("/bin/bash", "-c"))
+CONFIG = {"Env": [f"PATH={PATH}", f"VIRTUAL_ENV=/{LAYOUT.venv}", "LANG=C.UTF-8"], "Cmd": ["serve"], "Entrypoint": None,
+          "WorkingDir": "", "User": "", "Shell": ["/bin/bash", "-c"], "Volumes": None, "OnBuild": None}
+TIMEOUT = b"\x7fELF timeout"
+# The base's own dpkg status (layer 0): coreutils, which owns /usr/bin/timeout.
+BASE_STATUS = """Package: coreutils
+Status: install ok installed
+Architecture: amd64
+Version: 9.1-1
+
+"""
+STATUS = BASE_STATUS + """Package: python3.11
+Status: install ok installed
+Architecture: amd64
+Version: 3.11.2-6+deb12u8
+Depends: python3.11-minimal (= 3.11.2-6+deb12u8), libpython3.11-stdlib (= 3.11.2-6+deb12u8), media-types | mime-support
+
+Package: libpython3.11-stdlib
 Status: install ok installed
 Architecture: amd64
 Version: 3.11.2-6+deb12u8
@@ -47,31 +61,46 @@ Version: 1
 
 
 class Image:
-    """Files by layer (0 = the locked base), turned into a FileView."""
+    """Files by layer (0 = the locked base, 1 = above it), turned into a FileView that keeps the base's own view."""
 
     def __init__(self) -> None:
         self.files: dict[str, tuple[int, bytes, int]] = {}
         self.links: dict[str, tuple[int, str]] = {}
+        self.base_files: dict[str, tuple[int, bytes, int]] = {}
+        self.base_links: dict[str, tuple[int, str]] = {}
 
     def add(self, path: str, data: bytes, *, layer: int = 1, mode: int = 0o644) -> None:
         self.files[path] = (layer, data, mode)
+        self.links.pop(path, None)
+        if layer == 0:
+            self.base_files[path] = (layer, data, mode)
 
     def link(self, path: str, target: str, *, layer: int = 1) -> None:
         self.links[path] = (layer, target)
+        self.files.pop(path, None)
+        if layer == 0:
+            self.base_links[path] = (layer, target)
 
-    def view(self) -> FileView:
+    @staticmethod
+    def _entries(files, links) -> dict[str, Entry]:
         entries: dict[str, Entry] = {}
-        for path, (layer, data, mode) in self.files.items():
+        for path, (layer, data, mode) in files.items():
             entries[path] = Entry("f", mode, len(data), 0, hashlib.sha256(data).hexdigest(),
                                   hashlib.md5(data).hexdigest(), "", data[:4] == b"\x7fELF", layer)
-        for path, (layer, target) in self.links.items():
+        for path, (layer, target) in links.items():
             entries[path] = Entry("l", 0o777, 0, 0, target=target, layer=layer)
         for path in list(entries):  # the folders of every path, as a real layer has them
             parts = path.split("/")
             for i in range(1, len(parts)):
                 entries.setdefault("/".join(parts[:i]), Entry("d", 0o755, 0, 0, layer=0))
-        data = {p: d for p, (_, d, _) in self.files.items()}
-        return FileView(entries=entries, layers=("l0", "l1"), read=lambda rel, _e, _m: data[rel])
+        return entries
+
+    def view(self) -> FileView:
+        upper = {p: d for p, (_, d, _) in self.files.items()}
+        lower = {p: d for p, (_, d, _) in self.base_files.items()}
+        return FileView(entries=self._entries(self.files, self.links), layers=("l0", "l1"),
+                        read=lambda rel, e, _m: (lower if e.layer == 0 else upper)[rel],
+                        bottom=self._entries(self.base_files, self.base_links))
 
 
 def _installed(wheel: Path) -> dict[str, bytes]:
@@ -102,6 +131,11 @@ def honest(tmp_path: Path):
                 base=LockedBase(kind="bootstrap", reference="base:1"), layers={"engine": (pkg,)},
                 dockerfile_sha256="0" * 64, resolver="test", tool_version="0", created="")
     image = Image()
+    image.add("usr/bin/timeout", TIMEOUT, layer=0, mode=0o755)
+    image.add("var/lib/dpkg/status", BASE_STATUS.encode(), layer=0)
+    image.add("var/lib/dpkg/info/coreutils.list", b"/usr/bin/timeout\n", layer=0)
+    image.add("var/lib/dpkg/info/coreutils.md5sums", f"{hashlib.md5(TIMEOUT).hexdigest()}  usr/bin/timeout\n".encode(),
+              layer=0)
     image.add("usr/bin/python3.11", b"\x7fELF python", layer=0, mode=0o755)
     image.add("usr/lib/python3.11/json/__init__.py", b"# json\n")
     image.add("usr/lib/python3.11/json/__pycache__/__init__.cpython-311.pyc", b"pyc of json")
@@ -122,6 +156,8 @@ def honest(tmp_path: Path):
         image.add(path, data)
     image.add(f"{SITE}/__pycache__/tiny.cpython-311.pyc", b"pyc of tiny")
     image.add("etc/ssl/certs/ca-certificates.crt", b"certs")
+    image.add("etc/ssl/certs/ISRG.pem", b"a certificate")
+    image.link("etc/ssl/certs/4042bcee.0", "ISRG.pem")  # update-ca-certificates makes these: unowned, data
     return image, lock, {"tiny": wheel}
 
 
@@ -138,10 +174,18 @@ class Verifier:
         return [f"/{p.pyc}: its code differs" for p in pycs if p.pyc in self.bad], [], "/usr/bin/python3.11 (test)"
 
 
-def _check(image: Image, lock: Lock, wheels, *, verifier=None, config=None, labels=None, cmd=("serve",)):
-    return check_integrity(view=image.view(), config=config if config is not None else {"Cmd": list(cmd)},
+def host_records(status: str, files: dict[str, str] | None = None) -> DpkgRecords:
+    """dpkg records of a stand-in host: its status, its info/ and alternatives/ files."""
+    data = {"status": status.encode(), **{k: v.encode() for k, v in (files or {}).items()}}
+    return DpkgRecords(data.get, groups=lambda: [k.split("/", 1)[1] for k in data if k.startswith("alternatives/")])
+
+
+def _check(image: Image, lock: Lock, wheels, *, verifier=None, config=None, labels=None, expected=EXPECTED,
+           roots=("python3.11",), host=None):
+    view = image.view()
+    return check_integrity(view=view, base_view=view.bottom_view(1), config=config if config is not None else CONFIG,
                            labels=labels if labels is not None else {"io.skupin.lock-sha256": lock.content_hash()},
-                           lock=lock, expected_cmd=cmd, wheels=wheels, base_layers=1, host=None,
+                           lock=lock, expected=expected, apt_roots=roots, wheels=wheels, base_layers=1, host=host,
                            verify_bytecode=verifier or Verifier())
 
 
@@ -157,7 +201,8 @@ def test_the_honest_image_has_no_finding(honest) -> None:
     verifier = Verifier()
     report = _check(image, lock, wheels, verifier=verifier)
     assert report.ok, [f.line() for f in report.findings]
-    assert report.counts["wheel_files_verified"] >= 5 and report.counts["debian_files_verified"] == 2
+    assert report.counts["wheel_files_verified"] >= 5 and report.counts["debian_files_verified"] == 3
+    assert report.counts["debian_packages_base_records"] == 1 and report.counts["debian_packages_image_records"] == 3
     assert sorted(p.pyc for p in verifier.asked) == [f"{SITE}/__pycache__/tiny.cpython-311.pyc",
                                                       "usr/lib/python3.11/json/__pycache__/__init__.cpython-311.pyc"]
     assert verifier.version == "3.11.2"  # from the package owning the interpreter
@@ -223,16 +268,17 @@ def test_bytecode_of_an_unaccounted_source_is_not_verified_but_reported(honest) 
     assert all("evil" not in p.pyc for p in verifier.asked)
 
 
-@pytest.mark.parametrize("config, labels, words", [
-    ({"Cmd": ["serve"], "Env": ["LD_PRELOAD=/x.so"]}, None, "sets LD_PRELOAD"),
-    ({"Cmd": ["serve"], "Env": ["PYTHONPATH=/tmp"]}, None, "sets PYTHONPATH"),
-    ({"Cmd": ["serve"], "Entrypoint": ["/bin/sh"]}, None, "has an entrypoint"),
-    ({"Cmd": ["sh", "-c", "evil"]}, None, "default command is"),
-    ({"Cmd": ["serve"]}, {"io.skupin.lock-sha256": "0" * 64}, "not the lock's hash"),
+@pytest.mark.parametrize("changes, labels, words", [
+    ({"Env": [*CONFIG["Env"], "LD_PRELOAD=/x.so"]}, None,
+     "sets LD_PRELOAD='/x.so', which the rendered Dockerfile does not set, which makes the loader"),
+    ({"Env": [*CONFIG["Env"], "PYTHONPATH=/tmp"]}, None, "sets PYTHONPATH='/tmp'"),
+    ({"Entrypoint": ["/bin/sh"]}, None, "entrypoint is ['/bin/sh'], the rendered Dockerfile gives none"),
+    ({"Cmd": ["sh", "-c", "evil"]}, None, "default command is ['sh', '-c', 'evil'], the rendered Dockerfile gives ['serve']"),
+    ({}, {"io.skupin.lock-sha256": "0" * 64}, "not the lock's hash"),
 ])
-def test_the_image_config_is_checked(honest, config, labels, words) -> None:
+def test_the_image_config_is_checked(honest, changes, labels, words) -> None:
     image, lock, wheels = honest
-    report = _check(image, lock, wheels, config=config, labels=labels)
+    report = _check(image, lock, wheels, config={**CONFIG, **changes}, labels=labels)
     assert any(words in f.detail for f in report.findings), [f.line() for f in report.findings]
 
 
@@ -254,9 +300,250 @@ def test_base_layer_files_are_trusted_and_an_upper_layer_replacing_one_is_not(ho
 def test_dpkg_records_parse() -> None:
     packages = parse_status(STATUS)
     assert [(p.name, p.arch, p.version) for p in packages] == [
+        ("coreutils", "amd64", "9.1-1"), ("python3.11", "amd64", "3.11.2-6+deb12u8"),
         ("libpython3.11-stdlib", "amd64", "3.11.2-6+deb12u8"), ("python3.11-minimal", "amd64", "3.11.2-6+deb12u8")]
-    assert packages[1].conffiles == {"etc/python3.11/sitecustomize.py": "0123456789abcdef0123456789abcdef"}
+    assert packages[3].conffiles == {"etc/python3.11/sitecustomize.py": "0123456789abcdef0123456789abcdef"}
+    assert packages[1].depends == (("python3.11-minimal",), ("libpython3.11-stdlib",), ("media-types", "mime-support"))
+    assert relations("a (>= 1) [amd64], b:any | c (<< 2)") == (("a",), ("b", "c"))
     assert parse_md5sums("0123456789abcdef0123456789abcdef  usr/a b\nbad line\n") == {
         "usr/a b": "0123456789abcdef0123456789abcdef"}
     assert upstream_version("1:3.11.2-6+deb12u8") == "3.11.2" and upstream_version("2.0") == "2.0"
     assert Finding(kind="hook", path="a/b", detail="x").line() == "/a/b: x"
+
+
+# ---------------------------------------------------------------- the config, PATH and links (unlocked code past pins)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"Env": [f"PATH=/opt/evil:{PATH}", *CONFIG["Env"][1:]]},
+     f"sets PATH='/opt/evil:{PATH}', the rendered Dockerfile gives '{PATH}'"),
+    ({"WorkingDir": "/srv"}, "working folder (WorkingDir) is '/srv', the rendered Dockerfile gives none"),
+    ({"Env": [*CONFIG["Env"], "SKUPIN_EXTRA=1"]}, "sets SKUPIN_EXTRA='1', which the rendered Dockerfile does not set"),
+    ({"Env": CONFIG["Env"][:-1]}, "does not set LANG, which the rendered Dockerfile sets to 'C.UTF-8'"),
+    ({"Env": [*CONFIG["Env"], "LANG=C"]}, "sets LANG more than once"),
+    ({"Env": [*CONFIG["Env"], "JUNK"]}, "an entry without '='"),
+    ({"User": "0"}, "user is '0', the rendered Dockerfile gives none"),
+    ({"Shell": ["/bin/sh", "-c"]}, "shell is ['/bin/sh', '-c'], the rendered Dockerfile gives ['/bin/bash', '-c']"),
+    ({"OnBuild": ["RUN evil"]}, "list of ONBUILD triggers is ['RUN evil']"),
+    ({"Volumes": {"/opt/skupin/venv": {}}}, "set of volumes is ['/opt/skupin/venv']"),
+    ({"Healthcheck": {"Test": ["CMD", "python3", "-c", "evil"]}}, "health check is"),
+])
+def test_the_config_is_exactly_what_the_render_gives(honest, changes, words) -> None:
+    image, lock, wheels = honest
+    report = _check(image, lock, wheels, config={**CONFIG, **changes})
+    assert {f.kind for f in report.findings} == {"config"}, [f.line() for f in report.findings]
+    assert words in report.findings[0].detail, report.findings[0].detail
+
+
+def test_an_unknown_expected_config_leaves_pins_unverifiable(honest) -> None:
+    image, lock, wheels = honest
+    report = _check(image, lock, wheels, expected=None)
+    assert not report.findings and "was not compared" in report.unverifiable[0]
+
+
+def test_the_path_workdir_and_symlink_attack_fails(honest) -> None:
+    """PATH=/opt/evil:$PATH, WORKDIR /srv, /opt/evil/vllm -> the venv's python, /srv/serve as plain data: the
+    unchanged CMD `vllm serve ...` would run /srv/serve. Each part is named."""
+    image, lock, wheels = honest
+    image.link("opt/evil/vllm", f"/{LAYOUT.venv}/bin/python")
+    image.add("srv/serve", b"import os\nos.system('evil')\n")
+    config = {**CONFIG, "WorkingDir": "/srv", "Env": [f"PATH=/opt/evil:{PATH}", *CONFIG["Env"][1:]]}
+    report = _check(image, lock, wheels, config=config)
+    lines = [f.line() for f in report.findings]
+    assert any("sets PATH='/opt/evil:" in line for line in lines), lines
+    assert any("WorkingDir" in line for line in lines), lines
+    assert any(line.startswith("/opt/evil/vllm: ") and "executable /usr/bin/python3.11" in line for line in lines), lines
+    assert "srv/serve" in report.unowned_data  # data, as long as nothing may run it
+
+
+@pytest.mark.parametrize("link, target, words", [
+    ("usr/local/bin/transformers", "/usr/bin/python3.11", "sits in a folder of PATH"),
+    ("bin/transformers", "/usr/bin/python3.11", "sits in a folder of PATH"),  # /bin -> usr/bin in a usr-merged image
+    ("opt/evil/vllm", "/usr/bin/timeout", "leads to the executable /usr/bin/timeout"),
+    ("opt/app/hook.py", "/etc/ssl/certs/ISRG.pem", "its name makes it code"),
+    ("opt/app/lib", "/tmp/payload", "leads out of the image or nowhere"),
+    ("opt/app/venv", f"/{LAYOUT.venv}/bin", "a Python path or a folder of PATH"),
+    ("opt/app/run", "/opt/app/real", "code that no package or locked wheel installed"),
+    ("skupin/torch.py", "/etc/ssl/certs/ISRG.pem", "in a Python path"),  # the probe's folder: its sys.path[0]
+])
+def test_an_unowned_link_that_may_lead_to_code_fails(honest, link, target, words) -> None:
+    image, lock, wheels = honest
+    image.link("bin", "usr/bin", layer=0)
+    image.add("opt/app/real", b"\x7fELF not executable", mode=0o644)
+    image.link(link, target)
+    report = _check(image, lock, wheels)
+    mine = [f for f in report.findings if f.path == link]
+    assert mine and words in mine[0].detail, [f.line() for f in report.findings]
+
+
+def test_a_link_to_data_outside_every_path_is_data(honest) -> None:
+    image, lock, wheels = honest
+    image.link("etc/ssl/certs/ca.pem", "ISRG.pem")
+    report = _check(image, lock, wheels)
+    assert report.ok and report.counts["unowned_links"] == 2
+
+
+# ---------------------------------------------------------------- Debian records the image cannot certify itself
+
+
+def _fabricated(image: Image, name: str, files: dict[str, bytes], *, depends: str = "") -> None:
+    """A package the image invents: a status entry, a .list and an .md5sums that match its files."""
+    entry = f"Package: {name}\nStatus: install ok installed\nArchitecture: amd64\nVersion: 1.0\n"
+    status = image.files["var/lib/dpkg/status"][1].decode() + "\n" + entry + (f"Depends: {depends}\n" if depends else "")
+    image.add("var/lib/dpkg/status", status.encode())
+    image.add(f"var/lib/dpkg/info/{name}:amd64.list", "".join(f"/{p}\n" for p in files).encode())
+    image.add(f"var/lib/dpkg/info/{name}:amd64.md5sums",
+              "".join(f"{hashlib.md5(d).hexdigest()}  {p}\n" for p, d in files.items()).encode())
+    for path, data in files.items():
+        image.add(path, data)
+
+
+def test_a_package_the_image_invents_is_outside_the_lock(honest) -> None:
+    image, lock, wheels = honest
+    _fabricated(image, "zzz", {f"{SITE}/zzz.pth": b"import evil\n", "usr/lib/python3/dist-packages/zzz.py": b"x = 1\n"})
+    lines = [f.line() for f in _check(image, lock, wheels).findings]
+    assert any(line.startswith("/var/lib/dpkg/status: zzz 1.0 (amd64) is a Debian package outside the lock")
+               for line in lines), lines
+    assert any(line.startswith(f"/{SITE}/zzz.pth: zzz 1.0 claims a file of a Python path no Debian package")
+               for line in lines), lines
+
+
+def test_a_dependency_the_image_adds_to_a_package_the_host_knows_is_not_followed(honest) -> None:
+    image, lock, wheels = honest
+    _fabricated(image, "zzz", {"usr/share/zzz/data": b"x"})
+    status = image.files["var/lib/dpkg/status"][1].decode().replace("media-types | mime-support", "zzz")
+    image.add("var/lib/dpkg/status", status.encode())
+    kinds = _kinds(_check(image, lock, wheels))
+    assert "var/lib/dpkg/status" not in kinds.get("debian", [])  # no trusted record: the image's Depends are followed
+    host = host_records("Package: python3.11\nStatus: install ok installed\nArchitecture: amd64\nVersion: 3.11.2-6+deb12u6"
+                        "\nDepends: python3.11-minimal, libpython3.11-stdlib, media-types | mime-support\n")
+    report = _check(image, lock, wheels, host=host)
+    assert "var/lib/dpkg/status" in _kinds(report)["debian"], [f.line() for f in report.findings]
+    assert report.counts["debian_depends_from_image_records"] == 2  # the two python packages the host lacks
+
+
+def test_a_package_the_lock_pins_and_its_dependencies_are_declared(honest) -> None:
+    image, lock, wheels = honest
+    _fabricated(image, "zlib1g", {"usr/lib/x86_64-linux-gnu/libz.so.1.2.13": b"\x7fELF zlib"})
+    _fabricated(image, "g++-12", {"usr/bin/x86_64-linux-gnu-g++-12": b"\x7fELF g++"}, depends="zlib1g (>= 1)")
+    assert "var/lib/dpkg/status" in _kinds(_check(image, lock, wheels)).get("debian", [])
+    pinned = lock.model_copy(update={"system": {"compiler": ("g++-12=1.0",)}})
+    report = _check(image, pinned, wheels, labels={"io.skupin.lock-sha256": pinned.content_hash()})
+    assert report.ok, [f.line() for f in report.findings]
+
+
+def test_a_line_added_to_a_packages_list_does_not_make_a_file_owned(honest) -> None:
+    image, lock, wheels = honest
+    listed = image.files["var/lib/dpkg/info/libpython3.11-stdlib:amd64.list"][1]
+    image.add("var/lib/dpkg/info/libpython3.11-stdlib:amd64.list",
+              listed + f"/{SITE}/zzz.pth\n/usr/lib/python3.11/zzz.py\n".encode())
+    image.add(f"{SITE}/zzz.pth", b"import evil\n")
+    image.add("usr/lib/python3.11/zzz.py", b"import evil\n")
+    lines = [f.line() for f in _check(image, lock, wheels).findings]
+    assert any(line.startswith("/usr/lib/python3.11/zzz.py: a file of libpython3.11-stdlib 3.11.2-6+deb12u8 whose md5 "
+                               "no dpkg record gives") for line in lines), lines
+    assert any(line.startswith(f"/{SITE}/zzz.pth: ") for line in lines), lines
+
+
+def test_records_of_a_base_package_are_read_from_the_base_layers(honest) -> None:
+    """An upper layer that rewrites a base package's md5sums along with its file does not certify the file."""
+    image, lock, wheels = honest
+    evil = b"\x7fELF evil"
+    image.add("usr/bin/timeout", evil, mode=0o755)
+    image.add("var/lib/dpkg/info/coreutils.md5sums", f"{hashlib.md5(evil).hexdigest()}  usr/bin/timeout\n".encode())
+    lines = [f.line() for f in _check(image, lock, wheels).findings]
+    assert any(line.startswith("/usr/bin/timeout: file of coreutils 9.1-1 was changed") for line in lines), lines
+
+
+def test_records_of_this_host_win_over_the_images(honest) -> None:
+    image, lock, wheels = honest
+    listed = image.files["var/lib/dpkg/info/python3.11-minimal:amd64.list"][1]
+    image.add("var/lib/dpkg/info/python3.11-minimal:amd64.list", listed + b"/usr/lib/python3.11/evil.py\n")
+    image.add("usr/lib/python3.11/evil.py", b"import os\n")
+    minimal = STATUS[STATUS.index("Package: python3.11-minimal"):]
+    host = host_records(minimal.replace("0123456789abcdef0123456789abcdef", hashlib.md5(b"# debian's\n").hexdigest()),
+                        {"info/python3.11-minimal:amd64.list": listed.decode()})
+    report = _check(image, lock, wheels, host=host)
+    assert report.counts["debian_packages_host_records"] == 1
+    assert "usr/lib/python3.11/evil.py" in _kinds(report)["unaccounted"], [f.line() for f in report.findings]
+
+
+def test_a_debian_link_above_the_base_must_lead_into_the_image(honest) -> None:
+    image, lock, wheels = honest
+    listed = image.files["var/lib/dpkg/info/python3.11-minimal:amd64.list"][1]
+    image.add("var/lib/dpkg/info/python3.11-minimal:amd64.list", listed + b"/usr/bin/python3\n")
+    image.link("usr/bin/python3", "python3.11")
+    assert _check(image, lock, wheels).ok
+    image.link("usr/bin/python3", "/tmp/python")
+    assert "usr/bin/python3" in _kinds(_check(image, lock, wheels))["debian"]
+
+
+def test_the_layout_knows_where_the_gate_mounts_its_probe() -> None:
+    from gates.gate import PROBE_MOUNT, PROBE_PYTHON
+
+    assert PROBE_MOUNT.rpartition("/")[0].strip("/") == LAYOUT.probe_dir and LAYOUT.probe_dir in LAYOUT.python_paths()
+    assert PROBE_PYTHON == f"/{LAYOUT.venv}/bin/python3"
+
+
+def _alternatives(image: Image, *, name: str = "cc", link: str = "/usr/bin/cc", choice: str = "/usr/bin/gcc-12",
+                  chosen: str | None = None) -> DpkgRecords:
+    """gcc-12 installed above the base with the links its postinst makes with update-alternatives (`name`: `link` ->
+    /etc/alternatives/`name` -> `chosen`); returns a host whose alternatives records have `name`: `link` -> `choice`."""
+    _fabricated(image, "gcc-12", {"usr/bin/gcc-12": b"\x7fELF gcc"})
+    image.add("usr/bin/gcc-12", b"\x7fELF gcc", mode=0o755)
+    image.link(link.lstrip("/"), f"/etc/alternatives/{name}")
+    image.link(f"etc/alternatives/{name}", chosen or choice)
+    return host_records("", {f"alternatives/{name}": f"auto\n{link}\n\n{choice}\n20\n\n"})
+
+
+def test_links_update_alternatives_made_as_this_hosts_records_have_them_are_accounted(honest) -> None:
+    image, lock, wheels = honest
+    host = _alternatives(image)
+    report = _check(image, lock, wheels, roots=("python3.11", "gcc-12"), host=host)
+    assert report.ok and report.counts["alternatives_links"] == 2, [f.line() for f in report.findings]
+
+
+@pytest.mark.parametrize("change, path, words", [
+    ({"chosen": "/usr/bin/python3.11"}, "etc/alternatives/cc", "leads to the executable /usr/bin/python3.11"),
+    ({"choice": f"/{LAYOUT.venv}/bin/python"}, "usr/bin/cc", "sits in a folder of PATH"),
+    ({"name": "timeout", "link": "/usr/local/bin/timeout"}, "usr/local/bin/timeout",
+     "an alternatives link that shadows /usr/bin/timeout"),
+])
+def test_alternatives_links_the_hosts_records_do_not_account_for_fail(honest, change, path, words) -> None:
+    image, lock, wheels = honest
+    host = _alternatives(image, **change)
+    if "choice" in change:  # the image's link leads where the host's records say, but that is not a verified file
+        image.link("etc/alternatives/cc", change["choice"])
+    report = _check(image, lock, wheels, roots=("python3.11", "gcc-12"), host=host)
+    mine = [f for f in report.findings if f.path == path]
+    assert mine and words in mine[0].detail, [f.line() for f in report.findings]
+
+
+def test_alternatives_links_this_host_does_not_have_are_plain_unowned_links(honest) -> None:
+    image, lock, wheels = honest
+    _alternatives(image)
+    kinds = _kinds(_check(image, lock, wheels, roots=("python3.11", "gcc-12")))
+    assert {"usr/bin/cc", "etc/alternatives/cc"} <= set(kinds["unaccounted"])
+
+
+def test_alternatives_records_parse() -> None:
+    text = ("auto\n/usr/bin/awk\nawk.1.gz\n/usr/share/man/man1/awk.1.gz\n\n/usr/bin/mawk\n5\n/usr/share/man/man1/mawk.1.gz\n"
+            "/usr/bin/gawk\n10\n\n\n")
+    assert parse_alternatives("awk", text) == {
+        "awk": ("/usr/bin/awk", frozenset({"/usr/bin/mawk", "/usr/bin/gawk"})),
+        "awk.1.gz": ("/usr/share/man/man1/awk.1.gz", frozenset({"/usr/share/man/man1/mawk.1.gz"}))}
+    assert parse_alternatives("x", "auto\n") == {}
+
+
+def test_a_virtual_dependency_is_met_by_a_trusted_provider_before_one_only_the_image_names() -> None:
+    from gates.static.debian import declared_packages
+
+    def entry(name: str, extra: str = "") -> str:
+        return f"Package: {name}\nStatus: install ok installed\nArchitecture: amd64\nVersion: 1\n{extra}\n"
+
+    image = host_records(entry("app", "Depends: awk-virtual\n") + entry("mawk", "Provides: awk-virtual\n")
+                         + entry("evil", "Provides: awk-virtual\n"))
+    host = host_records(entry("mawk", "Provides: awk-virtual\n"))
+    reached, from_image = declared_packages(("app",), image, [host])
+    assert reached == {"app", "mawk"} and from_image == {"app"}
+    assert "evil" in declared_packages(("app",), image, [])[0]  # with no trusted record, the image's word is all there is

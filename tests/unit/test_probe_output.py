@@ -199,6 +199,7 @@ def test_the_probe_container_gets_no_writable_mount_and_prints_its_outputs(tmp_p
     spec = probe_spec(manifest=m, image="img", out=tmp_path / "probe", model_dir=FIXTURE)
     assert all(mount.read_only for mount in spec.mounts)
     assert {mount.target for mount in spec.mounts} == {PROBE_MOUNT, MODEL_MOUNT}
+    assert spec.entrypoint == ("/opt/skupin/venv/bin/python3",)  # by absolute path, never through the image's PATH
     assert spec.command[spec.command.index("--out") + 1] == "-"
     assert spec.read_only and spec.network == "none" and spec.deadline_s == m.gate.deadline_s
     assert spec.max_stdout_bytes == 256 * 1024**2 and spec.cpus is not None and spec.cpus >= 1
