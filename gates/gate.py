@@ -241,13 +241,22 @@ def _probe_run(result: RunResult, *, deadline: float, out_fd: int) -> ProbeRun:
             problem = (f"the container exited {result.exit_code} without usable outputs ({exc}); "
                        f"last output: {tail.strip()[-600:] or '(none)'}")
         else:
-            write_new_file("probe.json", report_raw, dir_fd=out_fd)
-            write_new_file("tensors.safetensors", tensors_raw, dir_fd=out_fd)
-    write_new_file("container.log", _container_log(result, problem).encode("utf-8"), dir_fd=out_fd)
+            problem = _keep(out_fd, ("probe.json", report_raw), ("tensors.safetensors", tensors_raw))
+    problem = _keep(out_fd, ("container.log", _container_log(result, problem).encode("utf-8"))) or problem
     if problem:
         return ProbeRun(error=problem, timed_out=result.timed_out, exit_code=result.exit_code, seconds=result.seconds,
                         logs_tail=tail)
     return ProbeRun(report=report, tensors=tensors, exit_code=result.exit_code, seconds=result.seconds, logs_tail=tail)
+
+
+def _keep(out_fd: int, *files: tuple[str, bytes | memoryview]) -> str:
+    """Write `files` into the host-only output folder; '' or why the host could not (a full disk, say)."""
+    for name, data in files:
+        try:
+            write_new_file(name, data, dir_fd=out_fd)
+        except OSError as exc:
+            return f"the host could not write the probe's {name}: {exc}"
+    return ""
 
 
 def _container_log(result: RunResult, problem: str) -> str:
@@ -524,12 +533,23 @@ def _run_checks(run: _GateRun) -> None:
             result: CheckResult | None = CheckResult(name=name, status="skipped",
                                                      reason=f"{needs} is not in the SKU's gate.checks")
         else:
-            result = check(run)
+            result = _guarded(check, name, run)
         if result is None:
             continue
         run.record(result)
         if result.status not in ("pass", "skipped"):
             return
+
+
+def _guarded(check: Check, name: str, run: _GateRun) -> CheckResult | None:
+    """The check's result; an exception it did not expect is an error result of that check (the run still ends
+    in a verdict). KeyboardInterrupt and SystemExit pass."""
+    try:
+        return check(run)
+    except Exception as exc:  # a crafted image must never turn a gate run into a traceback
+        label = name or check.__name__.strip("_")
+        return CheckResult(name=label, status="error",
+                           reason=f"internal error in the {label} check: {type(exc).__name__}: {printable(str(exc), 800)}")
 
 
 # ---------------------------------------------------------------- the stage
