@@ -382,29 +382,38 @@ class FileView:
 
 
 def merge(layers: Iterable[LayerIndex]) -> dict[str, Entry]:
-    """Apply layers bottom to top (opaque folders, whiteouts, replacements) as overlayfs does."""
+    """Apply layers bottom to top (opaque folders, whiteouts, replacements) as overlayfs does.
+
+    Per layer, what it removes from the layers below is gathered first (whited-out paths, and the folders
+    whose lower content goes: opaque ones, whited-out ones, ones it replaces by a non-folder), then the
+    merged map is filtered once, each path checked by its ancestors: linear in paths, not paths x whiteouts.
+    """
     merged: dict[str, Entry] = {}
     for number, layer in enumerate(layers):
-        for folder in layer.opaque:
-            _drop_under(merged, folder)
+        gone: set[str] = set()  # exact paths removed
+        emptied = {folder.rstrip("/") for folder in layer.opaque}  # folders whose lower content is removed
         for path, entry in layer.entries.items():
             if entry.kind == "w":
-                merged.pop(path, None)
-                _drop_under(merged, path)
+                gone.add(path)
+                emptied.add(path)
+            elif entry.kind != "d" and (old := merged.get(path)) is not None and old.kind == "d":
+                emptied.add(path)
+        if gone or emptied:
+            merged = {p: e for p, e in merged.items() if p not in gone and not _under_any(p, emptied)}
         for path, entry in layer.entries.items():
-            if entry.kind == "w":
-                continue
-            old = merged.get(path)
-            if entry.kind != "d" and old is not None and old.kind == "d":
-                _drop_under(merged, path)
-            merged[path] = entry._replace(layer=number)
+            if entry.kind != "w":
+                merged[path] = entry._replace(layer=number)
     return merged
 
 
-def _drop_under(merged: dict[str, Entry], folder: str) -> None:
-    prefix = folder.rstrip("/") + "/"
-    for path in [p for p in merged if p.startswith(prefix)]:
-        del merged[path]
+def _under_any(path: str, folders: set[str]) -> bool:
+    """Whether `path` lies below one of `folders` (checked by its ancestors, not by scanning `folders`)."""
+    cut = path.find("/")
+    while cut != -1:
+        if path[:cut] in folders:
+            return True
+        cut = path.find("/", cut + 1)
+    return False
 
 
 # ---------------------------------------------------------------- an image, from the engine

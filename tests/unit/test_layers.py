@@ -154,6 +154,78 @@ def test_a_broken_layer_tar_is_untrusted_input_not_a_traceback(data: bytes) -> N
         list(iter_saved_layers(io.BytesIO(data)))
 
 
+def _merge_as_specified(layers: list[LayerIndex]) -> dict[str, Entry]:
+    """merge() as it was first written (one scan of the merged map per whiteout): the semantics to keep."""
+    def drop_under(merged: dict[str, Entry], folder: str) -> None:
+        prefix = folder.rstrip("/") + "/"
+        for path in [p for p in merged if p.startswith(prefix)]:
+            del merged[path]
+
+    merged: dict[str, Entry] = {}
+    for number, layer in enumerate(layers):
+        for folder in layer.opaque:
+            drop_under(merged, folder)
+        for path, entry in layer.entries.items():
+            if entry.kind == "w":
+                merged.pop(path, None)
+                drop_under(merged, path)
+        for path, entry in layer.entries.items():
+            if entry.kind == "w":
+                continue
+            old = merged.get(path)
+            if entry.kind != "d" and old is not None and old.kind == "d":
+                drop_under(merged, path)
+            merged[path] = entry._replace(layer=number)
+    return merged
+
+
+def _random_layers(seed: int) -> list[LayerIndex]:
+    """Well-formed layers (every path's parents are folders in it) over a small tree, so paths collide often."""
+    import random
+
+    rng = random.Random(seed)
+    names = ["a", "b", "c", "ab", "a.b"]
+    layers = []
+    for number in range(rng.randint(1, 6)):
+        entries: dict[str, Entry] = {}
+        opaque: set[str] = set()
+        for _ in range(rng.randint(0, 25)):
+            parts = [rng.choice(names) for _ in range(rng.randint(1, 4))]
+            for depth in range(1, len(parts)):
+                parent = "/".join(parts[:depth])
+                if entries.get(parent, Entry("d", 0, 0, 0)).kind != "d":
+                    break
+                entries[parent] = Entry("d", 0o755, 0, number)
+            else:
+                path = "/".join(parts)
+                if any(p.startswith(path + "/") for p in entries):
+                    continue
+                kind = rng.choice("fdwl")
+                entries[path] = Entry(kind, 0o644, 1, number)
+                if kind == "d" and rng.random() < 0.3:
+                    opaque.add(path)
+        layers.append(LayerIndex(f"l{number}", entries, opaque))
+    return layers
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_merge_keeps_its_semantics_on_random_layers(seed: int) -> None:
+    layers = _random_layers(seed)
+    merged = merge(layers)
+    want = _merge_as_specified(layers)
+    assert merged == want and list(merged) == list(want)
+
+
+def test_merge_takes_linear_time_in_whiteouts() -> None:
+    f = Entry("f", 0o644, 1, 0, "a" * 64, "b" * 32)
+    low = LayerIndex("l0", {f"pkg{n}/mod{m}.py": f for n in range(20_000) for m in range(10)})
+    high = LayerIndex("l1", {f"pkg{n}/mod0.py": Entry("w", 0, 0, 0) for n in range(0, 20_000, 2)}
+                      | {f"pkg{n}": Entry("w", 0, 0, 0) for n in range(1, 20_000, 4)})
+    merged = _finishes(lambda: merge([low, high]))  # 15,000 whiteouts over 200,000 paths
+    assert len(merged) == 200_000 - 10_000 - 5_000 * 10
+    assert "pkg0/mod1.py" in merged and "pkg0/mod0.py" not in merged and "pkg1/mod5.py" not in merged
+
+
 def test_two_gates_caching_one_layer_do_not_share_a_temporary_file(tmp_path: Path, monkeypatch) -> None:
     from gates.static import layers
 
