@@ -67,6 +67,8 @@ class RunningContainer:
             self._c.reload()
         except docker.errors.NotFound as exc:
             raise DockerError(f"container {self.id[:12]} is gone ({self.overflow or 'it exited'})") from exc
+        except docker.errors.APIError as exc:
+            raise DockerError(f"inspecting container {self.id[:12]} failed: {exc.explanation or exc}") from exc
         return int(self._c.attrs["State"]["Pid"])
 
     def running(self) -> bool:
@@ -74,6 +76,8 @@ class RunningContainer:
             self._c.reload()
         except docker.errors.NotFound:
             return False
+        except docker.errors.APIError as exc:
+            raise DockerError(f"inspecting container {self.id[:12]} failed: {exc.explanation or exc}") from exc
         return self._c.status == "running"
 
     def exec(
@@ -391,8 +395,12 @@ class Docker:
         try:
             response = api._post(api._url("/containers/{0}/wait", container_id), params={"condition": "removed"},
                                  stream=True, timeout=timeout_s)
+        except docker.errors.APIError as exc:
+            raise DockerError(f"waiting for container {container_id[:12]} failed: {exc.explanation or exc}") from exc
+        try:
             api._raise_for_status(response)
         except docker.errors.APIError as exc:
+            response.close()
             raise DockerError(f"waiting for container {container_id[:12]} failed: {exc.explanation or exc}") from exc
         return response
 
@@ -454,15 +462,18 @@ class Docker:
         start = time.monotonic()
         c = self._create(spec)
         capture: OutputCapture | None = None
+        waiter = None
         try:
             capture = self._attach(c.id, spec, keep_stdout=True)
             waiter = self._wait_removed(c.id, timeout_s=limit)
             self._start(c, spec)
-            code = self._exit_status(waiter, c.id)
+            code = self._exit_status(waiter, c.id)  # closes the wait's response
             if code is None:
                 self._kill(c.id)
             capture.join(timeout_s=30)
         finally:
+            if waiter is not None:
+                waiter.close()  # also when start failed (closing twice is harmless)
             if capture is not None:
                 capture.close()
             self._remove(c.id)
