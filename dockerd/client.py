@@ -194,6 +194,8 @@ class Docker:
         try:
             return dict(self._client.api.inspect_image(ref).get("Config") or {})
         except docker.errors.APIError as exc:
+            if _not_found(exc):
+                raise DockerError(f"image {ref} is not on this engine: {exc.explanation or exc}") from exc
             raise DockerError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
 
     def layer_dirs(self, ref: str) -> tuple[Path, ...] | None:
@@ -312,7 +314,7 @@ class Docker:
             return (list(spec.entrypoint) if spec.entrypoint is not None else None), (list(spec.command) or None)
         entrypoint, command = spec.entrypoint, spec.command
         if entrypoint is None:  # the image's own, as `docker run` would combine them
-            config = self._image_config(spec.image)
+            config = self.image_config(spec.image)
             entrypoint = tuple(config.get("Entrypoint") or ())
             command = command or tuple(config.get("Cmd") or ())
         argv = [*entrypoint, *command]
@@ -320,14 +322,6 @@ class Docker:
             raise DockerError(f"image {spec.image} has no command to run under a deadline")
         limit = int(spec.deadline_s + DEADLINE_GRACE_S + 0.999)
         return ["timeout", f"--kill-after={KILL_AFTER_S}", f"{limit}s", *argv], None
-
-    def _image_config(self, ref: str) -> dict:
-        try:
-            return dict(self._client.api.inspect_image(ref).get("Config") or {})
-        except docker.errors.APIError as exc:
-            if _not_found(exc):
-                raise DockerError(f"image {ref} is not on this engine: {exc.explanation or exc}") from exc
-            raise DockerError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
 
     def _create(self, spec: ContainerSpec) -> docker.models.containers.Container:
         entrypoint, command = self._argv(spec)

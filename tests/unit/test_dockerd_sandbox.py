@@ -177,3 +177,17 @@ def test_an_engine_error_while_reloading_a_container_is_a_docker_error() -> None
     with pytest.raises(DockerError, match="restarting"):
         running.running()
 
+
+def test_one_image_config_reader_says_when_the_image_is_missing() -> None:
+    import docker as docker_sdk
+
+    from common.errors import DockerError
+
+    class Missing:
+        def inspect_image(self, ref: str) -> dict:
+            raise docker_sdk.errors.ImageNotFound(f"No such image: {ref}")
+
+    assert docker().image_config("img") == {"Entrypoint": ["/entry.sh"], "Cmd": ["serve", "--port", "8000"]}
+    assert not hasattr(Docker, "_image_config")
+    with pytest.raises(DockerError, match="not on this engine"):
+        Docker(SimpleNamespace(api=Missing()), socket=Path("/nonexistent.sock")).image_config("img")
