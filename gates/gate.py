@@ -303,7 +303,7 @@ class _GateRun:
     """
 
     stack: ResolvedStack
-    image: str
+    image: str  # what is gated: resolved once by pins, its id used from then on
     docker: Docker
     out: Path
     on_event: OnEvent
@@ -313,6 +313,7 @@ class _GateRun:
     serve_perf: PerfSettings | None
     scratch: Path  # one fixture folder for the whole run (boot resolves it, serve reuses it)
     wheelhouse: Path | None = None
+    display: str = ""  # the name reports show for `image` when not `image` itself (the build's tag for its id)
     checks: list[CheckResult] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     image_id: str = ""  # filled by pins
@@ -332,6 +333,11 @@ class _GateRun:
     @property
     def manifest(self) -> SkuManifest:
         return self.stack.manifest
+
+    @property
+    def shown(self) -> str:
+        """The image as reports name it."""
+        return self.display or self.image
 
     @property
     def lock(self) -> Lock | None:
@@ -407,7 +413,7 @@ def _check_boot(run: _GateRun) -> CheckResult:
     """Run the probe once in the sandbox: the image starts and reports its environment."""
     t0 = time.monotonic()
     try:
-        run.on_event(f"booting {run.image} ({run.image_id[:19]}) with the probe "
+        run.on_event(f"booting {run.shown} ({run.image_id[:19]}) with the probe "
                      f"(deadline {run.manifest.gate.deadline_s} s)")
         run.model_dir = fixture_folder(name=run.manifest.gate.model, model_dir=None, scratch=run.scratch)
         probe = probe_in_container(manifest=run.manifest, image=run.image_id, docker=run.docker,
@@ -445,7 +451,7 @@ def _check_pins(run: _GateRun) -> CheckResult:
                            reason=f"{m.name} has no current lock, so the image's files cannot be checked against one; "
                                   f"fix: skupin lock {m.name}")
     launch = serve_launch(manifest=m)
-    run.on_event(f"pins: checking the files of {run.image} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
+    run.on_event(f"pins: checking the files of {run.shown} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
     try:
         report = inspect_image_files(docker=run.docker, image_id=info.id, lock=lock, state=Path(STATE),
                                      expected_cmd=launch.argv if launch else None, wheelhouse=run.wheelhouse,
@@ -558,21 +564,26 @@ def _guarded(check: Check, name: str, run: _GateRun) -> CheckResult | None:
 def gate(built: BuiltImage, docker: Docker, *, out: Path, on_event: OnEvent = _quiet,
          tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
          serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None) -> GateVerdict:
-    """The gate stage: gate the image `build` made, for the stack it was built from (see `gate_image`)."""
-    return gate_image(stack=built.stack, image=built.image, docker=docker, out=out, on_event=on_event,
-                      tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
-                      wheelhouse=wheelhouse)
+    """The gate stage: gate the image `build` made, for the stack it was built from (see `gate_image`).
+
+    It gates the image's id, so a tag moved since the build cannot change what is gated; reports show the tag.
+    """
+    return gate_image(stack=built.stack, image=built.image_id, display=built.image, docker=docker, out=out,
+                      on_event=on_event, tolerances_path=tolerances_path, reference=reference, baseline=baseline,
+                      serve_perf=serve_perf, wheelhouse=wheelhouse)
 
 
 def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, on_event: OnEvent = _quiet,
                tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
-               serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None) -> GateVerdict:
+               serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None,
+               display: str | None = None) -> GateVerdict:
     """Gate any local image `image` for the SKU of `stack` and write verdict.json, report.md and plot.png to `out`.
 
     `gate` is the stage for an image built here; this is the same gate for one that was not (`skupin
     gate --image`, a third-party image, the tests' tampered images). Checks run in
     order and the first one that does not pass stops the rest. `baseline` (an image) adds the serve
-    check's interleaved A/B; `serve_perf` overrides its load.
+    check's interleaved A/B; `serve_perf` overrides its load. `display` is the name reports give `image`
+    (verdict.json's `image`; its `image_id` is always the id that ran).
     """
     started = time.monotonic()
     created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
@@ -582,7 +593,8 @@ def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, o
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
         run = _GateRun(stack=stack, image=image, docker=docker, out=out, on_event=on_event,
                        tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
-                       scratch=Path(scratch), wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse())
+                       scratch=Path(scratch), wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse(),
+                       display=display or "")
         _run_checks(run)
     return _finish(run, started=started, created=created)
 
@@ -595,7 +607,7 @@ def _finish(run: _GateRun, *, started: float, created: str) -> GateVerdict:
     run.timings["total_s"] = round(time.monotonic() - started, 3)
     lock = run.lock
     verdict = GateVerdict(
-        sku=run.manifest.name, hardware_class=run.manifest.accelerator.hardware_class, image=run.image,
+        sku=run.manifest.name, hardware_class=run.manifest.accelerator.hardware_class, image=run.shown,
         image_id=run.image_id or None, lock_hash=lock.content_hash() if lock else None,
         image_lock_label=run.image_lock_label, reference=run.reference_info, tolerance=run.tolerance_info,
         checks=tuple(run.checks), model_decision=run.decisions, prompts=run.prompts, decision=decision, reason=reason,

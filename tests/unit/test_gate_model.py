@@ -89,3 +89,22 @@ def test_an_unexpected_exception_in_a_check_is_an_error_result_and_the_run_goes_
     gate._run_checks(run)
     assert [(c.name, c.status, c.reason) for c in run.checks] == [
         ("unnamed", "error", "internal error in the unnamed check: RuntimeError: no tolerance file")]
+
+
+def test_the_gate_stage_gates_the_built_image_id_and_reports_its_tag(monkeypatch, tmp_path) -> None:
+    """A tag moved after the build cannot change what is gated: gate() gates the id; reports still show the tag."""
+    from types import SimpleNamespace
+
+    import gates.gate as gate
+
+    seen: dict = {}
+    monkeypatch.setattr(gate, "gate_image", lambda **kwargs: seen.update(kwargs))
+    built = SimpleNamespace(stack="stack", image="skupin/cpu:tag", image_id="sha256:" + "1" * 64)
+    gate.gate(built, docker=None, out=tmp_path)  # type: ignore[arg-type]
+    assert seen["image"] == built.image_id and seen["display"] == built.image
+
+    run = _run({}, {})
+    run.image, run.display = built.image_id, built.image
+    monkeypatch.setattr(gate, "write_report", lambda **_: None)
+    verdict = gate._finish(run, started=0.0, created="2026-11-30T00:00:00+00:00")
+    assert verdict.image == "skupin/cpu:tag"
