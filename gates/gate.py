@@ -13,7 +13,8 @@ folder OUT/probe/. Nothing is unpickled.
 Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
 the image runs: its files are its lock, gates/static/integrity.py), boot, kernels, model, serve
 (gates/serving/serve.py: the engine's own server; `baseline` adds an interleaved A/B). Each check
-returns its CheckResult; the driver records it and stops at the first that did not pass.
+returns its CheckResult; the driver records it and stops at the first that did not pass (an exception a
+check did not expect is recorded as its error result, so every run ends in a verdict).
 """
 
 from __future__ import annotations
