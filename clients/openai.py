@@ -73,6 +73,12 @@ class StreamError(ValueError):
     """The server's answer broke a bound (size, line length, time, depth) or the OpenAI event format."""
 
 
+def exchange_errors() -> tuple[type[Exception], ...]:
+    """What a failed exchange with the server raises: the HTTP library's transport and protocol errors, and
+    StreamError (a malformed answer). For callers outside clients/, which never name the HTTP library."""
+    return (httpx.HTTPError, StreamError)
+
+
 def _token_id(token: Any) -> int | None:
     match = _TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
     return int(match.group(1)) if match else None

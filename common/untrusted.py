@@ -18,6 +18,8 @@ source and why, so a malformed output always ends in a verdict instead of a trac
 
 from __future__ import annotations
 
+import array
+import itertools
 import json
 import os
 import re
@@ -29,8 +31,13 @@ from common.errors import BundleError
 
 MAX_JSON_BYTES = 64 * 1024**2
 MAX_JSON_DEPTH = 64
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKETS = re.compile(rb"[\[\]{}]")
+# A string: its quote, then escapes and other bytes taken possessively (never given back, so a match is one linear
+# scan) up to its closing quote or the end of the text. It always matches where it starts: an unterminated string
+# is never retried from each escaped quote inside it (which made the scan quadratic).
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+# Outside strings only brackets count: each opener becomes +1, each closer -1 (as a signed byte), the rest goes.
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 class UntrustedInputError(BundleError):
@@ -38,15 +45,11 @@ class UntrustedInputError(BundleError):
 
 
 def json_depth(data: bytes) -> int:
-    """The deepest nesting of arrays/objects in a JSON text (strings skipped; linear time, no recursion)."""
-    depth = deepest = 0
-    for bracket in _BRACKETS.findall(_STRING.sub(b'""', data)):
-        if bracket in b"[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest
+    """The deepest nesting of arrays/objects in a JSON text, strings skipped: linear time, all of it in C (strings
+    cut out in one pass, the brackets left summed), no recursion. A text that is not JSON gets some number; the
+    parser refuses it afterwards anyway."""
+    steps = _STRING.sub(b"", data).translate(_STEPS, _NOT_BRACKETS)
+    return max(0, max(itertools.accumulate(array.array("b", steps)), default=0))
 
 
 def _refuse_constant(name: str) -> Any:

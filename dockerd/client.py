@@ -68,6 +68,8 @@ class RunningContainer:
             self._c.reload()
         except docker.errors.NotFound as exc:
             raise DockerError(f"container {self.id[:12]} is gone ({self.overflow or 'it exited'})") from exc
+        except docker.errors.APIError as exc:
+            raise DockerError(f"inspecting container {self.id[:12]} failed: {exc.explanation or exc}") from exc
         return int(self._c.attrs["State"]["Pid"])
 
     def running(self) -> bool:
@@ -75,6 +77,8 @@ class RunningContainer:
             self._c.reload()
         except docker.errors.NotFound:
             return False
+        except docker.errors.APIError as exc:
+            raise DockerError(f"inspecting container {self.id[:12]} failed: {exc.explanation or exc}") from exc
         return self._c.status == "running"
 
     def exec(
@@ -191,6 +195,8 @@ class Docker:
         try:
             return dict(self._client.api.inspect_image(ref).get("Config") or {})
         except docker.errors.APIError as exc:
+            if _not_found(exc):
+                raise DockerError(f"image {ref} is not on this engine: {exc.explanation or exc}") from exc
             raise DockerError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
 
     def layer_dirs(self, ref: str) -> tuple[Path, ...] | None:
@@ -309,7 +315,7 @@ class Docker:
             return (list(spec.entrypoint) if spec.entrypoint is not None else None), (list(spec.command) or None)
         entrypoint, command = spec.entrypoint, spec.command
         if entrypoint is None:  # the image's own, as `docker run` would combine them
-            config = self._image_config(spec.image)
+            config = self.image_config(spec.image)
             entrypoint = tuple(config.get("Entrypoint") or ())
             command = command or tuple(config.get("Cmd") or ())
         argv = [*entrypoint, *command]
@@ -317,14 +323,6 @@ class Docker:
             raise DockerError(f"image {spec.image} has no command to run under a deadline")
         limit = int(spec.deadline_s + DEADLINE_GRACE_S + 0.999)
         return [TIMEOUT, f"--kill-after={KILL_AFTER_S}", f"{limit}s", *argv], None
-
-    def _image_config(self, ref: str) -> dict:
-        try:
-            return dict(self._client.api.inspect_image(ref).get("Config") or {})
-        except docker.errors.APIError as exc:
-            if _not_found(exc):
-                raise DockerError(f"image {ref} is not on this engine: {exc.explanation or exc}") from exc
-            raise DockerError(f"inspecting image {ref} failed: {exc.explanation or exc}") from exc
 
     def _create(self, spec: ContainerSpec) -> docker.models.containers.Container:
         entrypoint, command = self._argv(spec)
@@ -392,8 +390,12 @@ class Docker:
         try:
             response = api._post(api._url("/containers/{0}/wait", container_id), params={"condition": "removed"},
                                  stream=True, timeout=timeout_s)
+        except docker.errors.APIError as exc:
+            raise DockerError(f"waiting for container {container_id[:12]} failed: {exc.explanation or exc}") from exc
+        try:
             api._raise_for_status(response)
         except docker.errors.APIError as exc:
+            response.close()
             raise DockerError(f"waiting for container {container_id[:12]} failed: {exc.explanation or exc}") from exc
         return response
 
@@ -455,15 +457,18 @@ class Docker:
         start = time.monotonic()
         c = self._create(spec)
         capture: OutputCapture | None = None
+        waiter = None
         try:
             capture = self._attach(c.id, spec, keep_stdout=True)
             waiter = self._wait_removed(c.id, timeout_s=limit)
             self._start(c, spec)
-            code = self._exit_status(waiter, c.id)
+            code = self._exit_status(waiter, c.id)  # closes the wait's response
             if code is None:
                 self._kill(c.id)
             capture.join(timeout_s=30)
         finally:
+            if waiter is not None:
+                waiter.close()  # also when start failed (closing twice is harmless)
             if capture is not None:
                 capture.close()
             self._remove(c.id)

@@ -79,13 +79,15 @@ def kernel_ops(tensors: dict[str, np.ndarray]) -> tuple[str, ...]:
 
 
 def kernel_errors(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> tuple[KernelResult, ...]:
-    """Scale-normalised max error of every op in the reference (missing or misshaped ops say why)."""
+    """Scale-normalised max error of every op in the reference (missing, misshaped or mistyped ops say why)."""
     results = []
     for op in kernel_ops(ref):
         r = ref[KERNEL_PREFIX + op]
         c = cand.get(KERNEL_PREFIX + op)
         if c is None:
             results.append(KernelResult(op, None, True, "the candidate did not produce this op"))
+        elif _kind(c) != _kind(r):
+            results.append(KernelResult(op, None, True, f"dtype {c.dtype} is not of the reference's kind ({_kind(r)})"))
         elif c.shape != r.shape:
             results.append(KernelResult(op, None, True, f"shape {list(c.shape)} differs from the reference's {list(r.shape)}"))
         else:
@@ -106,6 +108,27 @@ def _require(tensors: dict[str, np.ndarray], side: str) -> None:
     missing = [k for k in REQUIRED_MODEL if k not in tensors]
     if missing:
         raise CompareError(f"the {side} has no {', '.join(missing)} (did its model check run?)")
+
+
+def _kind(array: np.ndarray) -> str:
+    """'float', 'int' (signed or not) or 'bool': what a tensor holds, whatever its width."""
+    return {"f": "float", "i": "int", "u": "int", "b": "bool"}.get(array.dtype.kind, array.dtype.name)
+
+
+def _check_shapes(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> None:
+    """Every model tensor both sides have must be of the reference's kind and shape, before any maths.
+
+    The one exception: full-vocabulary logprobs may cover fewer prompts than the reference's (at least one).
+    """
+    for name in sorted(k for k in ref if k.startswith(MODEL_PREFIX) and k in cand):
+        r, c = ref[name], cand[name]
+        if _kind(c) != _kind(r):
+            raise CompareError(f"{name}: the candidate's {c.dtype} tensor is not of the reference's kind ({_kind(r)})")
+        if name == "model.logprobs_full" and c.ndim == r.ndim >= 1 and c.shape[1:] == r.shape[1:] \
+                and 1 <= c.shape[0] <= r.shape[0]:
+            continue
+        if c.shape != r.shape:
+            raise CompareError(f"{name}: candidate shape {list(c.shape)} differs from the reference's {list(r.shape)}")
 
 
 def nonfinite_tensors(tensors: dict[str, np.ndarray]) -> tuple[str, ...]:
@@ -165,10 +188,7 @@ def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
     if ref["model.input_ids"].shape != cand["model.input_ids"].shape or \
             not np.array_equal(ref["model.input_ids"], cand["model.input_ids"]):
         raise CompareError("the candidate ran other prompts than the reference (model.input_ids differ)")
-    for name in ("model.topk_ids", "model.topk_logprobs", "model.target_logprob"):
-        if ref[name].shape != cand[name].shape:
-            raise CompareError(f"{name}: candidate shape {list(cand[name].shape)} differs from the reference's "
-                               f"{list(ref[name].shape)}")
+    _check_shapes(ref, cand)
     bad = nonfinite_tensors(cand)
     f64 = np.float64
     ref_ids, ref_lp = ref["model.topk_ids"], ref["model.topk_logprobs"].astype(f64)
@@ -186,7 +206,7 @@ def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
         n = stats["kl"].shape[0]
         available = ["kl", "logprob_l2", "max_abs", "top1_agree"]
         notes = []
-        if "model.hidden" in ref and "model.hidden" in cand and ref["model.hidden"].shape == cand["model.hidden"].shape:
+        if "model.hidden" in ref and "model.hidden" in cand:  # of the same shape (_check_shapes)
             stats["one_minus_cos"] = _one_minus_cos(ref["model.hidden"].astype(f64), cand["model.hidden"].astype(f64)).mean(-1)
             available.append("one_minus_cos")
         else:
@@ -196,18 +216,13 @@ def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
         full_prompts = 0
         if "model.logprobs_full" in ref and "model.logprobs_full" in cand:
             rf, cf = _renormalise(ref["model.logprobs_full"]), _renormalise(cand["model.logprobs_full"])
-            m = min(rf.shape[0], cf.shape[0])
-            if rf.shape[1:] == cf.shape[1:] and m:
-                terms = np.where(np.isneginf(rf[:m]), 0.0, np.exp(rf[:m]) * (rf[:m] - cf[:m]))
-                stats["kl_full"][:m] = np.clip(terms.sum(-1), 0.0, None).mean(-1)
-                full_prompts = m
-                available.append("kl_full")
+            m = cf.shape[0]  # 1 <= m <= the reference's prompts, the rest of the same shape (_check_shapes)
+            terms = np.where(np.isneginf(rf[:m]), 0.0, np.exp(rf[:m]) * (rf[:m] - cf[:m]))
+            stats["kl_full"][:m] = np.clip(terms.sum(-1), 0.0, None).mean(-1)
+            full_prompts = m
+            available.append("kl_full")
     greedy = None
-    if (
-        "model.greedy_ids" in ref
-        and "model.greedy_ids" in cand
-        and ref["model.greedy_ids"].shape == cand["model.greedy_ids"].shape
-    ):
+    if "model.greedy_ids" in ref and "model.greedy_ids" in cand:
         greedy = float((ref["model.greedy_ids"] == cand["model.greedy_ids"]).all(-1).mean())
     for name in available:  # NaN from a broken candidate must not read as "unavailable"
         value = stats[name][:full_prompts] if name == "kl_full" else stats[name]

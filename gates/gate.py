@@ -13,7 +13,8 @@ folder OUT/probe/. Nothing is unpickled.
 Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
 the image runs: its files are its lock, gates/static/integrity.py), boot, kernels, model, serve
 (gates/serving/serve.py: the engine's own server; `baseline` adds an interleaved A/B). Each check
-returns its CheckResult; the driver records it and stops at the first that did not pass.
+returns its CheckResult; the driver records it and stops at the first that did not pass (an exception a
+check did not expect is recorded as its error result, so every run ends in a verdict).
 """
 
 from __future__ import annotations
@@ -245,13 +246,22 @@ def _probe_run(result: RunResult, *, deadline: float, out_fd: int) -> ProbeRun:
             problem = (f"the container exited {result.exit_code} without usable outputs ({exc}); "
                        f"last output: {tail.strip()[-600:] or '(none)'}")
         else:
-            write_new_file("probe.json", report_raw, dir_fd=out_fd)
-            write_new_file("tensors.safetensors", tensors_raw, dir_fd=out_fd)
-    write_new_file("container.log", _container_log(result, problem).encode("utf-8"), dir_fd=out_fd)
+            problem = _keep(out_fd, ("probe.json", report_raw), ("tensors.safetensors", tensors_raw))
+    problem = _keep(out_fd, ("container.log", _container_log(result, problem).encode("utf-8"))) or problem
     if problem:
         return ProbeRun(error=problem, timed_out=result.timed_out, exit_code=result.exit_code, seconds=result.seconds,
                         logs_tail=tail)
     return ProbeRun(report=report, tensors=tensors, exit_code=result.exit_code, seconds=result.seconds, logs_tail=tail)
+
+
+def _keep(out_fd: int, *files: tuple[str, bytes | memoryview]) -> str:
+    """Write `files` into the host-only output folder; '' or why the host could not (a full disk, say)."""
+    for name, data in files:
+        try:
+            write_new_file(name, data, dir_fd=out_fd)
+        except OSError as exc:
+            return f"the host could not write the probe's {name}: {exc}"
+    return ""
 
 
 def _container_log(result: RunResult, problem: str) -> str:
@@ -298,7 +308,7 @@ class _GateRun:
     """
 
     stack: ResolvedStack
-    image: str
+    image: str  # what is gated: resolved once by pins, its id used from then on
     docker: Docker
     out: Path
     on_event: OnEvent
@@ -308,6 +318,7 @@ class _GateRun:
     serve_perf: PerfSettings | None
     scratch: Path  # one fixture folder for the whole run (boot resolves it, serve reuses it)
     wheelhouse: Path | None = None
+    display: str = ""  # the name reports show for `image` when not `image` itself (the build's tag for its id)
     checks: list[CheckResult] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     image_id: str = ""  # filled by pins
@@ -327,6 +338,11 @@ class _GateRun:
     @property
     def manifest(self) -> SkuManifest:
         return self.stack.manifest
+
+    @property
+    def shown(self) -> str:
+        """The image as reports name it."""
+        return self.display or self.image
 
     @property
     def lock(self) -> Lock | None:
@@ -402,7 +418,7 @@ def _check_boot(run: _GateRun) -> CheckResult:
     """Run the probe once in the sandbox: the image starts and reports its environment."""
     t0 = time.monotonic()
     try:
-        run.on_event(f"booting {run.image} ({run.image_id[:19]}) with the probe "
+        run.on_event(f"booting {run.shown} ({run.image_id[:19]}) with the probe "
                      f"(deadline {run.manifest.gate.deadline_s} s)")
         run.model_dir = fixture_folder(name=run.manifest.gate.model, model_dir=None, scratch=run.scratch)
         probe = probe_in_container(manifest=run.manifest, image=run.image_id, docker=run.docker,
@@ -439,7 +455,7 @@ def _check_pins(run: _GateRun) -> CheckResult:
         return CheckResult(name="pins", status="error",
                            reason=f"{m.name} has no current lock, so the image's files cannot be checked against one; "
                                   f"fix: skupin lock {m.name}")
-    run.on_event(f"pins: checking the files of {run.image} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
+    run.on_event(f"pins: checking the files of {run.shown} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
     try:
         dockerfile = render(run.stack).text  # what the image's config must be (builder/imageconfig.py)
         report = inspect_image_files(docker=run.docker, image_id=info.id, lock=lock, state=Path(STATE),
@@ -527,12 +543,23 @@ def _run_checks(run: _GateRun) -> None:
             result: CheckResult | None = CheckResult(name=name, status="skipped",
                                                      reason=f"{needs} is not in the SKU's gate.checks")
         else:
-            result = check(run)
+            result = _guarded(check, name, run)
         if result is None:
             continue
         run.record(result)
         if result.status not in ("pass", "skipped"):
             return
+
+
+def _guarded(check: Check, name: str, run: _GateRun) -> CheckResult | None:
+    """The check's result; an exception it did not expect is an error result of that check (the run still ends
+    in a verdict). KeyboardInterrupt and SystemExit pass."""
+    try:
+        return check(run)
+    except Exception as exc:  # a crafted image must never turn a gate run into a traceback
+        label = name or check.__name__.strip("_")
+        return CheckResult(name=label, status="error",
+                           reason=f"internal error in the {label} check: {type(exc).__name__}: {printable(str(exc), 800)}")
 
 
 # ---------------------------------------------------------------- the stage
@@ -541,21 +568,26 @@ def _run_checks(run: _GateRun) -> None:
 def gate(built: BuiltImage, docker: Docker, *, out: Path, on_event: OnEvent = _quiet,
          tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
          serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None) -> GateVerdict:
-    """The gate stage: gate the image `build` made, for the stack it was built from (see `gate_image`)."""
-    return gate_image(stack=built.stack, image=built.image, docker=docker, out=out, on_event=on_event,
-                      tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
-                      wheelhouse=wheelhouse)
+    """The gate stage: gate the image `build` made, for the stack it was built from (see `gate_image`).
+
+    It gates the image's id, so a tag moved since the build cannot change what is gated; reports show the tag.
+    """
+    return gate_image(stack=built.stack, image=built.image_id, display=built.image, docker=docker, out=out,
+                      on_event=on_event, tolerances_path=tolerances_path, reference=reference, baseline=baseline,
+                      serve_perf=serve_perf, wheelhouse=wheelhouse)
 
 
 def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, on_event: OnEvent = _quiet,
                tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
-               serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None) -> GateVerdict:
+               serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None,
+               display: str | None = None) -> GateVerdict:
     """Gate any local image `image` for the SKU of `stack` and write verdict.json, report.md and plot.png to `out`.
 
     `gate` is the stage for an image built here; this is the same gate for one that was not (`skupin
     gate --image`, a third-party image, the tests' tampered images). Checks run in
     order and the first one that does not pass stops the rest. `baseline` (an image) adds the serve
-    check's interleaved A/B; `serve_perf` overrides its load.
+    check's interleaved A/B; `serve_perf` overrides its load. `display` is the name reports give `image`
+    (verdict.json's `image`; its `image_id` is always the id that ran).
     """
     started = time.monotonic()
     created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
@@ -565,7 +597,8 @@ def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, o
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
         run = _GateRun(stack=stack, image=image, docker=docker, out=out, on_event=on_event,
                        tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
-                       scratch=Path(scratch), wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse())
+                       scratch=Path(scratch), wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse(),
+                       display=display or "")
         _run_checks(run)
     return _finish(run, started=started, created=created)
 
@@ -578,7 +611,7 @@ def _finish(run: _GateRun, *, started: float, created: str) -> GateVerdict:
     run.timings["total_s"] = round(time.monotonic() - started, 3)
     lock = run.lock
     verdict = GateVerdict(
-        sku=run.manifest.name, hardware_class=run.manifest.accelerator.hardware_class, image=run.image,
+        sku=run.manifest.name, hardware_class=run.manifest.accelerator.hardware_class, image=run.shown,
         image_id=run.image_id or None, lock_hash=lock.content_hash() if lock else None,
         image_lock_label=run.image_lock_label, reference=run.reference_info, tolerance=run.tolerance_info,
         checks=tuple(run.checks), model_decision=run.decisions, prompts=run.prompts, decision=decision, reason=reason,

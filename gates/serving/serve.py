@@ -9,7 +9,7 @@ in-process equivalent of `nsenter -t PID -n`), so every socket they open lives i
 container's namespace and reaches its 127.0.0.1. Nothing is published, no bridge or internal
 network is created, and the client is this repository's own code, not the image's.
 
-Then, over the OpenAI-compatible API (httpx, streaming /v1/completions): wait for readiness with a
+Then, over the OpenAI-compatible API (clients/openai.py, streaming /v1/completions): wait for readiness with a
 deadline (/health and /v1/models), request greedy continuations (temperature 0, max_tokens = the
 reference continuation length) of the reference prompts and compare them token by token with the
 reference's `model.greedy_ids` (``compare_greedy``). A divergence at step t is accepted only when
@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 import numpy as np
 from pydantic import Field
 
 from builder.manifest import ServeGate, SkuManifest
-from clients.openai import Completion, ServeClient, wait_ready
+from clients.openai import Completion, ServeClient, exchange_errors, wait_ready
 from common.errors import DockerError, GateCouldNotRun, SkupinError
 from common.model import Frozen
 from dockerd import BindMount
@@ -292,6 +291,7 @@ def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.
             folder = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
         folder = Path(folder)
         prompt_set = load_prompts(folder / "prompts.json")
+        failed_request: tuple[type[Exception], ...] = (DockerError, ValueError, *exchange_errors())
         try:
             return _serve(manifest=manifest, image=image, docker=docker, ref=ref, entry=entry, baseline=baseline,
                           folder=folder, prompt_set=prompt_set, perf=perf, settings=settings, threshold=threshold,
@@ -300,7 +300,7 @@ def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.
         except TimeoutError as exc:
             return CheckResult(name="serve", status="fail", reason=f"the engine's server did not serve: {exc}"[:1500],
                                details={"launch": list(launch_command(manifest=manifest).argv)})
-        except (DockerError, httpx.HTTPError, ValueError) as exc:
+        except failed_request as exc:
             return CheckResult(name="serve", status="fail",
                                reason=f"the engine's server failed a request: {type(exc).__name__}: {exc}"[:1500],
                                details={"launch": list(launch_command(manifest=manifest).argv)})

@@ -5,8 +5,10 @@ It finds a host interpreter whose file has the md5 of the image's own interprete
 same compiler: Debian's python3.11 of the same version, say), skips bytecode already verified
 (cached by interpreter, path, optimization and both files' sha256), and streams the rest to
 worker processes that run as nobody with memory, CPU and file limits, since they unmarshal bytes
-an image under test wrote. Without an identical interpreter the bytecode is "unverifiable" (the
-gate cannot run) and the reason names the package to install.
+an image under test wrote. All of them are killed at a deadline (the bytecode is then unverifiable);
+their stderr is drained as they run and their stdout is parsed as hostile. Without an identical
+interpreter the bytecode is "unverifiable" (the gate cannot run) and the reason names the package
+to install.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ TOOL = Path(imagetools.__file__).with_name("pyc_verify.py")
 NOBODY = 65534
 WORKER_MEMORY = 4 * 1024**3
 WORKER_CPU_S = 3600
+DEADLINE_S = 1800  # all workers together; the CPU image's 9,888 files take 22 s on 2 cores
+STDERR_KEEP = 4096  # the last bytes of a worker's stderr kept for the reason
+MAX_LINE = 64 * 1024  # a worker's result line
+MAX_WHY = 2000
 
 
 def file_md5(path: str) -> str | None:
@@ -96,19 +102,89 @@ def _frames(jobs: list[tuple[int, str, int, bytes, bytes]]) -> Iterator[bytes]:
         yield len(pyc).to_bytes(8, "little") + pyc
 
 
-def run_workers(interpreter: str, jobs: list[tuple[int, str, int, bytes, bytes]], *, workers: int) -> dict[int, str]:
-    """id -> '' (verified) or why not, for every job, over `workers` sandboxed processes."""
+def worker_command(interpreter: str) -> list[str]:
+    """The worker's command line: isolated, no site, no bytecode written, and no warnings (Python 3.12's compile()
+    prints a SyntaxWarning per invalid escape sequence; they say nothing about the bytecode)."""
+    return [interpreter, "-I", "-S", "-B", "-W", "ignore", "-c", TOOL.read_text(encoding="utf-8")]
+
+
+class VerifierTimedOut(Exception):
+    """The workers did not finish within the deadline (they were killed): the bytecode is unverifiable, not failed."""
+
+
+def run_workers(interpreter: str, jobs: list[tuple[int, str, int, bytes, bytes]], *, workers: int,
+                deadline_s: float | None = None) -> dict[int, str]:
+    """id -> '' (verified) or why not, for every job, over `workers` sandboxed processes.
+
+    Every worker is killed at `deadline_s` (default `DEADLINE_S`), which raises `VerifierTimedOut`.
+    """
+    deadline_s = DEADLINE_S if deadline_s is None else deadline_s
     shards = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
     with contextlib.ExitStack() as scope:  # every worker's pipes closed and process waited for, however it ends
         procs = [scope.enter_context(subprocess.Popen(
-            [interpreter, "-I", "-S", "-B", "-c", TOOL.read_text(encoding="utf-8")], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd="/", close_fds=True, preexec_fn=_limit_worker))
+            worker_command(interpreter), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={}, cwd="/", close_fds=True, preexec_fn=_limit_worker))
             for _ in shards]
-        return _collect(procs, shards)
+        expired = threading.Event()
+
+        def kill_all() -> None:
+            expired.set()
+            for proc in procs:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+
+        watchdog = threading.Timer(deadline_s, kill_all)
+        watchdog.daemon = True
+        scope.callback(watchdog.cancel)
+        scope.callback(_kill_alive, procs)  # an exception on the way out leaves no worker behind
+        watchdog.start()
+        results = _collect(procs, shards)
+        if expired.is_set():
+            raise VerifierTimedOut(f"the bytecode verifier did not finish within {deadline_s:g} s "
+                                   f"({len(jobs)} files over {len(shards)} workers); its workers were killed")
+        return results
+
+
+def _kill_alive(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+
+
+def _drain(stream, keep: int) -> tuple[bytearray, threading.Thread]:
+    """Read `stream` to its end on a thread, keeping only its last `keep` bytes (a worker's stderr never fills its pipe)."""
+    tail = bytearray()
+
+    def run() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for chunk in iter(lambda: stream.read1(1 << 16), b""):
+                tail.extend(chunk)
+                del tail[:-keep]
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return tail, thread
+
+
+def _result(line: bytes, pending: set[int]) -> tuple[int, str] | None:
+    """(id, '' or why) of one result line for a file still pending in this worker's shard, or None for anything else."""
+    if not line.endswith(b"\n"):
+        return None  # over the line limit, or cut short
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("ok"), bool) or type(row.get("id")) is not int:
+        return None
+    if row["id"] not in pending or not isinstance(row.get("why", ""), str):
+        return None
+    return row["id"], "" if row["ok"] else str(row.get("why") or "rejected")[:MAX_WHY]
 
 
 def _collect(procs: list[subprocess.Popen], shards: list[list]) -> dict[int, str]:
-    """Feed each worker its shard on a thread and read its results; a worker that stops fails what it had left."""
+    """Feed each worker its shard on a thread and read its results; a worker that stops, or prints anything but a
+    result for a file of its own shard, fails what it had left (its output is as hostile as the bytes it unmarshals)."""
     results: dict[int, str] = {}
 
     def feed(proc: subprocess.Popen, shard: list) -> None:
@@ -123,15 +199,31 @@ def _collect(procs: list[subprocess.Popen], shards: list[list]) -> dict[int, str
     feeders = [threading.Thread(target=feed, args=(p, s), daemon=True) for p, s in zip(procs, shards, strict=True)]
     for thread in feeders:
         thread.start()
-    for proc, shard in zip(procs, shards, strict=True):
-        assert proc.stdout is not None and proc.stderr is not None
-        for line in proc.stdout:
-            row = json.loads(line)
-            results[int(row["id"])] = "" if row["ok"] else str(row["why"])
-        err = proc.stderr.read().decode("utf-8", "replace")[-500:]
+    stderrs = []
+    for proc in procs:
+        assert proc.stderr is not None
+        stderrs.append(_drain(proc.stderr, STDERR_KEEP))
+    for proc, shard, (err, drainer) in zip(procs, shards, stderrs, strict=True):
+        assert proc.stdout is not None
+        pending = {number for number, *_ in shard}
+        why_stopped = None
+        while pending:
+            line = proc.stdout.readline(MAX_LINE)
+            if not line:
+                break
+            got = _result(line, pending)
+            if got is None:
+                why_stopped = f"the verifier printed something that is not a result ({line[:80]!r})"
+                proc.kill()
+                break
+            pending.discard(got[0])
+            results[got[0]] = got[1]
         proc.wait()
-        for number, *_ in shard:
-            results.setdefault(number, f"the verifier stopped ({err.strip() or f'exit {proc.returncode}'})")
+        drainer.join(timeout=5)
+        text = bytes(err).decode("utf-8", "replace").strip()[-500:]
+        why_stopped = why_stopped or f"the verifier stopped ({text or f'exit {proc.returncode}'})"
+        for number in pending:
+            results[number] = why_stopped
     for thread in feeders:
         thread.join()
     return results
@@ -161,6 +253,8 @@ def bytecode_verifier(*, cache: Path | None, workers: int | None = None):
             results = run_workers(host, jobs, workers=workers or max(1, min(4, os.cpu_count() or 1))) if jobs else {}
         except OSError as exc:
             return [], [f"the bytecode verifier could not start {host} as an unprivileged process: {exc}"], None
+        except VerifierTimedOut as exc:
+            return [], [str(exc)], None
         _save_cache(cache, md5, [keys[n] for n, why in results.items() if not why])
         failures += [f"/{pycs[n].pyc}: {why}" for n, why in sorted(results.items()) if why]
         return failures, [], f"{host} ({how})"

@@ -10,7 +10,8 @@ image that behaves well only while it is probed has nowhere to hide. Two sources
   ``.wh..wh..opq``), for engines whose layers are not on this machine's disk.
 
 Both walk hostile content: nothing is followed (symlinks are recorded with their target), files
-are opened with O_NOFOLLOW below a folder descriptor chain, names and sizes are bounded. A
+are opened with O_NOFOLLOW below a folder descriptor chain, names, sizes and folder depth are bounded,
+and a broken tar stream is an ``UntrustedInputError``. A
 ``LayerIndex`` is cached on disk by the layer's diff id (a sha256 of its content that the engine
 computed, immutable): a derived image re-reads only its new layers. ``merge`` applies layers
 bottom to top into one ``FileView``, the file system a container of the image starts with.
@@ -36,6 +37,7 @@ from common.untrusted import UntrustedInputError
 INDEX_FORMAT = "skupin-layer-index/2"
 MAX_ENTRIES = 2_000_000
 MAX_PATH = 4096
+MAX_DEPTH = 256  # folders below a layer's root (a descriptor each while it is walked)
 MAX_KEPT_BYTES = 64 * 1024**2
 OPAQUE_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
 WHITEOUT = ".wh."
@@ -112,29 +114,43 @@ def _opaque(path: str) -> bool:
 
 
 def scan_layer_dir(root: Path, *, diff_id: str) -> LayerIndex:
-    """Index an overlay2 layer folder (read in place: links recorded, never followed)."""
+    """Index an overlay2 layer folder (read in place: links recorded, never followed).
+
+    Depth first, holding a descriptor only for each folder on the current path (at most `MAX_DEPTH`, so a
+    layer with more folders than the open-files limit is read like any other); a deeper tree is refused.
+    """
     index = LayerIndex(diff_id=diff_id)
-    stack = [("", int(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)))]
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    top = os.open(root, flags)
+    path: list[tuple[str, int, list[str]]] = [("", top, sorted(os.listdir(top), reverse=True))]  # (rel/, fd, names left)
     try:
-        while stack:
-            rel_dir, fd = stack.pop()
-            try:
-                names = sorted(os.listdir(fd))
-                for name in names:
-                    rel = _check_name(f"{rel_dir}{name}")
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                    if len(index.entries) >= MAX_ENTRIES:
-                        raise UntrustedInputError(f"layer {diff_id[:19]}: more than {MAX_ENTRIES} entries")
-                    index.entries[rel] = _dir_entry(fd, name, st, root / rel)
-                    if stat.S_ISDIR(st.st_mode):
-                        if _opaque(str(root / rel)):
-                            index.opaque.add(rel)
-                        child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                        stack.append((rel + "/", child))
-            finally:
+        while path:
+            rel_dir, fd, names = path[-1]
+            if not names:
                 os.close(fd)
+                path.pop()
+                continue
+            name = names.pop()
+            rel = _check_name(f"{rel_dir}{name}")
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if len(index.entries) >= MAX_ENTRIES:
+                raise UntrustedInputError(f"layer {diff_id[:19]}: more than {MAX_ENTRIES} entries")
+            index.entries[rel] = _dir_entry(fd, name, st, root / rel)
+            if stat.S_ISDIR(st.st_mode):
+                if len(path) > MAX_DEPTH:  # `rel` is len(path) folders deep
+                    raise UntrustedInputError(f"layer {diff_id[:19]}: folders nested deeper than {MAX_DEPTH} levels "
+                                              f"(/{rel[:200]})")
+                if _opaque(str(root / rel)):
+                    index.opaque.add(rel)
+                child = os.open(name, flags, dir_fd=fd)
+                try:
+                    children = sorted(os.listdir(child), reverse=True)
+                except BaseException:
+                    os.close(child)
+                    raise
+                path.append((rel + "/", child, children))
     finally:
-        for _, fd in stack:
+        for _, fd, _ in path:
             os.close(fd)
     return index
 
@@ -183,22 +199,25 @@ def _tar_rel(name: str) -> str:
 def scan_layer_tar(stream: IO[bytes], *, diff_id: str, store: BlobStore | None = None) -> LayerIndex:
     """Index one layer tar (OCI whiteouts); files `store` wants are copied into it (by sha256)."""
     index = LayerIndex(diff_id=diff_id)
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        for member in tar:
-            rel = _tar_rel(member.name)
-            if not rel:
-                continue
-            if len(index.entries) >= MAX_ENTRIES:
-                raise UntrustedInputError(f"layer {diff_id[:19]}: more than {MAX_ENTRIES} entries")
-            folder, _, base = rel.rpartition("/")
-            if base == OPAQUE:
-                index.opaque.add(folder)
-                continue
-            if base.startswith(WHITEOUT):
-                index.entries[f"{folder}/{base[len(WHITEOUT):]}" if folder else base[len(WHITEOUT):]] = Entry(
-                    "w", 0, 0, int(member.mtime))
-                continue
-            index.entries[rel] = _tar_entry(tar, member, rel, index, store)
+    try:
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for member in tar:
+                rel = _tar_rel(member.name)
+                if not rel:
+                    continue
+                if len(index.entries) >= MAX_ENTRIES:
+                    raise UntrustedInputError(f"layer {diff_id[:19]}: more than {MAX_ENTRIES} entries")
+                folder, _, base = rel.rpartition("/")
+                if base == OPAQUE:
+                    index.opaque.add(folder)
+                    continue
+                if base.startswith(WHITEOUT):
+                    index.entries[f"{folder}/{base[len(WHITEOUT):]}" if folder else base[len(WHITEOUT):]] = Entry(
+                        "w", 0, 0, int(member.mtime))
+                    continue
+                index.entries[rel] = _tar_entry(tar, member, rel, index, store)
+    except (tarfile.TarError, EOFError) as exc:
+        raise UntrustedInputError(f"layer {diff_id[:19]}: not a readable tar stream: {exc}") from exc
     return index
 
 
@@ -233,21 +252,24 @@ def iter_saved_layers(stream: IO[bytes], *, store: BlobStore | None = None) -> I
     A layer's diff id is the sha256 of its tar bytes, computed while it streams by; members that are
     not layers (manifests, configs) are skipped. Layers come in stream order, not image order.
     """
-    with tarfile.open(fileobj=stream, mode="r|") as outer:
-        for member in outer:
-            if not member.isreg() or not (member.name.endswith("layer.tar") or "blobs/sha256/" in member.name):
-                continue
-            source = outer.extractfile(member)
-            assert source is not None
-            hashing = _HashingReader(source)
-            head = hashing.peek_tar()
-            if not head:
+    try:
+        with tarfile.open(fileobj=stream, mode="r|") as outer:
+            for member in outer:
+                if not member.isreg() or not (member.name.endswith("layer.tar") or "blobs/sha256/" in member.name):
+                    continue
+                source = outer.extractfile(member)
+                assert source is not None
+                hashing = _HashingReader(source)
+                head = hashing.peek_tar()
+                if not head:
+                    hashing.drain()
+                    continue
+                index = scan_layer_tar(cast(IO[bytes], hashing), diff_id="pending", store=store)
                 hashing.drain()
-                continue
-            index = scan_layer_tar(cast(IO[bytes], hashing), diff_id="pending", store=store)
-            hashing.drain()
-            index.diff_id = "sha256:" + hashing.sha.hexdigest()
-            yield index
+                index.diff_id = "sha256:" + hashing.sha.hexdigest()
+                yield index
+    except (tarfile.TarError, EOFError) as exc:
+        raise UntrustedInputError(f"the `docker save` stream is not a readable tar stream: {exc}") from exc
 
 
 class _HashingReader:
@@ -369,29 +391,38 @@ class FileView:
 
 
 def merge(layers: Iterable[LayerIndex]) -> dict[str, Entry]:
-    """Apply layers bottom to top (opaque folders, whiteouts, replacements) as overlayfs does."""
+    """Apply layers bottom to top (opaque folders, whiteouts, replacements) as overlayfs does.
+
+    Per layer, what it removes from the layers below is gathered first (whited-out paths, and the folders
+    whose lower content goes: opaque ones, whited-out ones, ones it replaces by a non-folder), then the
+    merged map is filtered once, each path checked by its ancestors: linear in paths, not paths x whiteouts.
+    """
     merged: dict[str, Entry] = {}
     for number, layer in enumerate(layers):
-        for folder in layer.opaque:
-            _drop_under(merged, folder)
+        gone: set[str] = set()  # exact paths removed
+        emptied = {folder.rstrip("/") for folder in layer.opaque}  # folders whose lower content is removed
         for path, entry in layer.entries.items():
             if entry.kind == "w":
-                merged.pop(path, None)
-                _drop_under(merged, path)
+                gone.add(path)
+                emptied.add(path)
+            elif entry.kind != "d" and (old := merged.get(path)) is not None and old.kind == "d":
+                emptied.add(path)
+        if gone or emptied:
+            merged = {p: e for p, e in merged.items() if p not in gone and not _under_any(p, emptied)}
         for path, entry in layer.entries.items():
-            if entry.kind == "w":
-                continue
-            old = merged.get(path)
-            if entry.kind != "d" and old is not None and old.kind == "d":
-                _drop_under(merged, path)
-            merged[path] = entry._replace(layer=number)
+            if entry.kind != "w":
+                merged[path] = entry._replace(layer=number)
     return merged
 
 
-def _drop_under(merged: dict[str, Entry], folder: str) -> None:
-    prefix = folder.rstrip("/") + "/"
-    for path in [p for p in merged if p.startswith(prefix)]:
-        del merged[path]
+def _under_any(path: str, folders: set[str]) -> bool:
+    """Whether `path` lies below one of `folders` (checked by its ancestors, not by scanning `folders`)."""
+    cut = path.find("/")
+    while cut != -1:
+        if path[:cut] in folders:
+            return True
+        cut = path.find("/", cut + 1)
+    return False
 
 
 # ---------------------------------------------------------------- an image, from the engine
@@ -482,8 +513,15 @@ def _store_reader(store: BlobStore) -> Callable[[str, Entry, int], bytes]:
 
 
 def _cache(index: LayerIndex, folder: Path, mode: str) -> LayerIndex:
+    """Write the index to the cache atomically, through a temporary file of its own (two gates may cache one layer)."""
     path = folder / f"{index.diff_id.removeprefix('sha256:')}.{mode}.json.gz"
-    tmp = path.with_suffix(".part")
-    tmp.write_bytes(index.to_json())
-    os.replace(tmp, path)
+    handle = tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".part", delete=False)
+    try:
+        with handle:
+            handle.write(index.to_json())
+        os.replace(handle.name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(handle.name)
+        raise
     return index

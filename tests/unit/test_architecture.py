@@ -73,6 +73,16 @@ def test_nothing_but_the_command_line_imports_skupin() -> None:
     assert not users, users
 
 
+def test_only_clients_import_httpx_and_only_dockerd_imports_docker() -> None:
+    """The rooms of docs/ARCHITECTURE.md: HTTP code lives in clients/, Docker code in dockerd/ (tests aside)."""
+    rooms = {"httpx": "clients", "docker": "dockerd"}
+    table = layer_table()
+    problems = [f"{p.relative_to(REPO)} imports {name}" for p in project_files()
+                if p.relative_to(REPO).parts[0] in table for name in sorted(imports(p))
+                if name.split(".")[0] in rooms and p.relative_to(REPO).parts[0] != rooms[name.split(".")[0]]]
+    assert not problems, problems
+
+
 def test_no_import_circle_among_the_projects_modules() -> None:
     table = layer_table()
     modules = {module_name(p): p for p in project_files() if p.relative_to(REPO).parts[0] in table}

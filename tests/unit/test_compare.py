@@ -138,3 +138,43 @@ def test_kernel_errors_are_scale_normalised_and_explain_problems():
     assert "shape" in results["b.float32"].problem
     assert "did not produce" in results["c.float32"].problem
     assert not results["d.float32"].finite
+
+
+@pytest.mark.parametrize("name, value", [
+    ("model.logprobs_full", np.float32(0.0).reshape(())),  # rank 0: used to raise IndexError
+    ("model.logprobs_full", np.zeros(0, np.float32)),  # used to raise ValueError (empty max)
+    ("model.logprobs_full", np.zeros((4, 0), np.float32)),
+    ("model.logprobs_full", np.zeros((0, 10, 64), np.float32)),  # no prompt at all: kl_full silently lost
+    ("model.logprobs_full", np.zeros((3, 10, 64), np.float32)),  # more prompts than the reference stored
+    ("model.logprobs_full", np.zeros((2, 10, 63), np.float32)),
+    ("model.logprobs_full", np.zeros((2, 10, 64), np.int32)),
+    ("model.hidden", np.zeros((12, 11, 15), np.float32)),  # used to drop 1 - cos with a note
+    ("model.hidden", np.zeros((12, 11, 16), np.bool_)),
+    ("model.topk_ids", np.zeros((12, 10, 8), np.float32)),
+    ("model.topk_logprobs", np.zeros((12, 10, 8), np.int64)),
+    ("model.target_logprob", np.zeros((12, 10, 1), np.float32)),
+    ("model.greedy_ids", np.zeros((12, 5), np.int32)),
+    ("model.input_ids", np.zeros((12,), np.int32)),
+])
+def test_a_misshaped_candidate_tensor_is_a_compare_error_naming_it(model, name, value):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    cand = {**candidate(hidden, head, ids, 1e-3), name: value}
+    with pytest.raises(CompareError, match=name.replace(".", r"\.")):
+        model_statistics(ref, cand)
+
+
+def test_a_candidate_may_store_full_logprobs_for_fewer_prompts_than_the_reference(model):
+    hidden, head, ids = model
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    cand = candidate(hidden, head, ids, 1e-3)
+    cand["model.logprobs_full"] = cand["model.logprobs_full"][:1]
+    stats = model_statistics(ref, cand)
+    assert "kl_full" in stats.available
+    assert np.isfinite(stats.per_prompt["kl_full"][0]) and np.isnan(stats.per_prompt["kl_full"][1:]).all()
+
+
+def test_a_kernel_output_of_another_kind_is_a_problem_not_a_number():
+    ref = {"kernels.a.float32": np.ones(2, np.float32)}
+    results = kernel_errors(ref, {"kernels.a.float32": np.ones(2, np.bool_)})
+    assert results[0].rel_err is None and "dtype" in results[0].problem

@@ -126,3 +126,68 @@ def test_containers_that_cannot_be_judged_are_left_alone(tmp_path: Path) -> None
     assert owner_gone(labels(pidns="pid:[2]"), boot_id="boot-a", pid_namespace="pid:[1]", proc=tmp_path) == ""
     assert owner_gone({SANDBOX_LABEL: "1"}, boot_id="boot-a", pid_namespace="pid:[1]", proc=tmp_path) == ""
     assert owner_gone({**labels(), OWNER_PID_LABEL: "x1"}, boot_id="boot-a", pid_namespace="pid:[1]", proc=tmp_path) == ""
+
+
+# ---------------------------------------------------------------- engine errors and cleanup
+
+
+def test_a_failed_start_closes_the_registered_wait(monkeypatch) -> None:
+    from common.errors import DockerError
+
+    closed: list[str] = []
+
+    class Response:
+        def close(self) -> None:
+            closed.append("wait")
+
+    class Capture:
+        def close(self) -> None:
+            closed.append("capture")
+
+    d = docker()
+    monkeypatch.setattr(d, "_create", lambda spec: SimpleNamespace(id="c" * 64))
+    monkeypatch.setattr(d, "_attach", lambda *a, **k: Capture())
+    monkeypatch.setattr(d, "_wait_removed", lambda *a, **k: Response())
+    monkeypatch.setattr(d, "_remove", lambda cid: closed.append("remove"))
+
+    def refuse(*_a) -> None:
+        raise DockerError("starting a container of img failed: no such binary")
+
+    monkeypatch.setattr(d, "_start", refuse)
+    with pytest.raises(DockerError, match="starting"):
+        d.run(ContainerSpec(image="img", entrypoint=("sh",), deadline_s=10))
+    assert sorted(closed) == ["capture", "remove", "wait"]
+
+
+def test_an_engine_error_while_reloading_a_container_is_a_docker_error() -> None:
+    import docker as docker_sdk
+
+    from common.errors import DockerError
+    from dockerd.client import RunningContainer
+
+    class Broken:
+        id = "c" * 64
+
+        def reload(self) -> None:
+            raise docker_sdk.errors.APIError("500 Server Error: the engine is restarting")
+
+    running = RunningContainer(Broken(), OutputCapture(max_stdout=1, max_stderr=1, keep_stdout=False))  # type: ignore[arg-type]
+    with pytest.raises(DockerError, match="restarting"):
+        running.pid()
+    with pytest.raises(DockerError, match="restarting"):
+        running.running()
+
+
+def test_one_image_config_reader_says_when_the_image_is_missing() -> None:
+    import docker as docker_sdk
+
+    from common.errors import DockerError
+
+    class Missing:
+        def inspect_image(self, ref: str) -> dict:
+            raise docker_sdk.errors.ImageNotFound(f"No such image: {ref}")
+
+    assert docker().image_config("img") == {"Entrypoint": ["/entry.sh"], "Cmd": ["serve", "--port", "8000"]}
+    assert not hasattr(Docker, "_image_config")
+    with pytest.raises(DockerError, match="not on this engine"):
+        Docker(SimpleNamespace(api=Missing()), socket=Path("/nonexistent.sock")).image_config("img")

@@ -57,3 +57,54 @@ def test_the_driver_records_each_result_and_stops_at_the_first_that_did_not_pass
     gate._run_checks(run)
     assert ran == ["a", "", "c"]
     assert [(c.name, c.status) for c in run.checks] == [("a", "pass"), ("b", "skipped"), ("c", "error")]
+
+
+def test_a_misshaped_candidate_tensor_is_a_model_error_naming_it_not_a_traceback() -> None:
+    from tests.unit.test_compare import probe_tensors, synthetic
+
+    hidden, head, ids = synthetic()
+    ref = probe_tensors(hidden @ head, hidden, ids)
+    for bad in (np.float32(0).reshape(()), np.zeros(0, np.float32), np.zeros((4, 0), np.float32)):
+        result = _check_model(_run(ref, {**ref, "model.logprobs_full": bad}))
+        assert result.status == "error" and result.reason.startswith("model.logprobs_full: "), result.reason
+
+
+def test_an_unexpected_exception_in_a_check_is_an_error_result_and_the_run_goes_on_to_a_verdict(monkeypatch) -> None:
+    import gates.gate as gate
+    from gates.verdict import CheckResult
+
+    def broken(_run: _GateRun) -> CheckResult:
+        raise KeyError("layer")
+
+    def unnamed(_run: _GateRun) -> None:
+        raise RuntimeError("no tolerance file")
+
+    monkeypatch.setattr(gate, "CHECKS", ((broken, "pins", None),))
+    run = _run({}, {})
+    gate._run_checks(run)
+    assert [(c.name, c.status, c.reason) for c in run.checks] == [
+        ("pins", "error", "internal error in the pins check: KeyError: 'layer'")]
+    monkeypatch.setattr(gate, "CHECKS", ((unnamed, "", None),))
+    run = _run({}, {})
+    gate._run_checks(run)
+    assert [(c.name, c.status, c.reason) for c in run.checks] == [
+        ("unnamed", "error", "internal error in the unnamed check: RuntimeError: no tolerance file")]
+
+
+def test_the_gate_stage_gates_the_built_image_id_and_reports_its_tag(monkeypatch, tmp_path) -> None:
+    """A tag moved after the build cannot change what is gated: gate() gates the id; reports still show the tag."""
+    from types import SimpleNamespace
+
+    import gates.gate as gate
+
+    seen: dict = {}
+    monkeypatch.setattr(gate, "gate_image", lambda **kwargs: seen.update(kwargs))
+    built = SimpleNamespace(stack="stack", image="skupin/cpu:tag", image_id="sha256:" + "1" * 64)
+    gate.gate(built, docker=None, out=tmp_path)  # type: ignore[arg-type]
+    assert seen["image"] == built.image_id and seen["display"] == built.image
+
+    run = _run({}, {})
+    run.image, run.display = built.image_id, built.image
+    monkeypatch.setattr(gate, "write_report", lambda **_: None)
+    verdict = gate._finish(run, started=0.0, created="2026-11-30T00:00:00+00:00")
+    assert verdict.image == "skupin/cpu:tag"

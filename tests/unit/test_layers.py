@@ -92,3 +92,156 @@ def test_resolve_follows_the_images_links_inside_the_image_only() -> None:
     assert view.resolve("bin/python3") == "usr/bin/python3.11"
     assert view.resolve("/up") == "usr/bin/python3.11"  # .. never leaves the image's root
     assert view.resolve("loop") is None and view.resolve("usr/nothing") is None
+
+
+def _finishes(fn, within: float = 60.0):
+    """fn()'s result; a generous bound (not a speed target, bench/hostile_bench.py has those) that only a
+    quadratic or hung walk misses."""
+    import threading
+
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within)
+    assert not thread.is_alive(), f"not done after {within} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_a_folder_layer_with_more_folders_than_open_files_is_indexed(tmp_path: Path) -> None:
+    import resource
+
+    root = tmp_path / "layer"
+    for n in range(400):
+        (root / "wide" / f"d{n:03d}" / "sub").mkdir(parents=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+    try:
+        layer = scan_layer_dir(root, diff_id="sha256:wide")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(layer.entries) == 1 + 400 * 2 and layer.entries["wide/d399/sub"].kind == "d"
+
+
+def test_a_folder_layer_nested_too_deep_is_refused(tmp_path: Path) -> None:
+    from gates.static.layers import MAX_DEPTH
+
+    root = tmp_path / "layer"
+    deep = root.joinpath(*["d"] * (MAX_DEPTH + 1))
+    deep.mkdir(parents=True)
+    with pytest.raises(UntrustedInputError, match=f"deeper than {MAX_DEPTH}"):
+        scan_layer_dir(root, diff_id="sha256:deep")
+    ok = tmp_path / "ok"
+    ok.joinpath(*["d"] * MAX_DEPTH).mkdir(parents=True)
+    assert len(scan_layer_dir(ok, diff_id="sha256:ok").entries) == MAX_DEPTH
+
+
+@pytest.mark.parametrize("data", [b"not a tar archive" * 40, _tar([("a/b.py", b"x" * 2000)]).getvalue()[:1024]])
+def test_a_broken_layer_tar_is_untrusted_input_not_a_traceback(data: bytes) -> None:
+    from gates.static.layers import iter_saved_layers
+
+    with pytest.raises(UntrustedInputError, match="tar"):
+        scan_layer_tar(io.BytesIO(data), diff_id="sha256:broken")
+    with pytest.raises(UntrustedInputError, match="tar"):
+        list(iter_saved_layers(io.BytesIO(data)))
+
+
+def _merge_as_specified(layers: list[LayerIndex]) -> dict[str, Entry]:
+    """merge() as it was first written (one scan of the merged map per whiteout): the semantics to keep."""
+    def drop_under(merged: dict[str, Entry], folder: str) -> None:
+        prefix = folder.rstrip("/") + "/"
+        for path in [p for p in merged if p.startswith(prefix)]:
+            del merged[path]
+
+    merged: dict[str, Entry] = {}
+    for number, layer in enumerate(layers):
+        for folder in layer.opaque:
+            drop_under(merged, folder)
+        for path, entry in layer.entries.items():
+            if entry.kind == "w":
+                merged.pop(path, None)
+                drop_under(merged, path)
+        for path, entry in layer.entries.items():
+            if entry.kind == "w":
+                continue
+            old = merged.get(path)
+            if entry.kind != "d" and old is not None and old.kind == "d":
+                drop_under(merged, path)
+            merged[path] = entry._replace(layer=number)
+    return merged
+
+
+def _random_layers(seed: int) -> list[LayerIndex]:
+    """Well-formed layers (every path's parents are folders in it) over a small tree, so paths collide often."""
+    import random
+
+    rng = random.Random(seed)
+    names = ["a", "b", "c", "ab", "a.b"]
+    layers = []
+    for number in range(rng.randint(1, 6)):
+        entries: dict[str, Entry] = {}
+        opaque: set[str] = set()
+        for _ in range(rng.randint(0, 25)):
+            parts = [rng.choice(names) for _ in range(rng.randint(1, 4))]
+            for depth in range(1, len(parts)):
+                parent = "/".join(parts[:depth])
+                if entries.get(parent, Entry("d", 0, 0, 0)).kind != "d":
+                    break
+                entries[parent] = Entry("d", 0o755, 0, number)
+            else:
+                path = "/".join(parts)
+                if any(p.startswith(path + "/") for p in entries):
+                    continue
+                kind = rng.choice("fdwl")
+                entries[path] = Entry(kind, 0o644, 1, number)
+                if kind == "d" and rng.random() < 0.3:
+                    opaque.add(path)
+        layers.append(LayerIndex(f"l{number}", entries, opaque))
+    return layers
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_merge_keeps_its_semantics_on_random_layers(seed: int) -> None:
+    layers = _random_layers(seed)
+    merged = merge(layers)
+    want = _merge_as_specified(layers)
+    assert merged == want and list(merged) == list(want)
+
+
+def test_merge_takes_linear_time_in_whiteouts() -> None:
+    f = Entry("f", 0o644, 1, 0, "a" * 64, "b" * 32)
+    low = LayerIndex("l0", {f"pkg{n}/mod{m}.py": f for n in range(20_000) for m in range(10)})
+    high = LayerIndex("l1", {f"pkg{n}/mod0.py": Entry("w", 0, 0, 0) for n in range(0, 20_000, 2)}
+                      | {f"pkg{n}": Entry("w", 0, 0, 0) for n in range(1, 20_000, 4)})
+    merged = _finishes(lambda: merge([low, high]))  # 15,000 whiteouts over 200,000 paths
+    assert len(merged) == 200_000 - 10_000 - 5_000 * 10
+    assert "pkg0/mod1.py" in merged and "pkg0/mod0.py" not in merged and "pkg1/mod5.py" not in merged
+
+
+def test_two_gates_caching_one_layer_do_not_share_a_temporary_file(tmp_path: Path, monkeypatch) -> None:
+    from gates.static import layers
+
+    layer = scan_layer_tar(_tar([("a/b.py", b"1")]), diff_id="sha256:" + "c" * 64)
+    seen: list[str] = []
+    real_replace = os.replace
+
+    def replace(src, dst) -> None:
+        seen.append(str(src))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(layers.os, "replace", replace)
+    (tmp_path / ("c" * 64 + ".dir.json.part")).write_bytes(b"another gate's half-written index")
+    layers._cache(layer, tmp_path, "dir")
+    layers._cache(layer, tmp_path, "dir")
+    assert len(set(seen)) == 2 and all(Path(s).parent == tmp_path for s in seen)  # a fresh name each time
+    assert (tmp_path / ("c" * 64 + ".dir.json.part")).read_bytes() == b"another gate's half-written index"
+    assert layers._cached(tmp_path, layer.diff_id, "dir").entries == layer.entries
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c" * 64 + ".dir.json.gz", "c" * 64 + ".dir.json.part"]

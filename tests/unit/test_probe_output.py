@@ -219,3 +219,17 @@ def test_cpus_default_to_all_but_half_a_cpu_and_never_exceed_the_host() -> None:
     assert sandbox_cpus(m, host_cpus=64) == 63.5
     pinned = m.model_copy(update={"gate": m.gate.model_copy(update={"cpus": 4.0})})
     assert sandbox_cpus(pinned, host_cpus=16) == 4.0 and sandbox_cpus(pinned, host_cpus=2) == 2.0
+
+
+def test_a_host_that_cannot_write_the_outputs_gets_a_boot_error_not_a_traceback(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import gates.gate as gate
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(gate, "write_new_file", full_disk)
+    probe = run(tmp_path, result(frame()))
+    assert "could not write" in probe.error and os.strerror(errno.ENOSPC) in probe.error
+    assert probe.report == {} and probe.tensors == {}

@@ -108,3 +108,92 @@ def test_workers_run_unprivileged_when_the_gate_runs_as_root() -> None:
     out = subprocess.run([str(SYSTEM_PYTHON), "-I", "-S", "-c", "import os; print(os.getuid())"], capture_output=True,
                          text=True, preexec_fn=pyc_check._limit_worker, env={}, check=True)
     assert out.stdout.strip() == str(pyc_check.NOBODY)
+
+
+def _tool_with(tmp_path: Path, main_prologue: str) -> Path:
+    """The real tool with `main_prologue` run at the start of main() (a worker that misbehaves on purpose)."""
+    text = Path(pyc_check.TOOL).read_text(encoding="utf-8")
+    anchor = "    stdin, stdout = sys.stdin.buffer, sys.stdout\n"
+    assert anchor in text
+    tool = tmp_path / "tool.py"
+    tool.write_text(text.replace(anchor, anchor + main_prologue), encoding="utf-8")
+    return tool
+
+
+def _in_thread(fn, timeout: float):
+    """fn()'s result, or a failure (not a hang) when it has not returned after `timeout` seconds."""
+    import threading
+
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"still running after {timeout} s (deadlocked)"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@needs_system_python
+def test_a_worker_that_floods_stderr_does_not_deadlock_the_gate(tmp_path, monkeypatch) -> None:
+    # A worker writing more than a pipe holds to stderr (warnings, say) used to block while the gate
+    # waited on its stdout.
+    monkeypatch.setattr(pyc_check, "TOOL", _tool_with(tmp_path, "    sys.stderr.write('w' * (1 << 20)); sys.stderr.flush()\n"))
+    jobs = [(n, DFILE, 0, SOURCE, pyc_of(SOURCE)) for n in range(4)]
+    results = _in_thread(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=2), timeout=60)
+    assert results == {n: "" for n in range(4)}
+
+
+@needs_system_python
+def test_a_worker_past_the_deadline_is_killed_and_the_bytecode_is_unverifiable(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(pyc_check, "TOOL", _tool_with(tmp_path, "    import time; time.sleep(600)\n"))
+    jobs = [(n, DFILE, 0, SOURCE, pyc_of(SOURCE)) for n in range(2)]
+    with pytest.raises(pyc_check.VerifierTimedOut, match="1 s"):
+        _in_thread(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=2, deadline_s=1), timeout=60)
+
+    class Item:
+        pyc, real_source, source, opt = "m.pyc", "m.py", "m.py", 0
+
+    view = FileView(entries={"m.py": Entry("f", 0o644, len(SOURCE), 0, "a" * 64, "b" * 32),
+                             "m.pyc": Entry("f", 0o644, 3, 0, "c" * 64, "d" * 32)}, layers=())
+    monkeypatch.setattr(pyc_check, "host_interpreter", lambda *_: (str(SYSTEM_PYTHON), "byte-identical"))
+    monkeypatch.setattr(FileView, "read_file", lambda self, path: SOURCE if path.endswith(".py") else pyc_of(SOURCE))
+    monkeypatch.setattr(pyc_check, "DEADLINE_S", 1)
+    failures, unverifiable, host = _in_thread(
+        lambda: pyc_check.bytecode_verifier(cache=None, workers=1)([Item()], view, "usr/bin/python3.11", None), timeout=60)
+    assert failures == [] and host is None
+    assert len(unverifiable) == 1 and "did not finish within 1 s" in unverifiable[0]
+
+
+@needs_system_python
+@pytest.mark.parametrize("garbage", [repr(line) for line in ("not json", "[1, 2]", '{"id": 0}', '{"id": "x", "ok": true}',
+                                                              '{"id": 0, "ok": "yes"}', '{"id": 99, "ok": true, "why": ""}')]
+                         + ["'x' * 200_000"])
+def test_a_worker_that_prints_garbage_fails_its_files_without_crashing_the_gate(tmp_path, monkeypatch, garbage) -> None:
+    # The worker unmarshals hostile bytes, so its output is hostile too: a line that is not a result for a file of its
+    # own shard (id 99 is nobody's) fails what it had left; it never passes a file and never raises.
+    monkeypatch.setattr(pyc_check, "TOOL", _tool_with(tmp_path, f"    stdout.write({garbage} + '\\n'); stdout.flush()\n"))
+    jobs = [(n, DFILE, 0, SOURCE, pyc_of(SOURCE)) for n in range(3)]
+    results = _in_thread(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=1), timeout=60)
+    assert set(results) == {0, 1, 2} and all("verifier" in why for why in results.values()), results
+
+
+PY312 = Path("/root/.pyenv/versions/3.12.1/bin/python3.12")
+
+
+@pytest.mark.skipif(not PY312.is_file(), reason=f"no {PY312}")
+def test_workers_print_no_warnings_under_python_3_12() -> None:
+    # Python 3.12's compile() prints a SyntaxWarning per invalid escape: 3,000 of them overflow a pipe.
+    source = b"x = '" + b"\\d" * 3000 + b"'\n" + b"".join(b"y%d = '\\d'\n" % n for n in range(3000))
+    frames = b"".join(pyc_check._frames([(0, DFILE, 0, source, b"short")]))
+    done = subprocess.run(pyc_check.worker_command(str(PY312)), input=frames, capture_output=True, timeout=120, check=False,
+                          env={}, cwd="/")
+    assert done.returncode == 0 and done.stderr == b"", done.stderr[-300:]
+    assert b'"id": 0' in done.stdout

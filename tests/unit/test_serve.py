@@ -333,3 +333,19 @@ def test_the_honest_reference_decodes_to_one_piece_per_token(tok, prompts) -> No
         ids = [int(x) for x in ref["model.greedy_ids"][i]]
         pieces = pieces_of(tok, ids, prompts[i]["ids"])
         assert "".join(pieces) == tok.decode(ids) and len(pieces) == len(ids)
+
+
+@pytest.mark.parametrize("error", [httpx.ConnectError("connection refused"), httpx.RemoteProtocolError("peer closed"),
+                                   StreamError("the response passed 9 bytes")])
+def test_a_failed_exchange_with_the_server_is_a_serve_failure_not_a_traceback(monkeypatch, error) -> None:
+    from gates.serving import serve
+
+    def broken(**_kwargs):
+        raise error
+
+    monkeypatch.setattr(serve, "_serve", broken)
+    entry = SimpleNamespace(model=SimpleNamespace(per_prompt={"max_abs": 1e-5}), key=SimpleNamespace(label=lambda: "k"),
+                            provenance=SimpleNamespace(date="d", runs=4))
+    result = serve.serve_check(manifest=manifest("cpu-x86_64"), image="img", docker=None, ref={}, entry=entry,
+                               model_dir=FIXTURE)
+    assert result.status == "fail" and f"failed a request: {type(error).__name__}" in result.reason
