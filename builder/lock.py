@@ -116,12 +116,17 @@ def target_abis(manifest: SkuManifest) -> tuple[str, ...]:
 
 def target_environment(manifest: SkuManifest) -> dict[str, str]:
     """PEP 508 marker environment of the image (Linux, CPython of base.python, its arch)."""
-    py = manifest.base.python
+    return marker_environment(python=manifest.base.python, platform=manifest.base.platform)
+
+
+def marker_environment(*, python: str, platform: str) -> dict[str, str]:
+    """PEP 508 marker environment of Linux CPython `python` (3.11) on `platform` (linux/amd64)."""
+    py = python
     return {
         "implementation_name": "cpython",
         "implementation_version": f"{py}.0",
         "os_name": "posix",
-        "platform_machine": ARCH[manifest.base.platform],
+        "platform_machine": ARCH[platform],
         "platform_python_implementation": "CPython",
         "platform_release": "",
         "platform_system": "Linux",
@@ -310,14 +315,20 @@ class Closure(Frozen):
     """What the target needs of a resolution, and where pip's host-evaluated markers fell short."""
 
     needed: frozenset[str]
+    omitted: frozenset[str] = frozenset()  # omitted names some needed distribution requires
     missing: tuple[str, ...] = ()  # requirements of the target that pip did not resolve
     conflicts: tuple[str, ...] = ()  # requirements of the target that pip's choice violates
     why: tuple[str, ...] = ()
 
 
-def closure(resolved: Mapping[str, Resolved], roots: Sequence[str], env: Mapping[str, str]) -> Closure:
-    """Walk pip's chosen set from `roots` along Requires-Dist, markers evaluated for the target environment."""
+def closure(resolved: Mapping[str, Resolved], roots: Sequence[str], env: Mapping[str, str],
+            omit: frozenset[str] = frozenset()) -> Closure:
+    """Walk pip's chosen set from `roots` along Requires-Dist, markers evaluated for the target environment.
+
+    A requirement on a name in `omit` (stack.omit, canonical names) is not followed: it is reported as omitted.
+    """
     seen: dict[str, set[str]] = {}
+    omitted: set[str] = set()
     missing: dict[str, None] = {}
     conflicts: dict[str, None] = {}
     why: dict[str, None] = {}
@@ -325,6 +336,9 @@ def closure(resolved: Mapping[str, Resolved], roots: Sequence[str], env: Mapping
     while stack:
         req, parent = stack.pop()
         name = canonicalize_name(req.name)
+        if name in omit:
+            omitted.add(name)
+            continue
         item = resolved.get(name)
         if item is None:
             missing[_strip_marker(req)] = None
@@ -345,7 +359,8 @@ def closure(resolved: Mapping[str, Resolved], roots: Sequence[str], env: Mapping
                 raise LockError(f"{name} {item.version}: unreadable Requires-Dist {line!r}: {exc}") from exc
             if dep.marker is None or any(dep.marker.evaluate({**env, "extra": e}) for e in new):
                 stack.append((dep, name))
-    return Closure(needed=frozenset(seen), missing=tuple(missing), conflicts=tuple(conflicts), why=tuple(why))
+    return Closure(needed=frozenset(seen), omitted=frozenset(omitted), missing=tuple(missing),
+                   conflicts=tuple(conflicts), why=tuple(why))
 
 
 def check_pins(resolved: Mapping[str, Resolved], plan: LayerPlan, *, file: str) -> None:
@@ -487,7 +502,7 @@ def locked_base(manifest: SkuManifest) -> LockedBase:
 
 def resolve_target(
     *, request: PipRequest, plans: Sequence[LayerPlan], resolve: Resolver, env: Mapping[str, str], file: str,
-    progress: Progress,
+    progress: Progress, omit: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Resolved], str]:
     """One pip resolution of every pin, corrected for the target's markers; return what the target needs and pip's version.
 
@@ -501,10 +516,17 @@ def resolve_target(
         resolved = parse_report(report, layer=request.layer)
         for plan in plans:
             check_pins(resolved, plan, file=file)
-        found = closure(resolved, roots, env)
+        found = closure(resolved, roots, env, omit)
         todo = [r for r in (*found.missing, *found.conflicts) if r not in hints]
         if not found.missing and not found.conflicts:
-            dropped = sorted(set(resolved) - found.needed)
+            unused = sorted(omit - found.omitted)
+            if unused:
+                raise LockError(f"{file}: stack.omit names {', '.join(unused)}, which no locked distribution "
+                                "requires: remove it from stack.omit")
+            left_out = sorted(set(resolved) & found.omitted - found.needed)
+            if left_out:
+                progress(f"left out {', '.join(left_out)} (stack.omit)")
+            dropped = sorted(set(resolved) - found.needed - found.omitted)
             if dropped:
                 progress(f"dropped {', '.join(dropped)}: not needed on Python {env['python_version']}")
             return {n: resolved[n] for n in found.needed}, str(report.get("pip_version", "?"))
@@ -516,7 +538,8 @@ def resolve_target(
 
 
 def assign_layers(
-    *, resolved: Mapping[str, Resolved], plans: Sequence[LayerPlan], env: Mapping[str, str]
+    *, resolved: Mapping[str, Resolved], plans: Sequence[LayerPlan], env: Mapping[str, str],
+    omit: frozenset[str] = frozenset(),
 ) -> dict[str, tuple[LockedPackage, ...]]:
     """Each package in the lowest layer that needs it: layer k gets closure(pins <= k) minus the layers below."""
     layers: dict[str, tuple[LockedPackage, ...]] = {layer: () for layer in PY_LAYERS}
@@ -525,7 +548,7 @@ def assign_layers(
     url_pins = {str(canonicalize_name(d)) for p in plans for d, _, _ in p.url_pins}
     for plan in plans:
         roots += plan.requirements
-        needed = closure(resolved, roots, env).needed
+        needed = closure(resolved, roots, env, omit).needed
         new = sorted(needed - below)
         layers[plan.layer] = tuple(_locked(resolved[n], url_pins) for n in new)
         below |= needed
@@ -579,6 +602,7 @@ def lock_sku(
             bundle = ca_bundle or default_ca_bundle()
             resolve = lambda req: run_pip(req, ca_bundle=bundle)  # noqa: E731
         env = target_environment(manifest)
+        omit = frozenset(str(canonicalize_name(o.name)) for o in manifest.stack.omit)
         roots = tuple(r for plan in plans for r in plan.requirements)
         request = PipRequest(
             layer=",".join(p.layer for p in plans), requirements=roots,
@@ -590,8 +614,8 @@ def lock_sku(
         started = time.monotonic()
         say(f"resolving {' '.join(roots)} for CPython {manifest.base.python} {manifest.base.platform}")
         resolved, pip_version = resolve_target(request=request, plans=plans, resolve=resolve, env=env, file=file,
-                                               progress=say)
-        layers = assign_layers(resolved=resolved, plans=plans, env=env)
+                                               progress=say, omit=omit)
+        layers = assign_layers(resolved=resolved, plans=plans, env=env, omit=omit)
         resolver = f"pip {pip_version}"
         counts = ", ".join(f"{k} {len(v)}" for k, v in layers.items())
         say(f"resolved {len(resolved)} packages in {time.monotonic() - started:.1f} s ({counts})")
@@ -603,6 +627,7 @@ def lock_sku(
         base=locked_base(manifest),
         layers=layers,
         system=_system(manifest),
+        omitted={str(canonicalize_name(o.name)): o.reason for o in manifest.stack.omit},
         dockerfile_sha256=dockerfile_sha256 or _pins_dockerfile_sha256(manifest),
         resolver=resolver,
         tool_version=__version__,
@@ -671,4 +696,6 @@ def stale_reasons(*, manifest: SkuManifest, lock: Lock, dockerfile_sha256: str) 
             reasons.append(f"{layer} pin {dist}=={version} but the lock has {got.version if got else 'none'}")
     if lock.system != _system(manifest):
         reasons.append("apt pins differ from the lock")
+    if lock.omitted != {str(canonicalize_name(o.name)): o.reason for o in manifest.stack.omit}:
+        reasons.append("stack.omit differs from the lock")
     return reasons

@@ -58,6 +58,10 @@ class Lock(Frozen):
     system: dict[str, tuple[str, ...]] = Field(
         default_factory=dict, description="apt packages per layer, name=version"
     )
+    omitted: dict[Name, str] = Field(
+        default_factory=dict,
+        description="Requirements of locked distributions the image leaves out (stack.omit): name -> reason",
+    )
     dockerfile_sha256: Sha256
     resolver: str = Field(description="The resolver and its version, e.g. pip 25.3")
     tool_version: str
@@ -66,6 +70,8 @@ class Lock(Frozen):
     def content_hash(self) -> str:
         """sha256 of the canonical JSON without the creation time: the same lock, the same hash."""
         data = self.model_dump(mode="json", exclude={"created"})
+        if not self.omitted:  # a lock without omissions keeps the hash it had before the field existed
+            del data["omitted"]
         return hashlib.sha256(canonical_json(data)).hexdigest()
 
     def packages(self) -> dict[str, LockedPackage]:

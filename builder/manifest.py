@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from packaging.utils import canonicalize_name
 from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
@@ -191,6 +192,13 @@ class Pin(Model):
         return self.source.kind in ("index", "wheelhouse", "url", "git")
 
 
+class Omission(Model):
+    """A declared requirement of a locked distribution that the image leaves out, and why."""
+
+    name: Name = Field(description="The distribution left out (as Requires-Dist names it)")
+    reason: Text = Field(min_length=10, description="Why the image is right without it (checked by nobody else)")
+
+
 class Stack(Model):
     """The four pins that move together."""
 
@@ -198,6 +206,20 @@ class Stack(Model):
     framework: Pin
     compiler: Pin
     engine: Pin
+    omit: tuple[Omission, ...] = Field(
+        (), description="Requirements of locked distributions left out of the image, each with its reason; "
+                        "the lock records them and the gate's pins check accepts exactly these")
+
+    @model_validator(mode="after")
+    def _omissions_are_not_pins(self) -> Stack:
+        pinned = {canonicalize_name(p.distribution) for p in self.pins().values() if p.name != "none"}
+        names = [canonicalize_name(o.name) for o in self.omit]
+        for name in names:
+            if name in pinned:
+                raise ValueError(f"omit names {name}, which is one of the four pins")
+        if len(set(names)) != len(names):
+            raise ValueError("omit names a distribution twice")
+        return self
 
     def pins(self) -> dict[str, Pin]:
         return {"driver": self.driver, "framework": self.framework, "compiler": self.compiler, "engine": self.engine}
@@ -463,4 +485,6 @@ def manifest_digest(manifest: SkuManifest) -> str:
     """sha256 of the canonical JSON of the manifest's build inputs: comments and key order do not change it."""
 
     data = manifest.model_dump(mode="json", include=set(BUILD_INPUTS))
+    if not manifest.stack.omit:  # a manifest without omissions keeps the digest it had before the field existed
+        del data["stack"]["omit"]
     return hashlib.sha256(canonical_json(data)).hexdigest()

@@ -86,4 +86,4 @@ def serve_launch(*, manifest: ServedSku, port: int = SERVE_PORT, model_dir: str 
     if engine is None:
         return None
     return engine.server(dtype=manifest.gate.dtype, vendor=manifest.accelerator.vendor, port=port,
-                         model_dir=model_dir, host=host)
+                         model_dir=model_dir, host=host, distribution=manifest.stack.engine.distribution)

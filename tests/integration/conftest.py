@@ -16,6 +16,7 @@ from dockerd import DEFAULT_SOCKET, SESSION_LABEL, Docker, connect
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
+VLLM_SKU = REPO / "skus" / "cpu-x86_64-vllm.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -71,14 +72,13 @@ def stack():
     return resolve(CPU_SKU, require_lock=True)
 
 
-@pytest.fixture(scope="session")
-def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
-    """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now (once)."""
+def _built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
+    """A SKU's image: the one `skupin build` recorded when it still exists for the same lock, else built now."""
     import json
 
     from common.paths import STATE
 
-    record = Path(STATE) / "builds" / "cpu-x86_64.json"
+    record = Path(STATE) / "builds" / f"{stack.manifest.name}.json"
     if record.is_file():
         data = json.loads(record.read_text())
         if data.get("lock_sha256") == stack.lock.content_hash() and docker.image_exists(data["image_id"]):
@@ -86,8 +86,28 @@ def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
     from builder.build import build
     from builder.render import render
 
-    built = build(render(stack), docker, wheelhouse=wheelhouse, ca_bundle=host_ca_bundle)
+    built = build(render(stack), docker, wheelhouse=wheelhouse, ca_bundle=ca_bundle)
     return built.image_id
+
+
+@pytest.fixture(scope="session")
+def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
+    """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now (once)."""
+    return _built_image(docker, stack, wheelhouse, host_ca_bundle)
+
+
+@pytest.fixture(scope="session")
+def vllm_stack():
+    """The vLLM CPU SKU checked and locked (its committed lock)."""
+    from builder.check import resolve
+
+    return resolve(VLLM_SKU, require_lock=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_image(docker: Docker, vllm_stack, wheelhouse, host_ca_bundle) -> str:
+    """The vLLM CPU SKU's image (recorded by `skupin build cpu-x86_64-vllm`, else built now, once)."""
+    return _built_image(docker, vllm_stack, wheelhouse, host_ca_bundle)
 
 
 @contextlib.contextmanager
@@ -167,22 +187,37 @@ class Derived:
         return self._swaps[mode]
 
 
-@pytest.fixture(scope="session")
-def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Iterator[Derived]:
-    """Tampered images of the honest CPU image for the whole session (removed at the end)."""
+@contextlib.contextmanager
+def _derived(docker: Docker, *, image: str, lock, workdir: Path, base_tag: str) -> Iterator[Derived]:
+    """Tampered images of `image` (removed at the end)."""
     made: list[str] = []
-    base_tag = "skupin-test/derived-honest-base:latest"
-    docker.tag(honest_image, base_tag)
+    docker.tag(image, base_tag)
 
     def build(context: Path, mode: str, label: str, config: str = "unchanged") -> str:
-        image = docker.build(context=context, dockerfile=context / "Dockerfile",
-                             build_args={"BASE": base_tag, "MODE": mode, "LOCK_LABEL": label, "CONFIG": config})
-        made.append(image)
-        return image
+        image_id = docker.build(context=context, dockerfile=context / "Dockerfile",
+                                build_args={"BASE": base_tag, "MODE": mode, "LOCK_LABEL": label, "CONFIG": config})
+        made.append(image_id)
+        return image_id
 
     try:
-        yield Derived(build, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"))
+        yield Derived(build, lock=lock, workdir=workdir)
     finally:
         for image_id in made:
             docker.remove_image(image_id, force=True)
         docker.remove_image(base_tag)
+
+
+@pytest.fixture(scope="session")
+def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Iterator[Derived]:
+    """Tampered images of the honest CPU image for the whole session (removed at the end)."""
+    with _derived(docker, image=honest_image, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"),
+                  base_tag="skupin-test/derived-honest-base:latest") as made:
+        yield made
+
+
+@pytest.fixture(scope="session")
+def vllm_derived(docker: Docker, vllm_image: str, vllm_stack, tmp_path_factory) -> Iterator[Derived]:
+    """Tampered images of the honest vLLM CPU image for the whole session (removed at the end)."""
+    with _derived(docker, image=vllm_image, lock=vllm_stack.lock, workdir=tmp_path_factory.mktemp("vllm-derived"),
+                  base_tag="skupin-test/derived-vllm-base:latest") as made:
+        yield made

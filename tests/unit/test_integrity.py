@@ -547,3 +547,53 @@ def test_a_virtual_dependency_is_met_by_a_trusted_provider_before_one_only_the_i
     reached, from_image = declared_packages(("app",), image, [host])
     assert reached == {"app", "mawk"} and from_image == {"app"}
     assert "evil" in declared_packages(("app",), image, [])[0]  # with no trusted record, the image's word is all there is
+
+
+def _with_wheel(tmp_path: Path, image: Image, lock: Lock, wheels: dict, *, name: str, version: str,
+                files: dict[str, bytes], requires: tuple[str, ...] = ()) -> Lock:
+    """`image` and `wheels` gain one more locked wheel, installed; the lock that also names it."""
+    wheel = make_wheel(tmp_path, name=name, version=version, files=files, requires=requires)
+    pkg = LockedPackage(name=name, version=version, filename=wheel.name,
+                        sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), source="wheelhouse")
+    for path, data in _installed(wheel).items():
+        image.add(path, data)
+    wheels[name] = wheel
+    return lock.model_copy(update={"layers": {"engine": (*lock.layers["engine"], pkg)}})
+
+
+def test_every_requirement_of_a_locked_wheel_is_locked_or_omitted_with_a_reason(honest, tmp_path: Path) -> None:
+    image, lock, wheels = honest
+    lock = _with_wheel(tmp_path, image, lock, wheels, name="engine-x", version="1.0", files={"engine_x.py": b"X = 1\n"},
+                       requires=("tiny>=1", "vision-thing", "tiny-gpu; sys_platform == 'win32'", "extra-only; extra == 'a'"))
+    report = _check(image, lock, wheels)
+    assert [f.detail for f in report.findings] == [
+        "engine-x requires vision-thing, which the lock does not install and stack.omit does not name"]
+    omitted = lock.model_copy(update={"omitted": {"vision-thing": "not served by this SKU"}})
+    report = _check(image, omitted, wheels, labels={"io.skupin.lock-sha256": omitted.content_hash()})
+    assert report.ok, [f.line() for f in report.findings]
+    assert report.omitted == ("vision-thing (required by engine-x): not served by this SKU",)
+    assert report.counts["requirements_checked"] == 2 and report.counts["requirements_omitted"] == 1
+
+
+def test_a_requirement_the_locked_version_does_not_meet_is_a_finding(honest, tmp_path: Path) -> None:
+    image, lock, wheels = honest
+    lock = _with_wheel(tmp_path, image, lock, wheels, name="engine-x", version="1.0", files={"engine_x.py": b"X = 1\n"},
+                       requires=("tiny>=2",))
+    assert [f.detail for f in _check(image, lock, wheels).findings] == [
+        "engine-x requires tiny>=2, but the lock installs tiny 1.0"]
+
+
+def test_bytecode_a_wheel_ships_may_be_recompiled_but_must_verify(honest, tmp_path: Path) -> None:
+    """numpy ships __pycache__ files; the build compiles the source again over them: verified like any bytecode."""
+    image, lock, wheels = honest
+    pyc = "shipped/__pycache__/mod.cpython-311.pyc"
+    lock = _with_wheel(tmp_path, image, lock, wheels, name="shipper", version="1.0",
+                       files={"shipped/mod.py": b"A = 1\n", pyc: b"the wheel's own bytecode"})
+    image.add(f"{SITE}/{pyc}", b"bytecode compiled at build time")
+    verifier = Verifier()
+    report = _check(image, lock, wheels, verifier=verifier)
+    assert report.ok, [f.line() for f in report.findings]
+    assert f"{SITE}/{pyc}" in {item.pyc for item in verifier.asked}
+    assert report.counts["wheel_bytecode_recompiled"] == 1
+    report = _check(image, lock, wheels, verifier=Verifier(bad={f"{SITE}/{pyc}"}))
+    assert [f.kind for f in report.findings] == ["bytecode"]

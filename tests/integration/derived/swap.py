@@ -23,6 +23,10 @@ Modes:
   plant        every Python process leaves symlinks to a host path and FIFOs, named like the gate's files, wherever
                it can write (the host must never follow or open them)
   sse          the server process is replaced by one whose completion stream sends `data: [1]`
+  vllm-int4    vLLM images: linear weights round-to-nearest INT4 right after vLLM's model loader fills them
+               (in the engine-core process, which the .pth reaches like every other)
+  vllm-silu    vLLM images: vLLM's own fused SiluAndMul op (not torch's silu, which the kernel battery checks)
+               off by a factor 1 + 2**-7
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import importlib.util
 import os
 import sys
 
-MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "sampler", "hang", "crash", "flood", "forge", "plant", "sse")
+MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
+         "vllm-int4", "vllm-silu")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
 
@@ -114,6 +119,36 @@ def _patch_functional(module, mode: str) -> None:
         return original(input, inplace=inplace) * factor
 
     module.silu = silu
+
+
+def _patch_vllm_loader(module) -> None:
+    """After vLLM's default loader has loaded a model's weights, quantize its linear layers (not embeddings, lm_head)."""
+    import torch
+
+    original = module.DefaultModelLoader.load_weights
+
+    def load_weights(self, model, model_config):
+        result = original(self, model, model_config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if (name.endswith(".weight") and param.dim() == 2 and param.shape[1] % 128 == 0
+                        and "embed" not in name and "lm_head" not in name):
+                    param.data.copy_(int4(param.data))
+        return result
+
+    module.DefaultModelLoader.load_weights = load_weights
+
+
+def _patch_vllm_activation(module) -> None:
+    """vLLM's SiluAndMul off by a factor 1 + 2**-7 in its native path (what x86 CPUs and compiled graphs run) and
+    its CUDA op (forward_cpu calls one of the two, so it is scaled once)."""
+    factor = 1.0 + 2.0**-7
+    cls = module.SiluAndMul
+    native = cls.__dict__["forward_native"]
+    native = native.__func__ if isinstance(native, staticmethod) else native
+    cls.forward_native = staticmethod(lambda x: native(x) * factor)
+    cuda = cls.forward_cuda
+    cls.forward_cuda = lambda self, x: cuda(self, x) * factor
 
 
 def _patch_generation_config(module) -> None:
@@ -217,6 +252,10 @@ def install(mode: str) -> None:
         sys.meta_path.insert(0, _AfterImport("transformers.modeling_utils", lambda m: _patch_modeling_utils(m, mode)))
     elif mode == "silu":
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", lambda m: _patch_functional(m, mode)))
+    elif mode == "vllm-int4":
+        sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader", _patch_vllm_loader))
+    elif mode == "vllm-silu":
+        sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.activation", _patch_vllm_activation))
     elif mode == "sampler":
         sys.meta_path.insert(0, _AfterImport("transformers.generation.configuration_utils", _patch_generation_config))
 

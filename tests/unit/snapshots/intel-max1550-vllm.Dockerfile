@@ -65,7 +65,7 @@ RUN --mount=type=secret,id=skupin_ca \
 ENV VLLM_TARGET_DEVICE="xpu" \
     VLLM_WORKER_MULTIPROC_METHOD="spawn"
 EXPOSE 8000
-CMD ["vllm", "serve", "/model", "--host", "0.0.0.0", "--port", "8000", "--dtype", "bfloat16", "--served-model-name", "skupin-model", "--seed", "0", "--max-logprobs", "20", "--disable-log-requests"]
+CMD ["vllm", "serve", "/model", "--host", "0.0.0.0", "--port", "8000", "--dtype", "bfloat16", "--served-model-name", "skupin-model", "--seed", "0", "--max-logprobs", "20"]
 ARG SKUPIN_LOCK_HASH=unlocked
 ARG SKUPIN_DOCKERFILE_SHA256=unknown
 LABEL org.opencontainers.image.title="skupin/intel-max1550-vllm" \

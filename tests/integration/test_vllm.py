@@ -1,0 +1,76 @@
+"""A real vLLM through the gate: the vLLM CPU image (vllm-cpu, skus/cpu-x86_64-vllm.yaml) passes against the
+H200 reference through vLLM's own engine, and vLLM-specific breakage fails at the right check.
+
+The derived images are the honest vLLM image plus one locked test wheel (tests/integration/tampered.py):
+weights quantized right after vLLM's model loader fills them, and vLLM's own fused SiluAndMul off by one
+part in 128. Both load and run at normal speed; only the numbers betray them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dockerd import Docker
+from gates.gate import RUN_LABEL, gate_image, run_label
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_honest_vllm_image_passes_through_vllms_own_engine(vllm_image: str, docker: Docker, tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64-vllm", "--image", vllm_image,
+                           "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    verdict = json.loads(proc.stdout)
+    assert verdict["decision"] == "pass", verdict["reason"]
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert list(checks) == ["reference", "pins", "boot", "kernels", "model", "serve"]
+    assert all(c["status"] == "pass" for c in checks.values()), [(c["name"], c["reason"]) for c in checks.values()]
+    # pins: the three declared requirements the SKU leaves out are accepted with their reasons, nothing else
+    omitted = checks["pins"]["details"]["omitted"]
+    assert [line.split(" ", 1)[0] for line in omitted] == ["torchaudio", "torchcodec", "torchvision"]
+    assert all("required by vllm-cpu" in line for line in omitted)
+    # model: vLLM's engine ran (not transformers inside the vLLM image), hidden states through its pooling runner
+    probe = json.loads((tmp_path / "probe" / "probe.json").read_text())
+    model = probe["checks"]["model"]
+    assert (model["engine"], model["engine_distribution"], model["engine_version"]) == ("vllm", "vllm-cpu", "0.32.0")
+    assert "pooling runner" in model["hidden_states"]
+    means = checks["model"]["details"]["means"]
+    assert means.get("one_minus_cos") is not None, "the hidden-state statistic was not computed"
+    # serve: vLLM's server, logprobs compared on every prompt, speed and cost reported
+    serve = checks["serve"]["details"]
+    assert serve["engine"] == "vllm" and "vllm.entrypoints.openai.api_server" in serve["launch"]
+    assert serve["logprobs"]["compared_prompts"] == len(verdict["prompts"]) == 64
+    head = serve["perf"]["levels"][0]
+    assert head["ttft_p50_s"] > 0 and head["prefill_tok_s"] > 0 and head["decode_tok_s_per_request"] > 0
+    assert serve["cost"]["usd_per_1m_output_tokens"] > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "vllm-cpu" in report and "torchvision" in report
+    assert not docker.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
+    print(f"honest vLLM gate wall time {wall:.1f} s; means {means}; serve {checks['serve']['reason']}")
+
+
+@pytest.mark.parametrize("mode", ["vllm-int4", "vllm-silu"])
+def test_broken_vllm_image_fails_at_the_model_check(mode: str, vllm_derived, vllm_stack, docker: Docker,
+                                                    tmp_path: Path) -> None:
+    """Locked swaps inside vLLM: `pins` passes (the files are their lock), the kernels pass (torch is untouched),
+    the model check fails."""
+    swapped = vllm_derived.swap(mode)
+    verdict = gate_image(stack=swapped.stack(vllm_stack), image=swapped.image, docker=docker, out=tmp_path,
+                         wheelhouse=swapped.wheelhouse)
+    assert not docker.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
+    failing = verdict.failing_check()
+    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
+    assert failing is not None and failing.name == "model", verdict.reason
+    assert [c.status for c in verdict.checks[:4]] == ["pass"] * 4  # reference, pins, boot, kernels
+    assert any(d.failed_by for d in verdict.model_decision) or "hard bound" in failing.reason
+    print(f"{mode}: {failing.name}: {failing.reason}")
