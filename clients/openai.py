@@ -34,6 +34,8 @@ MAX_LINE_BYTES = 1024**2
 MAX_RESPONSE_BYTES = 64 * 1024**2
 MAX_SMALL_RESPONSE_BYTES = 1024**2
 MAX_EVENT_DEPTH = 8
+# How long one readiness probe of the health path may take (SGLang's /health generates a token: >= 1 s).
+HEALTH_TIMEOUT_S = 10.0
 _TOKEN_ID = re.compile(r"token_id:([0-9]{1,12})")
 
 
@@ -147,6 +149,10 @@ def _choices(event: Any) -> list[dict[str, Any]]:
             raise StreamError(f"a choice's text is not a string: {printable(repr(choice.get('text')), 80)}")
         if not isinstance(choice.get("logprobs"), (dict, type(None))):
             raise StreamError("a choice's logprobs is not an object")
+        ids = choice.get("token_ids")
+        if ids is not None and not (isinstance(ids, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise StreamError(f"a choice's token_ids are not a list of token ids: {printable(repr(ids), 80)}")
     return choices
 
 
@@ -158,10 +164,16 @@ def _logprobs(lp: dict[str, Any]) -> tuple[list[float], list[int | None]]:
 
 
 def parse_stream(lines: Iterable[str], *, sent: float, clock: Callable[[], float] = time.perf_counter) -> Completion:
-    """A Completion from the server-sent events of a streamed /v1/completions response (StreamError when malformed)."""
+    """A Completion from the server-sent events of a streamed /v1/completions response (StreamError when malformed).
+
+    Token ids come from a choice's `token_ids` (SGLang with `return_token_ids`: the ids of the chunk's new
+    tokens), else from logprobs.tokens written as "token_id:N" (vLLM with `return_tokens_as_token_ids`).
+    """
     pieces: list[str] = []
     times: list[float] = []
     ids: list[int | None] = []
+    listed: list[int] = []
+    saw_listed = False
     logprobs: list[float] = []
     usage: dict[str, Any] = {}
     finish = None
@@ -178,6 +190,9 @@ def parse_stream(lines: Iterable[str], *, sent: float, clock: Callable[[], float
             usage = event["usage"]
         for choice in choices:
             finish = printable(str(choice.get("finish_reason")), 40) if choice.get("finish_reason") else finish
+            if choice.get("token_ids") is not None:
+                saw_listed = True
+                listed += choice["token_ids"]
             lp = choice.get("logprobs")
             if isinstance(lp, dict) and lp.get("token_logprobs") is not None:
                 saw_logprobs = True
@@ -189,7 +204,7 @@ def parse_stream(lines: Iterable[str], *, sent: float, clock: Callable[[], float
                 times.append(clock() - sent)
     total = clock() - sent
     known = [i for i in ids if i is not None]
-    token_ids = tuple(known) if ids and len(known) == len(ids) else None
+    token_ids = tuple(listed) if saw_listed else tuple(known) if ids and len(known) == len(ids) else None
     return Completion(text="".join(pieces), pieces=tuple(pieces), token_ids=token_ids,
                       logprobs=tuple(logprobs) if saw_logprobs else None,
                       prompt_tokens=_count(usage.get("prompt_tokens"), "prompt_tokens"),
@@ -261,7 +276,7 @@ class ServeClient:
         """(True, '') when /health answers 200 and /v1/models lists the model; else (False, why)."""
         def probe(http: httpx.Client) -> tuple[bool, str]:
             try:
-                status, _ = _get_small(http, health_path, timeout_s=2.0)
+                status, _ = _get_small(http, health_path, timeout_s=HEALTH_TIMEOUT_S)
                 if status != 200:
                     return False, f"{health_path} answered {status}"
                 models = _json(_get_small(http, "/v1/models", timeout_s=2.0)[1], what="/v1/models")

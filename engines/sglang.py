@@ -1,4 +1,5 @@
-"""SGLang: `python -m sglang.launch_server` with logprobs, and the probe's SGLang adapter (full logprobs)."""
+"""SGLang: `python -m sglang.launch_server` with logprobs and token ids, and the probe's SGLang adapter (full logprobs,
+hidden states)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,29 @@ from engines.base import SERVED_NAME, Distribution, Output, ServerLaunch
 NAME: Final = "sglang"
 DISTRIBUTIONS: Final = (Distribution(name="sglang", refresh_since="0.5.19"),)
 PROBE_ADAPTER: Final = "sglang"
-OUTPUTS: Final[frozenset[Output]] = frozenset({"logprobs_full"})
+# hidden: final hidden states of the teacher-forced pass (Engine.generate(return_hidden_states=True) on an engine
+# started with return_hidden_states_mode="full"), see imagetools/probe.py
+OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
+
+# Checked against the sglang 0.5.23 wheel (the version skus/nvidia-h200-sglang.yaml pins), no SGLang installed:
+# - `python -m sglang.launch_server` is still a supported entrypoint (sglang/launch_server.py; it warns that
+#   `sglang serve` is recommended, which first probes whether the model is a diffusion model).
+# - Every flag below exists: ServerArgs' CLI is generated from the fields of sglang/srt/arg_groups/fields/*.py
+#   (arg_utils.add_cli_args_from_dataclass, `--` + the field name with dashes): model.py model_path
+#   (--model-path, alias --model), dtype (choices auto, half, float16, bfloat16, float, float32); serving.py
+#   host, port, served_model_name; device.py random_seed.
+# - GET /health answers 503 while the server is starting and 200 once it is up (srt/entrypoints/http_server.py);
+#   GET /v1/models lists --served-model-name.
+# - POST /v1/completions (srt/entrypoints/openai/protocol.py CompletionRequest, serving_completions.py) takes a
+#   prompt of token ids, honours `logprobs` (top_logprobs_num = logprobs; logprobs.tokens are token *texts*, no
+#   return_tokens_as_token_ids) and `ignore_eos`, and with `return_token_ids` every streamed choice carries the
+#   ids of its new tokens as `token_ids` (clients/openai.py reads them). Unknown request fields are ignored.
 
 
 def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str) -> ServerLaunch:
-    """SGLang's launch_server under a fixed model name and seed."""
+    """SGLang's launch_server under a fixed model name and seed, answering with logprobs and token ids."""
     return ServerLaunch(engine=NAME, port=port, model_id=SERVED_NAME, health_path="/health", returns_logprobs=True,
-                        prompt="ids", request_extra={"ignore_eos": True},
+                        prompt="ids", request_extra={"ignore_eos": True, "return_token_ids": True},
                         argv=("python3", "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host,
                               "--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME,
                               "--random-seed", "0"))

@@ -104,6 +104,26 @@ def test_vllm_cpu_starts_its_server_through_the_module() -> None:
     assert DEFAULT_ENGINE in ALL_ENGINES
 
 
+# Flags of `python -m sglang.launch_server` read from the sglang 0.5.23 wheel (the version
+# skus/nvidia-h200-sglang.yaml pins): ServerArgs' CLI is generated from sglang/srt/arg_groups/fields/*.py
+# (arg_utils.add_cli_args_from_dataclass: "--" + the field name with dashes, plus Arg aliases): model.py
+# model_path (alias --model) and dtype, serving.py host, port and served_model_name, device.py random_seed.
+# A flag the installed release does not know stops the server at start (vLLM 0.32 dropped --disable-log-requests):
+# extend this set only after reading the pinned release's fields.
+SGLANG_0_5_23_FLAGS = {"--model-path", "--model", "--host", "--port", "--dtype", "--served-model-name",
+                       "--random-seed"}
+
+
+def test_the_sglang_server_uses_only_flags_verified_in_its_pinned_release() -> None:
+    from engines import sglang
+
+    launch = sglang.server(dtype="bfloat16", vendor="nvidia", port=8000, model_dir="/model", host="0.0.0.0",
+                           distribution="sglang")
+    assert launch.argv[:3] == ("python3", "-m", "sglang.launch_server")
+    assert {a for a in launch.argv if a.startswith("--")} <= SGLANG_0_5_23_FLAGS
+    assert load_manifest(SKUS / "nvidia-h200-sglang.yaml").stack.engine.version == "0.5.23"
+
+
 def test_unknown_engine_names_the_known_ones() -> None:
     with pytest.raises(UnknownEngine, match=rf"unknown inference engine 'llamacpp' \(known: {', '.join(ALL_ENGINES)}\)"):
         engine_named("llamacpp")

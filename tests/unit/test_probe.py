@@ -132,3 +132,141 @@ def test_probe_on_this_cpu_matches_the_h200_bundle_shapes(tmp_path):
     assert np.array_equal(ours["model.input_ids"], ref["model.input_ids"])
     assert np.array_equal(ours["kernels.int4.dequant"], ref["kernels.int4.dequant"])  # exact arithmetic
     assert report["checks"]["model"]["hidden_states"].startswith("decoder last_hidden_state")
+
+
+# ---------------------------------------------------------------- the SGLang adapter against a fake Engine
+
+# ServerArgs fields of sglang 0.5.23 (sglang/srt/arg_groups/fields/*.py; Engine(**kwargs) builds ServerArgs, a
+# msgspec struct that refuses any other keyword) that the probe's SGLang adapter may pass.
+SGLANG_0_5_23_ENGINE_FIELDS = {"model_path", "dtype", "random_seed", "max_running_requests", "log_level",
+                               "return_hidden_states_mode", "enable_return_hidden_states", "device"}
+
+
+class _FakeSGLang:
+    """sglang.Engine's offline generate() with the output layout of sglang 0.5.23, over a deterministic toy model.
+
+    meta_info as the tokenizer manager builds it (managers/tokenizer_manager.py add_logprob_to_meta_info;
+    scheduler_components/logprob_result_processor.py): items (logprob, token id, None); with
+    logprob_start_len=0 input entry t predicted prompt token t and entry 0 is None; hidden_states[0] is the
+    prefill block (one row per prompt position), then one row per decode step.
+    """
+
+    V, H = 32, 8
+
+    def __init__(self, **kwargs):
+        unknown = set(kwargs) - SGLANG_0_5_23_ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"Unexpected keyword arguments: {sorted(unknown)}")
+        self.kwargs, self.calls, self.closed = kwargs, [], False
+
+    @classmethod
+    def logprobs(cls, prefix):
+        import torch
+
+        g = torch.Generator().manual_seed(len(prefix) * 1009 + sum(p * 31 ** i for i, p in enumerate(prefix)) % 100_003)
+        return torch.log_softmax(torch.randn(cls.V, generator=g, dtype=torch.float64) * 3, -1)
+
+    @classmethod
+    def hidden(cls, prefix):
+        return [float(len(prefix) + j + prefix[-1] / 4) for j in range(cls.H)]  # float32-exact
+
+    @staticmethod
+    def top(lp, k):
+        vals, idx = lp.topk(k)
+        return [(float(v), int(i), None) for v, i in zip(vals, idx, strict=True)]
+
+    def generate(self, *, input_ids, sampling_params, return_logprob=False, logprob_start_len=None,
+                 top_logprobs_num=None, return_hidden_states=False):
+        assert isinstance(input_ids[0], list) and return_logprob
+        self.calls.append({"n": len(input_ids), "k": top_logprobs_num, "start": logprob_start_len,
+                           "hidden": return_hidden_states, **sampling_params})
+        if return_hidden_states:
+            assert self.kwargs.get("return_hidden_states_mode") == "full", "SGLang refuses hidden states otherwise"
+        outs = []
+        for prompt in input_ids:
+            meta: dict = {"input_token_logprobs": [], "output_token_logprobs": []}
+            if logprob_start_len == 0:
+                meta["input_token_logprobs"] = [(None, prompt[0], None)] + [
+                    (float(self.logprobs(prompt[:t])[prompt[t]]), prompt[t], None) for t in range(1, len(prompt))]
+                meta["input_top_logprobs"] = [None] + [self.top(self.logprobs(prompt[:t]), top_logprobs_num)
+                                                       for t in range(1, len(prompt))]
+            seq, steps, hidden = list(prompt), [], [[self.hidden(prompt[: t + 1]) for t in range(len(prompt))]]
+            for _ in range(sampling_params["max_new_tokens"]):
+                lp = self.logprobs(seq)
+                steps.append(self.top(lp, top_logprobs_num))
+                seq.append(int(lp.argmax()))
+                meta["output_token_logprobs"].append((float(lp.max()), seq[-1], None))
+            meta["output_top_logprobs"] = steps
+            if return_hidden_states:
+                meta["hidden_states"] = hidden + [self.hidden(seq[: t + 1]) for t in range(len(prompt), len(seq) - 1)]
+            outs.append({"text": "", "output_ids": seq[len(prompt):], "meta_info": meta})
+        return outs
+
+    def shutdown(self):
+        self.closed = True
+
+
+def _run_fake_sglang(monkeypatch, fake_cls=_FakeSGLang):
+    probe = _probe_module()
+    engines_seen: list = []
+
+    def make(**kwargs):
+        engines_seen.append(fake_cls(**kwargs))
+        return engines_seen[-1]
+
+    monkeypatch.setitem(sys.modules, "sglang", type(sys)("sglang"))
+    monkeypatch.setattr(sys.modules["sglang"], "Engine", make, raising=False)
+    ids = [[3, 7, 1, 30, 12, 5], [9, 9, 2, 31, 0, 4], [1, 2, 3, 4, 5, 6]]
+    opts = {"dtype": "bfloat16", "batch_size": 2, "top_k": 4, "attn": "sdpa", "full_logprobs": 2, "new_tokens": 3,
+            "vocab": _FakeSGLang.V}
+    return probe, ids, opts, probe.run_sglang("/model", ids, opts, "cuda"), engines_seen
+
+
+def test_sglang_adapter_reads_the_0_5_23_layout_into_the_common_tensors(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from engines import sglang
+
+    _, ids, opts, result, (engine,) = _run_fake_sglang(monkeypatch)
+    t = result["tensors"]
+    fake = _FakeSGLang
+    assert engine.closed and engine.kwargs["return_hidden_states_mode"] == "full"
+    assert [(c["n"], c["k"], c["start"], c["hidden"]) for c in engine.calls] == [
+        (3, 4, 0, True), (2, fake.V, 0, False), (3, 2, None, False)]
+    assert engine.calls[2]["ignore_eos"] and engine.calls[2]["temperature"] == 0.0
+    assert {f"model.{name}" for name in sglang.OUTPUTS} <= set(t)
+    n, length = len(ids), len(ids[0])
+    assert t["model.hidden"].shape == (n, length, fake.H) and t["model.logprobs_full"].shape == (2, length - 1, fake.V)
+    for i, prompt in enumerate(ids):
+        for pos in range(length - 1):
+            lp = fake.logprobs(prompt[: pos + 1]).float()
+            assert float(t["model.target_logprob"][i, pos]) == pytest.approx(float(lp[prompt[pos + 1]]))
+            assert torch.equal(t["model.topk_ids"][i, pos], lp.topk(4).indices.to(torch.int32))
+            if i < 2:
+                assert torch.allclose(t["model.logprobs_full"][i, pos], lp)
+        assert t["model.hidden"][i].tolist() == [fake.hidden(prompt[: p + 1]) for p in range(length)]
+        seq = list(prompt)
+        for step in range(opts["new_tokens"]):
+            lp = fake.logprobs(seq)
+            top2 = lp.topk(2).values
+            assert int(t["model.greedy_ids"][i, step]) == int(lp.argmax())
+            assert float(t["model.greedy_logprob"][i, step]) == pytest.approx(float(top2[0]))
+            assert float(t["model.greedy_margin"][i, step]) == pytest.approx(float(top2[0] - top2[1]), abs=1e-6)
+            seq.append(int(lp.argmax()))
+    assert "final norm" in result["info"]["hidden_states"]
+
+
+class _ChunkedHidden(_FakeSGLang):
+    """An engine whose hidden states miss prompt positions (e.g. served from a prefix cache)."""
+
+    def generate(self, **kwargs):
+        outs = super().generate(**kwargs)
+        for out in outs:
+            if "hidden_states" in out["meta_info"]:
+                out["meta_info"]["hidden_states"][0] = out["meta_info"]["hidden_states"][0][2:]
+        return outs
+
+
+def test_sglang_adapter_refuses_hidden_states_that_miss_positions(monkeypatch):
+    pytest.importorskip("torch")
+    with pytest.raises(RuntimeError, match="hidden states for 4 positions of a 6-token prompt"):
+        _run_fake_sglang(monkeypatch, _ChunkedHidden)

@@ -75,7 +75,9 @@ def test_sglang_launch_text() -> None:
     launch = launch_command(manifest=manifest("nvidia-h200-sglang"))
     assert " ".join(launch.argv) == ("python3 -m sglang.launch_server --model-path /model --host 0.0.0.0 "
                                      "--port 8000 --dtype bfloat16 --served-model-name skupin-model --random-seed 0")
-    assert launch.model_id == "skupin-model"
+    assert launch.model_id == "skupin-model" and launch.health_path == "/health" and launch.returns_logprobs
+    # SGLang has no return_tokens_as_token_ids: return_token_ids puts the ids in each streamed choice's token_ids
+    assert launch.request_extra == {"ignore_eos": True, "return_token_ids": True}
 
 
 def test_server_container_is_sandboxed() -> None:
@@ -185,6 +187,30 @@ def test_parse_stream_skips_comments_and_empty_text() -> None:
 def test_hostile_events_end_the_stream_with_a_reason_not_a_crash(line: str, why: str) -> None:
     with pytest.raises(StreamError, match=why):
         parse_stream(iter([line, "data: [DONE]"]), sent=0.0)
+
+
+def test_client_reads_sglang_token_ids_and_logprobs() -> None:
+    """SGLang 0.5.23's stream (serving_completions.py): logprobs.tokens are texts, the ids come in token_ids."""
+    events = [
+        {"id": "c", "object": "text_completion", "created": 1, "model": "skupin-model",
+         "choices": [{"index": 0, "text": "ab", "logprobs": {"text_offset": [-1, -1], "token_logprobs": [-0.25, -1.5],
+                                                             "tokens": ["a", "b"], "top_logprobs": [{"a": -0.25}, {"b": -1.5}]},
+                      "finish_reason": None, "matched_stop": None, "token_ids": [11, 12], "prompt_token_ids": [1, 2]}]},
+        {"id": "c", "object": "text_completion", "created": 1, "model": "skupin-model",
+         "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "matched_stop": None,
+                      "token_ids": []}]},
+        {"id": "c", "object": "text_completion", "created": 1, "model": "skupin-model", "choices": [],
+         "usage": {"prompt_tokens": 2, "total_tokens": 4, "completion_tokens": 2}},
+    ]
+    c = parse_stream(iter(sse(events).decode().splitlines()), sent=0.0)
+    assert c.token_ids == (11, 12) and c.logprobs == (-0.25, -1.5) and c.text == "ab" and c.completion_tokens == 2
+    assert c.finish_reason == "length"
+
+
+@pytest.mark.parametrize("ids", ["[1, -2]", "[true]", '["7"]', "7", "[1.5]"])
+def test_token_ids_must_be_token_ids(ids: str) -> None:
+    with pytest.raises(StreamError, match="token_ids are not a list of token ids"):
+        parse_stream(iter([f'data: {{"choices": [{{"text": "x", "token_ids": {ids}}}]}}', "data: [DONE]"]), sent=0.0)
 
 
 def test_odd_token_names_are_no_token_ids() -> None:
