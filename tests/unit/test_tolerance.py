@@ -109,3 +109,26 @@ def test_the_committed_cpu_entry_matches_the_committed_reference_bundle():
     assert entry.provenance.reference_sha256 == bundle_sha256(bundle)
     assert entry.provenance.runs >= 4 and entry.provenance.margin > 1
     assert tolerances.hard_bounds.max_mean_kl == 0.5 and tolerances.hard_bounds.min_top1_agree == 0.8
+
+
+EVIDENCE = DEFAULT_PATH.parent / "evidence"
+
+
+@pytest.mark.parametrize("path", sorted(EVIDENCE.glob("*.json")), ids=lambda p: p.stem)
+def test_every_engine_shipped_on_a_class_fits_inside_the_class_entry(path) -> None:
+    """The engine is not part of the tolerance key (docs/GATE.md): each engine's honest runs on a class
+    (gates/data/evidence/, `skupin calibrate SKU --dry-run`) must lie within that class's committed bounds."""
+    import json
+
+    from gates.tolerance import ToleranceEntry
+
+    evidence = ToleranceEntry.model_validate({k: v for k, v in json.loads(path.read_text()).items()})
+    entry = lookup(load_tolerances(), evidence.key)
+    honest = evidence.provenance.honest_max
+    bounds = {**{f"per_prompt.{k}": v for k, v in entry.model.per_prompt.items()},
+              **{f"mean.{k}": v for k, v in entry.model.mean.items()},
+              **{f"kernels.{k}": v for k, v in entry.kernels.items()}}
+    assert set(honest) <= set(bounds), set(honest) - set(bounds)
+    over = {name: (value, bounds[name]) for name, value in honest.items() if value > bounds[name]}
+    assert not over, f"{path.name}: honest values over the class entry's bounds: {over}"
+    assert evidence.provenance.runs >= 4 and evidence.provenance.reference_sha256 == entry.provenance.reference_sha256
