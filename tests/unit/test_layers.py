@@ -11,6 +11,7 @@ import pytest
 
 from common.untrusted import UntrustedInputError
 from gates.static.layers import Entry, FileView, LayerIndex, merge, open_in_layer, scan_layer_dir, scan_layer_tar
+from tests.data.threads import finishes
 
 
 def _tar(members: list[tuple[str, bytes | str | None]]) -> io.BytesIO:
@@ -92,28 +93,6 @@ def test_resolve_follows_the_images_links_inside_the_image_only() -> None:
     assert view.resolve("bin/python3") == "usr/bin/python3.11"
     assert view.resolve("/up") == "usr/bin/python3.11"  # .. never leaves the image's root
     assert view.resolve("loop") is None and view.resolve("usr/nothing") is None
-
-
-def _finishes(fn, within: float = 60.0):
-    """fn()'s result; a generous bound (not a speed target, bench/hostile_bench.py has those) that only a
-    quadratic or hung walk misses."""
-    import threading
-
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed to the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(within)
-    assert not thread.is_alive(), f"not done after {within} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def test_a_folder_layer_with_more_folders_than_open_files_is_indexed(tmp_path: Path) -> None:
@@ -221,7 +200,7 @@ def test_merge_takes_linear_time_in_whiteouts() -> None:
     low = LayerIndex("l0", {f"pkg{n}/mod{m}.py": f for n in range(20_000) for m in range(10)})
     high = LayerIndex("l1", {f"pkg{n}/mod0.py": Entry("w", 0, 0, 0) for n in range(0, 20_000, 2)}
                       | {f"pkg{n}": Entry("w", 0, 0, 0) for n in range(1, 20_000, 4)})
-    merged = _finishes(lambda: merge([low, high]))  # 15,000 whiteouts over 200,000 paths
+    merged = finishes(lambda: merge([low, high]))  # 15,000 whiteouts over 200,000 paths
     assert len(merged) == 200_000 - 10_000 - 5_000 * 10
     assert "pkg0/mod1.py" in merged and "pkg0/mod0.py" not in merged and "pkg1/mod5.py" not in merged
 

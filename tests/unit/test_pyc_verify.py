@@ -17,6 +17,7 @@ import pytest
 from gates.static import bytecode as pyc_check
 from gates.static.layers import Entry, FileView
 from imagetools.pyc_verify import verify
+from tests.data.threads import finishes
 
 SOURCE = b"def f(x):\n    return x + 1\n\nclass C:\n    def g(self):\n        return [i * 2 for i in range(3)]\n"
 DFILE = "/opt/skupin/venv/lib/python3.11/site-packages/m.py"
@@ -120,34 +121,13 @@ def _tool_with(tmp_path: Path, main_prologue: str) -> Path:
     return tool
 
 
-def _in_thread(fn, timeout: float):
-    """fn()'s result, or a failure (not a hang) when it has not returned after `timeout` seconds."""
-    import threading
-
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed to the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), f"still running after {timeout} s (deadlocked)"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 @needs_system_python
 def test_a_worker_that_floods_stderr_does_not_deadlock_the_gate(tmp_path, monkeypatch) -> None:
     # A worker writing more than a pipe holds to stderr (warnings, say) used to block while the gate
     # waited on its stdout.
     monkeypatch.setattr(pyc_check, "TOOL", _tool_with(tmp_path, "    sys.stderr.write('w' * (1 << 20)); sys.stderr.flush()\n"))
     jobs = [(n, DFILE, 0, SOURCE, pyc_of(SOURCE)) for n in range(4)]
-    results = _in_thread(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=2), timeout=60)
+    results = finishes(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=2), within=60)
     assert results == {n: "" for n in range(4)}
 
 
@@ -156,7 +136,7 @@ def test_a_worker_past_the_deadline_is_killed_and_the_bytecode_is_unverifiable(t
     monkeypatch.setattr(pyc_check, "TOOL", _tool_with(tmp_path, "    import time; time.sleep(600)\n"))
     jobs = [(n, DFILE, 0, SOURCE, pyc_of(SOURCE)) for n in range(2)]
     with pytest.raises(pyc_check.VerifierTimedOut, match="1 s"):
-        _in_thread(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=2, deadline_s=1), timeout=60)
+        finishes(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=2, deadline_s=1), within=60)
 
     class Item:
         pyc, real_source, source, opt = "m.pyc", "m.py", "m.py", 0
@@ -166,8 +146,8 @@ def test_a_worker_past_the_deadline_is_killed_and_the_bytecode_is_unverifiable(t
     monkeypatch.setattr(pyc_check, "host_interpreter", lambda *_: (str(SYSTEM_PYTHON), "byte-identical"))
     monkeypatch.setattr(FileView, "read_file", lambda self, path: SOURCE if path.endswith(".py") else pyc_of(SOURCE))
     monkeypatch.setattr(pyc_check, "DEADLINE_S", 1)
-    failures, unverifiable, host = _in_thread(
-        lambda: pyc_check.bytecode_verifier(cache=None, workers=1)([Item()], view, "usr/bin/python3.11", None), timeout=60)
+    failures, unverifiable, host = finishes(
+        lambda: pyc_check.bytecode_verifier(cache=None, workers=1)([Item()], view, "usr/bin/python3.11", None), within=60)
     assert failures == [] and host is None
     assert len(unverifiable) == 1 and "did not finish within 1 s" in unverifiable[0]
 
@@ -181,7 +161,7 @@ def test_a_worker_that_prints_garbage_fails_its_files_without_crashing_the_gate(
     # own shard (id 99 is nobody's) fails what it had left; it never passes a file and never raises.
     monkeypatch.setattr(pyc_check, "TOOL", _tool_with(tmp_path, f"    stdout.write({garbage} + '\\n'); stdout.flush()\n"))
     jobs = [(n, DFILE, 0, SOURCE, pyc_of(SOURCE)) for n in range(3)]
-    results = _in_thread(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=1), timeout=60)
+    results = finishes(lambda: pyc_check.run_workers(str(SYSTEM_PYTHON), jobs, workers=1), within=60)
     assert set(results) == {0, 1, 2} and all("verifier" in why for why in results.values()), results
 
 
