@@ -505,8 +505,21 @@ def _check_model(run: _GateRun) -> CheckResult:
     result, run.decisions, run.prompts = judge_model(stats=stats, entry=run.entry, hard=run.tolerances.hard_bounds)
     if result.status == "error" and run.tol_problem:
         result = result.model_copy(update={"reason": f"{run.tol_problem} (hard bounds passed)"})
+    result = result.model_copy(update={"details": {**result.details, "engine_path": engine_path(run.probe.report)}})
     run.time("model_s", t0)
     return result
+
+
+ENGINE_PATH_KEYS = ("engine", "engine_distribution", "engine_version", "hidden_states", "logprobs", "greedy")
+
+
+def engine_path(report: dict[str, Any]) -> dict[str, str]:
+    """What the probe says computed the model check (engine, its distribution and version, how hidden states,
+    logprobs and greedy tokens were obtained), as short printable text: the image wrote it, so it is shown, not trusted."""
+    model = (report.get("checks") or {}).get("model") if isinstance(report.get("checks"), dict) else None
+    if not isinstance(model, dict):
+        return {}
+    return {key: printable(str(model[key]), 200) for key in ENGINE_PATH_KEYS if model.get(key) is not None}
 
 
 def _check_serve(run: _GateRun) -> CheckResult:

@@ -75,6 +75,18 @@ def _pins_section(pins) -> list[str]:
     return lines
 
 
+def _engine_path_lines(model) -> list[str]:
+    """Which engine computed the model check's numbers, as the probe reported it."""
+    path = (model.details.get("engine_path") or {}) if model is not None else {}
+    if not path:
+        return []
+    what = f"{path.get('engine', '?')} ({path.get('engine_distribution', '?')} {path.get('engine_version', '?')})"
+    lines = [f"Engine path: **{what}**."]
+    lines += [f"- {label}: {path[key]}" for key, label in (("logprobs", "logprobs"), ("hidden_states", "hidden states"),
+                                                             ("greedy", "greedy tokens")) if key in path]
+    return [*lines, ""]
+
+
 def _kernel_rows(verdict: GateVerdict) -> dict:
     check = verdict.check("kernels")
     return (check.details.get("ops") or {}) if check else {}
@@ -123,6 +135,7 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
             "",
             "## Model check",
             "",
+            *_engine_path_lines(v.check("model")),
             "Per statistic: prompts above the per-prompt threshold, the one-sided binomial test against the "
             "calibrated honest exceedance rate, and the mean over prompts against its bound.",
             "",

