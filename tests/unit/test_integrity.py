@@ -572,7 +572,7 @@ def test_every_requirement_of_a_locked_wheel_is_locked_or_omitted_with_a_reason(
     report = _check(image, omitted, wheels, labels={"io.skupin.lock-sha256": omitted.content_hash()})
     assert report.ok, [f.line() for f in report.findings]
     assert report.omitted == ("vision-thing (required by engine-x): not served by this SKU",)
-    assert report.counts["requirements_checked"] == 2 and report.counts["requirements_omitted"] == 1
+    assert report.counts["requirements_met"] == 1 and report.counts["requirements_omitted"] == 1
 
 
 def test_a_requirement_the_locked_version_does_not_meet_is_a_finding(honest, tmp_path: Path) -> None:
@@ -597,3 +597,26 @@ def test_bytecode_a_wheel_ships_may_be_recompiled_but_must_verify(honest, tmp_pa
     assert report.counts["wheel_bytecode_recompiled"] == 1
     report = _check(image, lock, wheels, verifier=Verifier(bad={f"{SITE}/{pyc}"}))
     assert [f.kind for f in report.findings] == ["bytecode"]
+
+
+def test_a_second_status_entry_under_a_declared_name_does_not_bring_its_own_records(honest) -> None:
+    """Declared is by name; a second entry (another architecture, a made-up version) with image-written records fails."""
+    image, lock, wheels = honest
+    status = image.files["var/lib/dpkg/status"][1].decode()
+    fake = "\nPackage: python3.11-minimal\nStatus: install ok installed\nArchitecture: i386\nVersion: 9\n"
+    image.add("var/lib/dpkg/status", (status.rstrip("\n") + "\n" + fake).encode())
+    image.add("var/lib/dpkg/info/python3.11-minimal:i386.list", b"/usr/bin/evil\n")
+    image.add("var/lib/dpkg/info/python3.11-minimal:i386.md5sums",
+              f"{hashlib.md5(b'#!/bin/sh').hexdigest()}  usr/bin/evil\n".encode())
+    image.add("usr/bin/evil", b"#!/bin/sh", mode=0o755)
+    details = [f.detail for f in _check(image, lock, wheels).findings]
+    assert "python3.11-minimal has more than one installed entry in the dpkg status file" in details, details
+    assert any("installed for architecture 'i386', not the image's 'amd64'" in d for d in details), details
+
+
+def test_a_marker_the_gate_cannot_evaluate_is_a_finding_not_a_crash(honest, tmp_path: Path) -> None:
+    image, lock, wheels = honest
+    lock = _with_wheel(tmp_path, image, lock, wheels, name="engine-x", version="1.0", files={"engine_x.py": b"X = 1\n"},
+                       requires=("tiny; dependency_groups == 'x'",))
+    report = _check(image, lock, wheels)
+    assert [f.kind for f in report.findings] == ["requirement"] and "cannot be evaluated" in report.findings[0].detail

@@ -311,3 +311,33 @@ def test_yaml_syntax_error(tmp_path):
 def test_yaml_tags_are_not_executed(tmp_path):
     _, problems = problems_of(tmp_path, "name: !!python/object/apply:os.system ['id']\n")
     assert problems[0].field == "(yaml)"
+
+
+@pytest.mark.parametrize("omit, words", [
+    ([{"name": "torch", "reason": "a reason long enough"}], "omit names torch, which is one of the four pins"),
+    ([{"name": "torchvision", "reason": "a reason long enough"}, {"name": "TorchVision", "reason": "the same one twice"}],
+     "omit names a distribution twice"),
+    ([{"name": "torchvision", "reason": "short"}], "at least 10 characters"),
+    ([{"name": "numpy", "reason": "a reason long enough"}], "stack.omit names numpy, which extras.python pins"),
+])
+def test_stack_omit_is_checked(tmp_path, omit, words):
+    data = base_dict("cpu-x86_64")
+    data["stack"]["omit"] = omit
+    _, problems = problems_of(tmp_path, data)
+    assert any(words in p.message for p in problems), [str(p) for p in problems]
+
+
+def test_an_empty_omit_keeps_the_manifest_digest_and_a_real_one_changes_it(tmp_path):
+    from builder.manifest import load_manifest, manifest_digest
+
+    data = base_dict("cpu-x86_64")
+    def digest(folder: str) -> str:
+        (tmp_path / folder).mkdir()
+        return manifest_digest(load_manifest(write(tmp_path / folder, data)))
+
+    plain = digest("a")
+    assert plain == manifest_digest(load_manifest(SKUS / "cpu-x86_64.yaml"))
+    data["stack"]["omit"] = []
+    assert digest("b") == plain
+    data["stack"]["omit"] = [{"name": "torchvision", "reason": "not needed for text models"}]
+    assert digest("c") != plain

@@ -114,6 +114,10 @@ def test_the_committed_cpu_entry_matches_the_committed_reference_bundle():
 EVIDENCE = DEFAULT_PATH.parent / "evidence"
 
 
+def test_there_is_evidence_for_the_engines_shipped_on_a_calibrated_class() -> None:
+    assert sorted(p.name for p in EVIDENCE.glob("*.json")) == ["cpu-x86_64-vllm.float32.tiny-llama.json"]
+
+
 @pytest.mark.parametrize("path", sorted(EVIDENCE.glob("*.json")), ids=lambda p: p.stem)
 def test_every_engine_shipped_on_a_class_fits_inside_the_class_entry(path) -> None:
     """The engine is not part of the tolerance key (docs/GATE.md): each engine's honest runs on a class
