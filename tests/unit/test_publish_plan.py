@@ -28,6 +28,7 @@ from publishing.publish import (
 )
 from publishing.verify import Verification
 from skupin.pipeline import STAGES, RunSummary, StageResult
+from tests.data.threads import finishes
 
 IMAGE = "sha256:" + "1" * 64
 OTHER = "sha256:" + "2" * 64
@@ -274,27 +275,6 @@ def test_find_verdict_returns_the_parsed_data(tmp_path, monkeypatch):
     assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="d" * 64) == (broken, None)  # publish_sku reports it
 
 
-def _in_thread(fn, timeout_s: float = 10.0):
-    """fn() on a daemon thread; its result, or a failure when it has not returned within timeout_s (a hang)."""
-    import threading
-
-    box: dict = {}
-
-    def call() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # re-raised on the test's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=call, daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    assert not worker.is_alive(), f"did not return within {timeout_s} s"
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
 def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_path, monkeypatch):
     monkeypatch.setattr("publishing.publish.STATE", tmp_path)
     gates = tmp_path / "gates" / "s"
@@ -324,9 +304,9 @@ def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_
     planted = gates / "old-run" / "probe" / "verdict.json"
     planted.write_text(json.dumps({**match, "decision": "forged"}))
     os.utime(planted, (future, future))
-    found = _in_thread(lambda: find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64))
+    found = finishes(lambda: find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64), within=10)
     assert found == (good, match)
-    newest = _in_thread(lambda: find_verdict(sku="s", image_id=IMAGE, lock_sha256="d" * 64))
+    newest = finishes(lambda: find_verdict(sku="s", image_id=IMAGE, lock_sha256="d" * 64), within=10)
     assert newest == (deep, None)  # the newest regular file, unreadable: publish_sku refuses it with the reason
 
 
@@ -340,7 +320,7 @@ def test_an_unreadable_verdict_is_refused_with_the_reason(tmp_path):
         _read_verdict(deep, "s")
     os.mkfifo(tmp_path / "fifo.json")
     with pytest.raises(PublishError, match="not a regular file"):
-        _in_thread(lambda: _read_verdict(tmp_path / "fifo.json", "s"))
+        finishes(lambda: _read_verdict(tmp_path / "fifo.json", "s"), within=10)
     with pytest.raises(PublishError, match="no gate verdict"):
         _read_verdict(tmp_path / "missing.json", "s")
 
