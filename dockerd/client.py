@@ -58,6 +58,11 @@ class RunningContainer:
         return str(self._c.id)
 
     @property
+    def image_id(self) -> str:
+        """The sha256:... id of the image this container runs (as the daemon created it, not as it says)."""
+        return str(self._c.attrs.get("Image") or "")
+
+    @property
     def overflow(self) -> str:
         """Which output cap the container broke (it was then killed), or ''."""
         return self._capture.overflow

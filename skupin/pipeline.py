@@ -161,6 +161,18 @@ def _flow(options: RunOptions, rows: _Rows) -> str:
     return rows.stage("verify", _verify, published, say)
 
 
+def build_sku(*, options: RunOptions, on_event: OnEvent = _quiet) -> tuple[ResolvedStack, BuiltImage, Docker]:
+    """The first stages of the flow for one SKU (check, lock when missing, docker, base, build; the build is
+    cached when nothing changed): what `skupin ab` runs for a side it was not given an image for."""
+    stack, _ = _check(sku_path(options.sku))
+    stack, _ = _lock(stack, options, on_event)
+    docker, _ = _docker(on_event)
+    _base(stack, docker, on_event)
+    built, detail = _build(stack, docker, options, on_event)
+    on_event(f"build: {detail}")
+    return stack, built, docker
+
+
 # ---------------------------------------------------------------- the stages: (value, detail for the summary)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import Field
 
 from common.model import Frozen
-from gates.serving.perf import PerfResult, PerfSettings, merge_perf
+from gates.serving.perf import LevelResult, PerfResult, PerfSettings, merge_perf
 
 
 class ABLevel(Frozen):
@@ -147,7 +147,127 @@ def interleaved_ab(*, candidate: Callable[[PerfSettings], PerfResult], baseline:
                         candidate_image=candidate_image, baseline_image=baseline_image, order=order)
 
 
-__all__ = ["ABLevel", "ABResult", "ab_from_runs", "interleaved_ab"]
+# ---------------------------------------------------------------- runtime A/B across SKUs (`skupin ab`)
+# The pure half of gates/serving/runtime_ab.py: the settings, the noise floor, the KPIs and the decision.
+
+MIN_NOISE_FLOOR = 0.02  # a 2% move is never called an uplift on a shared host, however quiet the rounds were
+ABDecision = Literal["promote", "hold", "reject"]
+
+
+class ABSettings(Frozen):
+    """How much load `skupin ab` generates: every round runs every prompt length at every concurrency, once per image."""
+
+    runs: int = Field(3, ge=1, le=50, description="Interleaved rounds (B A, A B, ...)")
+    concurrency: tuple[int, ...] = Field((1, 2, 4), min_length=1)
+    prompt_lengths: tuple[int, ...] = Field((64, 256), min_length=1, description="Prompt tokens per request")
+    requests: int = Field(8, ge=1, description="Measured requests per level, round and image")
+    max_tokens: int = Field(32, ge=2, description="Output tokens per request")
+    warmup: int = Field(2, ge=0, description="Unmeasured requests per image before the first round")
+
+    def perf(self) -> PerfSettings:
+        """The load of one image in one round at one prompt length."""
+        return PerfSettings(concurrency=self.concurrency, requests=self.requests, repetitions=1, warmup=0,
+                            max_tokens=self.max_tokens, prompts=8)
+
+
+class KPI(Frozen):
+    """One key figure of the A/B: candidate/baseline ratio per round (median over prompt lengths and levels)."""
+
+    name: str
+    higher_is_better: bool
+    ratio: float = Field(description="Median over rounds of the per-round ratio candidate / baseline")
+    rounds: tuple[float, ...] = Field(description="The per-round ratios, in round order")
+    baseline: float = Field(description="Baseline's median over every measured request of every round")
+    candidate: float
+    unit: str
+
+
+def _finite(values: Sequence[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def round_ratios(*, candidate: Sequence[Sequence[PerfResult]], baseline: Sequence[Sequence[PerfResult]],
+                 metric: Callable[[LevelResult], float]) -> list[float]:
+    """Per round, the median over (prompt length, concurrency) of candidate/baseline `metric`.
+
+    candidate[r][i] and baseline[r][i] are the runs of round r at prompt length i."""
+    out = []
+    for cand_round, base_round in zip(candidate, baseline, strict=True):
+        ratios = []
+        for cand, base in zip(cand_round, base_round, strict=True):
+            for lv in cand.levels:
+                other = base.level(lv.concurrency)
+                if other is not None:
+                    ratios.append(_ratio(metric(lv), metric(other)))
+        finite = _finite(ratios)
+        out.append(float(np.median(finite)) if finite else float("nan"))
+    return out
+
+
+def noise_floor(runs: Sequence[Sequence[PerfResult]], metric: Callable[[LevelResult], float]) -> float:
+    """How far one image's own `metric` moved between rounds on this host: per (prompt length, level), the largest
+    relative deviation of a round from that image's median over rounds; the median of those (no less than
+    MIN_NOISE_FLOOR; NaN with fewer than two rounds, which cannot show noise)."""
+    if len(runs) < 2:
+        return float("nan")
+    devs = []
+    for i in range(len(runs[0])):
+        for lv in runs[0][i].levels:
+            values = _finite([metric(lvl) for r in runs if (lvl := r[i].level(lv.concurrency)) is not None])
+            med = float(np.median(values)) if values else 0.0
+            if len(values) > 1 and med > 0:
+                devs.append(max(abs(v / med - 1.0) for v in values))
+    return max(MIN_NOISE_FLOOR, float(np.median(devs))) if devs else MIN_NOISE_FLOOR
+
+
+def kpi(*, name: str, unit: str, higher_is_better: bool, candidate: Sequence[Sequence[PerfResult]],
+        baseline: Sequence[Sequence[PerfResult]], metric: Callable[[LevelResult], float],
+        pooled: Callable[[Sequence[LevelResult]], float]) -> KPI:
+    """The KPI from paired rounds: per-round ratios, and each side's pooled value over every level it measured."""
+    rounds = round_ratios(candidate=candidate, baseline=baseline, metric=metric)
+    finite = _finite(rounds)
+
+    def levels(runs: Sequence[Sequence[PerfResult]]) -> list[LevelResult]:
+        return [lv for r in runs for perf in r for lv in perf.levels]
+
+    return KPI(name=name, unit=unit, higher_is_better=higher_is_better,
+               ratio=float(np.median(finite)) if finite else float("nan"), rounds=tuple(rounds),
+               baseline=pooled(levels(baseline)), candidate=pooled(levels(candidate)))
+
+
+def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, baseline_failure: str,
+           decode: KPI | None, prefill: KPI | None, floor: float) -> tuple[ABDecision, str, str]:
+    """(decision, decision line, reason). The candidate's quality gate comes first: a candidate that did not pass is
+    rejected however fast it is. Speed: promote only when the decode uplift clears the noise floor in the median and
+    every round was faster, and prefill did not get slower the same way; reject when decode was slower beyond the
+    floor in the median and in every round; anything else is within noise."""
+    if candidate_gate != "pass":
+        speed = (f"; it ran at {decode.ratio:.2f}x the baseline's decode tok/s per request"
+                 if decode is not None and math.isfinite(decode.ratio) else "")
+        return "reject", "reject: quality gate failed", f"the candidate did not pass the gate: {candidate_failure}{speed}"
+    if baseline_gate != "pass":
+        return "hold", "hold: baseline failed the gate", (f"the baseline did not pass the gate ({baseline_failure}); "
+                                                          "an A/B against it proves nothing: fix or replace the baseline")
+    if decode is None or not math.isfinite(decode.ratio):
+        return "hold", "hold: not measured", "decode speed could not be measured on both images"
+    rounds = _finite(decode.rounds)
+    up, down = 1.0 + floor, 1.0 - floor
+    text = (f"decode tok/s per request {decode.ratio:.3f}x the baseline (rounds "
+            f"{min(rounds):.3f}-{max(rounds):.3f}), noise floor {100 * floor:.1f}%")
+    if decode.ratio <= down and rounds and max(rounds) < 1.0:
+        return "reject", "reject: slower", f"{text}: slower beyond the noise floor in every round"
+    if decode.ratio >= up and rounds and min(rounds) > 1.0:
+        p = _finite(prefill.rounds) if prefill is not None else []
+        if prefill is not None and prefill.ratio <= down and p and max(p) < 1.0:
+            return "hold", "hold: decode faster, prefill slower", (
+                f"{text}; but prefill tok/s {prefill.ratio:.3f}x (rounds {min(p):.3f}-{max(p):.3f}): a trade-off for "
+                "the workload to decide, not an uplift")
+        return "promote", "promote", f"{text}: faster beyond the noise floor in every round; quality gates passed"
+    return "hold", "hold: within noise", f"{text}: not beyond the noise floor in every round"
+
+
+__all__ = ["ABLevel", "ABResult", "ab_from_runs", "interleaved_ab", "ABSettings", "KPI", "MIN_NOISE_FLOOR",
+           "round_ratios", "noise_floor", "kpi", "decide"]
 
 
 # ---------------------------------------------------------------- report pieces (used by gates/report.py)

@@ -5,7 +5,7 @@ so `skupin --help` loads none of them):
 
     skupin/cli/build.py      check, render, lock, matrix, schema, docker up, base, build, wheels prune
     skupin/cli/reference.py  reference capture|verify, fixture generate
-    skupin/cli/gate.py       gate, calibrate
+    skupin/cli/gate.py       gate, calibrate, ab
     skupin/cli/publish.py    registry up|down|status, publish, verify, pull, run
     skupin/cli/releases.py   compat refresh, watch
 
@@ -24,12 +24,14 @@ from common.errors import SkupinError
 EPILOG = """\
 the flow:  check -> lock -> render -> build -> gate -> publish
 exit codes: 0 ok, 2 manifest error, 3 incompatible pins, 4 lock, 5 build, 6 docker,
-            7 reference bundle, 8 publish, 9 network/index, 10 gate failed, 11 gate could not run
+            7 reference bundle, 8 publish, 9 network/index, 10 gate failed, 11 gate could not run;
+            skupin ab: 0 promote, 12 hold, 13 reject
 examples:
   skupin check                      check every manifest in skus/
   skupin render cpu-x86_64          print the CPU SKU's Dockerfile (no Docker needed)
   skupin run cpu-x86_64             check, lock, build, gate, publish and verify the CPU SKU
   skupin matrix                     the CI matrix as JSON
+  skupin ab cpu-x86_64 cpu-x86_64-vllm   A/B two runtimes on the same weights, with quality gates
 """
 
 

@@ -70,8 +70,84 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers, e.g. 1,2,4") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers of at least 1, e.g. 1,2,4")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of at least 1")
+    return value
+
+
+def _ab_side(sku: str, image: str | None, args: argparse.Namespace):
+    """(stack, image) of one side: the given image with the SKU's current stack, else the SKU built (cached) here."""
+    from builder.check import resolve
+    from common.paths import sku_path
+    from dockerd import ensure_dockerd
+    from gates.serving.runtime_ab import ABInput
+    from skupin.pipeline import build_sku
+
+    if image:
+        ensure_dockerd(on_event=err)
+        return ABInput(stack=resolve(sku_path(sku), require_lock=True), image=image)
+    stack, built, _ = build_sku(options=_run_options(sku, args), on_event=err)
+    return ABInput(stack=stack, image=built.image)
+
+
+def _run_options(sku: str, args: argparse.Namespace):
+    from skupin.pipeline import RunOptions
+
+    return RunOptions(sku=sku, wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from builder.check import resolve
+    from common.errors import ManifestError
+    from common.paths import sku_path
+    from dockerd import connect
+    from gates.serving.ab import ABSettings
+    from gates.serving.runtime_ab import runtime_ab, same_weights
+    from gates.tolerance import DEFAULT_PATH
+
+    try:
+        settings = ABSettings(runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
+                              requests=args.requests, max_tokens=args.max_tokens)
+    except ValidationError as exc:
+        raise ManifestError("; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}"
+                                      for e in exc.errors())) from None
+    same_weights(resolve(sku_path(args.baseline)).manifest, resolve(sku_path(args.candidate)).manifest)  # refuse early
+    baseline = _ab_side(args.baseline, args.baseline_image, args)
+    candidate = _ab_side(args.candidate, args.candidate_image, args)
+    name = f"{baseline.stack.manifest.name}-vs-{candidate.stack.manifest.name}"
+    folder = Path(args.out) if args.out else _default_out("ab", name)
+    result = runtime_ab(baseline=baseline, candidate=candidate, docker=connect(), out=folder, settings=settings,
+                        tolerances_path=Path(args.tolerances) if args.tolerances else DEFAULT_PATH,
+                        wheelhouse=_run_options(args.baseline, args).local_wheelhouse(), on_event=err)
+    if args.json:
+        out(result.model_dump_json(indent=1))
+    else:
+        for k in result.kpis:
+            out(f"{k.name:<10} baseline {k.baseline:12.4g}  candidate {k.candidate:12.4g}  ratio {k.ratio:6.3f}")
+        out(f"{result.decision_line.upper()}: {result.reason}")
+        out(f"annex: {folder / 'annex.md'}  record: {folder / 'ab.json'}  ({result.wall_s:.0f} s)")
+    return result.exit_code
+
+
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add `gate` and `calibrate` to the skupin CLI."""
+    """Add `gate`, `calibrate` and `ab` to the skupin CLI."""
     p = subparsers.add_parser(
         "gate",
         help="check an image's files against its lock, boot it, compare its outputs with the NVIDIA reference",
@@ -102,3 +178,48 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-looser", action="store_true", help="allow replacing this class's entry with looser thresholds")
     p.add_argument("--dry-run", action="store_true", help="print the entry without writing it")
     p.set_defaults(func=cmd_calibrate)
+
+    p = subparsers.add_parser(
+        "ab",
+        help="swap the runtime on the same weights: gate two SKUs, A/B their servers in interleaved rounds, decide",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+A/B a CANDIDATE runtime against a named BASELINE on the same hardware and the same weights.
+
+Both SKUs must share hardware class, model fixture, dtype and reference bundle (refused otherwise,
+naming what differs; exit 2). Each SKU's image is built here (cached) unless --*-image names one.
+Then:
+  1. both images go through the whole gate against the NVIDIA reference (a candidate that fails
+     is rejected however fast it is; it is still measured when it booted and served);
+  2. both servers (each image's own CMD) boot side by side in the gate's sandbox;
+  3. RUNS interleaved rounds (B A, A B, ...): each image serves every prompt length at every
+     concurrency level, so a drift of the host hits both alike;
+  4. KPIs kept apart: decode tok/s per request, prefill tok/s, TTFT p50/p99, aggregate tok/s,
+     $/1M output tokens (each SKU's cost block), per-round ratios and a noise floor from each
+     image's own round-to-round movement (at least 2%).
+
+Decision: "promote" (candidate passed the gate; decode faster beyond the noise floor in the median
+and in every round; prefill not slower the same way), "hold: within noise" (or another hold
+reason), "reject: quality gate failed" or "reject: slower".
+Writes annex.md (one page), annex.png and ab.json to --out (default .skupin/ab/BASELINE-vs-CANDIDATE/TIME).
+Exit 0: promote; 12: hold; 13: reject; 2: not the same weights; 5, 6, 11: the build, Docker or gate
+could not run.""",
+        epilog="example:\n  skupin ab cpu-x86_64 cpu-x86_64-vllm --runs 3 --concurrency 1,2,4 --prompt-lengths 64,256",
+    )
+    p.add_argument("baseline", help="baseline SKU (name or manifest path)")
+    p.add_argument("candidate", help="candidate SKU (name or manifest path)")
+    p.add_argument("--runs", type=_positive, default=3, help="interleaved rounds (default 3; one round shows no noise)")
+    p.add_argument("--concurrency", type=_int_list, default=(1, 2, 4), metavar="N,N,...",
+                   help="concurrency levels (default 1,2,4)")
+    p.add_argument("--prompt-lengths", type=_int_list, default=(64, 256), metavar="N,N,...",
+                   help="prompt tokens per request, made from the fixture's prompts (default 64,256)")
+    p.add_argument("--requests", type=_positive, default=8, help="measured requests per level, round and image (default 8)")
+    p.add_argument("--max-tokens", type=_positive, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--baseline-image", metavar="REF", help="local image for the baseline (default: build the SKU here)")
+    p.add_argument("--candidate-image", metavar="REF", help="local image for the candidate (default: build the SKU here)")
+    p.add_argument("--out", metavar="DIR", help="where annex.md, annex.png, ab.json and both gates' outputs go")
+    p.add_argument("--json", action="store_true", help="print ab.json on stdout (progress goes to stderr)")
+    p.add_argument("--tolerances", metavar="FILE", help="tolerance file (default gates/data/tolerances.yaml)")
+    p.add_argument("--wheelhouse", metavar="DIR", help="local wheels for builds and pins (default $SKUPIN_WHEELHOUSE, "
+                                                       "else /opt/wheels when present)")
+    p.set_defaults(func=cmd_ab)

@@ -27,6 +27,8 @@ Modes:
                (in the engine-core process, which the .pth reaches like every other)
   vllm-silu    vLLM images: vLLM's own fused SiluAndMul op (not torch's silu, which the kernel battery checks)
                off by a factor 1 + 2**-7
+  slow         honest numbers, slower: torch.nn.functional.silu sleeps 5 ms per call (once per decoder layer and
+               forward pass), the runtime A/B's slower candidate
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import os
 import sys
 
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
-         "vllm-int4", "vllm-silu")
+         "vllm-int4", "vllm-silu", "slow")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
 
@@ -117,6 +119,18 @@ def _patch_functional(module, mode: str) -> None:
 
     def silu(input, inplace=False):  # torch's own argument name
         return original(input, inplace=inplace) * factor
+
+    module.silu = silu
+
+
+def _patch_slow(module) -> None:
+    import time
+
+    original = module.silu
+
+    def silu(input, inplace=False):  # torch's own argument name
+        time.sleep(0.005)
+        return original(input, inplace=inplace)
 
     module.silu = silu
 
@@ -252,6 +266,8 @@ def install(mode: str) -> None:
         sys.meta_path.insert(0, _AfterImport("transformers.modeling_utils", lambda m: _patch_modeling_utils(m, mode)))
     elif mode == "silu":
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", lambda m: _patch_functional(m, mode)))
+    elif mode == "slow":
+        sys.meta_path.insert(0, _AfterImport("torch.nn.functional", _patch_slow))
     elif mode == "vllm-int4":
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader", _patch_vllm_loader))
     elif mode == "vllm-silu":

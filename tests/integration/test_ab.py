@@ -1,0 +1,85 @@
+"""`skupin ab` between real images on a real Docker daemon: both images are gated and measured (the annex's numbers
+come from containers of each image, not from one image twice), a slower candidate is rejected as slower, and a
+candidate that fails the quality gate is rejected whatever its speed.
+
+The candidates are derived from the honest CPU image with one locked test wheel (tests/integration/tampered.py):
+`slow` keeps the numbers and sleeps in every SiLU call; `int4` quantizes the weights as transformers loads them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dockerd import Docker
+from gates.gate import gate_image
+from gates.serving.ab import ABSettings
+from gates.serving.perf import PerfSettings
+from gates.serving.runtime_ab import ABInput, RuntimeAB, runtime_ab
+from gates.verdict import GateVerdict
+
+pytestmark = pytest.mark.integration
+
+SHORT = ABSettings(runs=2, concurrency=(1, 2), prompt_lengths=(16, 64), requests=4, max_tokens=12, warmup=1)
+GATE_LOAD = PerfSettings(concurrency=(1,), requests=2, repetitions=1, warmup=0, max_tokens=8)  # the gates' serve speed
+
+
+@pytest.fixture(scope="module")
+def honest_verdict(stack, honest_image: str, docker: Docker, wheelhouse, tmp_path_factory) -> GateVerdict:
+    """The honest CPU image's verdict, made once for both A/Bs (runtime_ab reuses it: same image id and lock)."""
+    verdict = gate_image(stack=stack, image=honest_image, docker=docker, out=tmp_path_factory.mktemp("honest-gate"),
+                         wheelhouse=wheelhouse, serve_perf=GATE_LOAD)
+    assert verdict.decision == "pass", verdict.reason
+    return verdict
+
+
+def _no_ab_containers(docker: Docker) -> bool:
+    return not any(docker.containers(label=f"io.skupin.role=ab-{role}") for role in ("baseline", "candidate"))
+
+
+def test_ab_measures_both_images_and_rejects_a_slower_candidate(stack, honest_image, honest_verdict, derived,
+                                                                docker: Docker, tmp_path: Path) -> None:
+    slow = derived.swap("slow")
+    result = runtime_ab(baseline=ABInput(stack=stack, image=honest_image, verdict=honest_verdict),
+                        candidate=ABInput(stack=slow.stack(stack), image=slow.image), docker=docker, out=tmp_path,
+                        settings=SHORT, wheelhouse=slow.wheelhouse, gate_serve_perf=GATE_LOAD, on_event=print)
+    assert _no_ab_containers(docker)
+    base, cand = result.baseline, result.candidate
+    assert base.verdict_reused and not cand.verdict_reused
+    assert (base.gate, cand.gate) == ("pass", "pass"), cand.gate_reason  # honest numbers, only slower
+    # every number of each side came from containers of that side's image, and the two images differ
+    assert base.served_by == (base.image_id,) and cand.served_by == (cand.image_id,)
+    assert base.image_id == docker.inspect_image(honest_image).id
+    assert cand.image_id == docker.inspect_image(slow.image).id != base.image_id
+    assert result.order == ("BA", "AB")
+    assert [n.prompt_tokens for n in result.lengths] == [16, 64]
+    for length in result.lengths:
+        for lv in length.ab.levels:  # 5 ms per SiLU call, 3 layers: slower at every level (rounds vary on a busy host)
+            assert lv.candidate_decode_tok_s < lv.baseline_decode_tok_s and lv.decode_ratio < 0.9, lv
+    decode = result.kpi("decode")
+    assert decode is not None and decode.ratio < 1 - result.noise_floor and max(decode.rounds) < 1
+    assert base.perf[0].levels[0].requests == cand.perf[0].levels[0].requests == SHORT.requests * SHORT.runs
+    assert (result.decision, result.decision_line, result.exit_code) == ("reject", "reject: slower", 13)
+    annex = (tmp_path / "annex.md").read_text()
+    assert "**Decision: reject: slower**" in annex
+    assert base.image_id[:19] in annex and cand.image_id[:19] in annex
+    assert (tmp_path / "annex.png").stat().st_size > 10_000
+    assert RuntimeAB.model_validate(json.loads((tmp_path / "ab.json").read_text())) == result
+
+
+def test_a_quality_failure_blocks_promote(stack, honest_image, honest_verdict, derived, docker: Docker,
+                                          tmp_path: Path) -> None:
+    int4 = derived.swap("int4")
+    result = runtime_ab(baseline=ABInput(stack=stack, image=honest_image, verdict=honest_verdict),
+                        candidate=ABInput(stack=int4.stack(stack), image=int4.image), docker=docker, out=tmp_path,
+                        settings=SHORT.model_copy(update={"runs": 1, "prompt_lengths": (64,)}),
+                        wheelhouse=int4.wheelhouse, gate_serve_perf=GATE_LOAD, on_event=print)
+    assert _no_ab_containers(docker)
+    cand = result.candidate
+    assert (cand.gate, cand.failing_check) == ("fail", "model"), cand.gate_reason
+    assert cand.measured and cand.served_by == (cand.image_id,)  # it booted and served: its speed is shown
+    assert (result.decision, result.decision_line, result.exit_code) == ("reject", "reject: quality gate failed", 13)
+    annex = (tmp_path / "annex.md").read_text()
+    assert "**FAIL** at `model`" in annex and "- [ ] quality gates: baseline pass, candidate fail" in annex
