@@ -147,7 +147,15 @@ def binomial_sf(k: int, n: int, p: float) -> float:
         return 1.0
     if k > n:
         return 0.0
-    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+    try:
+        return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+    except OverflowError:  # C(n, i) past a float (n above ~1030 prompts, e.g. 24 calibration runs): in log space
+        if p <= 0.0 or p >= 1.0:
+            return 1.0 if p >= 1.0 else 0.0
+        lp, lq, top = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+        terms = [top - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k, n + 1)]
+        peak = max(terms)
+        return min(1.0, math.exp(peak) * math.fsum(math.exp(t - peak) for t in terms))
 
 
 def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
