@@ -17,7 +17,7 @@ STAT_TITLES = {
     "kl_full": "mean KL, full vocabulary",
 }
 ICON = {"pass": "PASS", "fail": "FAIL", "error": "COULD NOT RUN", "skipped": "skipped",
-        "uncalibrated": "UNCALIBRATED (hard bounds only)"}
+        "uncalibrated": "UNCALIBRATED"}
 
 
 def _g(x: float | None) -> str:
@@ -37,7 +37,8 @@ def write_report(*, verdict: GateVerdict, out: Path) -> dict[str, Path]:
         plot(verdict=verdict, path=paths["plot"])
     text = markdown(verdict=verdict, plot_name="plot.png" if "plot" in paths else None)
     serve = verdict.check("serve")
-    if serve and serve.details:  # the serve check's section and its A/B plot (gates/serving/ab.py)
+    # the serve check's section and its A/B plot (gates/serving/ab.py); an uncalibrated serve check did not run
+    if serve and serve.details and serve.status != "uncalibrated":
         from gates.serving.ab import plot_serve, serve_markdown
 
         paths["serve_plot"] = out / "serve.png"

@@ -96,7 +96,8 @@ def test_no_entry_runs_every_calibration_free_check_and_ends_uncalibrated_never_
         raise_for_verdict(verdict)
     report = (tmp_path / "out/report.md").read_text()
     assert "**Decision: UNCALIBRATED**" in report and "## Without calibration" in report
-    assert "UNCALIBRATED (hard bounds only)" in report and CALIBRATION_FREE["serve"] in report
+    assert "| serve | UNCALIBRATED | not run: " in report and CALIBRATION_FREE["serve"] in report
+    assert "## Serve check" not in report
     assert (tmp_path / "out/verdict.json").is_file() and (tmp_path / "out/plot.png").is_file()
 
 
