@@ -91,3 +91,10 @@ class GateCouldNotRun(SkupinError):
     """The gate could not reach a verdict (image did not boot, deadline, bad bundle)."""
 
     exit_code = 11
+
+
+class GateUncalibrated(SkupinError):
+    """The gate ran every check it can without calibration and none failed, but the SKU's tolerance key has no
+    calibrated entry for its reference bundle: a verdict that is never a pass (fix: skupin calibrate SKU)."""
+
+    exit_code = 14

@@ -65,6 +65,8 @@ from gates.verdict import (
     judge_model,
     judge_pins,
     kernel_hard_failures,
+    kernels_uncalibrated,
+    serve_uncalibrated,
 )
 from imagetools.probe import host_driver
 
@@ -382,7 +384,8 @@ def _check_reference(run: _GateRun) -> CheckResult:
 
 
 def _find_tolerance(run: _GateRun) -> None:
-    """The calibrated entry of the SKU's class x dtype x model; a missing one is not fatal before the hard bounds."""
+    """The calibrated entry of the SKU's class x dtype x model; a missing one (or one of another bundle) is not fatal:
+    every check then runs what it can without calibration and the run ends `uncalibrated`, never pass."""
     run.tolerances = load_tolerances(run.tolerances_path)
     m = run.manifest
     key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype=m.gate.dtype, model=m.gate.model)
@@ -390,7 +393,7 @@ def _find_tolerance(run: _GateRun) -> None:
     ref_sha = run.reference_info.sha256 if run.reference_info is not None else ""
     if entry is None:
         run.tol_problem = (f"no calibrated tolerance for {key.label()} in {run.tolerances_path}; "
-                           f"fix: skupin calibrate {m.name}")
+                           f"fix: skupin calibrate {m.name} on that hardware")
     elif entry.provenance.reference_sha256 != ref_sha:
         run.tol_problem = (f"the tolerance of {key.label()} was calibrated against bundle "
                            f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; "
@@ -475,8 +478,11 @@ def _check_kernels(run: _GateRun) -> CheckResult:
     if hard:
         more = f" (+{len(hard) - 1} more)" if len(hard) > 1 else ""
         return CheckResult(name="kernels", status="fail", reason=hard[0] + more, details={"hard_bounds": hard})
-    if run.entry is None:
-        return CheckResult(name="kernels", status="error", reason=run.tol_problem)
+    if run.entry is None:  # no calibrated entry: the hard bounds were all that could run (docs/GATE.md)
+        problem = _probe_check_error(run.probe.report, "kernels")
+        if problem:
+            return CheckResult(name="kernels", status="error", reason=f"the probe's kernel battery failed: {problem}")
+        return kernels_uncalibrated(results=results, why=run.tol_problem)
     result = judge_kernels(results=results, entry=run.entry)
     problem = _probe_check_error(run.probe.report, "kernels")
     if problem and result.status == "pass":
@@ -502,9 +508,8 @@ def _check_model(run: _GateRun) -> CheckResult:
         stats = model_statistics(run.ref, run.probe.tensors)
     except CompareError as exc:
         return CheckResult(name="model", status="error", reason=str(exc))
-    result, run.decisions, run.prompts = judge_model(stats=stats, entry=run.entry, hard=run.tolerances.hard_bounds)
-    if result.status == "error" and run.tol_problem:
-        result = result.model_copy(update={"reason": f"{run.tol_problem} (hard bounds passed)"})
+    result, run.decisions, run.prompts = judge_model(stats=stats, entry=run.entry, hard=run.tolerances.hard_bounds,
+                                                     why=run.tol_problem)
     result = result.model_copy(update={"details": {**result.details, "engine_path": engine_path(run.probe.report)}})
     run.time("model_s", t0)
     return result
@@ -525,6 +530,8 @@ def engine_path(report: dict[str, Any]) -> dict[str, str]:
 def _check_serve(run: _GateRun) -> CheckResult:
     """The engine's own server: greedy completions vs the reference, speed (gates/serving/serve.py)."""
 
+    if run.entry is None:  # its thresholds are calibrated: nothing of it can judge without them
+        return serve_uncalibrated(run.tol_problem)
     t0 = time.monotonic()
     run.on_event("serve: booting the engine's server in the sandbox")
     result: CheckResult = serve_check(manifest=run.manifest, image=run.image_id, docker=run.docker, ref=run.ref,
@@ -550,7 +557,8 @@ CHECK_NAMES = tuple(name for _, name, _ in CHECKS if name)
 
 
 def _run_checks(run: _GateRun) -> None:
-    """Run the checks in order, recording each result; the first that neither passed nor was skipped ends the run."""
+    """Run the checks in order, recording each result; the first that neither passed nor was skipped ends the run
+    (`uncalibrated` goes on: with no calibrated entry every check still runs its calibration-free part)."""
     for check, name, needs in CHECKS:
         if needs is not None and not run.wanted(needs):
             result: CheckResult | None = CheckResult(name=name, status="skipped",
@@ -560,7 +568,7 @@ def _run_checks(run: _GateRun) -> None:
         if result is None:
             continue
         run.record(result)
-        if result.status not in ("pass", "skipped"):
+        if result.status not in ("pass", "skipped", "uncalibrated"):
             return
 
 
@@ -628,6 +636,8 @@ def _finish(run: _GateRun, *, started: float, created: str) -> GateVerdict:
         image_id=run.image_id or None, lock_hash=lock.content_hash() if lock else None,
         image_lock_label=run.image_lock_label, reference=run.reference_info, tolerance=run.tolerance_info,
         checks=tuple(run.checks), model_decision=run.decisions, prompts=run.prompts, decision=decision, reason=reason,
+        calibration_free={c.name: str(c.details.get("calibration_free", "")) for c in run.checks
+                          if c.status == "uncalibrated"},
         timings=run.timings, probe=run.probe_summary, tool_version=__version__, created=created)
     t0 = time.monotonic()
     write_report(verdict=verdict, out=run.out)

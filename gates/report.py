@@ -16,7 +16,8 @@ STAT_TITLES = {
     "top1_agree": "top-1 agreement",
     "kl_full": "mean KL, full vocabulary",
 }
-ICON = {"pass": "PASS", "fail": "FAIL", "error": "COULD NOT RUN", "skipped": "skipped"}
+ICON = {"pass": "PASS", "fail": "FAIL", "error": "COULD NOT RUN", "skipped": "skipped",
+        "uncalibrated": "UNCALIBRATED"}
 
 
 def _g(x: float | None) -> str:
@@ -31,12 +32,13 @@ def write_report(*, verdict: GateVerdict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"verdict": out / "verdict.json", "report": out / "report.md"}
     paths["verdict"].write_text(verdict.model_dump_json(indent=1) + "\n", encoding="utf-8")
-    if verdict.prompts or _kernel_rows(verdict):
+    if verdict.prompts or any(row.get("tolerance") for row in _kernel_rows(verdict).values()):
         paths["plot"] = out / "plot.png"
         plot(verdict=verdict, path=paths["plot"])
     text = markdown(verdict=verdict, plot_name="plot.png" if "plot" in paths else None)
     serve = verdict.check("serve")
-    if serve and serve.details:  # the serve check's section and its A/B plot (gates/serving/ab.py)
+    # the serve check's section and its A/B plot (gates/serving/ab.py); an uncalibrated serve check did not run
+    if serve and serve.details and serve.status != "uncalibrated":
         from gates.serving.ab import plot_serve, serve_markdown
 
         paths["serve_plot"] = out / "serve.png"
@@ -89,6 +91,18 @@ def _engine_path_lines(model) -> list[str]:
     return [*lines, ""]
 
 
+def _uncalibrated_section(v: GateVerdict) -> list[str]:
+    """Which checks ran calibration-free, and what of them, when the tolerance key had no entry for the bundle."""
+    if not v.calibration_free:
+        return []
+    lines = ["", "## Without calibration", "",
+             f"{v.tolerance.key if v.tolerance else 'The tolerance key'} has no calibrated entry for this reference "
+             "bundle, so the gate ran every check it could without one and the decision is **uncalibrated**, never "
+             "pass (exit 14; `skupin publish` refuses it). The reference, pins and boot checks need no calibration. "
+             "What the others did:", ""]
+    return lines + [f"- **{name}**: {what}" for name, what in v.calibration_free.items()]
+
+
 def _kernel_rows(verdict: GateVerdict) -> dict:
     check = verdict.check("kernels")
     return (check.details.get("ops") or {}) if check else {}
@@ -123,6 +137,7 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
         "|---|---|---|",
     ]
     lines += [f"| {c.name} | {ICON[c.status]} | {c.reason.replace('|', '/')} |" for c in v.checks]
+    lines += _uncalibrated_section(v)
     lines += _pins_section(v.check("pins"))
     kernels = _kernel_rows(v)
     if kernels:
@@ -183,7 +198,7 @@ def plot(*, verdict: GateVerdict, path: Path) -> None:
 
     thresholds = {d.stat: d for d in verdict.model_decision}
     stats = [s for s in (*DECISION_STATS, "top1_agree") if any(p.stats.get(s) is not None for p in verdict.prompts)]
-    kernels = _kernel_rows(verdict)
+    kernels = {op: row for op, row in _kernel_rows(verdict).items() if row.get("tolerance")}  # none when uncalibrated
     panels = len(stats) + (1 if kernels else 0)
     cols = 2 if panels > 1 else 1
     rows = math.ceil(panels / cols)

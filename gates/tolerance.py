@@ -10,12 +10,14 @@ refuses to touch any other class's.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import yaml
 from pydantic import Field, ValidationError
 
 from builder.grammar import Name
+from builder.manifest import SkuManifest
 from common.errors import GateCouldNotRun
 from common.model import Frozen
 
@@ -114,6 +116,24 @@ def lookup(tolerances: Tolerances, key: ToleranceKey, *, path: Path = DEFAULT_PA
         raise GateCouldNotRun(f"{path}: no calibrated tolerance for {key.label()} (known: {known}); "
                               f"fix: skupin calibrate <sku> on an honest image of that class")
     return entry
+
+
+def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, repo: Path, path: Path = DEFAULT_PATH
+                        ) -> str | None:
+    """Why the gate of `manifest` would end `uncalibrated` (its key has no entry, or the entry was measured against
+    another reference bundle than the SKU's), with the fix; None when its entry is there (`skupin check` warns)."""
+    key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
+                       model=manifest.gate.model)
+    fix = f"fix: skupin calibrate {manifest.name} on that hardware (an honest image of it)"
+    entry = tolerances.find(key)
+    if entry is None:
+        return (f"no calibrated tolerance for {key.label()} in {path}: its gate runs the calibration-free checks only and "
+                f"ends 'uncalibrated' (exit 14), never pass; {fix}")
+    sums = Path(repo) / manifest.gate.reference / "SHA256SUMS"
+    if sums.is_file() and hashlib.sha256(sums.read_bytes()).hexdigest() != entry.provenance.reference_sha256:
+        return (f"the tolerance of {key.label()} was calibrated against bundle {entry.provenance.reference_sha256[:12]}, "
+                f"not {manifest.gate.reference}: its gate ends 'uncalibrated' (exit 14), never pass; {fix}")
+    return None
 
 
 def looser(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:

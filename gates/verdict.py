@@ -1,11 +1,13 @@
 """The gate's verdict: the GateVerdict record and the pure rules that turn measurements into check results.
 
-Every check result carries a status (pass, fail, error = could not run, skipped) and a one-line
-reason a person can act on. The model decision, per calibrated statistic: count the prompts whose
+Every check result carries a status (pass, fail, error = could not run, skipped, uncalibrated = only
+its calibration-free part ran, for want of a calibrated tolerance, and passed) and a one-line reason a
+person can act on. The model decision, per calibrated statistic: count the prompts whose
 value exceeds the per-prompt threshold and run a one-sided binomial test against the calibrated
 honest exceedance rate (prompts are the independent unit; positions inside a prompt are
 correlated), and compare the mean over prompts with the aggregate threshold. Hard bounds (NaN/Inf,
-mean KL > 0.5, top-1 agreement < 80%) need no calibration and are checked first.
+mean KL > 0.5, top-1 agreement < 80%) need no calibration and are checked first, calibrated or not: with no
+calibrated entry the gate runs every check it can and ends `uncalibrated` (exit 14), never pass.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from pydantic import Field
 
 from builder.manifest import SkuManifest
-from common.errors import GateCouldNotRun, GateFailed
+from common.errors import GateCouldNotRun, GateFailed, GateUncalibrated
 from common.model import Frozen
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics
 from gates.static.integrity import IntegrityReport
@@ -25,8 +27,18 @@ from gates.static.integrity import summary as integrity_summary
 from gates.tolerance import HardBounds, ToleranceEntry
 
 VERDICT_FORMAT: Literal["skupin-verdict/1"] = "skupin-verdict/1"
-Status = Literal["pass", "fail", "error", "skipped"]
-Decision = Literal["pass", "fail", "could_not_run"]
+Status = Literal["pass", "fail", "error", "skipped", "uncalibrated"]
+Decision = Literal["pass", "fail", "could_not_run", "uncalibrated"]
+# What each check can do without a calibrated tolerance entry (the verdict's `calibration_free`, docs/GATE.md).
+CALIBRATION_FREE = {
+    "kernels": "hard bounds only: every op's output finite, the float32 elementwise ops (SiLU, softmax, RMSNorm, "
+               "4-bit dequantize) within the hard bound; the per-op calibrated tolerances were not applied",
+    "model": "hard bounds only: no NaN/Inf, mean KL (top-k and full vocabulary) within the hard bound, top-1 agreement "
+             "at or above the hard bound; the per-statistic binomial tests and mean bounds were not applied",
+    "serve": "not run: its near-tie threshold (2 x the calibrated per-prompt max |logprob delta|) and its logprob "
+             "comparison both come from the calibrated entry, and without them an honest near-tie divergence and a "
+             "wrong token cannot be told apart",
+}
 
 
 class CheckResult(Frozen):
@@ -102,6 +114,9 @@ class GateVerdict(Frozen):
     prompts: tuple[PromptResult, ...] = ()
     decision: Decision
     reason: str
+    calibration_free: dict[str, str] = Field(
+        default_factory=dict, description="Check -> what of it ran without a calibrated tolerance (only when the "
+        "SKU's tolerance key has no entry for this reference bundle; the decision is then at best 'uncalibrated')")
     timings: dict[str, float]
     probe: dict[str, Any] = Field(default_factory=dict, description="Probe settings and the environment it reported")
     tool_version: str
@@ -116,25 +131,37 @@ class GateVerdict(Frozen):
 
     @property
     def exit_code(self) -> int:
-        return {"pass": 0, "fail": GateFailed.exit_code, "could_not_run": GateCouldNotRun.exit_code}[self.decision]
+        return {"pass": 0, "fail": GateFailed.exit_code, "could_not_run": GateCouldNotRun.exit_code,
+                "uncalibrated": GateUncalibrated.exit_code}[self.decision]
 
 
 def raise_for_verdict(verdict: GateVerdict) -> None:
-    """GateFailed (10) or GateCouldNotRun (11) for a verdict that did not pass."""
+    """GateFailed (10), GateCouldNotRun (11) or GateUncalibrated (14) for a verdict that did not pass."""
     if verdict.decision == "fail":
         raise GateFailed(f"gate failed: {verdict.reason}")
     if verdict.decision == "could_not_run":
         raise GateCouldNotRun(f"gate could not run: {verdict.reason}")
+    if verdict.decision == "uncalibrated":
+        raise GateUncalibrated(f"gate uncalibrated (never a pass): {verdict.reason}")
 
 
 def decide(checks: tuple[CheckResult, ...]) -> tuple[Decision, str]:
-    """The decision of a run: the first check that failed or errored decides; otherwise pass."""
+    """The decision of a run: the first check that failed or errored decides; else `uncalibrated` when a check could
+    run only its calibration-free part; otherwise pass."""
     for check in checks:
         if check.status == "error":
             return "could_not_run", f"{check.name}: {check.reason}"
         if check.status == "fail":
             return "fail", f"{check.name}: {check.reason}"
     ran = [c.name for c in checks if c.status == "pass"]
+    partial = [c for c in checks if c.status == "uncalibrated"]
+    if partial:
+        why = next((str(c.details["why"]) for c in partial if c.details.get("why")), partial[0].reason)
+        passed = ran + [f"{c.name} (hard bounds only)" for c in partial if c.details.get("ran", True)]
+        unrun = [c.name for c in partial if not c.details.get("ran", True)]
+        return "uncalibrated", (f"{why}; calibration-free checks passed: {', '.join(passed) or 'none'}"
+                                + (f"; not run without calibration: {', '.join(unrun)}" if unrun else "")
+                                + "; never a pass until calibrated")
     return "pass", f"passed {', '.join(ran)}"
 
 
@@ -147,7 +174,15 @@ def binomial_sf(k: int, n: int, p: float) -> float:
         return 1.0
     if k > n:
         return 0.0
-    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+    try:
+        return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+    except OverflowError:  # C(n, i) past a float (n above ~1030 prompts, e.g. 24 calibration runs): in log space
+        if p <= 0.0 or p >= 1.0:
+            return 1.0 if p >= 1.0 else 0.0
+        lp, lq, top = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+        terms = [top - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k, n + 1)]
+        peak = max(terms)
+        return min(1.0, math.exp(peak) * math.fsum(math.exp(t - peak) for t in terms))
 
 
 def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
@@ -223,6 +258,22 @@ def kernel_hard_failures(*, results: tuple[KernelResult, ...], hard: HardBounds)
     return out
 
 
+def kernels_uncalibrated(*, results: tuple[KernelResult, ...], why: str) -> CheckResult:
+    """The kernel check without a calibrated entry, after its hard bounds passed: `uncalibrated`, each op's error shown."""
+    if not results:
+        return CheckResult(name="kernels", status="error", reason="the reference holds no kernel battery")
+    rows = {r.op: {"rel_err": r.rel_err, "tolerance": None, "problem": r.problem} for r in results}
+    return CheckResult(name="kernels", status="uncalibrated",
+                       reason=f"{why} (hard bounds passed for all {len(results)} ops)",
+                       details={"ops": rows, "calibration_free": CALIBRATION_FREE["kernels"], "why": why})
+
+
+def serve_uncalibrated(why: str) -> CheckResult:
+    """The serve check without a calibrated entry: not run (CALIBRATION_FREE['serve'] says why), never a pass."""
+    return CheckResult(name="serve", status="uncalibrated", reason=f"not run: {why}; {CALIBRATION_FREE['serve'][9:]}",
+                       details={"calibration_free": CALIBRATION_FREE["serve"], "why": why, "ran": False})
+
+
 def judge_kernels(*, results: tuple[KernelResult, ...], entry: ToleranceEntry) -> CheckResult:
     """Every op within its calibrated max error; an op missing, misshaped or non-finite fails."""
     rows, ranked = {}, []
@@ -270,9 +321,12 @@ def hard_bound_failures(stats: ModelStatistics, hard: HardBounds) -> list[str]:
     return out
 
 
-def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: HardBounds
+def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: HardBounds, why: str = ""
                 ) -> tuple[CheckResult, tuple[StatDecision, ...], tuple[PromptResult, ...]]:
-    """Hard bounds first, then per statistic a binomial test on per-prompt exceedances and an aggregate bound."""
+    """Hard bounds first, then per statistic a binomial test on per-prompt exceedances and an aggregate bound.
+
+    With no entry (`why` says why there is none) only the hard bounds run: `fail` when one breaks, else `uncalibrated`.
+    """
     n = stats.num_prompts
     decision_stats = [s for s in DECISION_STATS if s in stats.available and (entry is None or s in entry.model.per_prompt)]
     hard_fail = hard_bound_failures(stats, hard)
@@ -301,8 +355,11 @@ def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: H
         return (CheckResult(name="model", status="fail", reason="hard bound: " + "; ".join(hard_fail),
                             details={**summary, "hard_bounds": hard_fail}), tuple(decisions), prompts)
     if entry is None:
-        return (CheckResult(name="model", status="error", reason="no calibrated tolerance: only the hard bounds were checked",
-                            details=summary), tuple(decisions), prompts)
+        return (CheckResult(name="model", status="uncalibrated",
+                            reason=f"{why or 'no calibrated tolerance'} (only the hard bounds were checked, and they passed)",
+                            details={**summary, "calibration_free": CALIBRATION_FREE["model"],
+                                     **({"why": why} if why else {})}),
+                tuple(decisions), prompts)
     if not decision_stats:
         return (CheckResult(name="model", status="error", reason="no calibrated statistic is available on both sides",
                             details=summary), tuple(decisions), prompts)

@@ -141,7 +141,13 @@ def verdict_facts(data: dict[str, Any]) -> VerdictFacts:
 def refusals(*, sku: str, image_id: str, lock_sha256: str, verdict: VerdictFacts) -> list[str]:
     """Every reason this verdict does not allow publishing this image of this SKU at this lock (empty = allowed)."""
     out: list[str] = []
-    if verdict.decision != "pass":
+    uncalibrated = [n for n, s in verdict.checks.items() if s == "uncalibrated"]
+    if verdict.decision == "uncalibrated" or uncalibrated:
+        out.append(f"the gate ran uncalibrated: {verdict.sku}'s tolerance key has no calibrated entry for this reference "
+                   f"bundle, so only its calibration-free checks ran (hard bounds only or not run: "
+                   f"{', '.join(uncalibrated) or 'see the verdict'}); an uncalibrated verdict is never published; "
+                   f"fix: skupin calibrate {verdict.sku} on that hardware, then gate again")
+    elif verdict.decision != "pass":
         out.append(f"the gate did not pass ({verdict.decision}: {verdict.reason})")
     if verdict.sku != sku:
         out.append(f"the verdict is for SKU {verdict.sku}, not {sku}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from common.errors import SkupinError
-from skupin.cli.output import out, progress_printer
+from skupin.cli.output import err, out, progress_printer
 
 # ------------------------------------------------------------------ check / render / matrix / schema
 
@@ -35,7 +35,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         assert stack is not None
         note = f" ({stack.lock_note})" if stack.lock_note else ""
         out(f"ok  {stack.manifest.name:<24} lock: {stack.lock_state}{note}")
+    _warn_uncalibrated([r.stack.manifest for r in reports if r.stack is not None])
     return 0
+
+
+def _warn_uncalibrated(manifests) -> None:
+    """A warning (stderr, exit code unchanged) for each SKU whose tolerance key has no calibrated entry."""
+    from common.paths import REPO
+    from gates.tolerance import DEFAULT_PATH, calibration_warning, load_tolerances
+
+    tolerances = load_tolerances(DEFAULT_PATH)
+    shown = DEFAULT_PATH.relative_to(REPO) if DEFAULT_PATH.is_relative_to(REPO) else DEFAULT_PATH
+    for manifest in manifests:
+        warning = calibration_warning(manifest=manifest, tolerances=tolerances, repo=Path(REPO), path=shown)
+        if warning:
+            err(f"warning: {manifest.name}: {warning}")
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -153,7 +153,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="check an image's files against its lock, boot it, compare its outputs with the NVIDIA reference",
         description="Checks, in order: reference, pins (static: the image's files are its lock, "
         "read from its layers before anything runs), boot, kernels, model, serve. "
-        "Exit 0: pass; 10: the image failed the gate; 11: the gate could not run.",
+        "Exit 0: pass; 10: the image failed the gate; 11: the gate could not run; 14: uncalibrated (no "
+        "calibrated tolerance for the SKU's class: the calibration-free checks passed; never a pass).",
     )
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--image", metavar="REF", help="image to gate (default: the SKU's build record); any local image works")

@@ -116,3 +116,19 @@ def test_a_bundle_for_another_dtype_is_refused(stack, honest_image: str, docker:
                          reference=REPO / "gates/references/tiny-llama/h200-bfloat16")
     assert verdict.decision == "could_not_run"
     assert "dtype 'bfloat16', the SKU gates in 'float32'" in verdict.checks[0].reason
+
+
+def test_an_uncalibrated_class_runs_the_calibration_free_checks_and_ends_uncalibrated(
+        stack, honest_image: str, docker: Docker, tmp_path: Path) -> None:
+    """No entry for the SKU's key: pins, boot and the hard bounds run on the real image; the decision is
+    `uncalibrated` (exit 14), neither pass nor could-not-run (issue 18)."""
+    from gates.tolerance import Tolerances, write_tolerances
+
+    empty = tmp_path / "tolerances.yaml"
+    write_tolerances(Tolerances(), empty)
+    verdict = gate_image(stack=stack, image=honest_image, docker=docker, out=tmp_path / "out", tolerances_path=empty)
+    assert verdict.decision == "uncalibrated" and verdict.exit_code == 14, verdict.reason
+    assert [(c.name, c.status) for c in verdict.checks] == [
+        ("reference", "pass"), ("pins", "pass"), ("boot", "pass"), ("kernels", "uncalibrated"),
+        ("model", "uncalibrated"), ("serve", "uncalibrated")]
+    assert set(verdict.calibration_free) == {"kernels", "model", "serve"}

@@ -101,8 +101,9 @@ def test_hard_bounds_need_no_calibration(kwargs, words):
 
 
 def test_without_a_tolerance_only_hard_bounds_run_and_the_gate_cannot_pass():
-    check, _, _ = judge_model(stats=stats(np.full(N, 0.01)), entry=None, hard=HardBounds())
-    assert check.status == "error"
+    check, _, _ = judge_model(stats=stats(np.full(N, 0.01)), entry=None, hard=HardBounds(), why="no entry for k")
+    assert check.status == "uncalibrated"  # never pass; decide() makes the run `uncalibrated` (exit 14)
+    assert check.reason == "no entry for k (only the hard bounds were checked, and they passed)"
 
 
 def test_kernel_over_its_tolerance_fails_naming_the_op():

@@ -1,0 +1,64 @@
+"""The committed nvidia-hopper entries: what they were derived from, that the derivation reproduces them, and that the
+gate's own decision code passes the held-out honest H200 runs and fails the swaps (bench/calibrate_h200*.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import calibrate_h200_derive as D
+from bench.detection import analysis as A
+from gates.gate import bundle_sha256, repo_root
+from gates.tolerance import ToleranceKey, load_tolerances, lookup
+from gates.verdict import binomial_sf, clopper_pearson_upper
+
+RECORDS = D.RESULTS / "h200-calib-records.jsonl"
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    return A.load_records([RECORDS])
+
+
+def hopper(dtype: str):
+    return lookup(load_tolerances(), ToleranceKey(hardware_class="nvidia-hopper", dtype=dtype, model="tiny-llama"))
+
+
+def test_the_binomial_tail_survives_calibrations_of_more_than_a_thousand_prompts():
+    # C(1536, i) is past a float: 24 calibration runs x 64 prompts once overflowed here
+    assert clopper_pearson_upper(0, 1536) == pytest.approx(1 - 0.05 ** (1 / 1536), rel=1e-6)
+    assert binomial_sf(3, 2000, 0.001) == pytest.approx(1 - sum(math.comb(2000, i) * 0.001**i * 0.999 ** (2000 - i)
+                                                                for i in range(3)), rel=1e-9)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_committed_hopper_entry_names_its_bundle_and_what_varied(dtype):
+    entry = hopper(dtype)
+    prov = entry.provenance
+    assert prov.reference_sha256 == bundle_sha256(repo_root() / f"gates/references/tiny-llama/h200-{dtype}")
+    assert prov.runs == 24 and prov.prompts_per_run == 64 and prov.margin == 4.0
+    assert {v.split(",")[0] for v in prov.variations} == {"boot 1", "boot 2"}
+    assert any("eager" in v for v in prov.variations) and any("batch 64" in v for v in prov.variations)
+    assert prov.hosts == ("NVIDIA H200 (AVX512)",) and prov.versions["torch"] == "2.11.0+cu130"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_calibration_split_reproduces_the_committed_entry(records, dtype):
+    import json
+
+    env = json.loads((D.RESULTS / "h200-calib-env.json").read_text())
+    calib = [r for r in records if r["dtype"] == dtype and r["split"] == "calibration"]
+    assert hopper(dtype) == D.entry_for(dtype, calib, env)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_held_out_honest_runs_pass_and_quantized_swaps_fail_with_the_gates_own_rules(records, dtype):
+    entry = hopper(dtype)
+    mine = [r for r in records if r["dtype"] == dtype]
+    held = [r for r in mine if r["split"] == "heldout"]
+    assert len(held) == 36 and {r["boot"] for r in held} == {3, 4} and {3, 7, 32} <= {r["batch"] for r in held}
+    assert set(D.decide_runs(held, entry, size=64)) == {"pass"}
+    for swap in ("int4", "int8", "fp8-tensor", "int4-nibble"):
+        runs = [r for r in mine if r["swap"] == swap]
+        assert runs and "pass" not in D.decide_runs(runs, entry, size=64), swap

@@ -1,0 +1,200 @@
+"""A SKU whose tolerance key has no calibrated entry: every calibration-free check runs, the decision is
+`uncalibrated` (exit 14), never pass and never "could not run"; a hard bound still fails (exit 10); publish refuses
+it; `skupin check` warns (issue 18)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gates.gate as gate
+from builder.manifest import load_manifest
+from builder.stack import ResolvedStack
+from common.errors import GateCouldNotRun, GateFailed, GateUncalibrated, PublishError
+from common.paths import REPO, SKUS
+from gates.compare import KernelResult
+from gates.gate import ProbeRun, _GateRun
+from gates.tensorio import read_safetensors
+from gates.tolerance import (
+    DEFAULT_PATH,
+    HardBounds,
+    Tolerances,
+    calibration_warning,
+    load_tolerances,
+    write_tolerances,
+)
+from gates.verdict import (
+    CALIBRATION_FREE,
+    CheckResult,
+    decide,
+    kernels_uncalibrated,
+    raise_for_verdict,
+    serve_uncalibrated,
+)
+from publishing.publish import refusals, verdict_facts
+
+BUNDLE = REPO / "gates/references/tiny-llama/h200-float32"
+CPU = SKUS / "cpu-x86_64.yaml"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, np.ndarray]:
+    tensors, _ = read_safetensors(BUNDLE / "tensors.safetensors")
+    return tensors
+
+
+def bundle_sha() -> str:
+    return hashlib.sha256((BUNDLE / "SHA256SUMS").read_bytes()).hexdigest()
+
+
+def gate_run(tmp_path: Path, reference: dict, candidate: dict, *, tolerances: Tolerances, sha: str | None = None):
+    """A gate run of the CPU SKU whose reference, pins and boot passed (no Docker), with `candidate` as the probe's
+    outputs and `tolerances` as the tolerance file; the real tolerance lookup, kernels, model and serve checks run."""
+    path = tmp_path / "tolerances.yaml"
+    write_tolerances(tolerances, path)
+    manifest = load_manifest(CPU)
+    run = _GateRun(stack=ResolvedStack(manifest=manifest, manifest_path=CPU), image="img", docker=None,  # type: ignore[arg-type]
+                   out=tmp_path / "out", on_event=lambda _: None, tolerances_path=path, reference=None, baseline=None,
+                   serve_perf=None, scratch=tmp_path)
+    run.ref = reference
+    run.reference_info = gate.ReferenceInfo(path=str(BUNDLE), sha256=sha or bundle_sha(), dtype="float32")
+    run.probe = ProbeRun(report={"checks": {"kernels": {"status": "ok"}, "model": {"status": "ok"}}},
+                         tensors=candidate)
+    return run
+
+
+def run_gate(monkeypatch, run: _GateRun):
+    """The gate's own driver and _finish over the real checks after reference, pins and boot (which need Docker)."""
+
+    def passed(name: str):
+        return lambda _run: CheckResult(name=name, status="pass", reason=f"{name} ok (test)")
+
+    checks = {name: (fn, n, needs) for fn, n, needs in gate.CHECKS for name in [n or fn.__name__]}
+    monkeypatch.setattr(gate, "CHECKS", (
+        (passed("reference"), "reference", None), checks["_find_tolerance"], (passed("pins"), "pins", None),
+        (passed("boot"), "boot", None), checks["kernels"], checks["model"], checks["serve"]))
+    gate._run_checks(run)
+    return gate._finish(run, started=0.0, created="2026-12-01T00:00:00+00:00")
+
+
+def test_no_entry_runs_every_calibration_free_check_and_ends_uncalibrated_never_pass(monkeypatch, tmp_path, reference):
+    verdict = run_gate(monkeypatch, gate_run(tmp_path, reference, dict(reference), tolerances=Tolerances()))
+    statuses = {c.name: c.status for c in verdict.checks}
+    assert statuses == {"reference": "pass", "pins": "pass", "boot": "pass", "kernels": "uncalibrated",
+                        "model": "uncalibrated", "serve": "uncalibrated"}
+    assert verdict.decision == "uncalibrated" and verdict.exit_code == 14 == GateUncalibrated.exit_code
+    assert "no calibrated tolerance for cpu-x86_64/float32/tiny-llama" in verdict.reason
+    assert "skupin calibrate cpu-x86_64 on that hardware" in verdict.reason
+    assert "calibration-free checks passed: reference, pins, boot, kernels (hard bounds only), model (hard bounds only)" \
+        in verdict.reason and "not run without calibration: serve" in verdict.reason
+    assert verdict.calibration_free == {name: CALIBRATION_FREE[name] for name in ("kernels", "model", "serve")}
+    assert verdict.check("model").details["prompts"] == 64  # the model's statistics were computed
+    with pytest.raises(GateUncalibrated, match="never a pass"):
+        raise_for_verdict(verdict)
+    report = (tmp_path / "out/report.md").read_text()
+    assert "**Decision: UNCALIBRATED**" in report and "## Without calibration" in report
+    assert "| serve | UNCALIBRATED | not run: " in report and CALIBRATION_FREE["serve"] in report
+    assert "## Serve check" not in report
+    assert (tmp_path / "out/verdict.json").is_file() and (tmp_path / "out/plot.png").is_file()
+
+
+def test_an_entry_of_another_bundle_is_uncalibrated_too(monkeypatch, tmp_path, reference):
+    tolerances = load_tolerances(DEFAULT_PATH)  # holds cpu-x86_64/float32/tiny-llama, for the committed bundle
+    verdict = run_gate(monkeypatch, gate_run(tmp_path, reference, dict(reference), tolerances=tolerances, sha="c" * 64))
+    assert verdict.decision == "uncalibrated" and "was calibrated against bundle" in verdict.reason
+
+
+def test_with_its_entry_the_same_candidate_passes_kernels_and_model(monkeypatch, tmp_path, reference):
+    run = gate_run(tmp_path, reference, dict(reference), tolerances=load_tolerances(DEFAULT_PATH))
+    monkeypatch.setattr(gate, "serve_check", lambda **_: CheckResult(name="serve", status="pass", reason="ok (test)"))
+    verdict = run_gate(monkeypatch, run)
+    assert verdict.decision == "pass" and verdict.calibration_free == {}
+
+
+def test_a_kernel_hard_bound_still_fails_without_calibration(monkeypatch, tmp_path, reference):
+    cand = dict(reference)
+    cand["kernels.silu.float32"] = reference["kernels.silu.float32"] * np.float32(1 + 2**-7)
+    verdict = run_gate(monkeypatch, gate_run(tmp_path, reference, cand, tolerances=Tolerances()))
+    assert verdict.decision == "fail" and verdict.exit_code == GateFailed.exit_code == 10
+    assert verdict.check("kernels").status == "fail" and "silu.float32" in verdict.reason
+    assert verdict.check("model").status == "skipped"  # the first failure stops the rest, as always
+
+
+def test_a_model_hard_bound_still_fails_without_calibration(monkeypatch, tmp_path, reference):
+    cand = dict(reference)
+    cand["model.topk_ids"] = np.roll(reference["model.topk_ids"], 1, axis=-1)  # every top-1 token wrong
+    cand["model.logprobs_full"] = reference["model.logprobs_full"][..., ::-1].copy()
+    verdict = run_gate(monkeypatch, gate_run(tmp_path, reference, cand, tolerances=Tolerances()))
+    assert verdict.decision == "fail" and verdict.check("model").status == "fail"
+    assert verdict.check("model").reason.startswith("hard bound:")
+    assert verdict.check("kernels").status == "uncalibrated"
+
+
+def test_the_probe_failing_its_kernel_battery_is_still_could_not_run(monkeypatch, tmp_path, reference):
+    run = gate_run(tmp_path, reference, dict(reference), tolerances=Tolerances())
+    run.probe = ProbeRun(report={"checks": {"kernels": {"status": "error", "error": "boom"}}}, tensors=dict(reference))
+    verdict = run_gate(monkeypatch, run)
+    assert verdict.decision == "could_not_run" and "boom" in verdict.reason
+
+
+def test_decide_orders_fail_and_error_before_uncalibrated():
+    ok = CheckResult(name="boot", status="pass", reason="")
+    partial = kernels_uncalibrated(results=(KernelResult("silu.float32", 1e-8, True),), why="no entry for k")
+    assert decide((ok, partial))[0] == "uncalibrated"
+    assert decide((ok, partial, CheckResult(name="model", status="fail", reason="x")))[0] == "fail"
+    assert decide((ok, partial, CheckResult(name="serve", status="error", reason="x")))[0] == "could_not_run"
+    assert decide((ok, serve_uncalibrated("no entry for k")))[0] == "uncalibrated"  # serve alone never lets it pass
+    assert partial.details["ops"]["silu.float32"]["tolerance"] is None
+
+
+def test_an_uncalibrated_verdict_exits_14_and_publish_refuses_it(monkeypatch, tmp_path, reference):
+    verdict = run_gate(monkeypatch, gate_run(tmp_path, reference, dict(reference), tolerances=Tolerances()))
+    facts = verdict_facts(verdict.model_dump(mode="json"))
+    why = refusals(sku="cpu-x86_64", image_id=str(verdict.image_id), lock_sha256=str(verdict.lock_hash), verdict=facts)
+    assert why and why[0].startswith("the gate ran uncalibrated") and "never published" in why[0]
+    assert "skupin calibrate cpu-x86_64 on that hardware" in why[0]
+    forged = verdict_facts({**verdict.model_dump(mode="json"), "decision": "pass"})  # an edited decision is not enough
+    assert any(w.startswith("the gate ran uncalibrated") for w in refusals(
+        sku="cpu-x86_64", image_id=str(verdict.image_id), lock_sha256=str(verdict.lock_hash), verdict=forged))
+    assert {GateFailed.exit_code, GateCouldNotRun.exit_code, GateUncalibrated.exit_code, PublishError.exit_code} \
+        == {10, 11, 14, 8}
+
+
+def test_hard_bounds_are_the_gates_defaults():
+    assert HardBounds().max_mean_kl == 0.5 and HardBounds().min_top1_agree == 0.8
+
+
+def test_check_warns_naming_the_key_and_the_fix():
+    manifest = load_manifest(CPU)
+    tolerances = load_tolerances(DEFAULT_PATH)
+    assert calibration_warning(manifest=manifest, tolerances=tolerances, repo=REPO) is None
+    missing = calibration_warning(manifest=manifest, tolerances=Tolerances(), repo=REPO)
+    assert missing is not None and "no calibrated tolerance for cpu-x86_64/float32/tiny-llama" in missing
+    assert "'uncalibrated' (exit 14)" in missing and "fix: skupin calibrate cpu-x86_64 on that hardware" in missing
+    stale = tolerances.model_copy(update={"entries": tuple(
+        e.model_copy(update={"provenance": e.provenance.model_copy(update={"reference_sha256": "d" * 64})})
+        for e in tolerances.entries)})
+    assert "calibrated against bundle dddddddddddd" in str(calibration_warning(manifest=manifest, tolerances=stale,
+                                                                              repo=REPO))
+
+
+def test_skupin_check_warns_on_stderr_and_still_exits_0(monkeypatch, capsys, tmp_path):
+    import gates.tolerance as tolerance
+    from skupin.cli import main
+
+    empty = tmp_path / "tolerances.yaml"
+    write_tolerances(Tolerances(), empty)
+    monkeypatch.setattr(tolerance, "DEFAULT_PATH", empty)
+    assert main(["check", str(CPU)]) == 0
+    captured = capsys.readouterr()
+    assert "ok  cpu-x86_64" in captured.out
+    assert "warning: cpu-x86_64: no calibrated tolerance for cpu-x86_64/float32/tiny-llama" in captured.err
+
+
+def test_every_shipped_hopper_sku_has_its_entry():
+    tolerances = load_tolerances(DEFAULT_PATH)
+    for path in sorted(SKUS.glob("nvidia-*.yaml")):
+        assert calibration_warning(manifest=load_manifest(path), tolerances=tolerances, repo=REPO) is None, path.name
