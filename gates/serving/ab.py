@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import Field
 
 from common.model import Frozen
-from gates.serving.perf import LevelResult, PerfResult, PerfSettings, merge_perf
+from gates.serving.perf import CostSummary, LevelResult, PerfResult, PerfSettings, merge_perf
 
 
 class ABLevel(Frozen):
@@ -241,6 +241,10 @@ def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, b
     rejected however fast it is. Speed: promote only when the decode uplift clears the noise floor in the median and
     every round was faster, and prefill did not get slower the same way; reject when decode was slower beyond the
     floor in the median and in every round; anything else is within noise."""
+    if candidate_gate == "uncalibrated":
+        return "hold", "hold: candidate uncalibrated", (
+            "the candidate passed every calibration-free check, but its hardware class has no calibrated tolerance: "
+            f"its quality is not established ({candidate_failure}); fix: skupin calibrate on that hardware")
     if candidate_gate != "pass":
         speed = (f"; it ran at {decode.ratio:.2f}x the baseline's decode tok/s per request"
                  if decode is not None and math.isfinite(decode.ratio) else "")
@@ -266,8 +270,79 @@ def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, b
     return "hold", "hold: within noise", f"{text}: not beyond the noise floor in every round"
 
 
+# ---------------------------------------------------------------- the record of a runtime A/B (ab.json)
+
+AB_FORMAT: Literal["skupin-ab/1"] = "skupin-ab/1"
+Role = Literal["baseline", "candidate"]
+
+
+class ABSide(Frozen):
+    """What one side was and did."""
+
+    role: Role
+    sku: str
+    image: str = Field(description="The image as named on the command line")
+    image_id: str
+    served_by: tuple[str, ...] = Field(description="Image id of every server container that produced a number")
+    engine: str
+    engine_path: dict[str, str] = Field(description="What the probe said computed the model check (shown, not trusted)")
+    launch: tuple[str, ...]
+    weights: str
+    gate: str = Field(description="The gate's decision: pass, fail, could_not_run")
+    gate_reason: str
+    failing_check: str | None
+    verdict_path: str | None = Field(description="The verdict's path under the A/B's folder; '(given)' when reused")
+    verdict_reused: bool
+    measured: bool
+    not_measured: str = ""
+    hourly_usd: float | None
+    utilisation: float | None
+    perf: tuple[PerfResult, ...] = Field(description="Per prompt length (settings order), all rounds merged")
+    cost: tuple[CostSummary | None, ...] = Field(description="Per prompt length: $/1M output tokens at the best level")
+
+
+class LengthAB(Frozen):
+    """The A/B at one prompt length, per concurrency level."""
+
+    prompt_tokens: int
+    ab: ABResult
+
+
+class RuntimeAB(Frozen):
+    """The whole runtime A/B: both sides, the per-length tables, the KPIs, the noise floor and the decision."""
+
+    format: Literal["skupin-ab/1"] = AB_FORMAT
+    baseline: ABSide
+    candidate: ABSide
+    same: dict[str, str] = Field(description="What both SKUs share: hardware class, model, dtype, reference")
+    settings: ABSettings
+    order: tuple[str, ...] = Field(description="Per round, which image ran first: 'BA' or 'AB'")
+    lengths: tuple[LengthAB, ...]
+    kpis: tuple[KPI, ...]
+    noise_floor: float
+    noise_floor_basis: str
+    decision: ABDecision
+    decision_line: str
+    reason: str
+    host: str
+    created: str
+    tool_version: str
+    wall_s: float
+
+    def kpi(self, name: str) -> KPI | None:
+        return next((k for k in self.kpis if k.name == name), None)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.decision]
+
+
+# `skupin ab` exits with these (README, `skupin ab --help`): promote 0, hold 12, reject 13.
+EXIT_CODES: dict[str, int] = {"promote": 0, "hold": 12, "reject": 13}
+
+
 __all__ = ["ABLevel", "ABResult", "ab_from_runs", "interleaved_ab", "ABSettings", "KPI", "MIN_NOISE_FLOOR",
-           "round_ratios", "noise_floor", "kpi", "decide"]
+           "round_ratios", "noise_floor", "kpi", "decide", "ABSide", "LengthAB", "RuntimeAB", "EXIT_CODES"]
 
 
 # ---------------------------------------------------------------- report pieces (used by gates/report.py)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gates.serving.runtime_ab import ABSide, RuntimeAB
+from gates.serving.ab import ABSide, RuntimeAB
 
 ANNEX = "annex.md"
 PLOT = "annex.png"

@@ -30,31 +30,29 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import Field
+from typing import Any
 
 from builder.manifest import SkuManifest
 from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import ManifestError
-from common.model import Frozen
 from dockerd import Docker
 from gates.bundle import fixture_folder
 from gates.fixture import spec_for
 from gates.gate import gate_image, resolve_image
 from gates.serving.ab import (
     KPI,
-    ABDecision,
-    ABResult,
     ABSettings,
+    ABSide,
+    LengthAB,
+    Role,
+    RuntimeAB,
     ab_from_runs,
     decide,
     kpi,
     noise_floor,
 )
 from gates.serving.perf import (
-    CostSummary,
     LevelResult,
     PerfResult,
     PerfSettings,
@@ -68,8 +66,6 @@ from gates.serving.serve import RunningServer, load_prompts, running_server
 from gates.tolerance import DEFAULT_PATH
 from gates.verdict import GateVerdict
 
-AB_FORMAT: Literal["skupin-ab/1"] = "skupin-ab/1"
-Role = Literal["baseline", "candidate"]
 OnEvent = Callable[[str], None]
 # Checks after which an image has booted and served in the gate's sandbox: a failure there still allows measuring it.
 BOOTED_FAILURES = ("model", "serve")
@@ -93,71 +89,6 @@ class ABInput:
     stack: ResolvedStack
     image: str
     verdict: GateVerdict | None = None
-
-
-class ABSide(Frozen):
-    """What one side was and did."""
-
-    role: Role
-    sku: str
-    image: str = Field(description="The image as named on the command line")
-    image_id: str
-    served_by: tuple[str, ...] = Field(description="Image id of every server container that produced a number")
-    engine: str
-    engine_path: dict[str, str] = Field(description="What the probe said computed the model check (shown, not trusted)")
-    launch: tuple[str, ...]
-    weights: str
-    gate: str = Field(description="The gate's decision: pass, fail, could_not_run")
-    gate_reason: str
-    failing_check: str | None
-    verdict_path: str | None = Field(description="The verdict's path under the A/B's folder; '(given)' when reused")
-    verdict_reused: bool
-    measured: bool
-    not_measured: str = ""
-    hourly_usd: float | None
-    utilisation: float | None
-    perf: tuple[PerfResult, ...] = Field(description="Per prompt length (settings order), all rounds merged")
-    cost: tuple[CostSummary | None, ...] = Field(description="Per prompt length: $/1M output tokens at the best level")
-
-
-class LengthAB(Frozen):
-    """The A/B at one prompt length, per concurrency level."""
-
-    prompt_tokens: int
-    ab: ABResult
-
-
-class RuntimeAB(Frozen):
-    """The whole runtime A/B: both sides, the per-length tables, the KPIs, the noise floor and the decision."""
-
-    format: Literal["skupin-ab/1"] = AB_FORMAT
-    baseline: ABSide
-    candidate: ABSide
-    same: dict[str, str] = Field(description="What both SKUs share: hardware class, model, dtype, reference")
-    settings: ABSettings
-    order: tuple[str, ...] = Field(description="Per round, which image ran first: 'BA' or 'AB'")
-    lengths: tuple[LengthAB, ...]
-    kpis: tuple[KPI, ...]
-    noise_floor: float
-    noise_floor_basis: str
-    decision: ABDecision
-    decision_line: str
-    reason: str
-    host: str
-    created: str
-    tool_version: str
-    wall_s: float
-
-    def kpi(self, name: str) -> KPI | None:
-        return next((k for k in self.kpis if k.name == name), None)
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_CODES[self.decision]
-
-
-# `skupin ab` exits with these (README, `skupin ab --help`): promote 0, hold 12, reject 13.
-EXIT_CODES: dict[str, int] = {"promote": 0, "hold": 12, "reject": 13}
 
 
 # ---------------------------------------------------------------- same weights
@@ -251,7 +182,7 @@ def _gate_side(*, side: ABInput, image_id: str, role: Role, docker: Docker, out:
 
 def _measurable(verdict: GateVerdict) -> tuple[bool, str]:
     failing = verdict.failing_check()
-    if verdict.decision == "pass" or (failing is not None and failing.name in BOOTED_FAILURES):
+    if verdict.decision in ("pass", "uncalibrated") or (failing is not None and failing.name in BOOTED_FAILURES):
         return True, ""
     name = failing.name if failing is not None else "the gate"
     return False, f"not started again: it failed {name} before serving ({verdict.reason[:200]})"
@@ -454,5 +385,4 @@ def _host() -> str:
     return f"{cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
 
 
-__all__ = ["ABInput", "ABSide", "EXIT_CODES", "LengthAB", "NotTheSameWeights", "RuntimeAB", "prompt_ids_of_length",
-           "runtime_ab", "same_weights"]
+__all__ = ["ABInput", "NotTheSameWeights", "check_lengths", "prompt_ids_of_length", "runtime_ab", "same_weights"]

@@ -15,9 +15,9 @@ import pytest
 
 from dockerd import Docker
 from gates.gate import gate_image
-from gates.serving.ab import ABSettings
+from gates.serving.ab import ABSettings, RuntimeAB
 from gates.serving.perf import PerfSettings
-from gates.serving.runtime_ab import ABInput, RuntimeAB, runtime_ab
+from gates.serving.runtime_ab import ABInput, runtime_ab
 from gates.verdict import GateVerdict
 
 pytestmark = pytest.mark.integration

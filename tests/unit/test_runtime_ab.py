@@ -10,18 +10,10 @@ import pytest
 
 from builder.check import resolve
 from common.paths import sku_path
-from gates.serving.ab import ABSettings, ab_from_runs, decide, kpi, noise_floor, round_ratios
+from gates.serving.ab import ABSettings, ABSide, LengthAB, RuntimeAB, ab_from_runs, decide, kpi, noise_floor, round_ratios
 from gates.serving.annex import annex_markdown, write_annex
 from gates.serving.perf import PerfResult, PerfSettings, Sample, cost_summary, summarize_level
-from gates.serving.runtime_ab import (
-    ABSide,
-    LengthAB,
-    NotTheSameWeights,
-    RuntimeAB,
-    check_lengths,
-    prompt_ids_of_length,
-    same_weights,
-)
+from gates.serving.runtime_ab import NotTheSameWeights, check_lengths, prompt_ids_of_length, same_weights
 from skupin.cli import main
 
 
@@ -147,6 +139,9 @@ def test_faster_decode_with_slower_prefill_is_held_and_a_failed_baseline_proves_
     decision, line, _ = decide(candidate_gate="pass", candidate_failure="", baseline_gate="fail",
                                baseline_failure="model: ...", decode=decode_kpi(c, b), prefill=None, floor=0.05)
     assert (decision, line) == ("hold", "hold: baseline failed the gate")
+    decision, line, _ = decide(candidate_gate="uncalibrated", candidate_failure="no entry", baseline_gate="pass",
+                               baseline_failure="", decode=decode_kpi(c, b), prefill=None, floor=0.05)
+    assert (decision, line) == ("hold", "hold: candidate uncalibrated")
 
 
 # ---------------------------------------------------------------- the annex
