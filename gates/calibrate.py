@@ -24,7 +24,7 @@ import numpy as np
 from common import __version__
 from common.errors import DockerError, GateCouldNotRun
 from engines import engine_distributions
-from gates.bundle import fixture_folder
+from gates.bundle import model_folder
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics, kernel_errors, model_statistics
 from gates.gate import load_reference, probe_in_container, read_probe_outputs, reap_leftovers, resolve_image
 from gates.tolerance import ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
@@ -181,7 +181,7 @@ def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
                 if report is None:
                     on_event(f"honest run: {label}")
                     if model_dir is None:
-                        model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
+                        model_dir = model_folder(manifest=manifest, scratch=Path(scratch))
                     report, tensors = _honest_run(manifest=manifest, image=image_id, docker=docker, out=run_out,
                                                   batch=batch, threads=threads, label=label, model_dir=model_dir)
                 else:
