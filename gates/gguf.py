@@ -11,12 +11,17 @@ File types (``FILE_TYPES``): ``f32`` (every tensor F32), ``bf16`` (matrices BF16
 weights are bf16-representable, so both are exact) and ``q8_0`` (matrices Q8_0: a *different model version*,
 which the gate must fail against the full-precision reference).
 
-Tokenizer: the fixture's BPE tokenizer goes in as llama.cpp's ``gpt2`` (BPE) model with its tokens verbatim,
-its merges, token types (the three specials CONTROL, the rest NORMAL) and bos/eos/unk ids. llama.cpp
-recognises tokenizers by a hash of their pre-tokenizer output, and the fixture's (a Metaspace pre-tokenizer:
-spaces become U+2581, which starts each word) is not among them. ``PRE_TOKENIZER`` records the choice made
-instead; tests/unit/test_gguf.py (with llama-cpp-python installed) checks that llama.cpp tokenizes every
-prompt's text in prompts.json to exactly the recorded ids.
+Tokenizer (``TOKENIZER_MODEL``): the fixture's tokenizer is BPE with a Metaspace pre-tokenizer (a space becomes
+U+2581 and one is prepended to the text: SentencePiece's convention, not GPT-2's byte-level one). llama.cpp's
+``gpt2`` model cannot tokenize that text as the fixture does: its pre-tokenizers either map bytes to GPT-2's
+alphabet (a space becomes U+0120, which the vocabulary does not have; the converter's ``default`` fallback) or,
+the SentencePiece-style ones (``gemma4``), add no space before the first word, so the first token of every prompt
+would differ, and llama-cpp-python's server takes prompts as text only. The GGUF therefore carries the
+vocabulary as llama.cpp's ``llama`` (SentencePiece) model: the tokens verbatim, scores ``-id`` (the BPE
+trainer numbers merged tokens in merge order, so the highest-scoring pair is the earliest merge), ``<unk>``
+UNKNOWN, ``<s>`` and ``</s>`` CONTROL, the rest NORMAL, bos/eos/unk ids, add_bos, a space prefix. Merging by
+score is not BPE in general; tests/unit/test_gguf.py proves it gives exactly the recorded ids for every prompt
+of both fixtures (by llama.cpp's algorithm in Python, and with llama-cpp-python itself when it is installed).
 
 The bytes depend only on the fixture files and the ``gguf`` package's writer; ``EXPECTED`` holds the sha256 of
 every fixture x file type, and ``gguf_model`` regenerates into a cache and checks that sha256 before every use.
@@ -38,21 +43,21 @@ from gates import fixture
 from gates.tensorio import read_safetensors
 
 FILE_TYPES: Final = ("f32", "bf16", "q8_0")
-# llama.cpp pre-tokenizer name written as tokenizer.ggml.pre (see the module docstring and docs/GATE.md)
-PRE_TOKENIZER: Final = "default"
-TOKEN_NORMAL, TOKEN_CONTROL = 1, 3  # llama.cpp's token types (gguf.TokenType)
+# llama.cpp tokenizer model written as tokenizer.ggml.model (see the module docstring and docs/GATE.md)
+TOKENIZER_MODEL: Final = "llama"
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 1, 2, 3  # llama.cpp's token types (gguf.TokenType)
 
 # sha256 of the GGUF of each fixture and file type, as written by gguf_bytes; regeneration must reproduce them.
 EXPECTED: Final[dict[str, dict[str, str]]] = {
     "tiny-llama": {
-        "f32": "0fc575cdc94a980800882a3cee6e553d4613f17f99cc7da6d75e1ef9a308ee2b",
-        "bf16": "bd27bb4bf8195024c1b0375c88ff2541eeb53c736cf54b307dc70efe7cc1af83",
-        "q8_0": "b719b6a86ea8193c6dc5002318a66b373c3ad77d29f1d263a48d8a7fc747d5bf",
+        "f32": "4a9a9f79f39ada469a8046fe881d98545bedac8ea10c15ea07f9f13157f08ccc",
+        "bf16": "d30cd5497c437d1bc95b42543937cf1d85db35f99ce5fe07f43d41743b4764b0",
+        "q8_0": "effecb60fb980418795a1774fa7f1874031794ab45fd83be4dd7353bfbda9267",
     },
     "llama-1k": {
-        "f32": "31f61e7c50a01c35126da198ed2c6fd3e0aacd1cb7ec910872cd4e01f29dd0a4",
-        "bf16": "d2ddd4dba43156428b31a03b6fb5679b51222e5d454fd8eed952e038e2b5f853",
-        "q8_0": "3dc8a1db1f1a304d893a7ee83ef742d087fdd13df18e64b575f4ea31e41df63f",
+        "f32": "d24df08a2f92e20785cf5fb778c9d2f0c464d68a0ed4135303f20fa197aa1801",
+        "bf16": "9c5dc6a4fabb3d2874f8aead333b467ec24b6ed43db0ee1aa4c43fafd360ebbb",
+        "q8_0": "be31139539c8af51078ca85eae8897c1f966aa69bf26ae6a2538f751bbe4c0d6",
     },
 }
 
@@ -104,8 +109,8 @@ def tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{names[module]}.weight"
 
 
-def _tokenizer(folder: Path) -> tuple[list[str], list[int], list[str]]:
-    """(tokens by id, token types, merges as 'a b') of the fixture's tokenizer.json."""
+def tokenizer_vocab(folder: Path, unk: str) -> tuple[list[str], list[float], list[int]]:
+    """(tokens by id, scores, token types) of the fixture's tokenizer.json as llama.cpp's SentencePiece vocabulary."""
     doc = json.loads((folder / "tokenizer.json").read_text())
     vocab: dict[str, int] = doc["model"]["vocab"]
     added = {t["id"]: t for t in doc.get("added_tokens", [])}
@@ -117,9 +122,10 @@ def _tokenizer(folder: Path) -> tuple[list[str], list[int], list[str]]:
         tokens[i] = t["content"]
     if any(not t for t in tokens):
         raise BundleError(f"{folder}/tokenizer.json: token ids are not contiguous")
-    types = [TOKEN_CONTROL if i in added and added[i].get("special") else TOKEN_NORMAL for i in range(size)]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in doc["model"]["merges"]]
-    return tokens, types, merges
+    types = [TOKEN_UNKNOWN if tokens[i] == unk else TOKEN_CONTROL if i in added and added[i].get("special")
+             else TOKEN_NORMAL for i in range(size)]
+    scores = [0.0 if types[i] != TOKEN_NORMAL else -float(i) for i in range(size)]
+    return tokens, scores, types
 
 
 def gguf_bytes(*, folder: Path, name: str, file_type: str) -> bytes:
@@ -137,7 +143,7 @@ def gguf_bytes(*, folder: Path, name: str, file_type: str) -> bytes:
              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[file_type]
     matrix_type = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
                    "q8_0": gguf.GGMLQuantizationType.Q8_0}[file_type]
-    tokens, types, merges = _tokenizer(folder)
+    tokens, scores, types = tokenizer_vocab(folder, tok_cfg["unk_token"])
     if len(tokens) != int(cfg["vocab_size"]):
         raise BundleError(f"{folder}: tokenizer has {len(tokens)} tokens, config.json vocab_size {cfg['vocab_size']}")
 
@@ -159,16 +165,16 @@ def gguf_bytes(*, folder: Path, name: str, file_type: str) -> bytes:
         w.add_file_type(ftype)
         w.add_vocab_size(len(tokens))
         w.add_rope_dimension_count(head_dim)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(PRE_TOKENIZER)
+        w.add_tokenizer_model(TOKENIZER_MODEL)
         w.add_token_list(tokens)
+        w.add_token_scores(scores)
         w.add_token_types(types)
-        w.add_token_merges(merges)
         w.add_bos_token_id(int(cfg["bos_token_id"]))
         w.add_eos_token_id(int(cfg["eos_token_id"]))
         w.add_unk_token_id(tokens.index(tok_cfg["unk_token"]))
         w.add_add_bos_token(bool(tok_cfg["add_bos_token"]))
         w.add_add_eos_token(bool(tok_cfg["add_eos_token"]))
+        w.add_add_space_prefix(True)  # the fixture's Metaspace pre-tokenizer prepends one (prepend_scheme "first")
         if file_type == "q8_0":
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for hf_name, values in _ordered(params):

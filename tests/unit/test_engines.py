@@ -196,3 +196,32 @@ def test_cli_reference_capture_offers_the_registrys_engines() -> None:
     assert args.engine == DEFAULT_ENGINE
     with pytest.raises(SystemExit):
         parser.parse_args(["reference", "capture", "--sku", "x", "--out", "x", "--engine", "mlc"])
+
+
+def test_the_llamacpp_server_serves_the_gguf_of_the_gate_weights_with_a_kv_cache_of_the_gate_dtype() -> None:
+    from engines import llamacpp
+
+    launch = llamacpp.server(dtype="float32", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
+                             distribution="llama-cpp-python")
+    assert launch.argv == ("python3", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0",
+                           "--port", "8000", "--model_alias", "skupin-model", "--n_ctx", "0", "--seed", "0",
+                           "--type_k", "0", "--type_v", "0")
+    assert (launch.model_id, launch.health_path, launch.prompt, launch.returns_logprobs) == (
+        "skupin-model", "/v1/models", "text", True)
+    bf16 = llamacpp.server(dtype="bfloat16", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
+                           distribution="llama-cpp-python", weights="q8_0")
+    assert bf16.argv[4] == "/model/model-q8_0.gguf" and bf16.argv[-4:] == ("--type_k", "30", "--type_v", "30")
+    assert llamacpp.model_file(dtype="bfloat16", weights="full") == "model-bf16.gguf"
+    with pytest.raises(ValueError, match="no full-precision GGUF for dtype float16"):
+        llamacpp.model_file(dtype="float16", weights="full")
+    with pytest.raises(ValueError, match="serves no weights 'q4_0'"):
+        llamacpp.file_type(dtype="float32", weights="q4_0")
+
+
+def test_model_file_reads_the_registry(h200: SkuManifest) -> None:
+    from engines import model_file
+
+    assert model_file(h200) is None
+    llama = with_engine(h200, name="llamacpp", package="llama-cpp-python")
+    assert model_file(llama) == ("model-f32.gguf" if h200.gate.dtype == "float32" else "model-bf16.gguf")
+    assert model_file(with_engine(h200, name="mlc")) is None
