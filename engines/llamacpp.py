@@ -35,7 +35,10 @@ _KV_TYPE: Final = {"float32": 0, "bfloat16": 30}  # GGML_TYPE_F32, GGML_TYPE_BF1
 # - POST /v1/completions takes the prompt as text only (`prompt: str | list[str]`; a list of strings is a batch, not
 #   token ids): the server tokenizes it with the GGUF's tokenizer (tests/unit/test_gguf.py checks it gives the
 #   reference ids). It honours `logprobs` (top-N per generated token, keyed by token text) and streams one
-#   token's text per event. There is no ignore_eos field; unknown fields are ignored.
+#   token's text per event (logprobs.tokens are texts: the serve check compares pieces). There is no ignore_eos
+#   field; unknown fields are ignored.
+# - Its sampler applies repetition penalties before every choice, temperature 0 included (Llama._init_sampler), and
+#   a request's repeat_penalty defaults to 1.1: the greedy requests send 1.0 (no penalty), so greedy is argmax.
 
 
 def file_type(*, dtype: str, weights: str) -> str:
@@ -59,7 +62,7 @@ def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, dis
     """llama-cpp-python's server on the GGUF under a fixed model name and seed, with a KV cache of the gate dtype."""
     kv = str(_KV_TYPE.get(dtype, 1))  # GGML_TYPE_F16 otherwise (llama.cpp's default)
     return ServerLaunch(engine=NAME, port=port, model_id=SERVED_NAME, health_path="/v1/models", returns_logprobs=True,
-                        prompt="text",
+                        prompt="text", request_extra={"repeat_penalty": 1.0},
                         argv=("python3", "-m", "llama_cpp.server",
                               "--model", f"{model_dir}/{model_file(dtype=dtype, weights=weights)}",
                               "--host", host, "--port", str(port), "--model_alias", SERVED_NAME, "--n_ctx", "0",
