@@ -206,3 +206,23 @@ def test_model_folder_holds_the_fixture_and_the_gguf(tmp_path: Path) -> None:
     names = sorted(p.name for p in out.iterdir())
     assert "model-q8_0.gguf" in names and "config.json" in names and "prompts.json" in names
     assert (out / "model-q8_0.gguf").read_bytes() == gguf_path.read_bytes()
+
+
+def test_a_llamacpp_sku_gets_the_fixture_with_its_gguf_and_others_the_fixture_itself(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch):
+    from builder.manifest import load_manifest
+    from gates import bundle
+
+    monkeypatch.setattr(bundle, "STATE", tmp_path / "state")
+    plain = load_manifest(REPO / "skus" / "cpu-x86_64.yaml")
+    assert bundle.model_folder(manifest=plain, scratch=tmp_path, fixture_dir=FIXTURE) == FIXTURE
+    engine = plain.stack.engine.model_copy(update={"name": "llamacpp", "package": "llama-cpp-python"})
+    llama = plain.model_copy(update={"stack": plain.stack.model_copy(update={"engine": engine}),
+                                     "gate": plain.gate.model_copy(update={"weights": "q8_0"})})
+    folder = bundle.model_folder(manifest=llama, scratch=tmp_path, fixture_dir=FIXTURE)
+    assert folder.parent == tmp_path and (folder / "model-q8_0.gguf").is_file()
+    assert hashlib.sha256((folder / "model-q8_0.gguf").read_bytes()).hexdigest() == g.EXPECTED["tiny-llama"]["q8_0"]
+    assert (tmp_path / "state" / "gguf" / "tiny-llama-model-q8_0.gguf").is_file()  # the checked cache
+    bad = llama.model_copy(update={"gate": llama.gate.model_copy(update={"dtype": "float16", "weights": "full"})})
+    with pytest.raises(BundleError, match="gate.weights: llama.cpp has no full-precision GGUF for dtype float16"):
+        bundle.model_folder(manifest=bad, scratch=tmp_path, fixture_dir=FIXTURE)
