@@ -164,8 +164,10 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
     (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted."""
 
     gate, engine = manifest.gate, manifest.stack.engine.name
+    # the kernel battery only where the SKU's gate checks kernels (a llama.cpp image has no torch to run it)
+    checks = "env,kernels,model" if "kernels" in gate.checks else "env,model"
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
-                      engine=probe_adapter(engine), threads=threads)
+                      engine=probe_adapter(engine), threads=threads, checks=checks)
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=(PROBE_PYTHON,), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,
