@@ -73,18 +73,22 @@ class Measurement:
     env: dict[str, Any]
 
 
-def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun) -> Measurement:
-    """Compare one honest run with the reference the way the gate does."""
+def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bool = True) -> Measurement:
+    """Compare one honest run with the reference the way the gate does (its kernels only with `kernels`: a SKU whose
+    gate does not check kernels, such as llama.cpp's without torch, runs no kernel battery)."""
     return Measurement(label=run.label, stats=model_statistics(reference, run.tensors),
-                       kernels=kernel_errors(reference, run.tensors), env=run.env)
+                       kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env)
 
 
 def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], reference_sha256: str,
-                 runs: list[HonestRun], margin: float, image: str, date: str | None = None) -> ToleranceEntry:
-    """The tolerance entry of `key` from honest runs (see the module docstring for the method)."""
+                 runs: list[HonestRun], margin: float, image: str, date: str | None = None,
+                 kernels: bool = True) -> ToleranceEntry:
+    """The tolerance entry of `key` from honest runs (see the module docstring for the method); without `kernels`
+    it has no kernel thresholds (merge_entry then keeps the class's)."""
     if len(runs) < 2:
         raise GateCouldNotRun("calibration needs at least two honest runs")
-    return derive_entry_from_measurements(key=key, measurements=[measure_run(reference=reference, run=r) for r in runs],
+    return derive_entry_from_measurements(key=key, measurements=[measure_run(reference=reference, run=r,
+                                                                             kernels=kernels) for r in runs],
                                           reference_sha256=reference_sha256, margin=margin, image=image, date=date)
 
 
@@ -190,7 +194,7 @@ def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
     key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
                        model=manifest.gate.model)
     entry = derive_entry(key=key, reference=reference, reference_sha256=ref_sha, runs=runs, margin=margin,
-                         image=image_id)
+                         image=image_id, kernels="kernels" in manifest.gate.checks)
     (Path(out) / "entry.json").write_text(json.dumps(entry.model_dump(mode="json"), indent=1) + "\n")
     return entry
 
