@@ -306,6 +306,10 @@ def _engine_known(m: SkuManifest, file: str) -> list[Problem]:
         engine = engine_named(eng.name)
     except UnknownEngine as exc:
         return [Problem(file, "stack.engine.name", str(exc), f"name one of them, or add the engine ({ADD_ENGINE})")]
+    try:
+        engine.model_file(dtype=m.gate.dtype, weights=m.gate.weights)
+    except ValueError as exc:
+        return [Problem(file, "gate.weights", str(exc), "set gate.weights: full (or remove it)")]
     known = [d.name for d in engine.DISTRIBUTIONS]
     if canonicalize_name(eng.distribution) in {canonicalize_name(name) for name in known}:
         return []

@@ -284,6 +284,11 @@ class Gate(Model):
     cpus: float | None = Field(None, gt=0, le=4096, description="CPUs each gate container may use "
                                                                 "(default: the host's CPUs - 0.5, at least 1)")
     serve: ServeGate | None = Field(None, description="Serve check settings (gates/serving/serve.py); default ServeGate()")
+    weights: Literal["full", "q8_0"] = Field(
+        "full", description="Which weights the engine runs: full (the fixture at the gate dtype; for a GGUF engine "
+                            "such as llamacpp the f32 GGUF for float32, bf16 for bfloat16) or q8_0 (a Q8_0-quantized "
+                            "GGUF, a different model version that the model check is expected to fail against the "
+                            "full-precision reference); an engine that loads the fixture folder takes only full")
 
 
 UpdateLevel = Literal["none", "patch", "minor", "major"]
@@ -495,4 +500,6 @@ def manifest_digest(manifest: SkuManifest) -> str:
     data = manifest.model_dump(mode="json", include=set(BUILD_INPUTS))
     if not manifest.stack.omit:  # a manifest without omissions keeps the digest it had before the field existed
         del data["stack"]["omit"]
+    if manifest.gate.weights != "full":  # the weights name the file the image's CMD serves (engines/llamacpp.py)
+        data["gate"] = {"weights": manifest.gate.weights}
     return hashlib.sha256(canonical_json(data)).hexdigest()

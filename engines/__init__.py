@@ -1,4 +1,4 @@
-"""The inference engines (transformers, vLLM, SGLang), one module each, and ALL_ENGINES, the registry everyone reads.
+"""The inference engines (transformers, vLLM, SGLang, llama.cpp), one module each, and ALL_ENGINES, the registry everyone reads.
 
 Each engine module declares what the rest of skupin needs of it (engines/base.py: InferenceEngine):
 the distributions it is installed as (and where `skupin compat refresh` reads its torch requirement),
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Final
 
 from common.errors import ManifestError
-from engines import sglang, transformers, vllm
+from engines import llamacpp, sglang, transformers, vllm
 from engines.base import (
     MODEL_MOUNT,
     SERVE_PORT,
@@ -32,13 +32,14 @@ from engines.base import (
 __all__ = [
     "ALL_ENGINES", "DEFAULT_ENGINE", "MODEL_MOUNT", "SERVED_NAME", "SERVE_PORT", "Distribution", "InferenceEngine",
     "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_named", "engine_outputs",
-    "probe_adapter", "refresh_sources", "serve_launch",
+    "model_file", "probe_adapter", "refresh_sources", "serve_launch",
 ]
 
 ALL_ENGINES: Final[dict[str, InferenceEngine]] = {
     "transformers": transformers,
     "vllm": vllm,
     "sglang": sglang,
+    "llamacpp": llamacpp,
 }
 # The engine whose probe adapter runs when a SKU names no registered engine (stack.engine.name: none),
 # and the default of `skupin reference capture --engine`.
@@ -86,4 +87,14 @@ def serve_launch(*, manifest: ServedSku, port: int = SERVE_PORT, model_dir: str 
     if engine is None:
         return None
     return engine.server(dtype=manifest.gate.dtype, vendor=manifest.accelerator.vendor, port=port,
-                         model_dir=model_dir, host=host, distribution=manifest.stack.engine.distribution)
+                         model_dir=model_dir, host=host, distribution=manifest.stack.engine.distribution,
+                         weights=manifest.gate.weights)
+
+
+def model_file(manifest: ServedSku) -> str | None:
+    """The file inside the model folder the SKU's engine loads (a GGUF, written by the gate from the fixture), None
+    when it loads the fixture folder itself or names no registered engine; ValueError for weights it cannot serve."""
+    engine = ALL_ENGINES.get(manifest.stack.engine.name)
+    if engine is None:
+        return None
+    return engine.model_file(dtype=manifest.gate.dtype, weights=manifest.gate.weights)

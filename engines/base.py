@@ -55,7 +55,8 @@ class InferenceEngine(Protocol):
 
     @property
     def DISTRIBUTIONS(self) -> tuple[Distribution, ...]:
-        """The distributions it is installed as; the first is its own name, others need stack.engine.package."""
+        """The distributions it is installed as; the first is its usual one (its own name but for llama.cpp), others
+        need stack.engine.package."""
         ...
 
     @property
@@ -68,10 +69,15 @@ class InferenceEngine(Protocol):
         """What its probe adapter returns besides top-k logprobs: a candidate missing one fails the model check."""
         ...
 
+    def model_file(self, *, dtype: str, weights: str) -> str | None:
+        """The file inside the model folder its server and probe adapter load for gate dtype `dtype` and gate.weights
+        `weights` (a GGUF: model-f32.gguf, ...), None for the folder itself; ValueError for weights it cannot serve."""
+        ...
+
     def server(self, *, dtype: str, vendor: str, port: int, model_dir: str, host: str,
-               distribution: str) -> ServerLaunch:
+               distribution: str, weights: str = "full") -> ServerLaunch:
         """Its OpenAI-compatible server serving `model_dir` on host:port, as installed from `distribution` (one of
-        DISTRIBUTIONS): the image's CMD and the gate's serve check."""
+        DISTRIBUTIONS), with gate.weights `weights`: the image's CMD and the gate's serve check."""
         ...
 
 
@@ -101,9 +107,12 @@ class _GateSettings(Protocol):
     @property
     def dtype(self) -> str: ...
 
+    @property
+    def weights(self) -> str: ...
+
 
 class ServedSku(Protocol):
-    """The parts of a SKU manifest a server launch depends on: engine name, accelerator vendor, gate dtype."""
+    """The parts of a SKU manifest a server launch depends on: engine name, accelerator vendor, gate dtype and weights."""
 
     @property
     def stack(self) -> _Stack: ...

@@ -29,7 +29,15 @@ OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 #   ids of its new tokens as `token_ids` (clients/openai.py reads them). Unknown request fields are ignored.
 
 
-def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str) -> ServerLaunch:
+def model_file(*, dtype: str, weights: str) -> str | None:
+    """None: the server loads the model folder itself (the fixture's safetensors, at the gate dtype)."""
+    if weights != "full":
+        raise ValueError(f"{NAME} serves the model folder at full precision only (gate.weights full, not {weights!r})")
+    return None
+
+
+def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str,
+           weights: str = "full") -> ServerLaunch:
     """SGLang's launch_server under a fixed model name and seed, answering with logprobs and token ids."""
     return ServerLaunch(engine=NAME, port=port, model_id=SERVED_NAME, health_path="/health", returns_logprobs=True,
                         prompt="ids", request_extra={"ignore_eos": True, "return_token_ids": True},

@@ -14,7 +14,15 @@ PROBE_ADAPTER: Final = "transformers"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 
 
-def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str) -> ServerLaunch:
+def model_file(*, dtype: str, weights: str) -> str | None:
+    """None: the server loads the model folder itself (the fixture's safetensors, at the gate dtype)."""
+    if weights != "full":
+        raise ValueError(f"{NAME} serves the model folder at full precision only (gate.weights full, not {weights!r})")
+    return None
+
+
+def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str,
+           weights: str = "full") -> ServerLaunch:
     """`transformers serve` on the model folder, which it also takes as the model id; prompts go as text."""
     device = "cpu" if vendor == "cpu" else "auto"
     return ServerLaunch(engine=NAME, port=port, model_id=model_dir, health_path="/health", returns_logprobs=False,

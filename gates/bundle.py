@@ -23,8 +23,10 @@ import imagetools
 from builder.manifest import SkuManifest
 from common import __version__
 from common.errors import BundleError
+from common.paths import STATE
 from common.untrusted import load_json, read_regular_file
-from gates import fixture
+from engines import model_file
+from gates import fixture, gguf
 from gates.probe_output import MAX_REPORT_BYTES, decode_report
 from gates.tensorio import read_safetensors
 
@@ -48,6 +50,25 @@ def fixture_folder(*, name: str, model_dir: Path | None, scratch: Path) -> Path:
                 return Path(model_dir)
     fixture.check_fixture(name=name, folder=model_dir)
     return Path(model_dir)
+
+
+def model_folder(*, manifest: SkuManifest, scratch: Path, fixture_dir: Path | None = None) -> Path:
+    """The folder the SKU's engine gets at engines.MODEL_MOUNT: its checked fixture folder, or for an engine that loads
+    a GGUF (engines.model_file) a new folder in `scratch` holding the fixture's files and the checked GGUF under the
+    name the engine's server launch loads (gates/gguf.py). The probe and the serve check mount the same folder."""
+    try:
+        wanted = model_file(manifest)
+    except ValueError as exc:
+        raise BundleError(f"{manifest.name}: gate.weights: {exc}") from exc
+    folder = fixture_dir if fixture_dir is not None else fixture_folder(name=manifest.gate.model, model_dir=None,
+                                                                        scratch=scratch)
+    if wanted is None:
+        return folder
+    file_type = gguf.file_type_of(wanted)
+    path = gguf.gguf_model(folder=folder, name=manifest.gate.model, file_type=file_type, cache=STATE / "gguf")
+    out = Path(tempfile.mkdtemp(prefix=f"model-{file_type}-", dir=scratch))
+    out.rmdir()
+    return gguf.model_folder(fixture_dir=folder, gguf_path=path, file_type=file_type, out=out)
 
 
 def probe_args(*, model_dir: str | Path, out: str | Path, dtype: str, batch_size: int, engine: str,

@@ -24,7 +24,7 @@ import numpy as np
 from common import __version__
 from common.errors import DockerError, GateCouldNotRun
 from engines import engine_distributions
-from gates.bundle import fixture_folder
+from gates.bundle import model_folder
 from gates.compare import DECISION_STATS, KernelResult, ModelStatistics, kernel_errors, model_statistics
 from gates.gate import load_reference, probe_in_container, read_probe_outputs, reap_leftovers, resolve_image
 from gates.tolerance import ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
@@ -73,18 +73,22 @@ class Measurement:
     env: dict[str, Any]
 
 
-def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun) -> Measurement:
-    """Compare one honest run with the reference the way the gate does."""
+def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bool = True) -> Measurement:
+    """Compare one honest run with the reference the way the gate does (its kernels only with `kernels`: a SKU whose
+    gate does not check kernels, such as llama.cpp's without torch, runs no kernel battery)."""
     return Measurement(label=run.label, stats=model_statistics(reference, run.tensors),
-                       kernels=kernel_errors(reference, run.tensors), env=run.env)
+                       kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env)
 
 
 def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], reference_sha256: str,
-                 runs: list[HonestRun], margin: float, image: str, date: str | None = None) -> ToleranceEntry:
-    """The tolerance entry of `key` from honest runs (see the module docstring for the method)."""
+                 runs: list[HonestRun], margin: float, image: str, date: str | None = None,
+                 kernels: bool = True) -> ToleranceEntry:
+    """The tolerance entry of `key` from honest runs (see the module docstring for the method); without `kernels`
+    it has no kernel thresholds (merge_entry then keeps the class's)."""
     if len(runs) < 2:
         raise GateCouldNotRun("calibration needs at least two honest runs")
-    return derive_entry_from_measurements(key=key, measurements=[measure_run(reference=reference, run=r) for r in runs],
+    return derive_entry_from_measurements(key=key, measurements=[measure_run(reference=reference, run=r,
+                                                                             kernels=kernels) for r in runs],
                                           reference_sha256=reference_sha256, margin=margin, image=image, date=date)
 
 
@@ -181,7 +185,7 @@ def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
                 if report is None:
                     on_event(f"honest run: {label}")
                     if model_dir is None:
-                        model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
+                        model_dir = model_folder(manifest=manifest, scratch=Path(scratch))
                     report, tensors = _honest_run(manifest=manifest, image=image_id, docker=docker, out=run_out,
                                                   batch=batch, threads=threads, label=label, model_dir=model_dir)
                 else:
@@ -190,7 +194,7 @@ def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
     key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
                        model=manifest.gate.model)
     entry = derive_entry(key=key, reference=reference, reference_sha256=ref_sha, runs=runs, margin=margin,
-                         image=image_id)
+                         image=image_id, kernels="kernels" in manifest.gate.checks)
     (Path(out) / "entry.json").write_text(json.dumps(entry.model_dump(mode="json"), indent=1) + "\n")
     return entry
 

@@ -44,7 +44,7 @@ from common.paths import REPO, STATE
 from common.untrusted import open_folder, printable, write_new_file
 from dockerd import BindMount, Docker, ImageInfo, RunResult
 from engines import MODEL_MOUNT, engine_outputs, probe_adapter
-from gates.bundle import PROBE, fixture_folder, load_bundle, probe_args
+from gates.bundle import PROBE, load_bundle, model_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
 from gates.report import write_report
@@ -166,8 +166,10 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
     (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted."""
 
     gate, engine = manifest.gate, manifest.stack.engine.name
+    # the kernel battery only where the SKU's gate checks kernels (a llama.cpp image has no torch to run it)
+    checks = "env,kernels,model" if "kernels" in gate.checks else "env,model"
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
-                      engine=probe_adapter(engine), threads=threads)
+                      engine=probe_adapter(engine), threads=threads, checks=checks)
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=(PROBE_PYTHON,), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,
@@ -190,7 +192,7 @@ def probe_in_container(*, manifest: SkuManifest, image: str, docker: Docker, out
 
     `out` is a host-only folder (the container never sees it): the raw probe.json and tensors.safetensors of a
     well-formed frame and container.log (exit status, stdout/stderr head and tail) are written there, each file
-    created exclusively. `model_dir` is a fixture folder already checked by gates.bundle.fixture_folder (a gate or
+    created exclusively. `model_dir` is the folder from gates.bundle.model_folder (a gate or
     calibration run resolves it once); without it the SKU's fixture is resolved and checked here, for this probe only.
     """
     out_fd = _host_folder(Path(out))
@@ -198,7 +200,7 @@ def probe_in_container(*, manifest: SkuManifest, image: str, docker: Docker, out
         with contextlib.ExitStack() as scope:
             if model_dir is None:
                 scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-fixture-"))
-                model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
+                model_dir = model_folder(manifest=manifest, scratch=Path(scratch))
             spec = probe_spec(manifest=manifest, image=image, out=Path(out), model_dir=model_dir,
                               batch_size=batch_size, threads=threads)
             try:
@@ -423,7 +425,7 @@ def _check_boot(run: _GateRun) -> CheckResult:
     try:
         run.on_event(f"booting {run.shown} ({run.image_id[:19]}) with the probe "
                      f"(deadline {run.manifest.gate.deadline_s} s)")
-        run.model_dir = fixture_folder(name=run.manifest.gate.model, model_dir=None, scratch=run.scratch)
+        run.model_dir = model_folder(manifest=run.manifest, scratch=run.scratch)
         probe = probe_in_container(manifest=run.manifest, image=run.image_id, docker=run.docker,
                                    out=run.out / "probe", model_dir=run.model_dir)
     except (GateCouldNotRun, DockerError, BundleError) as exc:

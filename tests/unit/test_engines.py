@@ -63,18 +63,21 @@ def h200() -> SkuManifest:
 
 
 def test_protocol_members_are_what_the_docs_say() -> None:
-    assert MEMBERS == ["DISTRIBUTIONS", "NAME", "OUTPUTS", "PROBE_ADAPTER", "server"]
+    assert MEMBERS == ["DISTRIBUTIONS", "NAME", "OUTPUTS", "PROBE_ADAPTER", "model_file", "server"]
 
 
 @pytest.mark.parametrize("name", sorted(ALL_ENGINES))
 def test_each_engine_module_declares_every_member_under_its_own_name(name: str) -> None:
     engine = ALL_ENGINES[name]
     assert all(hasattr(engine, member) for member in MEMBERS), [m for m in MEMBERS if not hasattr(engine, m)]
-    assert engine.NAME == name and engine.DISTRIBUTIONS[0].name == name
+    # llama.cpp is installed as llama-cpp-python (its manifests set stack.engine.package)
+    assert engine.NAME == name and engine.DISTRIBUTIONS[0].name == {"llamacpp": "llama-cpp-python"}.get(name, name)
     assert engine is getattr(engines, name)  # one module per engine, named after it
     launch = engine.server(dtype="float32", vendor="nvidia", port=8000, model_dir="/model", host="0.0.0.0",
                            distribution=engine.DISTRIBUTIONS[0].name)
-    assert launch.engine == name and launch.port == 8000 and "/model" in launch.argv
+    model = engine.model_file(dtype="float32", weights="full")
+    assert launch.engine == name and launch.port == 8000
+    assert ("/model" if model is None else f"/model/{model}") in launch.argv
     assert launch.health_path.startswith("/")
 
 
@@ -125,15 +128,15 @@ def test_the_sglang_server_uses_only_flags_verified_in_its_pinned_release() -> N
 
 
 def test_unknown_engine_names_the_known_ones() -> None:
-    with pytest.raises(UnknownEngine, match=rf"unknown inference engine 'llamacpp' \(known: {', '.join(ALL_ENGINES)}\)"):
-        engine_named("llamacpp")
+    with pytest.raises(UnknownEngine, match=rf"unknown inference engine 'mlc' \(known: {', '.join(ALL_ENGINES)}\)"):
+        engine_named("mlc")
     assert engine_named("vllm") is engines.vllm
     assert probe_adapter("none") == "transformers" and probe_adapter("sglang") == "sglang"
     assert engine_outputs("none") == frozenset() and engine_outputs("transformers") == {"hidden", "logprobs_full"}
 
 
 def test_serve_launch_reads_the_registry(h200: SkuManifest) -> None:
-    assert serve_launch(manifest=with_engine(h200, name="llamacpp")) is None
+    assert serve_launch(manifest=with_engine(h200, name="mlc")) is None
     launch = serve_launch(manifest=h200)
     assert launch is not None and launch.engine == "vllm" and launch.prompt == "ids"
     assert launch.argv[3:] == ("--host", "0.0.0.0", "--port", "8000", "--dtype", h200.gate.dtype,
@@ -151,13 +154,14 @@ def test_compat_refresh_covers_every_refreshed_distribution_and_no_other() -> No
 
 def test_every_engine_torch_row_belongs_to_a_registered_distribution() -> None:
     rows = {row.engine for row in load_compat().engine_torch}
-    assert rows == set(engine_distributions())
+    # llama-cpp-python requires no torch (numpy only): it has no engine -> torch row
+    assert rows == set(engine_distributions()) - {"llama-cpp-python"}
 
 
 def test_unknown_engine_is_one_clear_problem(h200: SkuManifest) -> None:
-    problems = check_compat(manifest=with_engine(h200, name="llamacpp"), file=FILE)
+    problems = check_compat(manifest=with_engine(h200, name="mlc"), file=FILE)
     assert [str(p) for p in problems] == [
-        f"skus/test.yaml: stack.engine.name: unknown inference engine 'llamacpp' (known: {', '.join(ALL_ENGINES)}); "
+        f"skus/test.yaml: stack.engine.name: unknown inference engine 'mlc' (known: {', '.join(ALL_ENGINES)}); "
         "fix: name one of them, or add the engine (docs/guide-new-accelerator.md, \"Adding an engine\")"
     ]
 
@@ -191,4 +195,33 @@ def test_cli_reference_capture_offers_the_registrys_engines() -> None:
     args = parser.parse_args(["reference", "capture", "--sku", "cpu-x86_64", "--out", "x"])
     assert args.engine == DEFAULT_ENGINE
     with pytest.raises(SystemExit):
-        parser.parse_args(["reference", "capture", "--sku", "x", "--out", "x", "--engine", "llamacpp"])
+        parser.parse_args(["reference", "capture", "--sku", "x", "--out", "x", "--engine", "mlc"])
+
+
+def test_the_llamacpp_server_serves_the_gguf_of_the_gate_weights_with_a_kv_cache_of_the_gate_dtype() -> None:
+    from engines import llamacpp
+
+    launch = llamacpp.server(dtype="float32", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
+                             distribution="llama-cpp-python")
+    assert launch.argv == ("python3", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0",
+                           "--port", "8000", "--model_alias", "skupin-model", "--n_ctx", "0", "--seed", "0",
+                           "--type_k", "0", "--type_v", "0")
+    assert (launch.model_id, launch.health_path, launch.prompt, launch.returns_logprobs, launch.request_extra) == (
+        "skupin-model", "/v1/models", "text", True, {"repeat_penalty": 1.0})
+    bf16 = llamacpp.server(dtype="bfloat16", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
+                           distribution="llama-cpp-python", weights="q8_0")
+    assert bf16.argv[4] == "/model/model-q8_0.gguf" and bf16.argv[-4:] == ("--type_k", "30", "--type_v", "30")
+    assert llamacpp.model_file(dtype="bfloat16", weights="full") == "model-bf16.gguf"
+    with pytest.raises(ValueError, match="no full-precision GGUF for dtype float16"):
+        llamacpp.model_file(dtype="float16", weights="full")
+    with pytest.raises(ValueError, match="serves no weights 'q4_0'"):
+        llamacpp.file_type(dtype="float32", weights="q4_0")
+
+
+def test_model_file_reads_the_registry(h200: SkuManifest) -> None:
+    from engines import model_file
+
+    assert model_file(h200) is None
+    llama = with_engine(h200, name="llamacpp", package="llama-cpp-python")
+    assert model_file(llama) == ("model-f32.gguf" if h200.gate.dtype == "float32" else "model-bf16.gguf")
+    assert model_file(with_engine(h200, name="mlc")) is None

@@ -341,3 +341,38 @@ def test_an_empty_omit_keeps_the_manifest_digest_and_a_real_one_changes_it(tmp_p
     assert digest("b") == plain
     data["stack"]["omit"] = [{"name": "torchvision", "reason": "not needed for text models"}]
     assert digest("c") != plain
+
+
+def test_gate_weights_default_to_full_and_keep_every_digest(tmp_path):
+    from builder.manifest import load_manifest, manifest_digest
+
+    data = base_dict("cpu-x86_64")
+    def digest(folder: str) -> str:
+        (tmp_path / folder).mkdir()
+        return manifest_digest(load_manifest(write(tmp_path / folder, data)))
+
+    plain = digest("a")
+    assert load_manifest(SKUS / "cpu-x86_64.yaml").gate.weights == "full"
+    data["gate"]["weights"] = "full"
+    assert digest("b") == plain  # unset and the default are the same manifest
+    data["gate"]["weights"] = "q8_0"  # names the GGUF the image's CMD serves: a build input
+    assert digest("c") != plain
+
+
+def test_gate_weights_names_the_field_when_wrong(tmp_path):
+    data = base_dict("cpu-x86_64")
+    data["gate"]["weights"] = "q4_k"
+    _, problems = problems_of(tmp_path, data)
+    (p,) = problems
+    assert p.field == "gate.weights" and "'full' or 'q8_0'" in p.message
+
+
+def test_quantized_weights_need_an_engine_that_serves_them():
+    from builder.compat import check_compat
+    from builder.manifest import load_manifest
+
+    m = load_manifest(SKUS / "cpu-x86_64.yaml")
+    q8 = m.model_copy(update={"gate": m.gate.model_copy(update={"weights": "q8_0"})})
+    problems = [p for p in check_compat(manifest=q8, file="skus/x.yaml") if p.field == "gate.weights"]
+    assert [p.message for p in problems] == [
+        "transformers serves the model folder at full precision only (gate.weights full, not 'q8_0')"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import subprocess
@@ -18,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "imagetools" / "probe.py"
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"
 BUNDLE = REPO / "gates" / "references" / "tiny-llama" / "h200-float32"
-ALLOWED_TOP = {"torch", "transformers", "vllm", "sglang", "__future__"} | set(sys.stdlib_module_names)
+# numpy: only the llama.cpp adapter's path (llama-cpp-python requires it; its image has no torch)
+ALLOWED_TOP = {"torch", "transformers", "vllm", "sglang", "llama_cpp", "numpy", "__future__"} | set(sys.stdlib_module_names)
 
 
 def _imports(source: str) -> set[str]:
@@ -34,7 +36,7 @@ def _imports(source: str) -> set[str]:
 def test_probe_needs_only_stdlib_torch_and_engines_and_never_pickles():
     source = PROBE.read_text()
     assert _imports(source) <= ALLOWED_TOP, _imports(source) - ALLOWED_TOP
-    assert not {"pickle", "numpy", "safetensors", "gates", "builder"} & _imports(source)
+    assert not {"pickle", "safetensors", "gates", "builder"} & _imports(source)
     for banned in ("torch.load", "torch.save", "pickle.", "perturb", "weights_only"):
         assert banned not in source
 
@@ -270,3 +272,147 @@ def test_sglang_adapter_refuses_hidden_states_that_miss_positions(monkeypatch):
     pytest.importorskip("torch")
     with pytest.raises(RuntimeError, match="hidden states for 4 positions of a 6-token prompt"):
         _run_fake_sglang(monkeypatch, _ChunkedHidden)
+
+
+# ---------------------------------------------------------------- llama.cpp adapter, against a fake llama_cpp
+
+FAKE_LLAMA_CPP = '''
+"""A stand-in for llama_cpp: logits are a fixed function of the prefix; embeddings of the position's prefix."""
+import numpy as np
+
+LLAMA_POOLING_TYPE_NONE = 0
+V, H = 40, 6
+made = []
+
+
+def logits(prefix):
+    seed = sum((i + 1) * (t + 3) for i, t in enumerate(prefix)) % 997
+    return np.sin(np.arange(V, dtype=np.float64) * 0.37 + seed).astype(np.float32) * 4
+
+
+def hidden(prefix):
+    return [float(len(prefix) + j + sum(prefix) % 5) for j in range(H)]
+
+
+class Llama:
+    def __init__(self, model_path, **kw):
+        self.path, self.kw, self.n_tokens, self.closed = model_path, kw, 0, False
+        self.ids = []
+        self.scores = np.zeros((kw["n_ctx"], V), dtype=np.float32)
+        made.append(self)
+
+    def n_vocab(self):
+        return V
+
+    def reset(self):
+        self.n_tokens, self.ids = 0, []
+
+    def eval(self, tokens):
+        for t in tokens:
+            self.ids.append(t)
+            self.scores[self.n_tokens] = logits(self.ids)
+            self.n_tokens += 1
+
+    def close(self):
+        self.closed = True
+'''
+
+
+def _run_fake_llamacpp(monkeypatch, tmp_path):
+    probe = _probe_module()
+    fake = type(sys)("llama_cpp")
+    exec(FAKE_LLAMA_CPP, fake.__dict__)  # the test's own source
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    (tmp_path / "model-f32.gguf").write_bytes(b"GGUF")
+
+    def hidden(path, ids, n_ctx, threads, col):
+        for prompt in ids:
+            col.add("hidden", np.asarray([fake.hidden(prompt[: t + 1]) for t in range(len(prompt))], dtype=np.float32))
+        return "fake hidden"
+
+    monkeypatch.setattr(probe, "_llamacpp_hidden", hidden)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    ids = [[3, 7, 1, 30, 12, 5], [9, 9, 2, 31, 0, 4], [1, 2, 3, 4, 5, 6]]
+    opts = {"dtype": "float32", "batch_size": 2, "top_k": 4, "attn": "sdpa", "full_logprobs": 2, "new_tokens": 3,
+            "vocab": fake.V}
+    return probe, fake, ids, opts, probe.run_llamacpp(str(tmp_path), ids, opts, "cpu")
+
+
+def _log_softmax64(x):
+    x = np.asarray(x, dtype=np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def test_llamacpp_adapter_stores_llama_cpps_logits_in_the_common_layout(monkeypatch, tmp_path):
+    from engines import llamacpp
+
+    probe, fake, ids, opts, result = _run_fake_llamacpp(monkeypatch, tmp_path)
+    t = result["tensors"]
+    (llm,) = fake.made
+    assert llm.closed and llm.path == str(tmp_path / "model-f32.gguf")
+    assert {k: llm.kw[k] for k in ("logits_all", "type_k", "type_v", "seed", "n_threads")} == {
+        "logits_all": True, "type_k": 0, "type_v": 0, "seed": 0, "n_threads": 3}
+    assert all(isinstance(v, np.ndarray) for v in t.values())  # numpy only: the image has no torch
+    assert {f"model.{name}" for name in llamacpp.OUTPUTS} <= set(t)
+    n, length = len(ids), len(ids[0])
+    assert t["model.logprobs_full"].shape == (2, length - 1, fake.V) and t["model.hidden"].shape == (n, length, fake.H)
+    for i, prompt in enumerate(ids):
+        for pos in range(length - 1):
+            lp = _log_softmax64(fake.logits(prompt[: pos + 1]))
+            assert t["model.target_logprob"][i, pos] == pytest.approx(lp[prompt[pos + 1]], abs=1e-6)
+            assert list(t["model.topk_ids"][i, pos]) == list(np.argsort(-lp, kind="stable")[:4])
+            if i < 2:
+                assert np.allclose(t["model.logprobs_full"][i, pos], lp, atol=1e-6)
+        seq = list(prompt)
+        for step in range(opts["new_tokens"]):
+            lp = _log_softmax64(fake.logits(seq))
+            top2 = np.sort(lp)[::-1][:2]
+            assert t["model.greedy_ids"][i, step] == int(lp.argmax())
+            assert t["model.greedy_logprob"][i, step] == pytest.approx(top2[0], abs=1e-6)
+            assert t["model.greedy_margin"][i, step] == pytest.approx(top2[0] - top2[1], abs=1e-5)
+            seq.append(int(lp.argmax()))
+    info = result["info"]
+    assert info["gguf"] == "model-f32.gguf" and info["kv_cache"] == "F32" and info["threads"] == 3
+    assert info["gguf_sha256"] == hashlib.sha256(b"GGUF").hexdigest()
+
+
+def test_llamacpp_adapter_needs_exactly_one_gguf(monkeypatch, tmp_path):
+    probe = _probe_module()
+    with pytest.raises(RuntimeError, match="holds 0 GGUF files"):
+        probe._gguf_file(str(tmp_path))
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(RuntimeError, match="holds 2 GGUF files"):
+        probe._gguf_file(str(tmp_path))
+
+
+def test_probe_runs_llamacpp_without_torch(tmp_path):
+    """An image with llama-cpp-python has numpy and no torch: env and model checks work, the kernel battery says why
+    it cannot run, and the tensors are written from numpy arrays."""
+    fake_dir = tmp_path / "site"
+    fake_dir.mkdir()
+    (fake_dir / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    (fake_dir / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")  # import torch fails
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 40}))
+    (model / "model-f32.gguf").write_bytes(b"GGUF")
+    prompts = {"format": "skupin-prompts/1", "new_tokens": 2, "prompts": [{"ids": [1, 5, 7, 9]}, {"ids": [1, 2, 3, 4]}]}
+    (model / "prompts.json").write_text(json.dumps(prompts))
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(fake_dir)}
+    # the fake has no embeddings context: the hidden-state pass is replaced
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import imagetools.probe as p; "
+            "p._llamacpp_hidden = lambda *a: 'none'; sys.exit(p.main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "--model", str(model), "--prompts", str(model / "prompts.json"),
+                           "--out", str(out), "--engine", "llamacpp", "--top-k", "3", "--full-logprobs", "1"],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    report = json.loads((out / "probe.json").read_text())
+    assert done.returncode == 1, done.stderr  # the kernel battery could not run
+    assert report["checks"]["env"]["status"] == "ok" and report["env"]["torch"] is None
+    assert report["env"]["engines"]["llamacpp"] is None  # the fake is no installed distribution
+    assert "needs torch" in report["checks"]["kernels"]["error"]
+    assert report["checks"]["model"]["status"] == "ok", report["checks"]["model"]
+    tensors, _ = read_safetensors(out / "tensors.safetensors")
+    assert tensors["model.topk_ids"].shape == (2, 3, 3) and tensors["model.logprobs_full"].shape == (1, 3, 40)
+    assert tensors["model.input_ids"].dtype == np.int32 and "kernels.matmul.float32" not in tensors

@@ -205,6 +205,15 @@ def test_the_probe_container_gets_no_writable_mount_and_prints_its_outputs(tmp_p
     assert spec.max_stdout_bytes == 256 * 1024**2 and spec.cpus is not None and spec.cpus >= 1
 
 
+def test_the_probe_runs_the_kernel_battery_only_where_the_gate_checks_kernels(tmp_path: Path) -> None:
+    m = manifest("cpu-x86_64")
+    spec = probe_spec(manifest=m, image="img", out=tmp_path / "probe", model_dir=FIXTURE)
+    assert spec.command[spec.command.index("--checks") + 1] == "env,kernels,model"
+    no_kernels = m.model_copy(update={"gate": m.gate.model_copy(update={"checks": ("boot", "model", "serve")})})
+    spec = probe_spec(manifest=no_kernels, image="img", out=tmp_path / "probe", model_dir=FIXTURE)
+    assert spec.command[spec.command.index("--checks") + 1] == "env,model"
+
+
 def test_ipc_is_private_even_where_the_runtime_wants_the_hosts() -> None:
     m = manifest("nvidia-h200-vllm")
     assert m.runtime.ipc == "host"

@@ -97,6 +97,21 @@ def test_replacing_a_class_with_looser_thresholds_needs_consent():
     assert merge_entry(tight, tighter).find(KEY) == tighter
 
 
+def test_a_calibration_without_kernels_keeps_the_classs_kernel_thresholds():
+    """A SKU whose gate does not check kernels (llama.cpp: no torch, no kernel battery) measures none."""
+    ref, runs, _ = _runs((1e-4, 2e-4))
+    for run in runs:
+        del run.tensors["kernels.matmul.float32"]
+    with pytest.raises(GateCouldNotRun, match="did not produce this op"):
+        derive_entry(key=KEY, reference=ref, reference_sha256=SHA, runs=runs, margin=4.0, image="x")
+    entry = derive_entry(key=KEY, reference=ref, reference_sha256=SHA, runs=runs, margin=4.0, image="x", kernels=False)
+    assert entry.kernels == {}
+    with_kernels = merge_entry(Tolerances(), _entry(noises=(1e-4, 2e-4)))
+    merged = merge_entry(with_kernels, entry, allow_looser=True).find(KEY)
+    assert merged is not None and merged.kernels == with_kernels.find(KEY).kernels != {}
+    assert merged.model == entry.model
+
+
 def test_lookup_of_a_missing_class_says_how_to_calibrate():
     with pytest.raises(GateCouldNotRun, match="skupin calibrate"):
         lookup(Tolerances(), KEY)
