@@ -37,7 +37,7 @@ from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import ManifestError
 from dockerd import Docker
-from gates.bundle import fixture_folder
+from gates.bundle import fixture_folder, model_folder
 from gates.fixture import spec_for
 from gates.gate import gate_image, resolve_image
 from gates.serving.ab import (
@@ -309,14 +309,18 @@ def _measure(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], doc
     with contextlib.ExitStack() as scope:
         scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-ab-"))
         folder = fixture_folder(name=baseline.stack.manifest.gate.model, model_dir=None, scratch=Path(scratch))
+        # each engine's own view of the same weights (the fixture, plus a checked GGUF for an engine that loads one)
+        mounts = {role: model_folder(manifest=side.stack.manifest, scratch=Path(scratch), fixture_dir=folder)
+                  for role, side in (("baseline", baseline), ("candidate", candidate))}
         prompt_set = load_prompts(folder / "prompts.json")
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         servers: dict[Role, RunningServer] = {}
         inputs: dict[Role, list[list[Any]]] = {}
         pairs: tuple[tuple[Role, ABInput], ...] = (("baseline", baseline), ("candidate", candidate))
         for role, side in pairs:
-            server = scope.enter_context(running_server(manifest=side.stack.manifest, image=ids[role], docker=docker,
-                                                        model_dir=folder, deadline_s=float(side.stack.manifest.gate.deadline_s),
+            manifest = side.stack.manifest
+            server = scope.enter_context(running_server(manifest=manifest, image=ids[role], docker=docker,
+                                                        model_dir=mounts[role], deadline_s=float(manifest.gate.deadline_s),
                                                         workers=workers, role=f"ab-{role}"))
             servers[role] = server
             launches[role] = tuple(server.launch.argv)
