@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Final
 
 from common.errors import ManifestError
-from engines import sglang, transformers, vllm
+from engines import llamacpp, sglang, transformers, vllm
 from engines.base import (
     MODEL_MOUNT,
     SERVE_PORT,
@@ -39,6 +39,7 @@ ALL_ENGINES: Final[dict[str, InferenceEngine]] = {
     "transformers": transformers,
     "vllm": vllm,
     "sglang": sglang,
+    "llamacpp": llamacpp,
 }
 # The engine whose probe adapter runs when a SKU names no registered engine (stack.engine.name: none),
 # and the default of `skupin reference capture --engine`.
