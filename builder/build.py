@@ -325,7 +325,7 @@ class RunBuildKit(Frozen):
     ca_given: bool = Field(False, description="An extra CA bundle was given (else a TLS failure's hint asks for one)")
     export_stage: str | None = Field(None, description="A source-built engine's wheel stage, exported after the build "
                                                        "(from BuildKit's cache) for the host's record")
-    store: Path = Field(STORE, description="The wheel store the exported wheel is put into")
+    store: Path | None = Field(None, description="The wheel store the exported wheel is put into (with export_stage)")
 
 
 class VerifyInstalled(Frozen):
@@ -393,7 +393,8 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
         RunBuildKit(build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
                                 "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
                     secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None,
-                    export_stage=ENGINE_WHEEL_STAGE if from_source else None, store=wheel_store or STORE),
+                    export_stage=ENGINE_WHEEL_STAGE if from_source else None,
+                    store=(wheel_store or STORE) if from_source else None),
         VerifyInstalled(locked=locked_versions(lock)),
         TagImage(tag=image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)),
     ]
@@ -483,7 +484,7 @@ def _run_buildkit(step: RunBuildKit, run: _Execution) -> None:
             run.docker.build(context=context, dockerfile=context / "Dockerfile", build_args=step.build_args,
                              secrets=step.secrets or None, on_line=lambda _: None, target=step.export_stage,
                              output_dir=out)
-            run.built_wheel = export_wheel(out, lock=run.lock, image_id=run.image_id, store=step.store)
+            run.built_wheel = export_wheel(out, lock=run.lock, image_id=run.image_id, store=step.store or STORE)
     except BuildError as exc:
         raise _failure(exc, lines=run.lines, dockerfile=run.rendered.text, ca_given=step.ca_given) from exc
     finally:

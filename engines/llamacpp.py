@@ -13,6 +13,8 @@ from typing import Final
 from engines.base import SERVED_NAME, Distribution, Output, ServerLaunch
 
 NAME: Final = "llamacpp"
+# tests/unit/test_engines.py: no probe adapter of its own yet, and its distribution is not named after the engine
+PLACEHOLDER: Final = True
 # No Linux wheel on PyPI: SKUs build it from its sdist (stack.engine.source kind sdist); its rows in
 # builder/data/compat.yaml are kept by hand.
 DISTRIBUTIONS: Final = (Distribution(name="llama-cpp-python", refresh_since=None),)

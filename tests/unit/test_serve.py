@@ -99,9 +99,9 @@ def test_prompt_input_is_text_for_transformers_and_ids_otherwise() -> None:
 
 def test_unknown_engine_cannot_run() -> None:
     m = manifest("cpu-x86_64")
-    engine = m.stack.engine.model_copy(update={"name": "llamacpp"})
+    engine = m.stack.engine.model_copy(update={"name": "tensorrt"})
     other = m.model_copy(update={"stack": m.stack.model_copy(update={"engine": engine})})
-    with pytest.raises(GateCouldNotRun, match="llamacpp"):
+    with pytest.raises(GateCouldNotRun, match="tensorrt"):
         launch_command(manifest=other)
 
 

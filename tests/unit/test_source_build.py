@@ -288,3 +288,19 @@ def test_a_built_wheel_record_is_frozen_json(tmp_path: Path) -> None:
     record = BuiltWheel(sku="s", lock_sha256="3" * 64, image_id="i", sdist=sdist, wheel=wheel, created="")
     path = write_built(record, folder=tmp_path)
     assert BuiltWheel.model_validate(json.loads(path.read_text())) == record
+
+
+def test_the_build_plan_gathers_the_build_wheels_and_records_the_built_wheel(tmp_path: Path) -> None:
+    from builder.build import GatherWheels, RecordBuiltWheel, RunBuildKit, plan_build
+    from builder.check import resolve
+    from builder.render import render
+
+    rendered = render(resolve(SKU, require_lock=True))
+    lock = rendered.stack.current_lock
+    steps = plan_build(rendered, wheel_store=tmp_path / "store", built=tmp_path / "built", records=tmp_path / "records")
+    assert [s.kind for s in steps] == ["base", "wheels", "context", "buildkit", "verify", "tag", "built", "record"]
+    gather = next(s for s in steps if isinstance(s, GatherWheels))
+    assert set(gather.packages) == {*lock.packages().values(), *lock.build}  # the sdist and the build wheels too
+    buildkit = next(s for s in steps if isinstance(s, RunBuildKit))
+    assert buildkit.export_stage == ENGINE_WHEEL_STAGE and buildkit.store == tmp_path / "store"
+    assert next(s for s in steps if isinstance(s, RecordBuiltWheel)).folder == tmp_path / "built"

@@ -5,6 +5,7 @@
 ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
 
 # stage: engine build (llama-cpp-python 0.3.36 from its sdist; only the wheel it makes reaches the image)
+# layer: engine-build
 FROM ${SKUPIN_BASE} AS skupin-engine-build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -34,6 +35,7 @@ FROM scratch AS skupin-engine-wheel
 COPY --from=skupin-engine-build /out/ /
 
 # stage: the image
+# layer: preamble
 FROM ${SKUPIN_BASE}
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive \
