@@ -544,7 +544,9 @@ class Docker:
         """
         with tempfile.TemporaryDirectory(prefix="skupin-build-") as tmp:
             iidfile = Path(tmp) / "iid"
-            cmd = [self.cli(), "build", "--progress=plain", "--iidfile", str(iidfile), "-f", str(dockerfile)]
+            cmd = [self.cli(), "build", "--progress=plain", "-f", str(dockerfile)]
+            if output_dir is None:  # a local export makes no image, and the CLI fails on an --iidfile it cannot write
+                cmd[3:3] = ["--iidfile", str(iidfile)]
             for k, v in (build_args or {}).items():
                 cmd += ["--build-arg", f"{k}={v}"]
             for k, path in (secrets or {}).items():
