@@ -58,6 +58,9 @@ RUN --mount=type=bind,from=skupin-engine-build,source=/out,target=/tmp/skupin-bu
     'llama-cpp-python[server]==0.3.36'
 
 # layer: extras
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1=12.2.0-14+deb12u1 \
+ && rm -rf /var/lib/apt/lists/*
 
 # layer: labels
 ENV OMP_NUM_THREADS="1"

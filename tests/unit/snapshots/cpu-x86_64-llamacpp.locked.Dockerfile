@@ -70,6 +70,9 @@ RUN --mount=type=bind,from=skupin-engine-build,source=/out,target=/tmp/skupin-bu
     --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode /tmp/skupin-built/requirements.txt
 
 # layer: extras
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1=12.2.0-14+deb12u1 \
+ && rm -rf /var/lib/apt/lists/*
 
 # layer: labels
 ENV OMP_NUM_THREADS="1"
