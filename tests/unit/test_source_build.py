@@ -160,7 +160,8 @@ def test_the_lock_records_the_sdist_its_build_wheels_and_its_run_wheels(tmp_path
     assert [p.name for p in lock.build] == ["packaging", "pathspec", "scikit-build-core"]
     assert all(p.filename.endswith(".whl") and len(p.sha256) == 64 for p in (*lock.build, *engine.values())
                if p.source != "sdist")
-    assert lock.system == {BUILD_STAGE: ("g++-12=12.2.0-14+deb12u1", "cmake=3.25.1-1", "make=4.3-4.1")}
+    assert lock.system == {BUILD_STAGE: ("g++-12=12.2.0-14+deb12u1", "cmake=3.25.1-1", "make=4.3-4.1"),
+                           "extras": ("libgomp1=12.2.0-14+deb12u1",)}  # the image's own: the OpenMP runtime
     assert [r.layer for r in resolver.requests] == ["engine", "build"]
     assert resolver.requests[0].requirements == ("numpy>=1.20.0", "uvicorn>=0.22.0")
     assert resolver.requests[1].requirements == ("scikit-build-core[pyproject]>=0.9.2",)
@@ -210,7 +211,7 @@ def test_the_locked_render_builds_the_sdist_offline_in_its_own_stage() -> None:
     assert "g++-12" not in image and "cmake" not in image and sdist.filename not in image
     assert f"--mount=type=bind,from={ENGINE_BUILD_STAGE},source=/out,target=/tmp/skupin-built" in image
     from builder.imageconfig import apt_installs
-    assert apt_installs(rendered.text) == ("ca-certificates", "python3.11", "python3.11-venv")
+    assert apt_installs(rendered.text) == ("ca-certificates", "python3.11", "python3.11-venv", "libgomp1")
 
 
 # ---------------------------------------------------------------- the host's record of the built wheel
