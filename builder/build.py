@@ -29,6 +29,7 @@ import fcntl
 import functools
 import json
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ from pydantic import Field
 from builder.base import BASES, ensure_base
 from builder.lockfile import Lock, LockedPackage, image_tag
 from builder.manifest import SkuManifest
-from builder.render import RenderedDockerfile, write_context
+from builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
+from builder.sourcebuild import RECORDS as BUILT_RECORDS
+from builder.sourcebuild import BuiltWheel, export_wheel, write_built
 from builder.stack import ResolvedStack
 from builder.wheels import STORE, fetch_wheels
 from common.errors import BuildError, DockerError, LockError
@@ -320,6 +323,9 @@ class RunBuildKit(Frozen):
     secrets: dict[str, Path] = Field(default_factory=dict)
     no_cache: bool = False
     ca_given: bool = Field(False, description="An extra CA bundle was given (else a TLS failure's hint asks for one)")
+    export_stage: str | None = Field(None, description="A source-built engine's wheel stage, exported after the build "
+                                                       "(from BuildKit's cache) for the host's record")
+    store: Path | None = Field(None, description="The wheel store the exported wheel is put into (with export_stage)")
 
 
 class VerifyInstalled(Frozen):
@@ -336,6 +342,13 @@ class TagImage(Frozen):
     tag: str
 
 
+class RecordBuiltWheel(Frozen):
+    """Record the wheel a source-built engine's build stage made (builder/sourcebuild.py), for the gate's pins check."""
+
+    kind: Literal["built"] = "built"
+    folder: Path
+
+
 class WriteRecord(Frozen):
     """Write the build record `<folder>/<sku>.json`."""
 
@@ -343,7 +356,8 @@ class WriteRecord(Frozen):
     folder: Path
 
 
-BuildStep = EnsureBase | GatherWheels | WriteContext | RunBuildKit | VerifyInstalled | TagImage | WriteRecord
+BuildStep = (EnsureBase | GatherWheels | WriteContext | RunBuildKit | VerifyInstalled | TagImage | RecordBuiltWheel
+             | WriteRecord)
 
 
 def locked_stack(rendered: RenderedDockerfile) -> tuple[ResolvedStack, Lock]:
@@ -360,7 +374,8 @@ def locked_stack(rendered: RenderedDockerfile) -> tuple[ResolvedStack, Lock]:
 
 def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, ca_bundle: Path | None = None,
                no_cache: bool = False, records: Path | None = None, wheel_store: Path | None = None,
-               contexts: Path | None = None, bases: Path | None = None) -> tuple[BuildStep, ...]:
+               contexts: Path | None = None, bases: Path | None = None, built: Path | None = None
+               ) -> tuple[BuildStep, ...]:
     """Every step of the build of `rendered`, decided before anything runs (pure: no Docker, network or files).
 
     `rendered` must come from a stack whose lock is current (LockError otherwise: the image would not
@@ -369,17 +384,22 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
     stack, lock = locked_stack(rendered)
     manifest = stack.manifest
     secrets = {CA_SECRET_ID: ca_bundle} if ca_bundle is not None and f"id={CA_SECRET_ID}" in rendered.text else {}
+    from_source = bool(lock.sources())
     steps: list[BuildStep] = [
         EnsureBase(manifest=manifest, bases=bases or BASES),
-        GatherWheels(packages=tuple(lock.packages().values()), store=wheel_store or STORE, wheelhouse=wheelhouse,
-                     ca_bundle=ca_bundle),
+        GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or STORE,
+                     wheelhouse=wheelhouse, ca_bundle=ca_bundle),
         WriteContext(folder=(contexts or STATE / "contexts") / manifest.name),
         RunBuildKit(build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
                                 "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
-                    secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None),
+                    secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None,
+                    export_stage=ENGINE_WHEEL_STAGE if from_source else None,
+                    store=(wheel_store or STORE) if from_source else None),
         VerifyInstalled(locked=locked_versions(lock)),
         TagImage(tag=image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)),
     ]
+    if from_source:
+        steps.append(RecordBuiltWheel(folder=built or BUILT_RECORDS))
     if records is not None:
         steps.append(WriteRecord(folder=records))
     return tuple(steps)
@@ -411,6 +431,8 @@ class _Execution:
     tag: str = ""
     phases: dict[str, float] = field(default_factory=dict)
     built: BuiltImage | None = None
+    built_wheel: BuiltWheel | None = None
+    exported: Path | None = None  # the source-built engine's exported wheel stage (a temporary folder)
 
     def result(self) -> BuiltImage:
         """The BuiltImage of a tagged build (made once: the record and the caller get the same object)."""
@@ -455,11 +477,18 @@ def _run_buildkit(step: RunBuildKit, run: _Execution) -> None:
     try:
         run.image_id = run.docker.build(context=context, dockerfile=context / "Dockerfile", build_args=step.build_args,
                                         secrets=step.secrets or None, no_cache=step.no_cache, on_line=sink)
+        run.steps = parse_progress(run.lines, dockerfile=run.rendered.text)
+        if step.export_stage:
+            # the same context and arguments: every step is in BuildKit's cache, only the wheel stage's files come out
+            out = Path(run.held.enter_context(tempfile.TemporaryDirectory(prefix="skupin-built-")))
+            run.docker.build(context=context, dockerfile=context / "Dockerfile", build_args=step.build_args,
+                             secrets=step.secrets or None, on_line=lambda _: None, target=step.export_stage,
+                             output_dir=out)
+            run.built_wheel = export_wheel(out, lock=run.lock, image_id=run.image_id, store=step.store or STORE)
     except BuildError as exc:
         raise _failure(exc, lines=run.lines, dockerfile=run.rendered.text, ca_given=step.ca_given) from exc
     finally:
         run.held.close()  # the context folder is free for the next build of this SKU
-    run.steps = parse_progress(run.lines, dockerfile=run.rendered.text)
 
 
 def _verify_installed(step: VerifyInstalled, run: _Execution) -> None:
@@ -495,6 +524,12 @@ def _run_step(step: BuildStep, run: _Execution) -> None:
             _verify_installed(step, run)
         case TagImage():
             _tag_image(step, run)
+        case RecordBuiltWheel():
+            if run.built_wheel is None:
+                raise BuildError("the build plan records a built wheel, but BuildKit exported none")
+            write_built(run.built_wheel, folder=step.folder)
+            run.on_line(f"recorded the engine wheel built from {run.built_wheel.sdist.filename}: "
+                        f"{run.built_wheel.wheel.filename} sha256 {run.built_wheel.wheel.sha256[:12]}")
         case WriteRecord():
             write_record(built=run.result(), folder=step.folder)
 

@@ -62,11 +62,12 @@ class TorchRocmRow(Row):
 
 
 class EngineTorchRow(Row):
-    """An engine release -> the torch versions it requires."""
+    """An engine release -> the torch versions it requires ("none": it requires no torch, see `reason`)."""
 
     engine: str
     version: str
     torch: str
+    reason: str | None = None  # why an engine needs no torch (required with torch: none)
 
 
 class CudaDriverRow(Row):
@@ -111,7 +112,8 @@ class CompatData(Frozen):
 
     def engines_for_torch(self, engine: str, torch: Version) -> tuple[str, ...]:
         """Releases of `engine` whose torch requirement admits `torch`, oldest first."""
-        found = [r.version for r in self.engine_torch if r.engine == engine and SpecifierSet(r.torch).contains(torch)]
+        found = [r.version for r in self.engine_torch
+                 if r.engine == engine and r.torch != "none" and SpecifierSet(r.torch).contains(torch)]
         return tuple(sorted(found, key=Version))
 
     def min_driver(self, cuda_series: str) -> CudaDriverRow | None:
@@ -139,7 +141,12 @@ def _validate_versions(compat: CompatData) -> None:
     for torch_row in compat.torch_compiler:
         Version(torch_row.torch), SpecifierSet(torch_row.requires)
     for engine_row in compat.engine_torch:
-        Version(engine_row.version), SpecifierSet(engine_row.torch)
+        Version(engine_row.version)
+        if engine_row.torch == "none":
+            if not engine_row.reason:
+                raise ValueError(f"engine_torch row {engine_row.engine} {engine_row.version}: torch none needs a reason")
+        else:
+            SpecifierSet(engine_row.torch)
     for driver_row in compat.cuda_driver:
         Version(driver_row.cuda), Version(driver_row.min_driver)
 
@@ -327,6 +334,12 @@ def _engine_torch(m: SkuManifest, file: str, data: CompatData) -> list[Problem]:
     if row is None:
         return [Problem(file, "stack.engine.version",
                         f"{eng.distribution} {eng.version} is not in the compatibility data", REFRESH)]
+    if row.torch == "none":  # an engine with its own tensor library (llama.cpp: ggml)
+        if fw.name == "none":
+            return []
+        return [Problem(file, "stack.framework.name", f"{eng.distribution} {eng.version} requires no torch "
+                        f"({row.reason}); the image would carry {fw.name} unused",
+                        "set stack.framework to name: none, version: none, source: {kind: none} with a reason")]
     if not _is_torch(fw) or tv is None:
         return [Problem(file, "stack.framework.name", f"{eng.distribution} {eng.version} needs torch {row.torch}, "
                         f"not {fw.distribution}; expected torch", "set stack.framework.name: torch")]

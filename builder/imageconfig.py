@@ -244,13 +244,37 @@ class _State:
         return (*(self.config.shell or ("/bin/sh", "-c")), rest)
 
 
+def final_stage(dockerfile: str) -> list[tuple[str, str]]:
+    """The instructions of the stage that makes the image: the global ARGs, then the last FROM and what follows.
+
+    Earlier stages (a source-built engine's build stage) must be named (`FROM ... AS name`), and the
+    last FROM may not start from one of them: the image's config then comes from the base alone.
+    """
+    found = instructions(dockerfile)
+    froms = [i for i, (word, _) in enumerate(found) if word == "FROM"]
+    if not froms:
+        return found
+    names: set[str] = set()
+    for i in froms[:-1]:
+        words = found[i][1].split()
+        if len(words) != 3 or words[1].upper() != "AS":
+            raise DockerfileConfigError(f"an earlier stage is not named (FROM {found[i][1][:80]}): only the last "
+                                        "stage may be unnamed")
+        names.add(words[2].lower())
+    last = found[froms[-1]][1].split()
+    if last and last[0].lower() in names:
+        raise DockerfileConfigError(f"the last stage starts from the earlier stage {last[0]}, not from the base")
+    head = [(w, r) for w, r in found[:froms[0]]]
+    return head + found[froms[-1]:]
+
+
 def config_of(dockerfile: str, base: ImageConfig) -> ImageConfig:
-    """The config BuildKit gives the image of `dockerfile` (one stage) built FROM a base whose config is `base`."""
+    """The config BuildKit gives the image of `dockerfile` (its last stage) built FROM a base whose config is `base`."""
     state: _State | None = None
-    for word, rest in instructions(dockerfile):
+    for word, rest in final_stage(dockerfile):
         if word == "FROM":
             if state is not None:
-                raise DockerfileConfigError("more than one FROM: multi-stage Dockerfiles are not read here")
+                raise DockerfileConfigError("more than one FROM in the last stage")
             state = _State(base)
             continue
         if state is None:
@@ -327,9 +351,10 @@ _APT_INSTALL = re.compile(r"apt-get\s+install\s+([^&|;]*)")
 
 
 def apt_installs(dockerfile: str) -> tuple[str, ...]:
-    """The Debian packages the Dockerfile's RUN lines name to `apt-get install` (names, without =version)."""
+    """The Debian packages the RUN lines of the Dockerfile's last stage (the image's) name to `apt-get install`
+    (names, without =version); a build stage's packages are not the image's."""
     names: list[str] = []
-    for word, rest in instructions(dockerfile):
+    for word, rest in final_stage(dockerfile):
         if word != "RUN":
             continue
         for match in _APT_INSTALL.finditer(rest):

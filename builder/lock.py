@@ -36,6 +36,7 @@ from packaging.version import InvalidVersion, Version
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
 from builder.render import render_manifest
+from builder.sdist import SdistFetcher, applicable, fetch_sdist, read_sdist
 from builder.stack import LockState
 from builder.wheels import file_sha256
 from common import __version__
@@ -165,9 +166,14 @@ def _mirrored(url: str, *, index_url: str | None) -> str:
 
 
 def plan_layers(
-    *, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None, index_url: str | None = None
+    *, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None, index_url: str | None = None,
+    sdist_requires: tuple[str, ...] = (),
 ) -> tuple[LayerPlan, ...]:
-    """The Python layers to resolve, in order; LockError for sources that cannot be locked here."""
+    """The Python layers to resolve, in order; LockError for sources that cannot be locked here.
+
+    A source-built engine (stack.engine.source kind sdist) is not resolved: its layer holds what its
+    sdist requires to run (`sdist_requires`, read from the sdist by `lock_sku`).
+    """
     file, sku = display_path(manifest_path), manifest.name
     pins = manifest.stack.pins()
     mirror = functools.partial(_mirrored, index_url=index_url)
@@ -182,9 +188,14 @@ def plan_layers(
                                        indexes=(mirror(manifest.extras.index),)))
             continue
         pin = pins[layer]
+        src = pin.source
+        if src.kind == "sdist":
+            if sdist_requires:
+                plans.append(LayerPlan(layer=layer, requirements=sdist_requires, pins=(),
+                                       indexes=tuple(dict.fromkeys((mirror(src.index), mirror(manifest.extras.index))))))
+            continue
         if not pin.is_python:
             continue
-        src = pin.source
         if src.kind == "git":
             problems.append(Problem(
                 file, f"stack.{layer}.source",
@@ -218,6 +229,9 @@ def source_urls(*, manifest: SkuManifest, index_url: str | None = None) -> tuple
     found: list[tuple[str, str, str]] = []
     mirror = functools.partial(_mirrored, index_url=index_url)
     for layer, pin in manifest.stack.pins().items():
+        if pin.source.kind == "sdist":
+            found.append((f"stack.{layer}.source.index", "index", mirror(pin.source.index)))
+            continue
         if layer not in PY_LAYERS or not pin.is_python:
             continue
         field, url = _index_field(layer, pin)
@@ -479,12 +493,20 @@ def _locked(item: Resolved, url_pins: set[str]) -> LockedPackage:
                          url=item.url, source=source)
 
 
+BUILD_STAGE = "build"  # lock.system's key for the apt packages of a source-built engine's build stage
+
+
 def _system(manifest: SkuManifest) -> dict[str, tuple[str, ...]]:
+    """apt packages per layer; those only the build stage of a source-built engine installs under BUILD_STAGE."""
     out: dict[str, list[str]] = {}
+    engine = manifest.stack.engine
     for layer, pin in manifest.stack.pins().items():
         if pin.source.kind == "apt":
             src = pin.source
-            out.setdefault(layer, []).append(f"{src.package}={src.version}" if src.version else src.package)
+            where = BUILD_STAGE if engine.source.kind == "sdist" and layer == "compiler" else layer
+            out.setdefault(where, []).append(f"{src.package}={src.version}" if src.version else src.package)
+    if engine.source.kind == "sdist":
+        out.setdefault(BUILD_STAGE, []).extend(f"{p.name}={p.version}" for p in engine.source.build_packages)
     for pkg in manifest.extras.system:
         out.setdefault("extras", []).append(f"{pkg.name}={pkg.version}" if pkg.version else pkg.name)
     return {k: tuple(v) for k, v in out.items()}
@@ -557,16 +579,17 @@ def assign_layers(
 
 def lockable_plans(
     *, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None, index_url: str | None,
-    reachable: Callable[[str], bool],
+    reachable: Callable[[str], bool], sdist_requires: tuple[str, ...] = (),
 ) -> tuple[LayerPlan, ...]:
     """The layer plans, once every source is known to be lockable here; else LockError naming each that is not."""
     problems: list[Problem] = []
     try:
-        plans = plan_layers(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse, index_url=index_url)
+        plans = plan_layers(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse, index_url=index_url,
+                            sdist_requires=sdist_requires)
     except LockError as exc:
         problems += exc.problems
         plans = ()
-    if any(pin.is_python for pin in manifest.stack.pins().values()) or manifest.extras.python:
+    if any(pin.is_python or pin.is_sdist for pin in manifest.stack.pins().values()) or manifest.extras.python:
         problems += unreachable_sources(manifest=manifest, manifest_path=manifest_path, index_url=index_url,
                                         reachable=reachable)
     if problems:
@@ -585,32 +608,55 @@ def lock_sku(
     ca_bundle: Path | None = None,
     resolve: Resolver | None = None,
     reachable: Callable[[str], bool] | None = None,
+    sdist: SdistFetcher | None = None,
 ) -> Lock:
     """Resolve every Python layer of a SKU (pins kept exact, every file hashed, layers disjoint) into a Lock.
 
     One pip resolution of all pins together gives one consistent set; each layer then holds what
     its pins add to the layers below (the closure of framework; + compiler; + engine; + extras).
+    A source-built engine (stack.engine.source kind sdist, builder/sdist.py) is locked as its sdist
+    (the index's sha256), its layer as what the sdist requires to run, and `Lock.build` as the
+    wheels its build-system requires, resolved on their own (they never reach the served image).
     """
     say = progress or (lambda _msg: None)
     file = display_path(manifest_path)
+    engine = manifest.stack.engine
+    env = target_environment(manifest)
+    sdist_pkg: LockedPackage | None = None
+    run_reqs: tuple[str, ...] = ()
+    build_reqs: tuple[str, ...] = ()
+    if engine.source.kind == "sdist":
+        problems = unreachable_sources(manifest=manifest, manifest_path=manifest_path, index_url=index_url,
+                                       reachable=reachable or tcp_reachable)
+        if problems:
+            raise LockError(f"{file}: cannot be locked on this machine", tuple(problems))
+        index = _mirrored(engine.source.index, index_url=index_url)
+        fetch = sdist or (lambda pin, url: fetch_sdist(pin, url, ca_bundle=ca_bundle or default_ca_bundle(),
+                                                       on_event=say))
+        try:
+            sdist_pkg, path = fetch(engine, index)
+            info = read_sdist(path, sdist_pkg)
+        except LockError as exc:
+            raise LockError(f"{file}: stack.engine.source: {exc}") from exc
+        what = f"{file}: {sdist_pkg.filename}"
+        run_reqs = applicable(info.requires_dist, env=env, extras=engine.extras, what=what)
+        build_reqs = applicable(info.build_requires, env=env, what=what)
+        say(f"{sdist_pkg.filename} (sha256 {sdist_pkg.sha256[:12]}): builds with {' '.join(build_reqs)}; "
+            f"runs with {len(run_reqs)} requirement(s)")
     plans = lockable_plans(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse,
-                           index_url=index_url, reachable=reachable or tcp_reachable)
+                           index_url=index_url, reachable=reachable or tcp_reachable, sdist_requires=run_reqs)
     layers: dict[str, tuple[LockedPackage, ...]] = {layer: () for layer in PY_LAYERS}
+    build: tuple[LockedPackage, ...] = ()
     resolver = "none (no Python layers)"
-    if plans:
+    if plans or build_reqs:
         if resolve is None:
             bundle = ca_bundle or default_ca_bundle()
             resolve = lambda req: run_pip(req, ca_bundle=bundle)  # noqa: E731
-        env = target_environment(manifest)
-        omit = frozenset(str(canonicalize_name(o.name)) for o in manifest.stack.omit)
+    omit = frozenset(str(canonicalize_name(o.name)) for o in manifest.stack.omit)
+    if plans:
+        assert resolve is not None
         roots = tuple(r for plan in plans for r in plan.requirements)
-        request = PipRequest(
-            layer=",".join(p.layer for p in plans), requirements=roots,
-            index_url=plans[0].indexes[0],
-            extra_index_urls=tuple(dict.fromkeys(u for p in plans for u in p.indexes if u != plans[0].indexes[0])),
-            find_links=(str(wheelhouse),) if wheelhouse is not None and any(p.wheelhouse for p in plans) else (),
-            python=manifest.base.python, abis=target_abis(manifest), platforms=target_platforms(manifest),
-        )
+        request = _request(manifest, layer=",".join(p.layer for p in plans), plans=plans, wheelhouse=wheelhouse)
         started = time.monotonic()
         say(f"resolving {' '.join(roots)} for CPython {manifest.base.python} {manifest.base.platform}")
         resolved, pip_version = resolve_target(request=request, plans=plans, resolve=resolve, env=env, file=file,
@@ -619,6 +665,17 @@ def lock_sku(
         resolver = f"pip {pip_version}"
         counts = ", ".join(f"{k} {len(v)}" for k, v in layers.items())
         say(f"resolved {len(resolved)} packages in {time.monotonic() - started:.1f} s ({counts})")
+    if sdist_pkg is not None:
+        layers["engine"] = tuple(sorted((*layers["engine"], sdist_pkg), key=lambda p: p.name))
+    if build_reqs:
+        assert resolve is not None and engine.source.kind == "sdist"
+        plan = LayerPlan(layer="build", requirements=build_reqs, pins=(),
+                         indexes=(_mirrored(engine.source.index, index_url=index_url),))
+        say(f"resolving the build stage's {' '.join(build_reqs)}")
+        resolved, pip_version = resolve_target(request=_request(manifest, layer="build", plans=(plan,), wheelhouse=None),
+                                               plans=(plan,), resolve=resolve, env=env, file=file, progress=say)
+        build = tuple(_locked(resolved[n], set()) for n in sorted(resolved))
+        resolver = f"pip {pip_version}"
     return Lock(
         sku=manifest.name,
         manifest_sha256=manifest_digest(manifest),
@@ -628,10 +685,23 @@ def lock_sku(
         layers=layers,
         system=_system(manifest),
         omitted={str(canonicalize_name(o.name)): o.reason for o in manifest.stack.omit},
+        build=build,
         dockerfile_sha256=dockerfile_sha256 or _pins_dockerfile_sha256(manifest),
         resolver=resolver,
         tool_version=__version__,
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+
+
+def _request(manifest: SkuManifest, *, layer: str, plans: Sequence[LayerPlan], wheelhouse: Path | None) -> PipRequest:
+    """One pip request for `plans` together, aimed at the image's platform and Python."""
+    first = plans[0].indexes[0]
+    return PipRequest(
+        layer=layer, requirements=tuple(r for plan in plans for r in plan.requirements),
+        index_url=first,
+        extra_index_urls=tuple(dict.fromkeys(u for p in plans for u in p.indexes if u != first)),
+        find_links=(str(wheelhouse),) if wheelhouse is not None and any(p.wheelhouse for p in plans) else (),
+        python=manifest.base.python, abis=target_abis(manifest), platforms=target_platforms(manifest),
     )
 
 
@@ -688,12 +758,18 @@ def stale_reasons(*, manifest: SkuManifest, lock: Lock, dockerfile_sha256: str) 
                        f"{manifest.base.platform}")
     packages = lock.packages()
     wanted = [(layer, pin.distribution, pin.version) for layer, pin in manifest.stack.pins().items()
-              if pin.is_python and pin.source.kind != "git"]
+              if (pin.is_python and pin.source.kind != "git") or pin.is_sdist]
     wanted += [("extras", p.name, p.version) for p in manifest.extras.python]
     for layer, dist, version in wanted:
         got = packages.get(canonicalize_name(dist))
         if got is None or got.version != version:
             reasons.append(f"{layer} pin {dist}=={version} but the lock has {got.version if got else 'none'}")
+    sdists = set(lock.sources())
+    wanted_sdists = {str(canonicalize_name(p.distribution)) for p in manifest.stack.pins().values() if p.is_sdist}
+    if sdists != wanted_sdists:
+        reasons.append("the engine's source (a wheel or an sdist built in the image) differs from the lock")
+    elif wanted_sdists and not lock.build:
+        reasons.append("the lock records no wheels to build the engine's sdist with")
     if lock.system != _system(manifest):
         reasons.append("apt pins differ from the lock")
     if lock.omitted != {str(canonicalize_name(o.name)): o.reason for o in manifest.stack.omit}:

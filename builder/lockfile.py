@@ -29,7 +29,7 @@ class LockedPackage(Frozen):
     url: str | None = Field(
         None, description="The file's own download URL (pip report download_info.url); None for a wheelhouse file"
     )
-    source: Literal["index", "wheelhouse", "url", "git"] = "index"
+    source: Literal["index", "wheelhouse", "url", "git", "sdist"] = "index"
 
     def requirement(self) -> str:
         """The pip requirement line that installs exactly this file (hash-checked)."""
@@ -62,6 +62,9 @@ class Lock(Frozen):
         default_factory=dict,
         description="Requirements of locked distributions the image leaves out (stack.omit): name -> reason",
     )
+    build: tuple[LockedPackage, ...] = Field(
+        (), description="Wheels that build a source-built engine (stack.engine.source kind sdist) in the image's "
+                        "build stage: its build-system requirements; not installed in the served image")
     dockerfile_sha256: Sha256
     resolver: str = Field(description="The resolver and its version, e.g. pip 25.3")
     tool_version: str
@@ -72,11 +75,17 @@ class Lock(Frozen):
         data = self.model_dump(mode="json", exclude={"created"})
         if not self.omitted:  # a lock without omissions keeps the hash it had before the field existed
             del data["omitted"]
+        if not self.build:  # likewise a lock that builds nothing from source
+            del data["build"]
         return hashlib.sha256(canonical_json(data)).hexdigest()
 
     def packages(self) -> dict[str, LockedPackage]:
         """Every locked Python package by normalised name."""
         return {canonicalize_name(p.name): p for layer in self.layers.values() for p in layer}
+
+    def sources(self) -> dict[str, LockedPackage]:
+        """The locked source distributions built inside the image (source sdist), by normalised name."""
+        return {name: p for name, p in self.packages().items() if p.source == "sdist"}
 
 
 

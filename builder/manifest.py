@@ -135,6 +135,40 @@ class AptSource(Model):
     version: DebVersion | None = None
 
 
+class BuildPackage(Model):
+    """A Debian package the build stage of a source-built engine installs, at an exact version."""
+
+    name: DebName
+    version: DebVersion
+
+
+CMakeArg = Annotated[str, Field(pattern=r"^-D[A-Za-z_][A-Za-z0-9_]{0,63}=[A-Za-z0-9_.,;+-]{0,128}$")]
+
+
+class SdistSource(Model):
+    """The engine built from its source distribution inside the image (a build stage), for engines with no wheel.
+
+    The lock records the sdist (URL and sha256 from the index), the wheels that build it (its
+    build-system requirements) and the wheels it needs to run; the build stage installs the apt
+    compiler pin and `build_packages`, builds a wheel from the hashed sdist offline and the served
+    image installs only that wheel (docs/GATE.md: how the gate verifies its files).
+    """
+
+    kind: Literal["sdist"]
+    index: Url = Field(PYPI, description="The index the sdist and its build and run requirements come from")
+    build_packages: tuple[BuildPackage, ...] = Field(
+        (), description="Debian packages of the build stage beside the compiler pin (cmake, make), exact versions")
+    cmake_args: tuple[CMakeArg, ...] = Field(
+        (), max_length=32, description="CMAKE_ARGS of the build, -DNAME=VALUE each (e.g. -DGGML_NATIVE=OFF)")
+
+    @model_validator(mode="after")
+    def _unique_packages(self) -> SdistSource:
+        names = [p.name for p in self.build_packages]
+        if len(set(names)) != len(names):
+            raise ValueError("build_packages names a package twice")
+        return self
+
+
 class BaseImageSource(Model):
     """Comes with the base image (e.g. ROCm userspace in rocm/dev-ubuntu)."""
 
@@ -154,7 +188,8 @@ class NoSource(Model):
 
 
 Source = Annotated[
-    IndexSource | WheelhouseSource | WheelUrlSource | GitSource | AptSource | BaseImageSource | HostSource | NoSource,
+    IndexSource | WheelhouseSource | WheelUrlSource | GitSource | SdistSource | AptSource | BaseImageSource | HostSource
+    | NoSource,
     Field(discriminator="kind"),
 ]
 
@@ -191,6 +226,11 @@ class Pin(Model):
         """True when pip installs this pin."""
         return self.source.kind in ("index", "wheelhouse", "url", "git")
 
+    @property
+    def is_sdist(self) -> bool:
+        """True when the pin is built from its source distribution inside the image (stack.engine only)."""
+        return self.source.kind == "sdist"
+
 
 class Omission(Model):
     """A declared requirement of a locked distribution that the image leaves out, and why."""
@@ -219,6 +259,17 @@ class Stack(Model):
                 raise ValueError(f"omit names {name}, which is one of the four pins")
         if len(set(names)) != len(names):
             raise ValueError("omit names a distribution twice")
+        return self
+
+    @model_validator(mode="after")
+    def _sdist_is_the_engine(self) -> Stack:
+        for layer, pin in self.pins().items():
+            if pin.is_sdist and layer != "engine":
+                raise ValueError(f"stack.{layer}.source: kind sdist (built from source in the image) is for the "
+                                 "engine only")
+        if self.engine.is_sdist and self.compiler.source.kind != "apt":
+            raise ValueError("stack.engine.source: kind sdist is built with the compiler pin, which must then come "
+                             "from apt (stack.compiler.source: {kind: apt, package: g++-12, version: ...})")
         return self
 
     def pins(self) -> dict[str, Pin]:
@@ -331,6 +382,9 @@ class SkuManifest(Model):
         clash = sorted({str(canonicalize_name(o.name)) for o in self.stack.omit} & pinned)
         if clash:
             raise ValueError(f"stack.omit names {', '.join(clash)}, which extras.python pins: leave it out or pin it")
+        if self.stack.engine.is_sdist and self.base.family != "cpu":
+            raise ValueError(f"stack.engine.source: kind sdist is built by the cpu family's template only, not "
+                             f"{self.base.family}'s (templates/cpu.Dockerfile.j2)")
         return self
 
 
@@ -398,7 +452,7 @@ def _problem(file: str, err: ErrorDetails) -> Problem:
     return Problem(file, field, message)
 
 
-_SOURCE_TAGS = {"index", "wheelhouse", "url", "git", "apt", "base", "host", "none"}
+_SOURCE_TAGS = {"index", "wheelhouse", "url", "git", "sdist", "apt", "base", "host", "none"}
 
 
 def _control_char_problems(file: str, data: Any, loc: tuple[Any, ...] = ()) -> list[Problem]:

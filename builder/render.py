@@ -15,7 +15,7 @@ from packaging.utils import canonicalize_name
 import imagetools
 from builder.families import ALL_FAMILIES
 from builder.lockfile import PY_LAYERS, Lock, LockedPackage
-from builder.manifest import GitSource, Pin, SkuManifest
+from builder.manifest import GitSource, Pin, SdistSource, SkuManifest
 from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import BuildError
@@ -39,6 +39,15 @@ LAZY_BYTECODE = r"/site-packages/transformers/models/(?!auto/)[^/]+/"
 # pip step (never shipped): the bytecode compiler, the locked-step installer, and the pure-Python
 # package of pypa `installer` that the latter uses (the host's copy, pinned in pyproject.toml).
 TOOLS_DIR = "tools"
+# A source-built engine (stack.engine.source kind sdist): its build stage, the stage that holds only the
+# wheel it makes (what the builder exports and records), the build stage's venv, the context folders of
+# the sdist and of the build stage's wheels, and the image's record of the built wheel's requirement line.
+ENGINE_BUILD_STAGE = "skupin-engine-build"
+ENGINE_WHEEL_STAGE = "skupin-engine-wheel"
+BUILD_VENV = "/opt/skupin/build-venv"
+SDIST_DIR = f"{WHEELS_DIR}/engine-sdist"
+BUILD_STEP = "build"
+BUILT_REQUIREMENTS = f"{REQUIREMENTS_DIR}/engine-built.txt"
 BYTECODE_TOOL = Path(imagetools.__file__).with_name("bytecode.py")
 INSTALL_TOOL = Path(imagetools.__file__).with_name("wheel_install.py")
 
@@ -154,7 +163,7 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
         git = next((p.source for p in pins[name] if isinstance(p.source, GitSource)), None)
         steps = []
         if lock is not None:
-            pkgs = sorted(_locked_layer(lock, name), key=lambda p: p.name.lower())
+            pkgs = sorted((p for p in _locked_layer(lock, name) if p.source != "sdist"), key=lambda p: p.name.lower())
             # The pin itself gets its own step after its dependencies, so a point release of the
             # pin that keeps its dependencies rebuilds only that small step (and the ones above);
             # each step binds only its own wheels, so its cache key does not see the others'.
@@ -186,7 +195,40 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
                 locked=lock is not None, git=git if lock is None else None,
             )
         )
+    if lock is not None and manifest.stack.engine.is_sdist:
+        sdists = list(lock.sources().values())
+        if len(sdists) != 1 or not lock.build:
+            raise BuildError(f"the lock of {manifest.name} records {len(sdists)} engine sdist(s) and "
+                             f"{len(lock.build)} build wheel(s); fix: skupin lock {manifest.name}")
+        wheels[SDIST_DIR] = {sdists[0].filename: sdists[0].sha256}
+        build = sorted(lock.build, key=lambda p: p.name.lower())
+        files[f"{REQUIREMENTS_DIR}/{BUILD_STEP}.txt"] = "".join(f"{p.requirement()}\n" for p in build)
+        wheels[f"{WHEELS_DIR}/{BUILD_STEP}"] = {p.filename: p.sha256 for p in build}
     return layers, files, wheels
+
+
+def engine_build(manifest: SkuManifest, lock: Lock | None) -> dict[str, object] | None:
+    """What the templates need to build a source-built engine in its own stage; None for an engine from a wheel."""
+    pin = manifest.stack.engine
+    src, compiler = pin.source, manifest.stack.compiler.source
+    if not isinstance(src, SdistSource):
+        return None
+    if compiler.kind != "apt":  # the manifest's validator refuses this; a render never guesses a compiler
+        raise BuildError(f"{manifest.name}: stack.engine.source kind sdist needs the compiler pin from apt")
+    gcc = compiler.package.removeprefix("g++-")
+    sdist = next(iter(lock.sources().values()), None) if lock is not None else None
+    extras = f"[{','.join(pin.extras)}]" if pin.extras else ""
+    return {
+        "stage": ENGINE_BUILD_STAGE, "export_stage": ENGINE_WHEEL_STAGE, "venv": BUILD_VENV,
+        "name": pin.distribution, "version": pin.version, "requirement": f"{pin.distribution}{extras}=={pin.version}",
+        "index": src.index, "gcc": gcc,
+        "apt": [f"{compiler.package}={compiler.version}" if compiler.version else compiler.package,
+                *(f"{p.name}={p.version}" for p in src.build_packages)],
+        "cmake_args": " ".join(src.cmake_args),
+        "sdist": {"filename": sdist.filename, "sha256": sdist.sha256} if sdist is not None else None,
+        "sdist_folder": SDIST_DIR, "wheels": f"{WHEELS_DIR}/{BUILD_STEP}",
+        "requirements": f"{REQUIREMENTS_DIR}/{BUILD_STEP}.txt", "built_requirements": BUILT_REQUIREMENTS,
+    }
 
 
 def render(stack: ResolvedStack) -> RenderedDockerfile:
@@ -214,6 +256,7 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
         "env": sorted(manifest.runtime.env.items()),
         "venv": VENV,
         "serve": serve_launch(manifest=manifest),
+        "engine_build": engine_build(manifest, lock),
         "tool_version": __version__,
     }
     name = ALL_FAMILIES[manifest.base.family].template

@@ -533,8 +533,13 @@ class Docker:
         secrets: Mapping[str, Path] | None = None,
         no_cache: bool = False,
         on_line: OnEvent = _quiet,
+        target: str | None = None,
+        output_dir: Path | None = None,
     ) -> str:
         """Build with BuildKit (`docker build --progress=plain --iidfile`); return the image id.
+
+        With `target` only that stage is built; with `output_dir` its files are written there
+        (`--output type=local`) instead of an image, and "" is returned.
 
         No tag is given: the caller tags only after every check passed, so a failed build
         leaves no tag. Every output line goes to `on_line` (the caller keeps what it needs, e.g. to
@@ -544,17 +549,25 @@ class Docker:
         """
         with tempfile.TemporaryDirectory(prefix="skupin-build-") as tmp:
             iidfile = Path(tmp) / "iid"
-            cmd = [self.cli(), "build", "--progress=plain", "--iidfile", str(iidfile), "-f", str(dockerfile)]
+            cmd = [self.cli(), "build", "--progress=plain", "-f", str(dockerfile)]
+            if output_dir is None:  # a local export makes no image, and the CLI fails on an --iidfile it cannot write
+                cmd[3:3] = ["--iidfile", str(iidfile)]
             for k, v in (build_args or {}).items():
                 cmd += ["--build-arg", f"{k}={v}"]
             for k, path in (secrets or {}).items():
                 cmd += ["--secret", f"id={k},src={path}"]
             if no_cache:
                 cmd.append("--no-cache")
+            if target:
+                cmd += ["--target", target]
+            if output_dir is not None:
+                cmd += ["--output", f"type=local,dest={output_dir}"]
             cmd.append(str(context))
             code = self._stream(cmd, on_line=on_line)
             if code != 0:
                 raise BuildError(f"docker build exited with code {code}")
+            if output_dir is not None:
+                return ""
             try:
                 return iidfile.read_text(encoding="utf-8").strip()
             except OSError as exc:

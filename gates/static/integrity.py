@@ -64,9 +64,10 @@ from pydantic import Field
 
 from builder.base import base_record_path, read_base_record
 from builder.imageconfig import DockerfileConfigError, ImageConfig, apt_installs, config_of
-from builder.lock import marker_environment
+from builder.lock import BUILD_STAGE, marker_environment
 from builder.lockfile import Lock
-from builder.wheels import STORE, fetch_wheels
+from builder.sourcebuild import BuiltWheel, read_built
+from builder.wheels import STORE, fetch_wheels, file_sha256, store_path
 from common.errors import SkupinError
 from common.model import Frozen
 from common.untrusted import UntrustedInputError, printable
@@ -316,8 +317,10 @@ def check_integrity(*, view: FileView, base_view: FileView, config: dict[str, An
         run.path_order = tuple(dict.fromkeys(view.resolve(d) or d for d in folders))
         run.path_dirs = tuple(dict.fromkeys([*folders, *run.path_order]))
     _check_config(run, config=config, labels=labels, lock=lock, expected=expected)
-    system = {item.partition("=")[0] for items in lock.system.values() for item in items}
-    _check_debian(run, host=host, system=dict(lock.system), roots=tuple(dict.fromkeys([*sorted(system), *apt_roots])),
+    # a source-built engine's compiler and build packages live in its build stage, never in the image
+    image_system = {layer: items for layer, items in lock.system.items() if layer != BUILD_STAGE}
+    system = {item.partition("=")[0] for items in image_system.values() for item in items}
+    _check_debian(run, host=host, system=image_system, roots=tuple(dict.fromkeys([*sorted(system), *apt_roots])),
                   arch=DEBIAN_ARCH.get(lock.platform, ""))
     run.wheel, problems = expected_wheel_files(wheels, layout=layout, cache=wheel_cache)
     run.unverifiable.extend(problems)
@@ -829,6 +832,39 @@ def locked_base_layers(*, docker, lock: Lock, layers: tuple[str, ...], state: Pa
     return LockedBase(layers=len(info.layers), config=config)
 
 
+def built_wheels(*, lock: Lock, record: BuiltWheel | None, store: Path) -> tuple[dict[str, Path], list[str]]:
+    """The wheels this host built from the lock's sdists (name -> file in the store), and why any is missing.
+
+    The wheel comes from this host's record of its own build (builder/sourcebuild.py) and its wheel store, checked
+    against the recorded sha256 here; nothing the image says about the wheel is used.
+    """
+    sources = lock.sources()
+    if not sources:
+        return {}, []
+    fix = f"fix: skupin build {lock.sku} on this host (it records the wheel it builds)"
+    if record is None:
+        return {}, [f"this host has no record of the wheel built from {', '.join(p.filename for p in sources.values())} "
+                    f"for lock {lock.content_hash()[:12]}, so the engine's files cannot be verified; {fix}"]
+    problems: list[str] = []
+    found: dict[str, Path] = {}
+    for name, sdist in sources.items():
+        if record.sdist != sdist or str(canonicalize_name(record.wheel.name)) != name:
+            problems.append(f"the record of the built wheel names {record.sdist.filename} ({record.wheel.name}), not the "
+                            f"locked {sdist.filename}; {fix}")
+            continue
+        path = store_path(store, record.wheel)
+        try:
+            sha = file_sha256(path)
+        except OSError as exc:
+            problems.append(f"the recorded built wheel {record.wheel.filename} is not in the wheel store ({exc}); {fix}")
+            continue
+        if sha != record.wheel.sha256:
+            problems.append(f"{path}: sha256 {sha}, the record says {record.wheel.sha256}; {fix}")
+            continue
+        found[name] = path
+    return found, problems
+
+
 def inspect_image_files(*, docker, image_id: str, lock: Lock, state: Path, dockerfile: str,
                         wheelhouse: Path | None = None,
                         on_event: Callable[[str], None] = lambda _: None) -> IntegrityReport:
@@ -851,9 +887,18 @@ def inspect_image_files(*, docker, image_id: str, lock: Lock, state: Path, docke
             expected = config_of(dockerfile, base.config)
     except DockerfileConfigError as exc:
         unknown = f"the config of the rendered Dockerfile cannot be computed: {exc}"
-    packages = lock.packages()
+    sources = lock.sources()
+    packages = {name: pkg for name, pkg in lock.packages().items() if name not in sources}
     stored = fetch_wheels(packages.values(), store=STORE, wheelhouse=wheelhouse, on_event=on_event)
     wheels = {name: stored[pkg.sha256] for name, pkg in packages.items()}
+    try:
+        record = read_built(lock, folder=state / "built")
+    except SkupinError as exc:
+        return IntegrityReport(unverifiable=(str(exc),))
+    built, problems = built_wheels(lock=lock, record=record, store=STORE)
+    if problems:
+        return IntegrityReport(unverifiable=tuple(problems))
+    wheels.update(built)
     view = image_view(docker=docker, image=info.id, layers=info.layers, cache=state / "cache", bottom=base.layers,
                       on_event=on_event)
     report = check_integrity(view=view, base_view=view.bottom_view(base.layers), config=docker.image_config(info.id),

@@ -65,7 +65,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         if lock is not None:  # a locked context holds each step's wheels: `docker build DIR` needs no network
             from builder.wheels import fetch_wheels
 
-            stored = fetch_wheels(lock.packages().values(), wheelhouse=args.wheelhouse,
+            stored = fetch_wheels((*lock.packages().values(), *lock.build), wheelhouse=args.wheelhouse,
                                   ca_bundle=args.ca_bundle, on_event=lambda line: print(line, file=sys.stderr))
         folder = write_context(rendered=rendered, out=Path(args.out), wheels=stored)
         out(f"wrote {folder / 'Dockerfile'} and {len(rendered.files)} context file(s) and {len(stored)} wheel(s); "
@@ -191,6 +191,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_wheels(args: argparse.Namespace) -> int:
     """`skupin wheels prune`: drop stored wheels that no lock under the given paths names."""
     from builder.lockfile import lock_path, read_lock
+    from builder.sourcebuild import read_built
     from builder.wheels import STORE, prune_store
     from common.paths import manifest_files
 
@@ -198,7 +199,11 @@ def cmd_wheels(args: argparse.Namespace) -> int:
     locks = [lock_path(m) for m in manifest_files([Path(p) for p in args.paths])]
     for path in locks:
         if path.is_file():
-            keep |= {p.sha256 for p in read_lock(path).packages().values()}
+            lock = read_lock(path)
+            keep |= {p.sha256 for p in (*lock.packages().values(), *lock.build)}
+            built = read_built(lock) if lock.sources() else None  # the wheel this host built from its sdist
+            if built is not None:
+                keep.add(built.wheel.sha256)
     store = Path(args.store) if args.store else STORE
     stored = sum(1 for _ in store.glob("??/*/*"))
     removed, size = prune_store(store, keep=keep, dry_run=args.dry_run)

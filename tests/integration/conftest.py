@@ -17,6 +17,7 @@ from dockerd import DEFAULT_SOCKET, SESSION_LABEL, Docker, connect
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
 VLLM_SKU = REPO / "skus" / "cpu-x86_64-vllm.yaml"
+LLAMACPP_SKU = REPO / "skus" / "cpu-x86_64-llamacpp.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +82,11 @@ def _built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
     record = Path(STATE) / "builds" / f"{stack.manifest.name}.json"
     if record.is_file():
         data = json.loads(record.read_text())
-        if data.get("lock_sha256") == stack.lock.content_hash() and docker.image_exists(data["image_id"]):
+        from builder.sourcebuild import read_built
+
+        # an engine built from its sdist also needs this host's record of the wheel it built (for `pins`)
+        built = not stack.lock.sources() or read_built(stack.lock) is not None
+        if data.get("lock_sha256") == stack.lock.content_hash() and docker.image_exists(data["image_id"]) and built:
             return data["image_id"]
     from builder.build import build
     from builder.render import render
@@ -108,6 +113,21 @@ def vllm_stack():
 def vllm_image(docker: Docker, vllm_stack, wheelhouse, host_ca_bundle) -> str:
     """The vLLM CPU SKU's image (recorded by `skupin build cpu-x86_64-vllm`, else built now, once)."""
     return _built_image(docker, vllm_stack, wheelhouse, host_ca_bundle)
+
+
+@pytest.fixture(scope="session")
+def llamacpp_stack():
+    """The llama.cpp CPU SKU (its engine built from the sdist) checked and locked (its committed lock)."""
+    from builder.check import resolve
+
+    return resolve(LLAMACPP_SKU, require_lock=True)
+
+
+@pytest.fixture(scope="session")
+def llamacpp_image(docker: Docker, llamacpp_stack, wheelhouse, host_ca_bundle) -> str:
+    """The llama.cpp CPU SKU's image (recorded by `skupin build cpu-x86_64-llamacpp`, else built now, once: on a cold
+    2-core machine that compiles llama.cpp, several minutes)."""
+    return _built_image(docker, llamacpp_stack, wheelhouse, host_ca_bundle)
 
 
 @contextlib.contextmanager

