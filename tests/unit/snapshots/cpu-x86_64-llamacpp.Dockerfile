@@ -18,7 +18,7 @@ RUN apt-get update \
  && python3.11 -m venv /opt/skupin/build-venv
 RUN --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
- && CC=gcc-12 CXX=g++-12 CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+ && CC=gcc-12 CXX=g++-12 CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     /opt/skupin/build-venv/bin/pip wheel --no-deps --no-binary llama-cpp-python --index-url https://pypi.org/simple \
     --wheel-dir /out/wheel llama-cpp-python==0.3.36
 
@@ -65,7 +65,7 @@ RUN apt-get update \
 # layer: labels
 ENV OMP_NUM_THREADS="1"
 EXPOSE 8000
-CMD ["python", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0", "--port", "8000", "--model_alias", "skupin-model", "--seed", "0"]
+CMD ["python3", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0", "--port", "8000", "--model_alias", "skupin-model", "--n_ctx", "0", "--seed", "0", "--type_k", "0", "--type_v", "0"]
 ARG SKUPIN_LOCK_HASH=unlocked
 ARG SKUPIN_DOCKERFILE_SHA256=unknown
 LABEL org.opencontainers.image.title="skupin/cpu-x86_64-llamacpp" \
