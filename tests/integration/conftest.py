@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
 VLLM_SKU = REPO / "skus" / "cpu-x86_64-vllm.yaml"
 LLAMACPP_SKU = REPO / "skus" / "cpu-x86_64-llamacpp.yaml"
+LLAMACPP_Q8_SKU = REPO / "docs" / "examples" / "skus" / "cpu-x86_64-llamacpp-q8_0.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -128,6 +129,20 @@ def llamacpp_image(docker: Docker, llamacpp_stack, wheelhouse, host_ca_bundle) -
     """The llama.cpp CPU SKU's image (recorded by `skupin build cpu-x86_64-llamacpp`, else built now, once: on a cold
     2-core machine that compiles llama.cpp, several minutes)."""
     return _built_image(docker, llamacpp_stack, wheelhouse, host_ca_bundle)
+
+
+@pytest.fixture(scope="session")
+def llamacpp_q8_stack():
+    """The example SKU that serves a Q8_0 GGUF of the fixture with the same llama.cpp image otherwise."""
+    from builder.check import resolve
+
+    return resolve(LLAMACPP_Q8_SKU, require_lock=True)
+
+
+@pytest.fixture(scope="session")
+def llamacpp_q8_image(docker: Docker, llamacpp_q8_stack, llamacpp_image, wheelhouse, host_ca_bundle) -> str:
+    """Its image: the llama.cpp image's layers and build stage (cached) with another CMD."""
+    return _built_image(docker, llamacpp_q8_stack, wheelhouse, host_ca_bundle)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,8 @@ the built engine.
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,45 @@ from gates.static.integrity import inspect_image_files
 
 pytestmark = pytest.mark.integration
 SITE = "/opt/skupin/venv/lib/python3.11/site-packages"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_llamacpp_image_passes_the_gate_through_llama_cpp_on_the_f32_gguf(llamacpp_image: str, tmp_path: Path
+                                                                              ) -> None:
+    """llama.cpp itself computed the model check (no torch in the image) on the checked F32 GGUF, and its own
+    server passed the serve check."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64-llamacpp", "--image", llamacpp_image,
+                           "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    verdict = json.loads(proc.stdout)
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert [(n, c["status"]) for n, c in checks.items()] == [
+        ("reference", "pass"), ("pins", "pass"), ("boot", "pass"), ("kernels", "skipped"), ("model", "pass"),
+        ("serve", "pass")]
+    path = checks["model"]["details"]["engine_path"]
+    assert (path["engine"], path["engine_distribution"], path["engine_version"]) == ("llamacpp", "llama-cpp-python",
+                                                                                      "0.3.36")
+    assert checks["model"]["details"]["means"].get("one_minus_cos") is not None  # llama.cpp's hidden states
+    serve = checks["serve"]["details"]
+    assert "llama_cpp.server" in serve["launch"] and "/model/model-f32.gguf" in serve["launch"]
+    assert serve["greedy"]["match"] + serve["greedy"]["near_tie"] == 64
+    print(f"llama.cpp gate: {verdict['reason']}; serve {checks['serve']['reason']}")
+
+
+def test_a_q8_0_gguf_of_the_same_fixture_fails_the_model_check(llamacpp_q8_image: str, llamacpp_q8_stack,
+                                                               docker: Docker, wheelhouse, tmp_path: Path) -> None:
+    """Same image and engine, the server and the probe load the Q8_0 GGUF: a different model version, caught by the
+    numbers (pins and boot pass)."""
+    from gates.gate import gate_image
+
+    verdict = gate_image(stack=llamacpp_q8_stack, image=llamacpp_q8_image, docker=docker, out=tmp_path,
+                         wheelhouse=wheelhouse)
+    failing = verdict.failing_check()
+    assert verdict.decision == "fail" and failing is not None and failing.name == "model", verdict.reason
+    assert [c.status for c in verdict.checks[:3]] == ["pass"] * 3  # reference, pins, boot
+    print(f"q8_0: {failing.reason}")
 
 
 def test_the_built_engine_is_installed_and_its_files_are_the_recorded_wheel(llamacpp_image: str, llamacpp_stack,
