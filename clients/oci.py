@@ -3,7 +3,7 @@
   - `list_tags(repo)`, `resolve(repo, ref)` (HEAD manifest -> Docker-Content-Digest),
     `get_manifest(repo, ref)`, `get_blob(repo, digest)`, `has_blob`, `push_blob(repo, data)`
     (monolithic POST + PUT), `put_manifest(repo, ref, body, media_type)` (OCI artifacts, or a
-    verification record under a tag such as `sha256-<hex>.verification`);
+    signed attestation under a tag such as `sha256-<hex>.att`);
   - authentication: credentials from ~/.docker/config.json `auths` (or given explicitly), Basic
     or the Bearer token flow (WWW-Authenticate realm/service/scope); credentials never appear in
     errors, reprs or logs.
@@ -277,7 +277,7 @@ class RegistryClient:
         return digest
 
     def put_manifest(self, repo: str, ref: str, body: bytes, media_type: str) -> str:
-        """Store a manifest under a tag or digest (e.g. `sha256-<hex>.verification`); returns its digest."""
+        """Store a manifest under a tag or digest (e.g. `sha256-<hex>.att`); returns its digest."""
         digest = sha256_digest(body)
         response = self._send("PUT", f"/v2/{repo}/manifests/{ref}", scope=self._scope(repo, push=True), ok=(201,),
                               content=body, headers={"Content-Type": media_type})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Annotated
 
 import yaml
 from pydantic import Field, ValidationError
@@ -23,15 +24,21 @@ from common.model import Frozen
 
 FORMAT = "skupin-tolerances/1"
 DEFAULT_PATH = Path(__file__).with_name("data") / "tolerances.yaml"
+# A threshold is a finite positive number: `.inf` would let anything pass, `.nan` compares false with everything.
+Threshold = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Measured = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class HardBounds(Frozen):
     """Bounds that catch nonsense without any calibration."""
 
-    max_mean_kl: float = Field(0.5, gt=0, description="Fail when the mean KL over prompts exceeds this")
-    min_top1_agree: float = Field(0.8, gt=0, le=1, description="Fail when top-1 agreement over all positions is lower")
+    max_mean_kl: float = Field(0.5, gt=0, allow_inf_nan=False,
+                               description="Fail when the mean KL over prompts exceeds this")
+    min_top1_agree: float = Field(0.8, gt=0, le=1, allow_inf_nan=False,
+                                  description="Fail when top-1 agreement over all positions is lower")
     max_fp32_elementwise_error: float = Field(
-        1e-4, gt=0, description="Fail when a float32 elementwise op of the kernel battery (SiLU, softmax, RMSNorm) or "
+        1e-4, gt=0, allow_inf_nan=False,
+        description="Fail when a float32 elementwise op of the kernel battery (SiLU, softmax, RMSNorm) or "
         "the 4-bit dequantize is off by more than this, relative to the reference's max |value|; honest hardware "
         "lands near 1e-7 (float32 rounding), a kernel off by one part in 128 at 8e-3")
 
@@ -50,10 +57,12 @@ class ToleranceKey(Frozen):
 class ModelThresholds(Frozen):
     """Per-prompt and aggregate thresholds of the model statistics and the binomial test's parameters."""
 
-    per_prompt: dict[str, float] = Field(description="Statistic -> per-prompt threshold (a prompt exceeds above it)")
-    mean: dict[str, float] = Field(description="Statistic -> threshold on the mean over all prompts")
-    honest_rate: float = Field(gt=0, lt=1, description="Per-prompt exceedance rate of honest runs (upper bound)")
-    alpha: float = Field(1e-3, gt=0, lt=0.5, description="Family-wise false-reject level of the binomial tests")
+    per_prompt: dict[str, Threshold] = Field(description="Statistic -> per-prompt threshold (a prompt exceeds above it)")
+    mean: dict[str, Threshold] = Field(description="Statistic -> threshold on the mean over all prompts")
+    honest_rate: float = Field(gt=0, lt=1, allow_inf_nan=False,
+                               description="Per-prompt exceedance rate of honest runs (upper bound)")
+    alpha: float = Field(1e-3, gt=0, lt=0.5, allow_inf_nan=False,
+                         description="Family-wise false-reject level of the binomial tests")
 
 
 class Provenance(Frozen):
@@ -66,17 +75,17 @@ class Provenance(Frozen):
     variations: tuple[str, ...] = Field(description="What varied between the honest runs (batch size, threads, boots)")
     date: str
     method: str
-    margin: float = Field(gt=1)
+    margin: float = Field(gt=1, allow_inf_nan=False)
     reference_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Bundle the honest runs were compared with")
     image: str = Field(description="Image id the honest runs used")
-    honest_max: dict[str, float] = Field(description="Largest honest value per statistic and per kernel op")
+    honest_max: dict[str, Measured] = Field(description="Largest honest value per statistic and per kernel op")
 
 
 class ToleranceEntry(Frozen):
     """The calibrated tolerance of one hardware class x dtype x model."""
 
     key: ToleranceKey
-    kernels: dict[str, float] = Field(description="Kernel op -> max scale-normalised error")
+    kernels: dict[str, Threshold] = Field(description="Kernel op -> max scale-normalised error")
     model: ModelThresholds
     provenance: Provenance
 
@@ -100,7 +109,11 @@ def load_tolerances(path: Path = DEFAULT_PATH) -> Tolerances:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         tolerances = Tolerances.model_validate(data)
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
+    except ValidationError as exc:
+        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']} (got {e.get('input')!r})"
+                           for e in exc.errors()[:10])
+        raise GateCouldNotRun(f"{path}: invalid tolerance file: {fields}") from exc
+    except (OSError, yaml.YAMLError) as exc:
         raise GateCouldNotRun(f"{path}: invalid tolerance file: {exc}") from exc
     keys = [e.key for e in tolerances.entries]
     if len(keys) != len(set(keys)):

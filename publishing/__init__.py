@@ -1,1 +1,2 @@
-"""Publishing: push a gated image by digest with its verification record, verify a reference, the local registry."""
+"""Publishing: push a gated image by digest with its signed attestation, the policy publish and verify share,
+verify a reference, the local registry."""

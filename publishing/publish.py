@@ -1,4 +1,4 @@
-"""Publish a gated image: refuse unless its verdict passed for this image and lock, push by digest, record, tag.
+"""Publish a gated image: refuse unless its verdict passed for this image and lock, push by digest, attest, tag.
 
 `publish(built, verdict, target)` is the publish stage: the image `build` made, with the verdict
 `gate` returned (parsed once into `VerdictFacts`). `plan_publish` is pure and decides whether to
@@ -6,36 +6,46 @@ publish at all; `publish_image` executes the plan. `publish_sku` is the same for
 verdict file found on this host (`skupin publish`). The flow:
 
 1. refuse (PublishError) unless the verdict passed, names this exact image id, this SKU and the
-   SKU's current lock hash, and its pins and model checks passed;
-2. check the registry answers (a clear error naming `skupin registry up` otherwise);
+   SKU's current lock hash, its pins and model checks passed, and the predicate it would sign passes
+   the policy's content checks (publishing/policy.py: committed reference bundle and tolerance entry);
+   refuse unless the signing key is a trusted key (else nobody could verify what it signs);
+2. check the registry answers (a clear error naming `skupin registry up` otherwise); hold a lock file
+   per registry and repository (.skupin/locks/) so publishes from this host serialize; refuse when the
+   version tag already names another image (version tags are immutable);
 3. tag the image with a temporary unique tag (`skupin-push-<random>`), push it through the
    engine (every stream chunk is checked for errors) and take the digest the registry stored;
    the local temporary tag is removed whatever happens;
-4. read the pushed manifest back by digest and check that its config digest is the gated image id;
-5. store the verification record (verdict, lock, reference bundle hash, tool version, image
-   digest) as a small OCI artifact (config + one JSON layer, `subject` = the image) under the
-   cosign-style tag `sha256-<hex>.verification`, and read it back;
+4. read the pushed manifest back by digest and check that its config digest is the gated image id,
+   and that the version tag, if it exists, names exactly this digest;
+5. sign an in-toto Statement v1 about the digest (DSSE, ECDSA P-256: publishing/attest.py), run the
+   whole policy on the signed envelope (`evaluate`, exactly what `verify` runs), store it the way
+   cosign stores attestations (tag `sha256-<hex>.att`, one `application/vnd.dsse.envelope.v1+json`
+   layer, OCI 1.1 `subject` = the image where the registry accepts it) and read it back;
 6. only then move the human tags `<engine-version>-<lock-hash12>` and `verified`, server-side: the
    registry stores the very manifest bytes of the pushed digest under each tag, so a tag names
    exactly the gated digest;
-7. remove the temporary registry tag (HTTP DELETE where the registry supports it; for our own
-   local distribution 2.8 registry, from its storage; otherwise it is reported as left over).
+7. remove the temporary registry tag, also after a failure in any step above (HTTP DELETE where the
+   registry supports it; for our own local distribution 2.8 registry, from its storage; otherwise it
+   is reported as left over).
 
-The record goes in before the human tags move (DESIGN.md lists it after): that way a human tag
-never names a digest that has no record, even when the publish dies between two steps.
+The attestation goes in before the human tags move: that way a human tag never names a digest that
+has no attestation, even when the publish dies between two steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import secrets
 import stat
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlparse
 
 from pydantic import Field
@@ -51,14 +61,30 @@ from common.paths import STATE, sku_path
 from common.untrusted import load_json, read_regular_file
 from dockerd import Docker, ImageInfo
 from gates.verdict import GateVerdict
+from publishing.attest import (
+    DSSE_MEDIA_TYPE,
+    MAX_ENVELOPE_BYTES,
+    PREDICATE_TYPE,
+    CheckOutcome,
+    ReferencePin,
+    Signer,
+    TolerancePin,
+    TrustedKeys,
+    VerificationPredicate,
+    find_signer,
+    statement,
+    tolerance_sha256,
+    trusted_keys,
+)
 from publishing.local_registry import default_registry, untag_on_disk
+from publishing.policy import REQUIRED_CHECKS, Expected, evaluate, expected_for, predicate_problems, verdict_sha256
 
 VERIFIED_TAG = "verified"
 PUSH_TAG_PREFIX = "skupin-push-"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-RECORD_MEDIA_TYPE = "application/vnd.skupin.verification.v1+json"
-RECORD_CONFIG_MEDIA_TYPE = "application/vnd.skupin.verification.config.v1+json"
-REQUIRED_CHECKS = ("pins", "model")
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+MAX_ENVELOPES = 16
 OnEvent = Callable[[str], None]
 Untag = Callable[[str, str], bool]  # (repository, tag) -> removed?
 
@@ -114,6 +140,10 @@ class VerdictFacts(Frozen):
     bundle_sha256: str | None
     created: str | None
     checks: dict[str, str] = Field(description="check name -> status")
+    check_reasons: dict[str, str] = Field(default_factory=dict)
+    reference_path: str | None = None
+    tolerance: dict[str, Any] | None = Field(None, description="The verdict's tolerance (key, source, entry)")
+    tool_version: str | None = None
     document: dict[str, Any] = Field(default_factory=dict, repr=False,
                                      description="The verdict JSON these facts were read from (the record stores it)")
 
@@ -131,11 +161,17 @@ def verdict_facts(data: dict[str, Any]) -> VerdictFacts:
     if decision is None or not data.get("sku"):
         raise PublishError("the verdict has no decision or no sku: not a gate verdict")
     reference = data.get("reference") or {}
-    checks = {str(c.get("name")): str(c.get("status")) for c in data.get("checks") or () if isinstance(c, dict)}
+    listed = [c for c in data.get("checks") or () if isinstance(c, dict)]
+    checks = {str(c.get("name")): str(c.get("status")) for c in listed}
+    tolerance = data.get("tolerance")
     return VerdictFacts(sku=str(data["sku"]), decision=str(decision), reason=str(data.get("reason") or ""),
                         image_id=data.get("image_id"), lock_hash=data.get("lock_hash"),
                         bundle_sha256=reference.get("sha256") if isinstance(reference, dict) else None,
-                        created=data.get("created"), checks=checks, document=data)
+                        created=data.get("created"), checks=checks,
+                        check_reasons={str(c.get("name")): str(c.get("reason") or "") for c in listed},
+                        reference_path=str(reference.get("path") or "") if isinstance(reference, dict) else None,
+                        tolerance=tolerance if isinstance(tolerance, dict) else None,
+                        tool_version=str(data["tool_version"]) if data.get("tool_version") else None, document=data)
 
 
 def refusals(*, sku: str, image_id: str, lock_sha256: str, verdict: VerdictFacts) -> list[str]:
@@ -181,7 +217,9 @@ class PublishPlan(Frozen):
     version_tag: str
     tags: tuple[str, ...] = Field(description="Human tags, moved in this order after the push and the record")
     push_tag: str
-    verdict: VerdictFacts = Field(description="The verdict that allowed it (its JSON goes into the record)")
+    verdict: VerdictFacts = Field(description="The verdict that allowed it")
+    predicate: VerificationPredicate = Field(description="What the attestation will say (signed once the digest is known)")
+    expected: Expected = Field(description="What this repository knows about the SKU (the policy's other side)")
 
     @property
     def push_reference(self) -> str:
@@ -194,108 +232,124 @@ def version_tag(*, sku: str, engine_version: str, lock: Lock) -> str:
 
 
 def plan_publish(*, sku: str, engine_version: str, lock: Lock, image_id: str, verdict: VerdictFacts,
-                 target: RegistryTarget, push_tag: str | None = None) -> PublishPlan:
-    """Decide the publish: PublishError listing every reason when the verdict does not allow it."""
+                 target: RegistryTarget, expected: Expected, push_tag: str | None = None) -> PublishPlan:
+    """Decide the publish: PublishError listing every reason when the verdict does not allow it, or when the
+    attestation it would sign would not pass the policy `verify` applies (publishing/policy.py)."""
     lock_sha = lock.content_hash()
     if lock.sku != sku:
         raise PublishError(f"the lock is for SKU {lock.sku}, not {sku}")
     problems = refusals(sku=sku, image_id=image_id, lock_sha256=lock_sha, verdict=verdict)
+    predicate = predicate_of(plan_sku=sku, repository=target.repository(sku), image_id=image_id, lock=lock,
+                             facts=verdict, published=_now())
+    problems += [p for p in predicate_problems(predicate, expected) if p not in problems]
     if problems:
         raise PublishError(f"refusing to publish {sku} ({image_id[:19]}): " + "; ".join(problems)
                            + f"; fix: run `skupin gate {sku}` on this image and lock")
     vtag = version_tag(sku=sku, engine_version=engine_version, lock=lock)
     return PublishPlan(sku=sku, target=target, repository=target.repository(sku), image_id=image_id,
                        lock_sha256=lock_sha, version_tag=vtag, tags=(vtag, VERIFIED_TAG),
-                       push_tag=push_tag or PUSH_TAG_PREFIX + secrets.token_hex(6), verdict=verdict)
+                       push_tag=push_tag or PUSH_TAG_PREFIX + secrets.token_hex(6), verdict=verdict,
+                       predicate=predicate, expected=expected)
 
 
-# ---------------------------------------------------------------- the verification record
+# ---------------------------------------------------------------- the attestation, stored the way cosign stores one
 
 
-class VerificationRecord(Frozen):
-    """Stored next to the image under `sha256-<hex>.verification`: why this digest may be used."""
-
-    format: Literal["skupin-verification/1"] = "skupin-verification/1"
-    sku: str
-    repository: str
-    image_digest: str = Field(description="The manifest digest the record vouches for")
-    image_id: str = Field(description="The image (config) id the gate ran")
-    lock_sha256: str
-    lock: dict[str, Any]
-    bundle_sha256: str
-    gate_decision: str
-    gate_date: str | None
-    verdict: dict[str, Any]
-    tool_version: str
-    published: str
-
-
-def record_tag(digest: str) -> str:
-    """sha256:<hex> -> sha256-<hex>.verification (the cosign-style tag of the record)."""
+def attestation_tag(digest: str) -> str:
+    """sha256:<hex> -> sha256-<hex>.att (the tag cosign gives an image's attestations)."""
     algo, _, hexpart = digest.partition(":")
     if algo != "sha256" or len(hexpart) != 64:
         raise PublishError(f"not a sha256 digest: {digest!r}")
-    return f"sha256-{hexpart}.verification"
+    return f"sha256-{hexpart}.att"
 
 
 class Artifact(Frozen):
-    """The record as an OCI artifact: config blob, layer blob, manifest bytes."""
+    """The attestation as an OCI artifact: config blob, layer blob (the DSSE envelope), manifest bytes."""
 
     config: bytes
     layer: bytes
     manifest: bytes
 
 
-def record_artifact(*, record: VerificationRecord, subject: Manifest) -> Artifact:
-    """Encode a record as an OCI image manifest (artifactType, one JSON layer, subject = the image)."""
+def attestation_artifact(*, envelope: bytes, subject: Manifest | None) -> Artifact:
+    """An OCI image manifest laid out as cosign lays out `.att`: one layer per envelope (media type
+    application/vnd.dsse.envelope.v1+json, the cosign signature annotation, predicateType), an image config
+    whose rootfs names that layer, and the OCI 1.1 `subject` = the image (None: left out)."""
 
     def desc(media: str, data: bytes) -> dict[str, Any]:
         return {"mediaType": media, "digest": sha256_digest(data), "size": len(data)}
 
-    config = canonical_json({"sku": record.sku, "image_digest": record.image_digest, "format": record.format})
-    layer = canonical_json(record.model_dump(mode="json"))
-    manifest = {
+    layer = envelope
+    config = canonical_json({"architecture": "", "config": {}, "created": "0001-01-01T00:00:00Z",
+                             "history": [{"created": "0001-01-01T00:00:00Z"}], "os": "",
+                             "rootfs": {"type": "layers", "diff_ids": [sha256_digest(layer)]}})
+    manifest: dict[str, Any] = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
-        "artifactType": RECORD_MEDIA_TYPE,
-        "config": desc(RECORD_CONFIG_MEDIA_TYPE, config),
-        "layers": [{**desc(RECORD_MEDIA_TYPE, layer), "annotations": {"org.opencontainers.image.title": "verification.json"}}],
-        "subject": {"mediaType": subject.media_type, "digest": subject.digest, "size": len(subject.body)},
-        "annotations": {"io.skupin.sku": record.sku, "io.skupin.lock-sha256": record.lock_sha256,
-                        "org.opencontainers.image.created": record.published},
+        "config": desc(OCI_CONFIG, config),
+        "layers": [{**desc(DSSE_MEDIA_TYPE, layer),
+                    "annotations": {"dev.cosignproject.cosign/signature": "", "predicateType": PREDICATE_TYPE}}],
     }
+    if subject is not None:
+        manifest["subject"] = {"mediaType": subject.media_type, "digest": subject.digest, "size": len(subject.body)}
     return Artifact(config=config, layer=layer, manifest=canonical_json(manifest))
 
 
-def read_record(*, client: RegistryClient, repository: str, digest: str) -> VerificationRecord:
-    """Fetch and decode the record stored for `digest`; PublishError when absent or malformed."""
-    tag = record_tag(digest)
+def read_attestations(*, client: RegistryClient, repository: str, digest: str) -> list[bytes]:
+    """The DSSE envelopes stored under `sha256-<hex>.att` for `digest`; PublishError when there are none."""
+    tag = attestation_tag(digest)
     try:
-        art = client.get_manifest(repository, tag, accept=(OCI_MANIFEST,))
+        art = client.get_manifest(repository, tag, accept=(OCI_MANIFEST, DOCKER_MANIFEST))
     except NetworkError as exc:
-        raise PublishError(f"no verification record for {digest[:19]} ({repository}:{tag}): {exc}") from exc
+        raise PublishError(f"no attestation for {digest[:19]} ({repository}:{tag}): {exc}") from exc
     try:
         body = art.json()
-        layer = next(d for d in body.get("layers", ()) if d.get("mediaType") == RECORD_MEDIA_TYPE)
+        layers = [d for d in body.get("layers", ()) if d.get("mediaType") == DSSE_MEDIA_TYPE]
         subject = (body.get("subject") or {}).get("digest")
-    except (ValueError, StopIteration, AttributeError) as exc:
-        raise PublishError(f"{repository}:{tag} is not a skupin verification record") from exc
+    except (ValueError, AttributeError) as exc:
+        raise PublishError(f"{repository}:{tag} is not an attestation manifest") from exc
+    if not layers:
+        raise PublishError(f"{repository}:{tag} holds no DSSE envelope")
     if subject is not None and subject != digest:
         raise PublishError(f"{repository}:{tag} names subject {subject}, not {digest}")
-    try:
-        data = client.get_blob(repository, layer["digest"])
-        return VerificationRecord.model_validate_json(data)
-    except NetworkError as exc:
-        raise PublishError(f"the record blob of {repository}:{tag} cannot be read: {exc}") from exc
-    except ValueError as exc:
-        raise PublishError(f"the record of {repository}:{tag} is malformed: {str(exc)[:300]}") from exc
+    out = []
+    for layer in layers[:MAX_ENVELOPES]:
+        if not isinstance(layer.get("size"), int) or layer["size"] > MAX_ENVELOPE_BYTES:
+            continue
+        try:
+            out.append(client.get_blob(repository, layer["digest"]))
+        except (NetworkError, KeyError, TypeError) as exc:
+            raise PublishError(f"an envelope of {repository}:{tag} cannot be read: {exc}") from exc
+    if not out:
+        raise PublishError(f"{repository}:{tag} holds no readable DSSE envelope")
+    return out
+
+
+def predicate_of(*, plan_sku: str, repository: str, image_id: str, lock: Lock, facts: VerdictFacts,
+                 published: str) -> VerificationPredicate:
+    """The predicate a publish signs: what the verdict established, pinned by hashes."""
+    tol = facts.tolerance
+    entry = tol.get("entry") if isinstance(tol, dict) else None
+    pin = None
+    if isinstance(tol, dict):
+        pin = TolerancePin(key=str(tol.get("key") or ""), source=str(tol.get("source") or ""),
+                           entry_sha256=tolerance_sha256(entry) if isinstance(entry, dict) else None,
+                           provenance=entry.get("provenance") if isinstance(entry, dict) else None)
+    return VerificationPredicate(
+        sku=plan_sku, repository=repository, image_id=image_id, lock_sha256=lock.content_hash(),
+        lock=lock.model_dump(mode="json"),
+        reference=ReferencePin(sha256=str(facts.bundle_sha256 or ""), path=facts.reference_path or ""),
+        tolerance=pin, decision=facts.decision, reason=facts.reason,
+        checks=tuple(CheckOutcome(name=n, status=s, reason=facts.check_reasons.get(n, "")) for n, s in facts.checks.items()),
+        verdict_sha256=verdict_sha256(facts.document), gate_created=facts.created,
+        gate_tool_version=facts.tool_version, tool_version=__version__, published=published)
 
 
 # ---------------------------------------------------------------- executing the plan
 
 
 class PublishedImage(Frozen):
-    """A published, recorded and tagged image."""
+    """A published, attested and tagged image."""
 
     sku: str
     registry: str
@@ -305,8 +359,9 @@ class PublishedImage(Frozen):
     image_id: str
     lock_sha256: str
     tags: tuple[str, ...]
-    record_tag: str
-    record_digest: str
+    attestation_tag: str
+    attestation_digest: str
+    keyid: str = Field(description="Key id (sha256 of the public key's DER) of the key that signed the attestation")
     push_s: float
     total_s: float
     leftover_tags: tuple[str, ...] = Field(default=(), description="Temporary tags the registry could not delete")
@@ -339,12 +394,67 @@ def push_by_digest(*, plan: PublishPlan, docker: Docker, on_event: OnEvent = _qu
             on_event(f"could not remove the local temporary tag {plan.push_reference}")
 
 
-def publish_image(*, plan: PublishPlan, lock: Lock, docker: Docker, client: RegistryClient,
-                  untag: Untag | None = None, on_event: OnEvent = _quiet, registry_hint: str = "") -> PublishedImage:
+@contextlib.contextmanager
+def publish_lock(plan: PublishPlan, *, folder: Path | None = None):
+    """Serialize publishes of one repository on one registry from this host (flock on a file under
+    .skupin/locks/); publishes from other hosts are caught by the immutable version tag instead."""
+    where = Path(folder) if folder else Path(STATE) / "locks"
+    where.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"publish-{plan.target.host}-{plan.repository}") + ".lock"
+    with open(where / name, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _version_tag_holder(*, plan: PublishPlan, client: RegistryClient) -> Manifest | None:
+    """The manifest the plan's version tag already names in the registry (None: the tag is free)."""
+    try:
+        tags = client.list_tags(plan.repository)
+    except NetworkError:
+        return None  # no repository yet
+    if plan.version_tag not in tags:
+        return None
+    try:
+        return client.get_manifest(plan.repository, plan.version_tag)
+    except NetworkError as exc:
+        raise PublishError(f"{plan.repository}:{plan.version_tag} exists but cannot be read: {exc}; nothing was pushed") from exc
+
+
+def _immutable(plan: PublishPlan, held: Manifest, *, image_id: str | None = None, digest: str | None = None) -> None:
+    """PublishError when the version tag already names another image (by config id) or another digest."""
+    config = (held.json().get("config") or {}).get("digest")
+    if (image_id is not None and config != image_id) or (digest is not None and held.digest != digest):
+        raise PublishError(
+            f"{plan.target.host}/{plan.repository}:{plan.version_tag} already names {held.digest[:19]} "
+            f"(image {str(config)[:19]}); "
+            f"a version tag never moves to another digest, and this publish is {digest or image_id}; "
+            "nothing was tagged; fix: publish the image that tag names, or change the lock (a new lock gives a new version tag)")
+
+
+def publish_image(*, plan: PublishPlan, docker: Docker, client: RegistryClient, signer: Signer,
+                  trusted: TrustedKeys | None = None, untag: Untag | None = None, on_event: OnEvent = _quiet,
+                  registry_hint: str = "", lock_folder: Path | None = None) -> PublishedImage:
     """Execute a plan (see the module doc). Nothing is tagged unless every earlier step succeeded."""
+    trusted = trusted if trusted is not None else trusted_keys()
+    if signer.keyid not in trusted:
+        raise PublishError(f"the signing key {signer.keyid[:12]} ({signer.path}) is not a trusted key, so nobody "
+                           f"could verify what it signs (trusted: {trusted.describe()}); nothing was pushed; fix: add "
+                           "its public key to keys/trusted/ (commit it) or .skupin/keys/trusted/ (this machine)")
+    with publish_lock(plan, folder=lock_folder):
+        return _publish_locked(plan=plan, docker=docker, client=client, signer=signer, trusted=trusted, untag=untag,
+                               on_event=on_event, registry_hint=registry_hint)
+
+
+def _publish_locked(*, plan: PublishPlan, docker: Docker, client: RegistryClient, signer: Signer,
+                    trusted: TrustedKeys, untag: Untag | None, on_event: OnEvent, registry_hint: str) -> PublishedImage:
     start = time.monotonic()
     check_registry(client=client, target=plan.target, hint=registry_hint)
-    facts = plan.verdict
+    held = _version_tag_holder(plan=plan, client=client)
+    if held is not None:
+        _immutable(plan, held, image_id=plan.image_id)
     on_event(f"pushing {plan.image_id[:19]} as {plan.push_reference}")
     digest = ""
     try:
@@ -359,13 +469,14 @@ def publish_image(*, plan: PublishPlan, lock: Lock, docker: Docker, client: Regi
         if config != plan.image_id:
             raise PublishError(f"pushed manifest {digest} has config {config}, not the gated image {plan.image_id}; "
                                "nothing was tagged")
-        record = VerificationRecord(
-            sku=plan.sku, repository=plan.repository, image_digest=digest, image_id=plan.image_id,
-            lock_sha256=plan.lock_sha256, lock=lock.model_dump(mode="json"), bundle_sha256=str(facts.bundle_sha256),
-            gate_decision=facts.decision, gate_date=facts.created, verdict=facts.document, tool_version=__version__,
-            published=_now())
-        record_digest = _store_record(plan=plan, record=record, subject=image, client=client)
-        on_event(f"stored the verification record {plan.repository}:{record_tag(digest)}")
+        if held is not None:
+            _immutable(plan, held, digest=digest)
+        envelope = signer.sign_statement(statement(repository=plan.repository, digest=digest, predicate=plan.predicate))
+        verdict = evaluate(envelope, trusted=trusted, digest=digest, expected=plan.expected, image_id=config)
+        if not verdict.ok:
+            raise PublishError(f"the attestation for {digest[:19]} would not verify: {verdict.reason()}; nothing was tagged")
+        att_digest = _store_attestation(plan=plan, envelope=envelope, subject=image, client=client, on_event=on_event)
+        on_event(f"stored the signed attestation {plan.repository}:{attestation_tag(digest)} (key {signer.keyid[:12]})")
         for tag in plan.tags:
             _move_tag(plan=plan, tag=tag, image=image, client=client)
             on_event(f"tagged {plan.target.host}/{plan.repository}:{tag} -> {digest}")
@@ -374,22 +485,30 @@ def publish_image(*, plan: PublishPlan, lock: Lock, docker: Docker, client: Regi
     return PublishedImage(
         sku=plan.sku, registry=plan.target.url, repository=plan.repository, digest=digest,
         reference=plan.target.reference(plan.sku, digest=digest), image_id=plan.image_id, lock_sha256=plan.lock_sha256,
-        tags=plan.tags, record_tag=record_tag(digest), record_digest=record_digest, push_s=round(push_s, 3),
-        total_s=round(time.monotonic() - start, 3), leftover_tags=leftover)
+        tags=plan.tags, attestation_tag=attestation_tag(digest), attestation_digest=att_digest, keyid=signer.keyid,
+        push_s=round(push_s, 3), total_s=round(time.monotonic() - start, 3), leftover_tags=leftover)
 
 
-def _store_record(*, plan: PublishPlan, record: VerificationRecord, subject: Manifest, client: RegistryClient) -> str:
-    art = record_artifact(record=record, subject=subject)
-    tag = record_tag(record.image_digest)
+def _store_attestation(*, plan: PublishPlan, envelope: bytes, subject: Manifest, client: RegistryClient,
+                       on_event: OnEvent) -> str:
+    """Store the envelope under sha256-<hex>.att with the OCI 1.1 subject; a registry that refuses the
+    subject field gets the manifest without it (the tag is how cosign and verify find it)."""
+    tag = attestation_tag(subject.digest)
+    art = attestation_artifact(envelope=envelope, subject=subject)
     try:
         client.push_blob(plan.repository, art.config)
         client.push_blob(plan.repository, art.layer)
-        stored = client.put_manifest(plan.repository, tag, art.manifest, OCI_MANIFEST)
+        try:
+            stored = client.put_manifest(plan.repository, tag, art.manifest, OCI_MANIFEST)
+        except NetworkError as exc:
+            on_event(f"the registry refused the attestation with an OCI 1.1 subject ({exc}); storing it without")
+            art = attestation_artifact(envelope=envelope, subject=None)
+            stored = client.put_manifest(plan.repository, tag, art.manifest, OCI_MANIFEST)
     except NetworkError as exc:
-        raise PublishError(f"storing the verification record {tag} failed: {exc}; no human tag was moved") from exc
-    back = read_record(client=client, repository=plan.repository, digest=record.image_digest)
-    if back != record:
-        raise PublishError(f"the verification record read back from {tag} differs from the one stored; no human tag was moved")
+        raise PublishError(f"storing the attestation {tag} failed: {exc}; no human tag was moved") from exc
+    back = read_attestations(client=client, repository=plan.repository, digest=subject.digest)
+    if back != [envelope]:
+        raise PublishError(f"the attestation read back from {tag} differs from the one stored; no human tag was moved")
     return stored
 
 
@@ -506,11 +625,13 @@ def _read_verdict(path: Path, sku: str) -> dict:
 
 
 def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path | None, image: str | None,
-                docker: Docker, on_event: OnEvent = _quiet) -> PublishedImage:
+                docker: Docker, signing_key: Path | None = None, trusted: TrustedKeys | None = None,
+                on_event: OnEvent = _quiet) -> PublishedImage:
     """`skupin publish`: the SKU's current lock, an image on this host and its verdict file (given, or the newest
     under .skupin/gates/ for this image and lock), each read once; then plan and publish."""
 
     path = sku_path(sku)
+    signer = find_signer(signing_key)  # before anything else: a missing key is the first thing to fix
     manifest = load_manifest(path)
     lock = read_lock(lock_path(path))
     ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
@@ -524,23 +645,30 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
         verdict = _read_verdict(vpath, manifest.name)
     target, untag, hint = publish_target(registry, addr)
     plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
-                        verdict=verdict_facts(verdict), target=target)
-    return _execute(plan=plan, lock=lock, docker=docker, untag=untag, registry_hint=hint, on_event=on_event)
+                        verdict=verdict_facts(verdict), target=target, expected=expected_for(manifest.name))
+    return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=hint,
+                    on_event=on_event)
 
 
 def publish(built: BuiltImage, verdict: GateVerdict, target: RegistryTarget, *, docker: Docker,
-            untag: Untag | None = None, registry_hint: str = "", on_event: OnEvent = _quiet) -> PublishedImage:
+            untag: Untag | None = None, registry_hint: str = "", on_event: OnEvent = _quiet,
+            signer: Signer | None = None, trusted: TrustedKeys | None = None) -> PublishedImage:
     """The publish stage: the image `build` made, allowed by the verdict `gate` returned for it; see the module doc.
 
     `untag` removes a temporary tag where the registry cannot (our local registry: `publish_target`).
+    Without `signer`, the key `find_signer` finds, and on a fresh machine (no --signing-key, no
+    $SKUPIN_SIGNING_KEY, no .skupin/keys/signing.key) a local key generated and trusted on this
+    machine, said through `on_event` (what `skupin run` does).
     """
+    signer = signer or find_signer(create=True, on_event=on_event)
     lock = built.stack.current_lock
     if lock is None:
         raise PublishError(f"{built.sku}: the stack it was built from has no current lock; fix: skupin lock {built.sku}")
     info = _local_image(docker=docker, ref=built.image_id, sku=built.sku)
     plan = plan_publish(sku=built.sku, engine_version=built.stack.manifest.stack.engine.version, lock=lock,
-                        image_id=info.id, verdict=facts_of(verdict), target=target)
-    return _execute(plan=plan, lock=lock, docker=docker, untag=untag, registry_hint=registry_hint, on_event=on_event)
+                        image_id=info.id, verdict=facts_of(verdict), target=target, expected=expected_for(built.sku))
+    return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=registry_hint,
+                    on_event=on_event)
 
 
 def _local_image(*, docker: Docker, ref: str, sku: str) -> ImageInfo:
@@ -550,9 +678,9 @@ def _local_image(*, docker: Docker, ref: str, sku: str) -> ImageInfo:
     return info
 
 
-def _execute(*, plan: PublishPlan, lock: Lock, docker: Docker, untag: Untag | None, registry_hint: str,
-             on_event: OnEvent) -> PublishedImage:
+def _execute(*, plan: PublishPlan, docker: Docker, signer: Signer, trusted: TrustedKeys | None, untag: Untag | None,
+             registry_hint: str, on_event: OnEvent) -> PublishedImage:
     """Run a plan against its registry (one client for the whole publish)."""
     with RegistryClient(plan.target.url) as client:
-        return publish_image(plan=plan, lock=lock, docker=docker, client=client, untag=untag, on_event=on_event,
-                             registry_hint=registry_hint)
+        return publish_image(plan=plan, docker=docker, client=client, signer=signer, trusted=trusted, untag=untag,
+                             on_event=on_event, registry_hint=registry_hint)

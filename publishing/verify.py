@@ -1,25 +1,28 @@
-"""Check a published image for operators: tag -> digest -> verification record -> passed, same digest, current lock.
+"""Check a published image for operators: tag -> digest -> signed attestation -> the policy (publishing/policy.py).
 
 `verify_reference` never raises for "not verified": it returns a `Verification` whose `line()` is
-the one-line answer (`verified: REF -> name@sha256:... (...)` or `NOT verified: why`).
-`pull_verified` resolves `<sku>:verified`, verifies that digest and pulls it by digest (never by a
-tag that may have moved since).
+the one-line answer (`verified: REF -> name@sha256:... (...)` or `NOT verified: why`). It applies
+exactly the policy `publish` applied before pushing: a signature from a trusted key, subject == the
+digest the reference resolves to, the SKU asked for (default: the repository's last path part), the
+gate passed with every required check, the committed reference bundle and tolerance entry, the
+current lock. `pull_verified` resolves `<sku>:verified`, verifies that digest and pulls it by
+digest (never by a tag that may have moved since).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from pydantic import Field
 
-from builder.lockfile import Lock, lock_path, read_lock
 from clients.oci import RegistryClient, parse_image_ref
 from common.errors import NetworkError, PublishError, SkupinError
 from common.model import Frozen
-from common.paths import sku_path
-from publishing.publish import VERIFIED_TAG, RegistryTarget, read_record, verdict_facts
+from publishing.attest import TrustedKeys, trusted_keys
+from publishing.policy import ExpectFor, PolicyResult, evaluate, expectations, expected_for, signed_predicate
+from publishing.publish import VERIFIED_TAG, RegistryTarget, read_attestations
 
-CurrentLock = Callable[[str], str]  # sku -> content hash of its committed lock (raises SkupinError when none)
 ClientFor = Callable[[str], RegistryClient]  # registry host -> client
 
 
@@ -33,33 +36,43 @@ class Verification(Frozen):
     sku: str | None = None
     lock_sha256: str | None = None
     gate_date: str | None = None
+    signer: str | None = Field(None, description="Key id of the trusted key that signed the attestation")
     reason: str = ""
-    image_id: str | None = Field(None, exclude=True)  # the record's image id; not part of `verify --json`
+    image_id: str | None = Field(None, exclude=True)  # the attestation's image id; not part of `verify --json`
 
     def line(self) -> str:
         if self.ok:
             return (f"verified: {self.ref} -> {self.reference} ({self.sku}, lock {str(self.lock_sha256)[:12]}, "
-                    f"gate passed {self.gate_date or 'at an unknown date'})")
+                    f"gate passed {self.gate_date or 'at an unknown date'}, signed by {str(self.signer)[:12]})")
         return f"NOT verified: {self.ref}: {self.reason}"
-
-
-def committed_lock_hash(sku: str) -> str:
-    """The content hash of skus/<sku>.lock.json (the SKU's current lock)."""
-
-    return read_lock(lock_path(sku_path(sku))).content_hash()
 
 
 def _default_client(host: str) -> RegistryClient:
     return RegistryClient(host)
 
 
-def verify_reference(*, ref: str, current_lock: CurrentLock = committed_lock_hash,
+def _trusted(keys: TrustedKeys | list[Path] | None) -> TrustedKeys:
+    return keys if isinstance(keys, TrustedKeys) else trusted_keys(keys)
+
+
+def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = expected_for,
+                     trusted: TrustedKeys | list[Path] | None = None,
                      client_for: ClientFor = _default_client) -> Verification:
-    """Resolve `ref` (host/repo:tag or host/repo@sha256:...) and check its record; see the module doc."""
+    """Resolve `ref` (host/repo:tag or host/repo@sha256:...) and apply the policy to its attestations."""
     name = parse_image_ref(ref)
     no = lambda why, **kw: Verification(ok=False, ref=ref, reason=why, **kw)  # noqa: E731
     if not name.tag and not name.digest:
         return no("give a tag or a digest (host/repo:tag)")
+    asked = sku or name.repository.rsplit("/", 1)[-1]
+    try:
+        keys = _trusted(trusted)
+    except PublishError as exc:
+        return no(str(exc))
+    if not len(keys):
+        return no("no trusted public keys (keys/trusted/*.pub, .skupin/keys/trusted/*.pub or --key FILE)")
+    expected = expectations(expect, asked)
+    if isinstance(expected, str):
+        return no(expected)
     client = client_for(name.registry)
     try:
         try:
@@ -70,74 +83,63 @@ def verify_reference(*, ref: str, current_lock: CurrentLock = committed_lock_has
             return no(f"the registry serves {digest} for {name.digest}")
         pinned = f"{name.registry}/{name.repository}@{digest}"
         try:
-            record = read_record(client=client, repository=name.repository, digest=digest)
-        except PublishError as exc:
+            envelopes = read_attestations(client=client, repository=name.repository, digest=digest)
+            image = client.get_manifest(name.repository, digest)
+        except (PublishError, NetworkError) as exc:
             return no(str(exc), digest=digest, reference=pinned)
-        return _judge(ref=ref, pinned=pinned, digest=digest, record=record, client=client, repository=name.repository,
-                      current_lock=current_lock)
+        config = (image.json().get("config") or {}).get("digest")
+        results = [evaluate(env, trusted=keys, digest=digest, expected=expected, image_id=config) for env in envelopes]
+        best = next((r for r in results if r.ok), results[0])
+        return _answer(ref=ref, pinned=pinned, digest=digest, result=best)
     finally:
         client.close()
 
 
-def _judge(*, ref, pinned, digest, record, client, repository, current_lock) -> Verification:
-    base = dict(ref=ref, reference=pinned, digest=digest, sku=record.sku, lock_sha256=record.lock_sha256,
-                gate_date=record.gate_date, image_id=record.image_id)
-    no = lambda why: Verification(ok=False, reason=why, **base)  # noqa: E731
-    if record.image_digest != digest:
-        return no(f"the record is for {record.image_digest}, not {digest}")
-    try:
-        facts = verdict_facts(record.verdict)
-    except PublishError as exc:
-        return no(f"the record's verdict is unreadable: {exc}")
-    if record.gate_decision != "pass" or facts.decision != "pass":
-        return no(f"the gate did not pass ({facts.decision}: {facts.reason})")
-    if facts.image_id != record.image_id or facts.lock_hash != record.lock_sha256:
-        return no("the record's verdict names another image or lock than the record")
-    try:
-        if Lock.model_validate(record.lock).content_hash() != record.lock_sha256:
-            return no("the record's lock does not hash to its lock_sha256")
-    except ValueError as exc:
-        return no(f"the record's lock is malformed: {str(exc)[:200]}")
-    try:
-        image = client.get_manifest(repository, digest)
-    except NetworkError as exc:
-        return no(f"cannot read the image manifest: {exc}")
-    config = (image.json().get("config") or {}).get("digest")
-    if config != record.image_id:
-        return no(f"the image's config is {config}, the gate ran {record.image_id}")
-    try:
-        current = current_lock(record.sku)
-    except SkupinError as exc:
-        return no(f"cannot read the current lock of {record.sku}: {exc}")
-    if current != record.lock_sha256:
-        return no(f"gated with lock {record.lock_sha256[:12]}, the current lock of {record.sku} is {current[:12]}")
-    return Verification(ok=True, **base)
+def _answer(*, ref: str, pinned: str, digest: str, result: PolicyResult) -> Verification:
+    p = result.predicate
+    base = dict(ref=ref, reference=pinned, digest=digest, signer=result.keyid)
+    if p is not None:
+        base.update(sku=p.sku, lock_sha256=p.lock_sha256, gate_date=p.gate_created, image_id=p.image_id)
+    return Verification(ok=result.ok, reason=result.reason(), **base)
 
 
-def pull_verified(*, sku: str, target: RegistryTarget, docker, current_lock: CurrentLock = committed_lock_hash,
+def pull_verified(*, sku: str, target: RegistryTarget, docker, expect: ExpectFor = expected_for,
+                  trusted: TrustedKeys | list[Path] | None = None,
                   client_for: ClientFor = _default_client) -> tuple[Verification, str]:
-    """Verify `<sku>:verified` and pull its digest; (verification, local image id). PublishError when not verified."""
+    """Verify `<sku>:verified` for SKU `sku` and pull its digest; (verification, local image id). PublishError when
+    not verified."""
     ref = target.reference(sku, tag=VERIFIED_TAG)
-    result = verify_reference(ref=ref, current_lock=current_lock, client_for=lambda _host: client_for(target.url))
+    result = verify_reference(ref=ref, sku=sku, expect=expect, trusted=trusted,
+                              client_for=lambda _host: client_for(target.url))
     if not result.ok or result.reference is None:
         raise PublishError(result.line())
     image_id = docker.pull(result.reference)
     if image_id != result.image_id:
         raise PublishError(f"pulled {result.reference} but the engine has image {image_id}, "
-                           f"the record says {result.image_id}")
+                           f"the attestation says {result.image_id}")
     return result, image_id
 
 
-def verified_image_id(*, sku: str, target: RegistryTarget, timeout: float = 3.0) -> str | None:
-    """The image id the record of `<sku>:verified` names (the SKU's currently verified image), or None.
+def verified_image_id(*, sku: str, target: RegistryTarget, timeout: float = 3.0,
+                      trusted: TrustedKeys | None = None) -> str | None:
+    """The image id the signed attestation of `<sku>:verified` names (the SKU's currently verified image), or None.
 
-    Any lock: this is the baseline a new build is compared with, typically gated under the lock
-    before a point release. None when the registry does not answer or holds no such tag or record.
+    Any lock, bundle or tolerance: this is the baseline a new build is compared with, typically gated
+    under the lock before a point release; the signature (a trusted key) and the subject digest are
+    still required. None when the registry does not answer or holds no such tag or attestation.
     """
     try:
+        keys = trusted if trusted is not None else trusted_keys()
         with RegistryClient(target.url, retries=0, timeout=timeout) as client:
             repository = target.repository(sku)
             digest = client.resolve(repository, VERIFIED_TAG)
-            return read_record(client=client, repository=repository, digest=digest).image_id
+            for env in read_attestations(client=client, repository=repository, digest=digest):
+                try:
+                    predicate, _keyid = signed_predicate(env, trusted=keys, digest=digest)
+                except PublishError:
+                    continue
+                if predicate.sku == sku:
+                    return predicate.image_id
     except SkupinError:
         return None
+    return None

@@ -1,4 +1,4 @@
-"""CLI commands of the publishing stage: `registry up|down|status`, `publish`, `verify`, `pull`, `run`."""
+"""CLI commands of the publishing stage: `registry up|down|status`, `keys generate|list`, `publish`, `verify`, `pull`, `run`."""
 
 from __future__ import annotations
 
@@ -43,13 +43,13 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from publishing.publish import publish_sku
 
     published = publish_sku(sku=args.sku, registry=args.registry, addr=args.addr, verdict_path=args.verdict,
-                            image=args.image, docker=connect(), on_event=_err)
+                            image=args.image, docker=connect(), signing_key=args.signing_key, on_event=_err)
     if args.json:
         _out(json.dumps(published.model_dump(mode="json"), indent=2, sort_keys=True))
         return 0
     for tag in published.tags:
         _out(f"  {published.registry}/{published.repository}:{tag}")
-    _out(f"  record {published.repository}:{published.record_tag}")
+    _out(f"  attestation {published.repository}:{published.attestation_tag} (signed by key {published.keyid[:12]})")
     if published.leftover_tags:
         _out(f"  note: temporary tag(s) left in the registry: {', '.join(published.leftover_tags)}")
     _out(f"published {published.reference} in {published.total_s:.1f} s (push {published.push_s:.1f} s)")
@@ -62,7 +62,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from publishing.verify import verify_reference
 
-    result = verify_reference(ref=args.ref)
+    result = verify_reference(ref=args.ref, sku=args.sku, trusted=args.key or None)
     _out(json.dumps(result.model_dump(mode="json")) if args.json else result.line())
     return 0 if result.ok else PublishError.exit_code
 
@@ -74,7 +74,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from publishing.verify import pull_verified
 
     target = parse_target(args.registry or default_registry(addr=args.addr).addr)
-    result, image_id = pull_verified(sku=args.sku, target=target, docker=connect())
+    result, image_id = pull_verified(sku=args.sku, target=target, docker=connect(), trusted=args.key or None)
     _out(result.line())
     _out(f"image id {image_id}")
     _out(str(result.reference))
@@ -100,11 +100,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- keys
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from publishing.attest import generate_keys, trusted_keys
+
+    if args.keys_command == "generate":
+        pair = generate_keys(out=args.out)
+        if args.json:
+            _out(json.dumps(pair.model_dump(mode="json"), indent=2, sort_keys=True))
+            return 0
+        _out(f"private key {pair.private} (mode 0600; keep it out of git)")
+        _out(f"public key  {pair.public} (key id {pair.keyid})")
+        if pair.trusted_copy:
+            _out(f"trusted on this machine: {pair.trusted_copy}")
+        _out("to let everyone who clones the repository verify what it signs: commit the public key as "
+             "keys/trusted/<name>.pub")
+        return 0
+    keys = trusted_keys(args.key or None)
+    for keyid, (_key, source) in sorted(keys.keys.items()):
+        _out(f"{keyid}  {source}")
+    if not len(keys):
+        _err("no trusted keys: keys/trusted/*.pub, .skupin/keys/trusted/*.pub")
+        return 1
+    return 0
+
+
 # ---------------------------------------------------------------- registration
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """`registry`, `publish`, `verify`, `pull`, `run`."""
+    """`registry`, `keys`, `publish`, `verify`, `pull`, `run`."""
     from common.paths import REGISTRY_ADDR as DEFAULT_ADDR
 
     p = sub.add_parser("registry", help="the default local OCI registry: up, down, status (127.0.0.1:5000)")
@@ -119,7 +146,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
             q.add_argument("--deadline", type=float, default=20, metavar="S", help="seconds to wait for it (default 20)")
         q.set_defaults(func=cmd_registry)
 
-    p = sub.add_parser("publish", help="push a gated image by digest, store its verification record, move its tags")
+    p = sub.add_parser("keys", help="signing keys of the attestation: generate a key pair, list the trusted keys")
+    ksub = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    q = ksub.add_parser("generate", help="write signing.key (ECDSA P-256, mode 0600) and signing.pub; default folder "
+                                         ".skupin/keys/ (git-ignored), whose key is also trusted on this machine")
+    q.add_argument("--out", type=Path, metavar="DIR",
+                   help="folder for signing.key and signing.pub (not inside the repository; not trusted automatically)")
+    q.add_argument("--json", action="store_true", help="print the paths and key id as JSON")
+    q.set_defaults(func=cmd_keys)
+    q = ksub.add_parser("list", help="the trusted public keys verify and pull use (exit 1 when there are none)")
+    q.add_argument("--key", type=Path, action="append", metavar="FILE", help="list these files' keys instead")
+    q.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("publish", help="push a gated image by digest, store its signed attestation, move its tags")
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
@@ -130,11 +169,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="the gate verdict (default: the newest under .skupin/gates/SKU/ for this image and lock)",
     )
     p.add_argument("--image", metavar="REF", help="the image to publish (default: the SKU's content-addressed tag)")
+    p.add_argument("--signing-key", type=Path, metavar="FILE",
+                   help="ECDSA P-256 private key (PEM) that signs the attestation (default: $SKUPIN_SIGNING_KEY, else "
+                        ".skupin/keys/signing.key; make one with `skupin keys generate`); its public key must be trusted")
     p.add_argument("--json", action="store_true", help="print the published image as JSON")
     p.set_defaults(func=cmd_publish)
 
-    p = sub.add_parser("verify", help="operators: does REF resolve to a digest with a passing record for the current lock?")
+    p = sub.add_parser("verify", help="operators: does REF resolve to a digest with a signed attestation that passes "
+                                      "publish's policy (trusted key, this digest, this SKU, required checks, committed "
+                                      "bundle and tolerance, current lock)? exit 8 when not")
     p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
+    p.add_argument("--sku", help="the SKU the image must be attested for (default: the repository's last path part)")
+    p.add_argument("--key", type=Path, action="append", metavar="FILE",
+                   help="trusted public key (PEM); repeatable; replaces the default keys/trusted/*.pub and "
+                        ".skupin/keys/trusted/*.pub")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.set_defaults(func=cmd_verify)
 
@@ -142,9 +190,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("sku", help="SKU name")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
+    p.add_argument("--key", type=Path, action="append", metavar="FILE",
+                   help="trusted public key (PEM); repeatable; replaces the default keys/trusted/*.pub and "
+                        ".skupin/keys/trusted/*.pub")
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("run", help="the whole pipeline: check, lock, docker, base, build, gate, registry, publish, verify")
+    p = sub.add_parser("run", help="the whole pipeline: check, lock, docker, base, build, gate, registry, publish, verify "
+                                   "(signs with $SKUPIN_SIGNING_KEY or .skupin/keys/signing.key; on a fresh machine it "
+                                   "generates that key and trusts it on this machine, and says so)")
     p.add_argument("sku", nargs="?", default="cpu-x86_64", help="SKU name (default cpu-x86_64)")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry, started if needed)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)

@@ -26,10 +26,11 @@ from clients.oci import RegistryClient
 from common.errors import PublishError
 from dockerd import Docker
 from publishing.local_registry import LocalRegistry, registry_down, registry_up
-from publishing.publish import read_record
-from publishing.verify import verify_reference
+from publishing.policy import signed_predicate
+from publishing.publish import read_attestations
 from tests.integration.test_publish import (
     SKU,
+    TRUSTED,
     TinyImages,
     configs,
     free_port,
@@ -39,6 +40,7 @@ from tests.integration.test_publish import (
     registry,  # noqa: F401 - a fixture
     tags,
     tiny,  # noqa: F401 - a fixture
+    verify,
 )
 
 pytestmark = pytest.mark.integration
@@ -122,7 +124,7 @@ def start_proxy(upstream: str, mode: str) -> tuple[ThreadingHTTPServer, str, lis
 
 
 def human_tags(registry: LocalRegistry) -> set[str]:
-    return {t for t in tags(registry) if not t.endswith(".verification")}
+    return {t for t in tags(registry) if not t.endswith(".att")}
 
 
 # ---------------------------------------------------------------- registry down
@@ -138,7 +140,7 @@ def test_registry_down_at_publish_then_retry_after_up(docker: Docker, registry: 
     registry_up(registry=registry)
     assert tags(registry) == set()
     published = publish(docker=docker, registry=registry, image_id=image_id, lock=lock, verdict=verdict)
-    assert verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _s: lock.content_hash()).ok
+    assert verify(f"{registry.addr}/{SKU}:verified", lock).ok
     assert configs(registry) == {"verified": image_id, published.tags[0]: image_id}
 
 
@@ -242,7 +244,11 @@ def test_sigint_during_gate_leaves_no_container_and_publishes_nothing(docker: Do
 # ---------------------------------------------------------------- concurrency and the failing image
 
 
-def test_two_publishes_at_once_end_on_a_gated_digest(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
+def test_two_publishes_at_once_serialize_and_the_version_tag_never_moves(docker: Docker, registry: LocalRegistry,
+                                                                           tiny: TinyImages):
+    """Two different images of one lock, published at once, three rounds: publishes from this host serialize (a lock
+    file); the first to take the version tag keeps it, every publish of the other image is refused (immutable
+    version tag), re-publishing the winner is fine, and no temporary tag is left."""
     from dockerd import connect
 
     lock = make_lock()
@@ -265,19 +271,22 @@ def test_two_publishes_at_once_end_on_a_gated_digest(docker: Docker, registry: L
             t.start()
         for t in threads:
             t.join(120)
-    published = [r for rs in results.values() for r in rs]
-    assert all(not isinstance(r, Exception) for r in published), published
-    digests = {r.image_id: r.digest for r in published}
-    assert len(set(digests.values())) == 2
-    assert configs(registry)["verified"] in images
-    result = verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _s: lock.content_hash())
-    assert result.ok, result.line()
-    assert result.digest in digests.values()
+    winners = [i for i, rs in results.items() if all(not isinstance(r, Exception) for r in rs)]
+    assert len(winners) == 1, results
+    (winner,) = winners
+    (loser,) = [i for i in images if i != winner]
+    assert all(isinstance(r, PublishError) and "never moves" in str(r) for r in results[loser]), results[loser]
+    assert len({r.digest for r in results[winner]}) == 1
+    digest = results[winner][0].digest
+    assert configs(registry) == {"verified": winner, results[winner][0].tags[0]: winner}
+    result = verify(f"{registry.addr}/{SKU}:verified", lock)
+    assert result.ok and result.digest == digest, result.line()
     with RegistryClient(registry.url) as client:
-        for image_id, digest in digests.items():
-            record = read_record(client=client, repository=SKU, digest=digest)
-            assert record.image_digest == digest and record.image_id == image_id and record.gate_decision == "pass"
+        (envelope,) = read_attestations(client=client, repository=SKU, digest=digest)
+        predicate, _keyid = signed_predicate(envelope, trusted=TRUSTED, digest=digest)
+        assert predicate.image_id == winner and predicate.decision == "pass"
     assert not [t for t in tags(registry) if t.startswith("skupin-push-")]
+    assert len([t for t in tags(registry) if t.endswith(".att")]) == 1  # the loser's pushed digest got no attestation
 
 
 def test_gate_failing_image_never_ends_under_a_tag(docker: Docker, registry: LocalRegistry, tiny: TinyImages):
@@ -297,4 +306,4 @@ def test_gate_failing_image_never_ends_under_a_tag(docker: Docker, registry: Loc
             publish(docker=docker, registry=registry, image_id=derived, lock=lock, verdict=verdict)
     assert derived not in configs(registry).values()
     assert configs(registry)["verified"] == honest
-    assert verify_reference(ref=f"{registry.addr}/{SKU}:verified", current_lock=lambda _s: lock.content_hash()).ok
+    assert verify(f"{registry.addr}/{SKU}:verified", lock).ok

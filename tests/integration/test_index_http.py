@@ -165,7 +165,7 @@ def test_registry_push_tags_resolve_with_bearer_auth(tmp_path):
                                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cfg,
                                           "size": 24}, "layers": []}).encode()
             digest = reg.put_manifest("skupin/cpu", "v1", body, "application/vnd.oci.image.manifest.v1+json")
-            record = f"sha256-{digest.split(':')[1]}.verification"
+            record = f"sha256-{digest.split(':')[1]}.att"
             reg.put_manifest("skupin/cpu", record, body, "application/vnd.oci.image.manifest.v1+json")
             assert set(reg.list_tags("skupin/cpu")) == {"v1", record}
             assert reg.resolve("skupin/cpu", "v1") == digest

@@ -11,27 +11,33 @@ import pytest
 from builder.lockfile import Lock, LockedBase
 from clients.oci import Manifest
 from common.errors import DockerError, NetworkError, PublishError
+from publishing.attest import DSSE_MEDIA_TYPE, PREDICATE_TYPE, tolerance_sha256
 from publishing.local_registry import LocalRegistry, render_config
+from publishing.policy import Expected
 from publishing.publish import (
     OCI_MANIFEST,
-    RECORD_MEDIA_TYPE,
     VERIFIED_TAG,
-    VerificationRecord,
+    attestation_artifact,
+    attestation_tag,
     find_verdict,
     parse_target,
     plan_publish,
     publish_image,
-    record_artifact,
-    record_tag,
+    read_attestations,
     refusals,
     verdict_facts,
 )
 from publishing.verify import Verification
 from skupin.pipeline import STAGES, RunSummary, StageResult
 from tests.data.threads import finishes
+from tests.unit.test_attest import SIGNER, TRUSTED
 
 IMAGE = "sha256:" + "1" * 64
 OTHER = "sha256:" + "2" * 64
+TOL_ENTRY = {"key": {"hardware_class": "cpu-x86_64", "dtype": "float32", "model": "tiny-llama"},
+             "kernels": {"silu": 1e-3}, "provenance": {"runs": 3}}
+TOLERANCE = {"key": "cpu-x86_64/float32/tiny-llama", "source": "gates/data/tolerances.yaml", "entry": TOL_ENTRY,
+             "hard_bounds": {"max_mean_kl": 0.5}}
 
 
 def lock(salt: str = "a", sku: str = "cpu-x86_64") -> Lock:
@@ -47,12 +53,19 @@ def verdict(*, image_id: str = IMAGE, lk: Lock | None = None, decision: str = "p
     checks = [{"name": n, "status": "pass", "reason": ""} for n in ("reference", "boot", "pins", "kernels")]
     checks.append({"name": "model", "status": model, "reason": ""})
     return {"sku": sku, "image_id": image_id, "lock_hash": lk.content_hash(), "decision": decision, "reason": "r",
-            "reference": {"path": "x", "sha256": "d" * 64}, "checks": checks, "created": "2026-11-29T21:00:00+00:00"}
+            "reference": {"path": "x", "sha256": "d" * 64}, "tolerance": TOLERANCE, "checks": checks,
+            "created": "2026-11-29T21:00:00+00:00"}
 
 
-def plan(v: dict, *, lk: Lock | None = None, image_id: str = IMAGE):
+def expected(lk: Lock | None = None) -> Expected:
+    return Expected(sku="cpu-x86_64", lock_sha256=(lk or lock()).content_hash(), bundle_sha256="d" * 64,
+                    tolerance_key=TOLERANCE["key"], tolerance_sha256=tolerance_sha256(TOL_ENTRY))
+
+
+def plan(v: dict, *, lk: Lock | None = None, image_id: str = IMAGE, exp: Expected | None = None):
     return plan_publish(sku="cpu-x86_64", engine_version="5.24.0+local", lock=lk or lock(), image_id=image_id,
-                        verdict=verdict_facts(v), target=parse_target("127.0.0.1:5000"), push_tag="skupin-push-test")
+                        verdict=verdict_facts(v), target=parse_target("127.0.0.1:5000"), push_tag="skupin-push-test",
+                        expected=exp or expected(lk))
 
 
 # ---------------------------------------------------------------- targets and tags
@@ -76,10 +89,10 @@ def test_parse_target_rejects(bad):
         parse_target(bad)
 
 
-def test_record_tag():
-    assert record_tag("sha256:" + "ab" * 32) == "sha256-" + "ab" * 32 + ".verification"
+def test_attestation_tag():
+    assert attestation_tag("sha256:" + "ab" * 32) == "sha256-" + "ab" * 32 + ".att"
     with pytest.raises(PublishError):
-        record_tag("sha512:abc")
+        attestation_tag("sha512:abc")
 
 
 # ---------------------------------------------------------------- refusals
@@ -99,10 +112,14 @@ def test_plan_for_a_passing_verdict_names_the_tags():
     (verdict(model="skipped"), None, IMAGE, "required checks did not pass: model (skipped)"),
     (verdict(model="fail"), None, IMAGE, "checks did not pass: model fail"),  # decision says pass, a check failed
     ({**verdict(), "reference": None}, None, IMAGE, "names no reference bundle"),
+    ({**verdict(), "reference": {"path": "x", "sha256": "e" * 64}}, None, IMAGE, "is not the committed bundle"),
+    ({**verdict(), "tolerance": None}, None, IMAGE, "names no tolerance entry"),
+    ({**verdict(), "tolerance": {**TOLERANCE, "entry": {**TOL_ENTRY, "kernels": {"silu": float("inf")}}}}, None, IMAGE,
+     "is not the committed entry"),
 ])
 def test_plan_refuses(v, lk, image_id, why):
     with pytest.raises(PublishError, match="refusing to publish") as err:
-        plan(v, lk=lk, image_id=image_id)
+        plan(v, lk=lk, image_id=image_id, exp=expected())
     assert why in str(err.value)
 
 
@@ -117,7 +134,7 @@ def test_verdict_facts_rejects_non_verdicts():
             verdict_facts(bad)  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------- the record
+# ---------------------------------------------------------------- the attestation artifact
 
 
 def _image_manifest(image_id: str = IMAGE) -> Manifest:
@@ -126,25 +143,19 @@ def _image_manifest(image_id: str = IMAGE) -> Manifest:
                     digest="sha256:" + hashlib.sha256(body).hexdigest(), body=body)
 
 
-def _record(image: Manifest) -> VerificationRecord:
-    lk = lock()
-    return VerificationRecord(sku="cpu-x86_64", repository="cpu-x86_64", image_digest=image.digest, image_id=IMAGE,
-                              lock_sha256=lk.content_hash(), lock=lk.model_dump(mode="json"), bundle_sha256="d" * 64,
-                              gate_decision="pass", gate_date="2026-11-29", verdict=verdict(), tool_version="0.1.0",
-                              published="2026-11-29T22:00:00Z")
-
-
-def test_record_artifact_is_an_oci_manifest_with_subject_and_one_json_layer():
+def test_attestation_artifact_is_laid_out_as_cosign_lays_out_att():
     image = _image_manifest()
-    record = _record(image)
-    art = record_artifact(record=record, subject=image)
+    envelope = b'{"payloadType":"application/vnd.in-toto+json"}'
+    art = attestation_artifact(envelope=envelope, subject=image)
     m = json.loads(art.manifest)
-    assert m["mediaType"] == OCI_MANIFEST and m["artifactType"] == RECORD_MEDIA_TYPE
+    assert m["mediaType"] == OCI_MANIFEST and m["config"]["mediaType"] == "application/vnd.oci.image.config.v1+json"
     assert m["subject"] == {"mediaType": image.media_type, "digest": image.digest, "size": len(image.body)}
     (layer,) = m["layers"]
-    assert layer["digest"] == "sha256:" + hashlib.sha256(art.layer).hexdigest() and layer["size"] == len(art.layer)
-    assert m["config"]["digest"] == "sha256:" + hashlib.sha256(art.config).hexdigest()
-    assert VerificationRecord.model_validate_json(art.layer) == record
+    assert layer["mediaType"] == DSSE_MEDIA_TYPE and art.layer == envelope
+    assert layer["annotations"] == {"dev.cosignproject.cosign/signature": "", "predicateType": PREDICATE_TYPE}
+    assert layer["digest"] == "sha256:" + hashlib.sha256(envelope).hexdigest() and layer["size"] == len(envelope)
+    assert json.loads(art.config)["rootfs"]["diff_ids"] == [layer["digest"]]
+    assert "subject" not in json.loads(attestation_artifact(envelope=envelope, subject=None).manifest)
 
 
 # ---------------------------------------------------------------- executing with fakes: order and failure
@@ -195,6 +206,11 @@ class FakeRegistry:
         self.blobs[digest] = data
         return digest
 
+    def list_tags(self, repo):
+        if not self.manifests:
+            raise NetworkError("404 NAME_UNKNOWN")
+        return tuple(self.manifests)
+
     def put_manifest(self, repo, ref, body, media_type):
         self.manifests[ref] = (body, media_type)
         self.log.append(ref)
@@ -205,26 +221,26 @@ class FakeRegistry:
         return True
 
 
-def test_record_goes_in_before_the_human_tags_and_verified_last():
+def test_attestation_goes_in_before_the_human_tags_and_verified_last(tmp_path):
     reg, eng = FakeRegistry(), FakeEngine()
     p = plan(verdict())
-    out = publish_image(plan=p, lock=lock(), docker=eng, client=reg)  # type: ignore[arg-type]
-    assert reg.log == [record_tag(IMAGE_MANIFEST.digest), p.version_tag, VERIFIED_TAG, "delete skupin-push-test"]
+    out = publish_image(plan=p, docker=eng, client=reg, signer=SIGNER, trusted=TRUSTED, lock_folder=tmp_path)  # type: ignore[arg-type]
+    assert reg.log == [attestation_tag(IMAGE_MANIFEST.digest), p.version_tag, VERIFIED_TAG, "delete skupin-push-test"]
     assert reg.manifests[VERIFIED_TAG][0] == IMAGE_MANIFEST.body  # the tag names exactly the pushed manifest
     assert ("untag-local", p.push_reference) in eng.calls and out.leftover_tags == ()
 
 
 @pytest.mark.parametrize("fault", ["push", "registry down"])
-def test_a_failure_tags_nothing(fault):
+def test_a_failure_tags_nothing(fault, tmp_path):
     reg, eng = FakeRegistry(down=fault == "registry down"), FakeEngine(push_error=fault == "push")
     with pytest.raises(PublishError, match="nothing was"):
-        publish_image(plan=plan(verdict()), lock=lock(), docker=eng, client=reg)  # type: ignore[arg-type]
+        publish_image(plan=plan(verdict()), docker=eng, client=reg, signer=SIGNER, trusted=TRUSTED, lock_folder=tmp_path)  # type: ignore[arg-type]
     assert not [r for r in reg.manifests if not r.startswith("skupin-push-")]
     if fault == "push":
         assert eng.calls[-1][0] == "untag-local"
 
 
-def test_a_pushed_manifest_of_another_image_is_not_tagged():
+def test_a_pushed_manifest_of_another_image_is_not_tagged(tmp_path):
     class Wrong(FakeEngine):
         pass
 
@@ -232,7 +248,7 @@ def test_a_pushed_manifest_of_another_image_is_not_tagged():
     other = _image_manifest(OTHER)
     reg.get_manifest = lambda repo, ref, accept=(): other  # type: ignore[method-assign]
     with pytest.raises(PublishError, match="not the gated image"):
-        publish_image(plan=plan(verdict()), lock=lock(), docker=Wrong(), client=reg)  # type: ignore[arg-type]
+        publish_image(plan=plan(verdict()), docker=Wrong(), client=reg, signer=SIGNER, trusted=TRUSTED, lock_folder=tmp_path)  # type: ignore[arg-type]
     assert reg.log == ["delete skupin-push-test"]
 
 
@@ -249,7 +265,8 @@ def test_registry_config_is_loopback_with_its_own_storage(tmp_path):
 
 def test_verification_lines():
     ok = Verification(ok=True, ref="r:verified", reference=f"r@{IMAGE}", sku="s", lock_sha256="f" * 64, gate_date="D")
-    assert ok.line() == f"verified: r:verified -> r@{IMAGE} (s, lock ffffffffffff, gate passed D)"
+    ok = ok.model_copy(update={"signer": "a" * 64})
+    assert ok.line() == f"verified: r:verified -> r@{IMAGE} (s, lock ffffffffffff, gate passed D, signed by aaaaaaaaaaaa)"
     assert Verification(ok=False, ref="r:x", reason="why").line() == "NOT verified: r:x: why"
 
 
@@ -341,8 +358,8 @@ def test_run_summary_table():
     assert "FAILED" in failed[-1]
 
 
-def test_the_publish_stage_reads_the_verdict_once_and_records_it_as_the_gate_wrote_it(monkeypatch):
-    """publish(built, verdict, target): the verdict object is turned into facts once; the record holds its JSON."""
+def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrote(monkeypatch, tmp_path):
+    """publish(built, verdict, target): the verdict object is turned into facts once; the attestation pins its JSON."""
     import publishing.publish as publishing
     from builder.build import BuiltImage
     from builder.manifest import load_manifest
@@ -368,12 +385,19 @@ def test_the_publish_stage_reads_the_verdict_once_and_records_it_as_the_gate_wro
                        lock_sha256=lock().content_hash(), dockerfile_sha256="c" * 64, layers=(), steps=(), cache_hits=0,
                        total_s=1.0, size_bytes=1, installed={}, created="now", stack=stack)
     gated = GateVerdict.model_validate({**verdict(), "hardware_class": "cpu-x86_64", "image": built.image,
-                                        "tolerance": None, "timings": {"total_s": 1.0}, "tool_version": "0.1.0"})
+                                        "timings": {"total_s": 1.0}, "tool_version": "0.1.0"})
     reg, reads = Registry(), []
     monkeypatch.setattr(publishing, "RegistryClient", lambda _url: reg)
     real = publishing.verdict_facts
     monkeypatch.setattr(publishing, "verdict_facts", lambda data: reads.append(data) or real(data))
-    out = publishing.publish(built, gated, parse_target("127.0.0.1:5000"), docker=Engine())  # type: ignore[arg-type]
-    assert len(reads) == 1 and out.image_id == IMAGE and out.tags[-1] == VERIFIED_TAG
-    record = publishing.read_record(client=reg, repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest)  # type: ignore[arg-type]
-    assert record.verdict == json.loads(gated.model_dump_json()) and record.gate_decision == "pass"
+    monkeypatch.setattr(publishing, "expected_for", lambda _sku: expected())
+    monkeypatch.setattr(publishing, "STATE", tmp_path)
+    out = publishing.publish(built, gated, parse_target("127.0.0.1:5000"), docker=Engine(),  # type: ignore[arg-type]
+                             signer=SIGNER, trusted=TRUSTED)
+    assert len(reads) == 1 and out.image_id == IMAGE and out.tags[-1] == VERIFIED_TAG and out.keyid == SIGNER.keyid
+    (envelope,) = read_attestations(client=reg, repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest)  # type: ignore[arg-type]
+    from publishing.policy import evaluate, verdict_sha256
+
+    result = evaluate(envelope, trusted=TRUSTED, digest=IMAGE_MANIFEST.digest, expected=expected(), image_id=IMAGE)
+    assert result.ok, result.reasons
+    assert result.predicate is not None and result.predicate.verdict_sha256 == verdict_sha256(json.loads(gated.model_dump_json()))

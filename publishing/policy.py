@@ -1,0 +1,170 @@
+"""The one policy that decides whether a verification attestation vouches for an image: publish and verify both use it.
+
+`evaluate(envelope, trusted=, digest=, expected=)` accepts an attestation only when
+
+1. its DSSE signature verifies with a trusted public key (an unsigned envelope, an unknown key or a
+   signature over other bytes is refused before anything in it is believed);
+2. it is an in-toto Statement v1 of our predicate type whose subject digest is the image digest
+   being published, verified or pulled;
+3. its predicate is for the SKU asked for, and `predicate_problems` finds nothing: the gate passed,
+   no check failed or errored, every required check (`REQUIRED_CHECKS`) passed, the reference bundle
+   is the SKU's committed one, the tolerance entry is the committed entry of its key (by content
+   hash), the lock hashes to the lock hash it names; and the image config id matches when known;
+4. the lock is the SKU's current lock. A record for an older lock is refused (not a warning): the
+   reason names both locks, so an operator sees it is stale rather than forged.
+
+`publish` runs `predicate_problems` while planning (before anything is pushed) and `evaluate` on the
+signed envelope before storing it; `verify`/`pull` run `evaluate` on what they fetch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from builder.lockfile import Lock, lock_path, read_lock
+from builder.manifest import load_manifest
+from common.errors import PublishError, SkupinError
+from common.model import Frozen, canonical_json
+from common.paths import REPO, sku_path
+from gates.tolerance import DEFAULT_PATH as TOLERANCES_PATH
+from gates.tolerance import ToleranceKey, load_tolerances
+from publishing.attest import (
+    PREDICATE_TYPE,
+    STATEMENT_TYPE,
+    EnvelopeError,
+    TrustedKeys,
+    VerificationPredicate,
+    open_envelope,
+    tolerance_sha256,
+)
+
+REQUIRED_CHECKS = ("pins", "model")
+
+
+class Expected(Frozen):
+    """What this repository knows about a SKU: its current lock, reference bundle and tolerance entry."""
+
+    sku: str
+    lock_sha256: str
+    bundle_sha256: str
+    tolerance_key: str
+    tolerance_sha256: str | None = Field(description="None: the repository has no calibrated entry for the key")
+
+
+ExpectFor = Callable[[str], Expected]
+
+
+def expected_for(sku: str) -> Expected:
+    """The committed facts of `sku`: skus/<sku>.lock.json, its gate.reference bundle, gates/data/tolerances.yaml."""
+    path = sku_path(sku)
+    manifest = load_manifest(path)
+    lock = read_lock(lock_path(path))
+    sums = REPO / manifest.gate.reference / "SHA256SUMS"
+    try:
+        bundle = hashlib.sha256(sums.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise PublishError(f"{manifest.name}: the committed reference bundle cannot be read ({sums}): {exc}") from exc
+    key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
+                       model=manifest.gate.model)
+    entry = load_tolerances(TOLERANCES_PATH).find(key)
+    return Expected(sku=manifest.name, lock_sha256=lock.content_hash(), bundle_sha256=bundle, tolerance_key=key.label(),
+                    tolerance_sha256=tolerance_sha256(entry.model_dump(mode="json")) if entry else None)
+
+
+def verdict_sha256(document: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(document)).hexdigest()
+
+
+def predicate_problems(predicate: VerificationPredicate, expected: Expected) -> list[str]:
+    """Every reason the predicate's content does not satisfy the policy for `expected` (empty = fine)."""
+    out: list[str] = []
+    if predicate.sku != expected.sku:
+        out.append(f"the attestation is for SKU {predicate.sku}, not {expected.sku}")
+    if predicate.decision != "pass":
+        out.append(f"the gate did not pass ({predicate.decision}: {predicate.reason})")
+    statuses = {c.name: c.status for c in predicate.checks}
+    bad = [f"{c.name} {c.status}" for c in predicate.checks if c.status not in ("pass", "skipped")]
+    if bad:
+        out.append(f"checks did not pass: {', '.join(bad)}")
+    missing = [n for n in REQUIRED_CHECKS if statuses.get(n) != "pass"]
+    if missing:
+        out.append("required checks did not pass: " + ", ".join(f"{n} ({statuses.get(n, 'absent')})" for n in missing))
+    if predicate.reference.sha256 != expected.bundle_sha256:
+        out.append(f"reference bundle {predicate.reference.sha256[:12] or 'none'} is not the committed bundle of "
+                   f"{expected.sku} ({expected.bundle_sha256[:12]})")
+    tol = predicate.tolerance
+    if tol is None or tol.entry_sha256 is None:
+        out.append("the attestation names no tolerance entry")
+    elif tol.key != expected.tolerance_key:
+        out.append(f"tolerance entry {tol.key} is not {expected.sku}'s ({expected.tolerance_key})")
+    elif tol.entry_sha256 != expected.tolerance_sha256:
+        out.append(f"tolerance entry {tol.key} ({tol.entry_sha256[:12]}) is not the committed entry "
+                   f"({str(expected.tolerance_sha256)[:12]}) of gates/data/tolerances.yaml")
+    try:
+        if Lock.model_validate(predicate.lock).content_hash() != predicate.lock_sha256:
+            out.append("the attestation's lock does not hash to its lock_sha256")
+    except ValueError as exc:
+        out.append(f"the attestation's lock is malformed: {str(exc)[:200]}")
+    if predicate.lock_sha256 != expected.lock_sha256:
+        out.append(f"gated with lock {predicate.lock_sha256[:12]}, the current lock of {expected.sku} is "
+                   f"{expected.lock_sha256[:12]} (an attestation for an older lock)")
+    return out
+
+
+class PolicyResult(Frozen):
+    """The policy's answer for one attestation."""
+
+    ok: bool
+    reasons: tuple[str, ...] = ()
+    keyid: str | None = None
+    predicate: VerificationPredicate | None = None
+
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def signed_predicate(envelope: bytes, *, trusted: TrustedKeys, digest: str) -> tuple[VerificationPredicate, str]:
+    """Steps 1 and 2: (predicate, signing key id) of an envelope signed by a trusted key over a statement
+    about `digest`; PublishError (EnvelopeError) naming what failed otherwise."""
+    statement, keyid = open_envelope(envelope, trusted)
+    if statement.get("_type") != STATEMENT_TYPE:
+        raise EnvelopeError(f"the signed payload is not an in-toto Statement v1 (_type {statement.get('_type')!r})")
+    if statement.get("predicateType") != PREDICATE_TYPE:
+        raise EnvelopeError(f"the statement's predicateType is {statement.get('predicateType')!r}, not {PREDICATE_TYPE}")
+    hexpart = digest.partition(":")[2]
+    subjects = [s.get("digest", {}).get("sha256") for s in statement.get("subject") or () if isinstance(s, dict)
+                and isinstance(s.get("digest"), dict)]
+    if hexpart not in subjects:
+        shown = ", ".join(f"sha256:{str(s)[:12]}" for s in subjects) or "none"
+        raise EnvelopeError(f"the attestation's subject is {shown}, not {digest[:19]} (a signature over another image)")
+    try:
+        predicate = VerificationPredicate.model_validate(statement.get("predicate"))
+    except ValidationError as exc:
+        raise EnvelopeError(f"the attestation's predicate is malformed: {str(exc)[:300]}") from exc
+    return predicate, keyid
+
+
+def evaluate(envelope: bytes, *, trusted: TrustedKeys, digest: str, expected: Expected,
+             image_id: str | None = None) -> PolicyResult:
+    """The whole policy (see the module doc) for one envelope and the image digest it must vouch for."""
+    try:
+        predicate, keyid = signed_predicate(envelope, trusted=trusted, digest=digest)
+    except PublishError as exc:
+        return PolicyResult(ok=False, reasons=(str(exc),))
+    reasons = predicate_problems(predicate, expected)
+    if image_id is not None and predicate.image_id != image_id:
+        reasons.append(f"the image's config is {image_id[:19]}, the gate ran {predicate.image_id[:19]}")
+    return PolicyResult(ok=not reasons, reasons=tuple(reasons), keyid=keyid, predicate=predicate)
+
+
+def expectations(expect: ExpectFor, sku: str) -> Expected | str:
+    """`expect(sku)`, or the reason it cannot be known (an unknown SKU, an unreadable lock)."""
+    try:
+        return expect(sku)
+    except (SkupinError, OSError) as exc:
+        return f"cannot read what this repository knows about {sku}: {exc}"
+
