@@ -153,9 +153,10 @@ def test_compat_refresh_covers_every_refreshed_distribution_and_no_other() -> No
 
 
 def test_every_engine_torch_row_belongs_to_a_registered_distribution() -> None:
-    rows = {row.engine for row in load_compat().engine_torch}
-    # llama-cpp-python requires no torch (numpy only): it has no engine -> torch row
-    assert rows == set(engine_distributions()) - {"llama-cpp-python"}
+    rows = {row.engine: row for row in load_compat().engine_torch}
+    assert set(rows) == set(engine_distributions())
+    # llama-cpp-python requires no torch (numpy only): its row says so, with the reason
+    assert rows["llama-cpp-python"].torch == "none" and "ggml" in (rows["llama-cpp-python"].reason or "")
 
 
 def test_unknown_engine_is_one_clear_problem(h200: SkuManifest) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import tarfile
 from pathlib import Path
@@ -197,7 +198,6 @@ def test_the_locked_render_builds_the_sdist_offline_in_its_own_stage() -> None:
     lock = read_lock(SKU.with_name("cpu-x86_64-llamacpp.lock.json"))
     rendered = render_manifest(manifest=manifest, lock=lock)
     text = re.sub(r"(; tools sha256 )[0-9a-f]{16}$", r"\1<tools>", rendered.text, flags=re.M)
-    import os
     if os.environ.get("UPDATE_SNAPSHOTS") == "1":
         SNAPSHOT.write_text(text, encoding="utf-8")
     assert text == SNAPSHOT.read_text(encoding="utf-8")

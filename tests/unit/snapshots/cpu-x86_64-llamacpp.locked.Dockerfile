@@ -23,7 +23,7 @@ RUN --mount=type=bind,source=wheels/engine-sdist,target=/tmp/skupin-sdist \
  && mkdir -p /tmp/skupin-src /out/wheel \
  && tar -xzf /tmp/skupin-sdist/llama_cpp_python-0.3.36.tar.gz -C /tmp/skupin-src --strip-components=1 --no-same-owner \
  && cd /tmp/skupin-src \
- && CC=gcc-12 CXX=g++-12 CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+ && CC=gcc-12 CXX=g++-12 CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     /opt/skupin/build-venv/bin/python -c 'import sys; from scikit_build_core.build import build_wheel; print(build_wheel(sys.argv[1]))' /out/wheel \
  && cd /out/wheel \
  && wheel=$(ls) \
@@ -77,7 +77,7 @@ RUN apt-get update \
 # layer: labels
 ENV OMP_NUM_THREADS="1"
 EXPOSE 8000
-CMD ["python", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0", "--port", "8000", "--model_alias", "skupin-model", "--seed", "0"]
+CMD ["python3", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0", "--port", "8000", "--model_alias", "skupin-model", "--n_ctx", "0", "--seed", "0", "--type_k", "0", "--type_v", "0"]
 ARG SKUPIN_LOCK_HASH=unlocked
 ARG SKUPIN_DOCKERFILE_SHA256=unknown
 LABEL org.opencontainers.image.title="skupin/cpu-x86_64-llamacpp" \
