@@ -57,10 +57,30 @@ class RunningContainer:
     def id(self) -> str:
         return str(self._c.id)
 
-    @property
     def image_id(self) -> str:
-        """The sha256:... id of the image this container runs (as the daemon created it, not as it says)."""
+        """The sha256:... id of the image this container runs, as the daemon reports it now (not as the image says)."""
+        try:
+            self._c.reload()
+        except docker.errors.APIError as exc:
+            raise DockerError(f"inspecting container {self.id[:12]} failed: {exc.explanation or exc}") from exc
         return str(self._c.attrs.get("Image") or "")
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Freeze every process of the container (cgroup freezer) for the block: it uses no CPU, whatever it runs."""
+        try:
+            self._c.pause()
+        except docker.errors.APIError as exc:
+            raise DockerError(f"pausing container {self.id[:12]} failed: {exc.explanation or exc}") from exc
+        try:
+            yield
+        finally:
+            try:
+                self._c.unpause()
+            except docker.errors.NotFound:
+                pass
+            except docker.errors.APIError as exc:
+                raise DockerError(f"unpausing container {self.id[:12]} failed: {exc.explanation or exc}") from exc
 
     @property
     def overflow(self) -> str:

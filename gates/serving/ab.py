@@ -235,32 +235,78 @@ def kpi(*, name: str, unit: str, higher_is_better: bool, candidate: Sequence[Seq
                baseline=pooled(levels(baseline)), candidate=pooled(levels(candidate)))
 
 
-def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, baseline_failure: str,
-           decode: KPI | None, prefill: KPI | None, floor: float) -> tuple[ABDecision, str, str]:
-    """(decision, decision line, reason). The candidate's quality gate comes first: a candidate that did not pass is
-    rejected however fast it is. Speed: promote only when the decode uplift clears the noise floor in the median and
-    every round was faster, and prefill did not get slower the same way; reject when decode was slower beyond the
-    floor in the median and in every round; anything else is within noise."""
+MIN_ROUNDS = 3  # with fewer, "every round faster" happens by chance too often (two rounds: one in four)
+MIN_AGREEMENT = 0.5  # share of the candidate's completions equal to the baseline's (same weights, greedy)
+MAX_FAILED = 0.05  # share of a side's requests that may stream nothing
+
+
+def _gate_decision(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, baseline_failure: str,
+                   decode: KPI | None) -> tuple[ABDecision, str, str] | None:
+    """The decision the two gates force, if any (decide's first rule)."""
     if candidate_gate == "uncalibrated":
         return "hold", "hold: candidate uncalibrated", (
             "the candidate passed every calibration-free check, but its hardware class has no calibrated tolerance: "
             f"its quality is not established ({candidate_failure}); fix: skupin calibrate on that hardware")
+    if candidate_gate == "could_not_run":
+        return "hold", "hold: candidate gate could not run", (
+            f"the gate reached no verdict on the candidate ({candidate_failure}): not a quality failure; fix it and rerun")
     if candidate_gate != "pass":
         speed = (f"; it ran at {decode.ratio:.2f}x the baseline's decode tok/s per request"
                  if decode is not None and math.isfinite(decode.ratio) else "")
         return "reject", "reject: quality gate failed", f"the candidate did not pass the gate: {candidate_failure}{speed}"
     if baseline_gate != "pass":
-        return "hold", "hold: baseline failed the gate", (f"the baseline did not pass the gate ({baseline_failure}); "
-                                                          "an A/B against it proves nothing: fix or replace the baseline")
+        return "hold", "hold: baseline not verified", (f"the baseline's gate ended {baseline_gate} ({baseline_failure}); "
+                                                       "an A/B against it proves nothing: fix or replace the baseline")
+    return None
+
+
+def _serving_decision(*, agreement: float | None, failed: dict[str, float], errors: dict[str, str]
+                      ) -> tuple[ABDecision, str, str] | None:
+    """The decision what the rounds showed of each side's serving forces, if any (decide's second rule)."""
+    if "candidate" in errors:
+        return "reject", "reject: candidate failed in the A/B", f"the candidate: {errors['candidate']}"
+    if "baseline" in errors:
+        return "hold", "hold: baseline failed in the A/B", f"the baseline: {errors['baseline']}"
+    if failed.get("candidate", 0.0) > MAX_FAILED:
+        return "reject", "reject: candidate requests failed", (
+            f"{100 * failed['candidate']:.0f}% of the candidate's requests streamed nothing (at most "
+            f"{100 * MAX_FAILED:.0f}% allowed)")
+    if failed.get("baseline", 0.0) > MAX_FAILED:
+        return "hold", "hold: baseline requests failed", (
+            f"{100 * failed['baseline']:.0f}% of the baseline's requests streamed nothing")
+    if agreement is not None and agreement < MIN_AGREEMENT:
+        return "reject", "reject: outputs differ from the baseline's", (
+            f"only {100 * agreement:.0f}% of the candidate's greedy completions in the rounds equal the baseline's on the "
+            f"same prompts (at least {100 * MIN_AGREEMENT:.0f}% for the same weights): its speed was not measured on "
+            "the answers the gate checked")
+    return None
+
+
+def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, baseline_failure: str,
+           decode: KPI | None, prefill: KPI | None, floor: float, agreement: float | None = None,
+           failed: dict[str, float] | None = None, errors: dict[str, str] | None = None) -> tuple[ABDecision, str, str]:
+    """(decision, decision line, reason). The candidate's quality gate comes first: a candidate that did not pass is
+    rejected however fast it is. Then what the rounds showed of each side's serving: a side that failed during them, or
+    streamed nothing for more than MAX_FAILED of its requests, or (candidate) whose completions mostly differ from the
+    baseline's on the same prompts. Speed, with at least MIN_ROUNDS rounds: promote only when the decode uplift clears
+    the noise floor in the median and every round was faster, and prefill did not get slower the same way; reject when
+    decode was slower beyond the floor in the median and in every round; anything else is within noise."""
+    gated = _gate_decision(candidate_gate=candidate_gate, candidate_failure=candidate_failure,
+                           baseline_gate=baseline_gate, baseline_failure=baseline_failure, decode=decode)
+    served = _serving_decision(agreement=agreement, failed=failed or {}, errors=errors or {})
+    if gated is not None or served is not None:
+        return gated or served  # type: ignore[return-value]
     if decode is None or not math.isfinite(decode.ratio):
         return "hold", "hold: not measured", "decode speed could not be measured on both images"
     rounds = _finite(decode.rounds)
     up, down = 1.0 + floor, 1.0 - floor
     text = (f"decode tok/s per request {decode.ratio:.3f}x the baseline (rounds "
             f"{min(rounds):.3f}-{max(rounds):.3f}), noise floor {100 * floor:.1f}%")
-    if decode.ratio <= down and rounds and max(rounds) < 1.0:
+    if len(rounds) < MIN_ROUNDS:
+        return "hold", "hold: too few rounds", f"{text}; {len(rounds)} rounds cannot tell this from noise (--runs 3 or more)"
+    if decode.ratio <= down and max(rounds) < 1.0:
         return "reject", "reject: slower", f"{text}: slower beyond the noise floor in every round"
-    if decode.ratio >= up and rounds and min(rounds) > 1.0:
+    if decode.ratio >= up and min(rounds) > 1.0:
         p = _finite(prefill.rounds) if prefill is not None else []
         if prefill is not None and prefill.ratio <= down and p and max(p) < 1.0:
             return "hold", "hold: decode faster, prefill slower", (
@@ -288,7 +334,7 @@ class ABSide(Frozen):
     engine_path: dict[str, str] = Field(description="What the probe said computed the model check (shown, not trusted)")
     launch: tuple[str, ...]
     weights: str
-    gate: str = Field(description="The gate's decision: pass, fail, could_not_run")
+    gate: str = Field(description="The gate's decision: pass, fail, could_not_run, uncalibrated")
     gate_reason: str
     failing_check: str | None
     verdict_path: str | None = Field(description="The verdict's path under the A/B's folder; '(given)' when reused")
@@ -321,6 +367,12 @@ class RuntimeAB(Frozen):
     kpis: tuple[KPI, ...]
     noise_floor: float
     noise_floor_basis: str
+    isolation: str = Field("", description="How one side was kept from slowing the other while it was measured")
+    requests: dict[str, int] = Field(default_factory=dict, description="Measured requests per side")
+    failed_requests: dict[str, int] = Field(default_factory=dict, description="Requests that streamed nothing")
+    output_agreement: float | None = Field(None, description="Share of the candidate's completions equal to the "
+                                                             "baseline's on the same prompts")
+    errors: dict[str, str] = Field(default_factory=dict, description="A side whose server failed during the A/B")
     decision: ABDecision
     decision_line: str
     reason: str
@@ -342,7 +394,8 @@ EXIT_CODES: dict[str, int] = {"promote": 0, "hold": 12, "reject": 13}
 
 
 __all__ = ["ABLevel", "ABResult", "ab_from_runs", "interleaved_ab", "ABSettings", "KPI", "MIN_NOISE_FLOOR",
-           "round_ratios", "noise_floor", "kpi", "decide", "ABSide", "LengthAB", "RuntimeAB", "EXIT_CODES"]
+           "round_ratios", "noise_floor", "kpi", "decide", "ABSide", "LengthAB", "RuntimeAB", "EXIT_CODES",
+           "MIN_ROUNDS", "MIN_AGREEMENT", "MAX_FAILED"]
 
 
 # ---------------------------------------------------------------- report pieces (used by gates/report.py)

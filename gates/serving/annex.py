@@ -26,6 +26,14 @@ def _ms(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{1000 * x:.1f}"
 
 
+def _md(text: str, limit: int = 300) -> str:
+    """Text that came from an image (the probe's words, a gate reason quoting it), made inert in Markdown."""
+    out = text[:limit].replace("\\", "\\\\")
+    for ch in "|[]()!<>`*_#":
+        out = out.replace(ch, "\\" + ch)
+    return " ".join(out.split())
+
+
 def _short(argv: tuple[str, ...], limit: int = 90) -> str:
     text = " ".join(argv)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -34,7 +42,7 @@ def _short(argv: tuple[str, ...], limit: int = 90) -> str:
 def _engine(side: ABSide) -> str:
     path = side.engine_path
     dist, version = path.get("engine_distribution"), path.get("engine_version")
-    return f"{side.engine} ({dist} {version})" if dist and version else side.engine
+    return f"{side.engine} ({_md(dist, 60)} {_md(version, 40)})" if dist and version else side.engine
 
 
 def _gate(side: ABSide) -> str:
@@ -75,7 +83,7 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
              f"| cost block | {_cost(b)} | {_cost(c)} |", ""]
     for side in (b, c):
         if side.gate != "pass":
-            lines += [f"{side.role.capitalize()} gate: {side.gate_reason}", ""]
+            lines += [f"{side.role.capitalize()} gate: {_md(side.gate_reason, 600)}", ""]
         if not side.measured:
             lines += [f"{side.role.capitalize()} speed: {side.not_measured}", ""]
     lines += [f"Same hardware and weights: hardware class `{ab.same.get('hardware_class')}`, model "
@@ -85,7 +93,36 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
               f"serves prompts of {' and '.join(str(n) for n in s.prompt_lengths)} tokens at concurrency levels "
               f"{' and '.join(str(x) for x in s.concurrency)}: per level {s.requests} streamed greedy requests of "
               f"{s.max_tokens} output tokens, after {s.warmup} warm-up requests per image. Both servers run side by side "
-              "in the gate's sandbox (no network); an idle server costs no CPU.", ""]
+              f"in the gate's sandbox (no network); {ab.isolation or 'nothing was measured'}.", ""]
+    if ab.requests:
+        agree = "-" if ab.output_agreement is None else f"{100 * ab.output_agreement:.0f}%"
+        lines += [f"Serving in the rounds: {ab.requests.get('baseline', 0)} / {ab.requests.get('candidate', 0)} requests "
+                  f"(baseline / candidate), {ab.failed_requests.get('baseline', 0)} / "
+                  f"{ab.failed_requests.get('candidate', 0)} streamed nothing; the candidate's greedy completions equal "
+                  f"the baseline's on the same prompts in {agree} of requests.", ""]
+    for role, error in ab.errors.items():
+        lines += [f"The {role}'s server failed during the A/B: {_md(error, 600)}", ""]
+    lines += _kpi_lines(ab) + _level_lines(ab)
+    both_pass = b.gate == "pass" and c.gate == "pass"
+    lines += ["## Checklist", "",
+              f"- [x] same hardware and weights ({ab.same.get('hardware_class')}, {ab.same.get('model')} "
+              f"{ab.same.get('dtype')}; the quality gate judges what each runtime made of them)",
+              f"- [x] named baseline: `{b.sku}` at `{b.image_id[:19]}`",
+              f"- [{'x' if ab.kpis else ' '}] decode and prefill KPIs kept apart (and TTFT p50/p99, aggregate, cost)",
+              f"- [{'x' if both_pass else ' '}] quality gates: baseline {b.gate}, candidate {c.gate}",
+              f"- [{'x' if ab.decision == 'promote' else ' '}] uplift clears the gates and the noise floor: "
+              f"{ab.decision_line}", ""]
+    if plot:
+        lines += [f"![decode and prefill per concurrency, baseline and candidate]({plot})", ""]
+    lines += [f"skupin {ab.tool_version}, {ab.created}, {ab.wall_s:.0f} s; the record: ab.json."]
+    return "\n".join(lines) + "\n"
+
+
+def _kpi_lines(ab: RuntimeAB) -> list[str]:
+    """The KPI table (median ratio over rounds, the rounds' range), cost, and the noise floor."""
+    b, c = ab.baseline, ab.candidate
+    s = ab.settings
+    lines: list[str] = []
     if ab.kpis:
         lines += ["## KPIs", "",
                   "Ratio = candidate / baseline, per round the median over prompt lengths and levels; shown: the "
@@ -103,6 +140,13 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
             lines.append(f"| $ per 1M output tokens ({s.prompt_lengths[0]}-token prompts, best level) | {bu:.3g} | "
                          f"{cu:.3g} | {_num(cu / bu if bu else float('nan'), '.3f')} | - | lower |")
         lines += ["", f"Noise floor: **{100 * ab.noise_floor:.1f}%**: {ab.noise_floor_basis}.", ""]
+    return lines
+
+
+def _level_lines(ab: RuntimeAB) -> list[str]:
+    """One row per prompt length and concurrency level: baseline / candidate."""
+    b, c = ab.baseline, ab.candidate
+    lines: list[str] = []
     if ab.lengths:
         lines += ["## Per prompt length and concurrency (baseline / candidate)", "",
                   "| prompt tokens | concurrency | decode tok/s per request | decode ratio (rounds) | prefill tok/s | "
@@ -120,19 +164,7 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
                     f"{_ms(bl.ttft_p50_s)} / {_ms(cl.ttft_p50_s)} | {_ms(bl.ttft_p99_s)} / {_ms(cl.ttft_p99_s)} | "
                     f"{bl.aggregate_tok_s:.1f} / {cl.aggregate_tok_s:.1f} |")
         lines.append("")
-    both_pass = b.gate == "pass" and c.gate == "pass"
-    lines += ["## Checklist", "",
-              f"- [x] same hardware and weights ({ab.same.get('hardware_class')}, {ab.same.get('model')} "
-              f"{ab.same.get('dtype')}; the quality gate judges what each runtime made of them)",
-              f"- [x] named baseline: `{b.sku}` at `{b.image_id[:19]}`",
-              f"- [{'x' if ab.kpis else ' '}] decode and prefill KPIs kept apart (and TTFT p50/p99, aggregate, cost)",
-              f"- [{'x' if both_pass else ' '}] quality gates: baseline {b.gate}, candidate {c.gate}",
-              f"- [{'x' if ab.decision == 'promote' else ' '}] uplift clears the gates and the noise floor: "
-              f"{ab.decision_line}", ""]
-    if plot:
-        lines += [f"![decode and prefill per concurrency, baseline and candidate]({plot})", ""]
-    lines += [f"skupin {ab.tool_version}, {ab.created}, {ab.wall_s:.0f} s; the record: ab.json."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot_annex(ab: RuntimeAB, path: Path) -> bool:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from pydantic import Field
@@ -113,11 +114,13 @@ def cost_summary(*, perf: PerfResult, hourly_usd: float | None, utilisation: flo
                                                                  tok_s=head.aggregate_tok_s))
 
 
-def sample_of(completion) -> Sample | None:
-    """A Sample from a serve.Completion; None when nothing was streamed."""
+def sample_of(completion, max_tokens: int | None = None) -> Sample | None:
+    """A Sample from a serve.Completion; None when nothing was streamed. The output tokens are the server's own count
+    (usage.completion_tokens, else the streamed pieces), never more than the `max_tokens` the request asked for: a
+    server that claims more cannot inflate its tok/s."""
     if completion.ttft_s is None or not completion.piece_times:
         return None
-    n = completion.n_tokens
+    n = completion.n_tokens if max_tokens is None else min(completion.n_tokens, max_tokens)
     decode_s = completion.piece_times[-1] - completion.piece_times[0]
     return Sample(ttft_s=completion.ttft_s, prompt_tokens=int(completion.prompt_tokens or 0), output_tokens=n,
                   decode_s=decode_s)
@@ -167,20 +170,25 @@ def merge_perf(results: Sequence[PerfResult]) -> PerfResult:
     return PerfResult(settings=settings, levels=tuple(levels), wall_s=sum(r.wall_s for r in results))
 
 
-def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int, max_tokens: int
-                  ) -> tuple[list[Sample], float]:
-    """`requests` completions shared by `concurrency` closed-loop users; (samples, wall seconds)."""
-    jobs = iter([prompts[i % len(prompts)] for i in range(requests)])
+def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int, max_tokens: int,
+                  on_completion: Callable[[int, Any], None] | None = None) -> tuple[list[Sample], float]:
+    """`requests` completions shared by `concurrency` closed-loop users; (samples, wall seconds). `on_completion`
+    gets (prompt index, Completion) of every request, also those that streamed nothing."""
+    jobs = iter([(i % len(prompts), prompts[i % len(prompts)]) for i in range(requests)])
     lock = threading.Lock()
 
     def user(http) -> list[Sample]:
         mine: list[Sample] = []
         while True:
             with lock:
-                prompt = next(jobs, None)
-            if prompt is None:
+                job = next(jobs, None)
+            if job is None:
                 return mine
-            sample = sample_of(client.complete(http, prompt=prompt, max_tokens=max_tokens))
+            index, prompt = job
+            completion = client.complete(http, prompt=prompt, max_tokens=max_tokens)
+            if on_completion is not None:
+                on_completion(index, completion)
+            sample = sample_of(completion, max_tokens)
             if sample is not None:
                 mine.append(sample)
 
@@ -190,7 +198,8 @@ def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int,
     return samples, time.perf_counter() - start
 
 
-def run_perf(*, client, prompts: Sequence, settings: PerfSettings) -> PerfResult:
+def run_perf(*, client, prompts: Sequence, settings: PerfSettings,
+             on_completion: Callable[[int, Any], None] | None = None) -> PerfResult:
     """Warm up, then measure every concurrency level `repetitions` times (see the module docstring)."""
     start = time.perf_counter()
     if max(settings.concurrency) > 0 and settings.warmup:
@@ -199,7 +208,8 @@ def run_perf(*, client, prompts: Sequence, settings: PerfSettings) -> PerfResult
     levels = []
     for c in settings.concurrency:
         reps = [measure_level(client=client, prompts=prompts, concurrency=c, requests=max(settings.requests, c),
-                              max_tokens=settings.max_tokens) for _ in range(settings.repetitions)]
+                              max_tokens=settings.max_tokens, on_completion=on_completion)
+                for _ in range(settings.repetitions)]
         levels.append(summarize_level(concurrency=c, reps=reps))
     return PerfResult(settings=settings, levels=tuple(levels), wall_s=round(time.perf_counter() - start, 3))
 

@@ -28,14 +28,15 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from builder.manifest import SkuManifest
 from builder.stack import ResolvedStack
+from clients.openai import exchange_errors
 from common import __version__
-from common.errors import ManifestError
+from common.errors import DockerError, ManifestError
 from dockerd import Docker
 from gates.bundle import fixture_folder, model_folder
 from gates.fixture import spec_for
@@ -69,6 +70,8 @@ from gates.verdict import GateVerdict
 OnEvent = Callable[[str], None]
 # Checks after which an image has booted and served in the gate's sandbox: a failure there still allows measuring it.
 BOOTED_FAILURES = ("model", "serve")
+ISOLATION = ("while one side is measured, the other side's container is paused (cgroup freezer): it gets no CPU, "
+             "whatever it runs when idle")
 # The noise floor when the rounds cannot show one (a single round, or nothing measured).
 DEFAULT_FLOOR = 0.10
 
@@ -143,6 +146,9 @@ def prompt_ids_of_length(prompts: Sequence[dict], length: int, count: int) -> li
 
 def check_lengths(settings: ABSettings, *, model: str) -> None:
     """ManifestError when a prompt length plus the output tokens does not fit the fixture's positions."""
+    short = [n for n in settings.prompt_lengths if n < 2]
+    if short:
+        raise ManifestError(f"--prompt-lengths {','.join(map(str, short))}: a prompt needs at least 2 tokens")
     limit = spec_for(model).max_positions
     too_long = [n for n in settings.prompt_lengths if n + settings.max_tokens > limit]
     if too_long:
@@ -212,16 +218,14 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                               wheelhouse=wheelhouse, serve_perf=gate_serve_perf, on_event=on_event)
              for role, side in pairs}
     measurable = {role: _measurable(v) for role, (v, _, _) in gates.items()}
-    runs: dict[Role, list[list[PerfResult]]] = {"baseline": [], "candidate": []}
-    served: dict[Role, set[str]] = {"baseline": set(), "candidate": set()}
-    launches: dict[Role, tuple[str, ...]] = {}
-    order: list[str] = []
+    measured = _Measured()
     if all(ok for ok, _ in measurable.values()):
-        order = _measure(baseline=baseline, candidate=candidate, ids=ids, docker=docker, settings=settings, runs=runs,
-                         served=served, launches=launches, on_event=on_event)
+        measured = _measure(baseline=baseline, candidate=candidate, ids=ids, docker=docker, settings=settings,
+                            on_event=on_event)
+    runs, order = measured.runs, measured.order
     sides = {role: _side(role=role, given=side, verdict=gates[role][0], verdict_path=gates[role][1],
                          reused=gates[role][2], image_id=ids[role], measurable=measurable[role], runs=runs[role],
-                         served=served[role], launch=launches.get(role), settings=settings,
+                         served=measured.served[role], launch=measured.launches.get(role), settings=settings,
                          other_failed=not all(ok for ok, _ in measurable.values()))
              for role, side in pairs}
     lengths: list[LengthAB] = []
@@ -234,8 +238,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                 candidate_runs=[r[i] for r in runs["candidate"]], baseline_runs=[r[i] for r in runs["baseline"]],
                 bound=None, candidate_image=candidate.image, baseline_image=baseline.image, order=order)))
         kpis = _kpis(runs)
-        decode_floor = max(noise_floor(runs["baseline"], _decode), noise_floor(runs["candidate"], _decode))
-        floor = decode_floor
+        floor = max(noise_floor(runs["baseline"], _decode), noise_floor(runs["candidate"], _decode))
         basis = (f"the larger of the two images' own round-to-round movement of decode tok/s per request (per prompt "
                  f"length and level, the largest deviation of a round from that image's median; the median of "
                  f"those), at least 2%; {len(order)} rounds")
@@ -249,12 +252,21 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
         failing = v.failing_check()
         return f"{failing.name}: {failing.reason}" if failing is not None else v.reason
 
+    failed = {role: measured.failed[role] / measured.requests[role] for role in measured.requests
+              if measured.requests[role]}
+    agreement = measured.agreement()
     decision, line, reason = decide(candidate_gate=gates["candidate"][0].decision, candidate_failure=failure("candidate"),
                                     baseline_gate=gates["baseline"][0].decision, baseline_failure=failure("baseline"),
-                                    decode=decode_kpi, prefill=prefill_kpi, floor=floor)
+                                    decode=decode_kpi, prefill=prefill_kpi, floor=floor, agreement=agreement,
+                                    failed={str(k): v for k, v in failed.items()},
+                                    errors={str(k): v for k, v in measured.errors.items()})
     result = RuntimeAB(baseline=sides["baseline"], candidate=sides["candidate"], same=same, settings=settings,
                        order=tuple(order), lengths=tuple(lengths), kpis=tuple(kpis), noise_floor=floor,
-                       noise_floor_basis=basis, decision=decision, decision_line=line, reason=reason,
+                       noise_floor_basis=basis, isolation=ISOLATION if order else "",
+                       requests={str(k): v for k, v in measured.requests.items()},
+                       failed_requests={str(k): v for k, v in measured.failed.items()}, output_agreement=agreement,
+                       errors={str(k): v for k, v in measured.errors.items()},
+                       decision=decision, decision_line=line, reason=reason,
                        host=_host(), created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                        tool_version=__version__, wall_s=round(time.monotonic() - started, 1))
     result.write_json(out / "ab.json")
@@ -298,54 +310,124 @@ def _kpis(runs: dict[Role, list[list[PerfResult]]]) -> list[KPI]:
     ]
 
 
+@dataclass
+class _Measured:
+    """What the interleaved rounds produced, side by side (filled as they run; `errors` says which side ended them)."""
+
+    runs: dict[Role, list[list[PerfResult]]] = field(default_factory=lambda: {"baseline": [], "candidate": []})
+    served: dict[Role, set[str]] = field(default_factory=lambda: {"baseline": set(), "candidate": set()})
+    launches: dict[Role, tuple[str, ...]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    # (prompt length index, prompt index) -> every text the side streamed for it
+    texts: dict[Role, dict[tuple[int, int], list[str]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
+    requests: dict[Role, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
+    failed: dict[Role, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
+    errors: dict[Role, str] = field(default_factory=dict)
+
+    def record(self, role: Role, length: int) -> Callable[[int, Any], None]:
+        def seen(index: int, completion: Any) -> None:
+            self.requests[role] += 1
+            if completion.ttft_s is None or not completion.pieces:
+                self.failed[role] += 1
+            self.texts[role].setdefault((length, index), []).append(completion.text[:4096])
+        return seen
+
+    def agreement(self) -> float | None:
+        """Share of the candidate's completions whose text equals the baseline's first text for the same prompt (same
+        weights, greedy: an honest runtime agrees but for near ties); None when nothing can be paired."""
+        pairs = [(text, self.texts["baseline"][key][0]) for key, texts in self.texts["candidate"].items()
+                 if self.texts["baseline"].get(key) for text in texts]
+        return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
 def _measure(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], docker: Docker, settings: ABSettings,
-             runs: dict[Role, list[list[PerfResult]]], served: dict[Role, set[str]],
-             launches: dict[Role, tuple[str, ...]], on_event: OnEvent) -> list[str]:
-    """Boot both servers, warm them up, run the interleaved rounds; fills `runs`, `served`, `launches`; the order."""
+             on_event: OnEvent) -> _Measured:
+    """Boot both servers, warm them up, run the interleaved rounds with the other side's container paused. A side
+    whose server fails to start, answers with an error or runs another image than the one gated ends the rounds:
+    `errors` says which side and why."""
+    measured = _Measured()
+    try:
+        _rounds(baseline=baseline, candidate=candidate, ids=ids, docker=docker, settings=settings, on_event=on_event,
+                measured=measured)
+    except _SideFailed as exc:
+        measured.errors[exc.role] = exc.reason
+        on_event(f"ab: {exc.role}: {exc.reason}")
+    return measured
+
+
+class _SideFailed(Exception):
+    def __init__(self, role: Role, reason: str) -> None:
+        super().__init__(reason)
+        self.role, self.reason = role, reason
+
+
+def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], docker: Docker, settings: ABSettings,
+            on_event: OnEvent, measured: _Measured) -> None:
     from tokenizers import Tokenizer
 
+    failures: tuple[type[Exception], ...] = (TimeoutError, DockerError, ValueError, *exchange_errors())
     workers = max(settings.concurrency)
-    order: list[str] = []
+    pairs: tuple[tuple[Role, ABInput], ...] = (("baseline", baseline), ("candidate", candidate))
     with contextlib.ExitStack() as scope:
         scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-ab-"))
         folder = fixture_folder(name=baseline.stack.manifest.gate.model, model_dir=None, scratch=Path(scratch))
         # each engine's own view of the same weights (the fixture, plus a checked GGUF for an engine that loads one)
         mounts = {role: model_folder(manifest=side.stack.manifest, scratch=Path(scratch), fixture_dir=folder)
-                  for role, side in (("baseline", baseline), ("candidate", candidate))}
+                  for role, side in pairs}
         prompt_set = load_prompts(folder / "prompts.json")
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         servers: dict[Role, RunningServer] = {}
         inputs: dict[Role, list[list[Any]]] = {}
-        pairs: tuple[tuple[Role, ABInput], ...] = (("baseline", baseline), ("candidate", candidate))
         for role, side in pairs:
             manifest = side.stack.manifest
-            server = scope.enter_context(running_server(manifest=manifest, image=ids[role], docker=docker,
-                                                        model_dir=mounts[role], deadline_s=float(manifest.gate.deadline_s),
-                                                        workers=workers, role=f"ab-{role}"))
+            try:
+                server = scope.enter_context(running_server(
+                    manifest=manifest, image=ids[role], docker=docker, model_dir=mounts[role],
+                    deadline_s=float(manifest.gate.deadline_s), workers=workers, role=f"ab-{role}"))
+                _check_served(server, role, ids[role], measured)
+                measured.launches[role] = tuple(server.launch.argv)
+                inputs[role] = [prompt_inputs(prompts=prompt_set["prompts"], tokenizer=tokenizer, length=n, count=8,
+                                              launch=server.launch) for n in settings.prompt_lengths]
+                on_event(f"ab: {role}: {' '.join(server.launch.argv[:3])} ready in {server.ready_s:.1f} s")
+                if settings.warmup:
+                    measure_level(client=server.client, prompts=inputs[role][0], concurrency=1,
+                                  requests=settings.warmup, max_tokens=settings.max_tokens)
+            except failures as exc:
+                raise _SideFailed(role, f"its server failed before the rounds: {type(exc).__name__}: {exc}"[:600]) from exc
             servers[role] = server
-            launches[role] = tuple(server.launch.argv)
-            served[role].add(server.container.image_id)
-            inputs[role] = [prompt_inputs(prompts=prompt_set["prompts"], tokenizer=tokenizer, length=n, count=8,
-                                          launch=server.launch) for n in settings.prompt_lengths]
-            on_event(f"ab: {role}: {' '.join(server.launch.argv[:3])} ready in {server.ready_s:.1f} s")
-            if settings.warmup:
-                measure_level(client=server.client, prompts=inputs[role][0], concurrency=1, requests=settings.warmup,
-                              max_tokens=settings.max_tokens)
         perf = settings.perf()
         for r in range(settings.runs):
             first: tuple[Role, Role] = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
-            order.append("BA" if r % 2 == 0 else "AB")
+            measured.order.append("BA" if r % 2 == 0 else "AB")
             for role in first:
+                other: Role = "candidate" if role == "baseline" else "baseline"
                 server = servers[role]
-                runs[role].append([run_perf(client=server.client, prompts=inputs[role][i], settings=perf)
-                                   for i in range(len(settings.prompt_lengths))])
-            b, c = runs["baseline"][-1][0].levels[0], runs["candidate"][-1][0].levels[0]
-            on_event(f"ab: round {r + 1}/{settings.runs} ({order[-1]}): decode tok/s per request at concurrency "
+                try:
+                    with servers[other].container.paused():  # the idle side gets no CPU, whatever it runs
+                        measured.runs[role].append([
+                            run_perf(client=server.client, prompts=inputs[role][i], settings=perf,
+                                     on_completion=measured.record(role, i))
+                            for i in range(len(settings.prompt_lengths))])
+                except failures as exc:
+                    measured.order.pop()
+                    for side_runs in measured.runs.values():  # keep only complete rounds
+                        del side_runs[len(measured.order):]
+                    raise _SideFailed(role, f"its server failed in round {r + 1}: {type(exc).__name__}: {exc}"[:600]
+                                      ) from exc
+            b, c = measured.runs["baseline"][-1][0].levels[0], measured.runs["candidate"][-1][0].levels[0]
+            on_event(f"ab: round {r + 1}/{settings.runs} ({measured.order[-1]}): decode tok/s per request at concurrency "
                      f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
                      f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
         for role, server in servers.items():  # the container still runs the image it was created from
-            served[role].add(server.container.image_id)
-    return order
+            _check_served(server, role, ids[role], measured)
+
+
+def _check_served(server: RunningServer, role: Role, image_id: str, measured: _Measured) -> None:
+    """Record the image the daemon says the server's container runs; _SideFailed when it is not the gated one."""
+    running = server.container.image_id()
+    measured.served[role].add(running)
+    if running != image_id:
+        raise _SideFailed(role, f"its server container runs {running[:19]}, not the gated image {image_id[:19]}")
 
 
 def _side(*, role: Role, given: ABInput, verdict: GateVerdict, verdict_path: str, reused: bool, image_id: str,

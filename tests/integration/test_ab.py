@@ -22,7 +22,7 @@ from gates.verdict import GateVerdict
 
 pytestmark = pytest.mark.integration
 
-SHORT = ABSettings(runs=2, concurrency=(1, 2), prompt_lengths=(16, 64), requests=4, max_tokens=12, warmup=1)
+SHORT = ABSettings(runs=3, concurrency=(1, 2), prompt_lengths=(16, 64), requests=3, max_tokens=12, warmup=1)
 GATE_LOAD = PerfSettings(concurrency=(1,), requests=2, repetitions=1, warmup=0, max_tokens=8)  # the gates' serve speed
 
 
@@ -53,7 +53,9 @@ def test_ab_measures_both_images_and_rejects_a_slower_candidate(stack, honest_im
     assert base.served_by == (base.image_id,) and cand.served_by == (cand.image_id,)
     assert base.image_id == docker.inspect_image(honest_image).id
     assert cand.image_id == docker.inspect_image(slow.image).id != base.image_id
-    assert result.order == ("BA", "AB")
+    assert result.order == ("BA", "AB", "BA") and not result.errors
+    assert result.failed_requests == {"baseline": 0, "candidate": 0}
+    assert result.output_agreement is not None and result.output_agreement > 0.9  # honest numbers: the same texts
     assert [n.prompt_tokens for n in result.lengths] == [16, 64]
     for length in result.lengths:
         for lv in length.ab.levels:  # 5 ms per SiLU call, 3 layers: slower at every level (rounds vary on a busy host)
@@ -61,6 +63,7 @@ def test_ab_measures_both_images_and_rejects_a_slower_candidate(stack, honest_im
     decode = result.kpi("decode")
     assert decode is not None and decode.ratio < 1 - result.noise_floor and max(decode.rounds) < 1
     assert base.perf[0].levels[0].requests == cand.perf[0].levels[0].requests == SHORT.requests * SHORT.runs
+    assert "paused" in result.isolation
     assert (result.decision, result.decision_line, result.exit_code) == ("reject", "reject: slower", 13)
     annex = (tmp_path / "annex.md").read_text()
     assert "**Decision: reject: slower**" in annex

@@ -130,6 +130,25 @@ def test_a_candidate_that_failed_quality_is_rejected_however_fast() -> None:
     assert "top-1 agreement 52.9%" in reason and "3.00x the baseline" in reason
 
 
+def test_too_few_rounds_hold_and_serving_failures_decide_before_speed() -> None:
+    fast, base = rounds(150, 150), rounds(100, 100)
+    decision, line, _ = decide(candidate_gate="pass", candidate_failure="", baseline_gate="pass", baseline_failure="",
+                               decode=decode_kpi(fast, base), prefill=None, floor=0.02)
+    assert (decision, line) == ("hold", "hold: too few rounds")  # two rounds both faster happen by chance
+    c, b = rounds(150, 150, 150), rounds(100, 100, 100)
+    common = {"candidate_gate": "pass", "candidate_failure": "", "baseline_gate": "pass", "baseline_failure": "",
+              "decode": decode_kpi(c, b), "prefill": prefill_kpi(c, b), "floor": 0.02}
+    assert decide(**common)[0] == "promote"
+    assert decide(**common, agreement=0.2)[1] == "reject: outputs differ from the baseline's"
+    assert decide(**common, agreement=0.9)[0] == "promote"
+    assert decide(**common, failed={"candidate": 0.10})[1] == "reject: candidate requests failed"
+    assert decide(**common, failed={"baseline": 0.10})[1] == "hold: baseline requests failed"
+    assert decide(**common, errors={"candidate": "its server failed in round 2"})[1] == "reject: candidate failed in the A/B"
+    assert decide(**common, errors={"baseline": "x"})[1] == "hold: baseline failed in the A/B"
+    could_not = {**common, "candidate_gate": "could_not_run", "candidate_failure": "pins: no build record"}
+    assert decide(**could_not)[:2] == ("hold", "hold: candidate gate could not run")
+
+
 def test_faster_decode_with_slower_prefill_is_held_and_a_failed_baseline_proves_nothing() -> None:
     c = [[perf(150, prefill_tok_s=1000)] for _ in range(3)]
     b = rounds(100, 100, 100)
@@ -138,7 +157,7 @@ def test_faster_decode_with_slower_prefill_is_held_and_a_failed_baseline_proves_
     assert (decision, line) == ("hold", "hold: decode faster, prefill slower") and "prefill tok/s 0.312x" in reason
     decision, line, _ = decide(candidate_gate="pass", candidate_failure="", baseline_gate="fail",
                                baseline_failure="model: ...", decode=decode_kpi(c, b), prefill=None, floor=0.05)
-    assert (decision, line) == ("hold", "hold: baseline failed the gate")
+    assert (decision, line) == ("hold", "hold: baseline not verified")
     decision, line, _ = decide(candidate_gate="uncalibrated", candidate_failure="no entry", baseline_gate="pass",
                                baseline_failure="", decode=decode_kpi(c, b), prefill=None, floor=0.05)
     assert (decision, line) == ("hold", "hold: candidate uncalibrated")
