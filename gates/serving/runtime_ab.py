@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import math
 import os
 import platform
 import tempfile
@@ -238,10 +239,11 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                 candidate_runs=[r[i] for r in runs["candidate"]], baseline_runs=[r[i] for r in runs["baseline"]],
                 bound=None, candidate_image=candidate.image, baseline_image=baseline.image, order=order)))
         kpis = _kpis(runs)
-        floor = max(noise_floor(runs["baseline"], _decode), noise_floor(runs["candidate"], _decode))
-        basis = (f"the larger of the two images' own round-to-round movement of decode tok/s per request (per prompt "
-                 f"length and level, the largest deviation of a round from that image's median; the median of "
-                 f"those), at least 2%; {len(order)} rounds")
+        # a ratio carries the noise of both images: sqrt(2) x the larger image's own movement
+        floor = math.sqrt(2) * max(noise_floor(runs["baseline"], _decode), noise_floor(runs["candidate"], _decode))
+        basis = (f"sqrt(2) x the larger of the two images' own round-to-round movement of decode tok/s per request "
+                 f"(per prompt length and level, the largest deviation of a round from that image's median; the median "
+                 f"of those; a ratio carries both images' noise), at least 2% per image; {len(order)} rounds")
         if len(order) < 2:
             floor, basis = DEFAULT_FLOOR, "one round shows no noise: the fixed 10% floor (run --runs 3 or more)"
     decode_kpi = next((k for k in kpis if k.name == "decode"), None)
