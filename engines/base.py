@@ -81,6 +81,19 @@ class InferenceEngine(Protocol):
         ...
 
 
+def folder_model_file(engine: str):
+    """`model_file` of an engine that loads the model folder itself (the fixture's safetensors, at the gate dtype):
+    None for full-precision weights, ValueError for any quantized file type."""
+
+    def model_file(*, dtype: str, weights: str) -> str | None:
+        if weights != "full":
+            raise ValueError(f"{engine} serves the model folder at full precision only (gate.weights full, "
+                             f"not {weights!r})")
+        return None
+
+    return model_file
+
+
 # ---------------------------------------------------------------- what the registry reads of a SKU
 # Named by shape, so that engines/ imports nothing of builder/ (builder.manifest.SkuManifest satisfies it).
 

