@@ -74,13 +74,16 @@ class RunningContainer:
             raise DockerError(f"pausing container {self.id[:12]} failed: {exc.explanation or exc}") from exc
         try:
             yield
-        finally:
-            try:
+        except BaseException:
+            with contextlib.suppress(docker.errors.APIError):  # the block's error is the one to report
                 self._c.unpause()
-            except docker.errors.NotFound:
-                pass
-            except docker.errors.APIError as exc:
-                raise DockerError(f"unpausing container {self.id[:12]} failed: {exc.explanation or exc}") from exc
+            raise
+        try:
+            self._c.unpause()
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            raise DockerError(f"unpausing container {self.id[:12]} failed: {exc.explanation or exc}") from exc
 
     @property
     def overflow(self) -> str:

@@ -35,6 +35,7 @@ from pydantic import Field
 from common.errors import PublishError
 from common.model import Frozen, canonical_json
 from common.paths import REPO, STATE
+from common.untrusted import json_depth
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://skupin.dev/verification/v1"
@@ -132,8 +133,10 @@ class Signer:
         """The DSSE envelope (JSON bytes) of a statement."""
         payload = canonical_json(data)
         sig = self.key.sign(pae(PAYLOAD_TYPE, payload), ec.ECDSA(hashes.SHA256()))
+        # keyid "" as `cosign attest` writes it: cosign's verifier skips a signature whose keyid differs from the one it
+        # derives (an SSH-style fingerprint); open_envelope then tries every trusted key
         envelope = {"payloadType": PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode(),
-                    "signatures": [{"keyid": self.keyid, "sig": base64.b64encode(sig).decode()}]}
+                    "signatures": [{"keyid": "", "sig": base64.b64encode(sig).decode()}]}
         return canonical_json(envelope)
 
     def public_pem(self) -> bytes:
@@ -192,15 +195,23 @@ def trusted_keys(files: list[Path] | tuple[Path, ...] | None = None) -> TrustedK
     return TrustedKeys(found)
 
 
+MAX_ENVELOPE_DEPTH = 16
+MAX_SIGNATURES = 16
+
+
 class EnvelopeError(PublishError):
     """An envelope that does not verify (the reason says why)."""
 
 
 def _parse_envelope(data: bytes) -> tuple[bytes, list[dict[str, Any]]]:
     """(payload bytes, signatures) of a DSSE envelope of our payload type; EnvelopeError otherwise."""
+    if len(data) > MAX_ENVELOPE_BYTES:
+        raise EnvelopeError(f"the attestation is too large ({len(data)} bytes, at most {MAX_ENVELOPE_BYTES})")
     try:
-        env = json.loads(data) if len(data) <= MAX_ENVELOPE_BYTES else None
-    except ValueError as exc:
+        if json_depth(data) > MAX_ENVELOPE_DEPTH:
+            raise EnvelopeError(f"the attestation is nested deeper than {MAX_ENVELOPE_DEPTH}")
+        env = json.loads(data)
+    except (ValueError, RecursionError) as exc:
         raise EnvelopeError("the attestation is not a DSSE envelope (not JSON)") from exc
     if not isinstance(env, dict) or not isinstance(env.get("payload"), str):
         raise EnvelopeError("the attestation is not a DSSE envelope (no payload)")
@@ -210,7 +221,11 @@ def _parse_envelope(data: bytes) -> tuple[bytes, list[dict[str, Any]]]:
         payload = base64.b64decode(env["payload"], validate=True)
     except (binascii.Error, ValueError) as exc:
         raise EnvelopeError("the envelope's payload is not base64") from exc
-    sigs = [s for s in env.get("signatures") or () if isinstance(s, dict) and isinstance(s.get("sig"), str) and s["sig"]]
+    listed = env.get("signatures")
+    if not isinstance(listed, list):
+        raise EnvelopeError("the attestation is unsigned (the envelope's signatures are not a list)")
+    sigs = [s for s in listed[:MAX_SIGNATURES] if isinstance(s, dict) and isinstance(s.get("sig"), str) and s["sig"]
+            and isinstance(s.get("keyid", ""), str)]
     if not sigs:
         raise EnvelopeError("the attestation is unsigned (the envelope has no signature)")
     return payload, sigs

@@ -306,7 +306,7 @@ def read_attestations(*, client: RegistryClient, repository: str, digest: str) -
         body = art.json()
         layers = [d for d in body.get("layers", ()) if d.get("mediaType") == DSSE_MEDIA_TYPE]
         subject = (body.get("subject") or {}).get("digest")
-    except (ValueError, AttributeError) as exc:
+    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
         raise PublishError(f"{repository}:{tag} is not an attestation manifest") from exc
     if not layers:
         raise PublishError(f"{repository}:{tag} holds no DSSE envelope")

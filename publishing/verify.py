@@ -19,6 +19,7 @@ from pydantic import Field
 from clients.oci import RegistryClient, parse_image_ref
 from common.errors import NetworkError, PublishError, SkupinError
 from common.model import Frozen
+from common.untrusted import json_depth
 from publishing.attest import TrustedKeys, trusted_keys
 from publishing.policy import ExpectFor, PolicyResult, evaluate, expectations, expected_for, signed_predicate
 from publishing.publish import VERIFIED_TAG, RegistryTarget, read_attestations
@@ -45,6 +46,9 @@ class Verification(Frozen):
             return (f"verified: {self.ref} -> {self.reference} ({self.sku}, lock {str(self.lock_sha256)[:12]}, "
                     f"gate passed {self.gate_date or 'at an unknown date'}, signed by {str(self.signer)[:12]})")
         return f"NOT verified: {self.ref}: {self.reason}"
+
+
+MAX_MANIFEST_BYTES = 4 * 1024**2  # an image manifest is a few KB
 
 
 def _default_client(host: str) -> RegistryClient:
@@ -87,7 +91,14 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
             image = client.get_manifest(name.repository, digest)
         except (PublishError, NetworkError) as exc:
             return no(str(exc), digest=digest, reference=pinned)
-        config = (image.json().get("config") or {}).get("digest")
+        try:
+            body = image.json() if len(image.body) <= MAX_MANIFEST_BYTES and json_depth(image.body) <= 16 else None
+        except (ValueError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            return no(f"the registry's manifest for {digest} is not a JSON object", digest=digest, reference=pinned)
+        block = body.get("config")
+        config = block.get("digest") if isinstance(block, dict) and isinstance(block.get("digest"), str) else None
         results = [evaluate(env, trusted=keys, digest=digest, expected=expected, image_id=config) for env in envelopes]
         best = next((r for r in results if r.ok), results[0])
         return _answer(ref=ref, pinned=pinned, digest=digest, result=best)
@@ -140,6 +151,6 @@ def verified_image_id(*, sku: str, target: RegistryTarget, timeout: float = 3.0,
                     continue
                 if predicate.sku == sku:
                     return predicate.image_id
-    except SkupinError:
+    except (SkupinError, ValueError, TypeError, RecursionError):  # whatever the registry answered: no verified image
         return None
     return None

@@ -236,7 +236,7 @@ def kpi(*, name: str, unit: str, higher_is_better: bool, candidate: Sequence[Seq
 
 
 MIN_ROUNDS = 3  # with fewer, "every round faster" happens by chance too often (two rounds: one in four)
-MIN_AGREEMENT = 0.5  # share of the candidate's completions equal to the baseline's (same weights, greedy)
+MIN_AGREEMENT = 0.8  # share of the candidate's completions equal to the baseline's (same weights, greedy)
 MAX_FAILED = 0.05  # share of a side's requests that may stream nothing
 
 

@@ -29,7 +29,7 @@ def _ms(x: float | None) -> str:
 def _md(text: str, limit: int = 300) -> str:
     """Text that came from an image (the probe's words, a gate reason quoting it), made inert in Markdown."""
     out = text[:limit].replace("\\", "\\\\")
-    for ch in "|[]()!<>`*_#":
+    for ch in "|[]!<>`*_#":  # with [ and ] escaped, ( and ) make no link
         out = out.replace(ch, "\\" + ch)
     return " ".join(out.split())
 
@@ -69,7 +69,7 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
     b, c = ab.baseline, ab.candidate
     s = ab.settings
     lines = [f"# Runtime A/B acceptance annex: `{b.sku}` (baseline) vs `{c.sku}` (candidate)", "",
-             f"**Decision: {ab.decision_line}** — {ab.reason}", "",
+             f"**Decision: {ab.decision_line}** — {_md(ab.reason, 900)}", "",
              "| | baseline | candidate |", "|---|---|---|",
              f"| SKU | `{b.sku}` | `{c.sku}` |",
              f"| engine (what ran the model check) | {_engine(b)} | {_engine(c)} |",

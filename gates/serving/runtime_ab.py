@@ -28,7 +28,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,12 +331,14 @@ class _Measured:
             self.requests[role] += 1
             if completion.ttft_s is None or not completion.pieces:
                 self.failed[role] += 1
-            self.texts[role].setdefault((length, index), []).append(completion.text[:4096])
+                return
+            # words only: engines differ in the leading space of the first piece (docs/SERVE.md, greedy comparison)
+            self.texts[role].setdefault((length, index), []).append(" ".join(completion.text[:4096].split()))
         return seen
 
     def agreement(self) -> float | None:
-        """Share of the candidate's completions whose text equals the baseline's first text for the same prompt (same
-        weights, greedy: an honest runtime agrees but for near ties); None when nothing can be paired."""
+        """Share of the candidate's completions whose words equal the baseline's first completion for the same prompt
+        (same weights, greedy: an honest runtime agrees but for near ties); None when nothing can be paired."""
         pairs = [(text, self.texts["baseline"][key][0]) for key, texts in self.texts["candidate"].items()
                  if self.texts["baseline"].get(key) for text in texts]
         return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
@@ -405,23 +407,46 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                 other: Role = "candidate" if role == "baseline" else "baseline"
                 server = servers[role]
                 try:
-                    with servers[other].container.paused():  # the idle side gets no CPU, whatever it runs
-                        measured.runs[role].append([
-                            run_perf(client=server.client, prompts=inputs[role][i], settings=perf,
-                                     on_completion=measured.record(role, i))
-                            for i in range(len(settings.prompt_lengths))])
-                except failures as exc:
+                    with _paused(servers[other], other):  # the idle side gets no CPU, whatever it runs
+                        try:
+                            measured.runs[role].append([
+                                run_perf(client=server.client, prompts=inputs[role][i], settings=perf,
+                                         on_completion=measured.record(role, i))
+                                for i in range(len(settings.prompt_lengths))])
+                        except failures as exc:
+                            raise _SideFailed(role, f"its server failed in round {r + 1}: {type(exc).__name__}: "
+                                                    f"{exc}"[:600]) from exc
+                except _SideFailed:
                     measured.order.pop()
                     for side_runs in measured.runs.values():  # keep only complete rounds
                         del side_runs[len(measured.order):]
-                    raise _SideFailed(role, f"its server failed in round {r + 1}: {type(exc).__name__}: {exc}"[:600]
-                                      ) from exc
+                    raise
             b, c = measured.runs["baseline"][-1][0].levels[0], measured.runs["candidate"][-1][0].levels[0]
             on_event(f"ab: round {r + 1}/{settings.runs} ({measured.order[-1]}): decode tok/s per request at concurrency "
                      f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
                      f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
         for role, server in servers.items():  # the container still runs the image it was created from
             _check_served(server, role, ids[role], measured)
+
+
+@contextlib.contextmanager
+def _paused(server: RunningServer, role: Role) -> Iterator[None]:
+    """The side `role`'s container paused for the block; a pause or unpause that fails is that side's failure."""
+    try:
+        pause = server.container.paused()
+        pause.__enter__()
+    except DockerError as exc:
+        raise _SideFailed(role, f"its idle container could not be paused: {exc}"[:600]) from exc
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        try:
+            pause.__exit__(None, None, None)
+        except DockerError as exc:
+            if not failed:  # an error of the measured side wins over this one
+                raise _SideFailed(role, f"its container could not be unpaused: {exc}"[:600]) from exc
 
 
 def _check_served(server: RunningServer, role: Role, image_id: str, measured: _Measured) -> None:
