@@ -158,12 +158,15 @@ def check_lengths(settings: ABSettings, *, model: str) -> None:
 
 
 def prompt_inputs(*, prompts: Sequence[dict], tokenizer, length: int, count: int, launch) -> list[str | list[int]]:
-    """What each request sends at this length: token ids, or their text to a server that takes text."""
-    ids = prompt_ids_of_length(prompts, length, count)
-    if launch.prompt == "ids":
-        return list(ids)
+    """What each request sends at this length, the same tokens for every engine: the prompt's text to a server that
+    takes text, else the fixture tokenizer's ids of that very text after <s> (a joined prompt's ids, decoded and
+    encoded again, can differ at the join: an engine given the original ids would see another prompt)."""
     bos = tokenizer.token_to_id("<s>")
-    return [tokenizer.decode([t for t in p if t != bos], skip_special_tokens=False) for p in ids]
+    texts = [tokenizer.decode([t for t in p if t != bos], skip_special_tokens=False)
+             for p in prompt_ids_of_length(prompts, length, count)]
+    if launch.prompt == "text":
+        return list(texts)
+    return [[bos, *tokenizer.encode(text, add_special_tokens=False).ids] for text in texts]
 
 
 # ---------------------------------------------------------------- the flow
