@@ -236,11 +236,11 @@ def kpi(*, name: str, unit: str, higher_is_better: bool, candidate: Sequence[Seq
 
 
 MIN_ROUNDS = 3  # with fewer, "every round faster" happens by chance too often (two rounds: one in four)
-# share of the candidate's completions equal, word for word, to the baseline's on the same prompt (same weights,
-# greedy). Measured: honest transformers and vLLM on this CPU agreed on 62.5% of 32-token completions of 64- and
-# 256-token prompts under load (exact text): near ties, batched differently, split long continuations. So this is a
-# coarse guard against a runtime that answers the A/B's load with other text, not a quality check (the gate is).
-MIN_AGREEMENT = 0.5
+# share of the candidate's completions equal to the baseline's on the same prompt, whitespace aside (same weights,
+# greedy). Measured on this CPU under load (32-token completions of 64- and 256-token prompts): honest transformers vs
+# vLLM agreed on 100% this way and on 62.5% as exact text; llama.cpp's streamed pieces place spaces differently again.
+# A guard against a runtime that answers the A/B's load with other text, not a quality check (the gate is).
+MIN_AGREEMENT = 0.8
 MAX_FAILED = 0.05  # share of a side's requests that may stream nothing
 
 

@@ -335,12 +335,13 @@ class _Measured:
             if completion.ttft_s is None or not completion.pieces:
                 self.failed[role] += 1
                 return
-            # words only: engines differ in the leading space of the first piece (docs/SERVE.md, greedy comparison)
-            self.texts[role].setdefault((length, index), []).append(" ".join(completion.text[:4096].split()))
+            # letters only: engines' streamed pieces differ in where spaces go (the first piece's leading space, a
+            # SentencePiece word boundary decoded alone or in context; docs/SERVE.md, greedy comparison)
+            self.texts[role].setdefault((length, index), []).append("".join(completion.text[:4096].split()))
         return seen
 
     def agreement(self) -> float | None:
-        """Share of the candidate's completions whose words equal the baseline's first completion for the same prompt
+        """Share of the candidate's completions whose letters equal the baseline's first completion for the same prompt
         (same weights, greedy: an honest runtime agrees but for near ties); None when nothing can be paired."""
         pairs = [(text, self.texts["baseline"][key][0]) for key, texts in self.texts["candidate"].items()
                  if self.texts["baseline"].get(key) for text in texts]
