@@ -287,14 +287,16 @@ def _serving_decision(*, agreement: float | None, failed: dict[str, float], erro
 
 
 def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, baseline_failure: str,
-           decode: KPI | None, prefill: KPI | None, floor: float, agreement: float | None = None,
+           decode: KPI | None, prefill: KPI | None, floor: float, aggregate: KPI | None = None,
+           agreement: float | None = None,
            failed: dict[str, float] | None = None, errors: dict[str, str] | None = None) -> tuple[ABDecision, str, str]:
     """(decision, decision line, reason). The candidate's quality gate comes first: a candidate that did not pass is
     rejected however fast it is. Then what the rounds showed of each side's serving: a side that failed during them, or
     streamed nothing for more than MAX_FAILED of its requests, or (candidate) whose completions mostly differ from the
-    baseline's on the same prompts. Speed, with at least MIN_ROUNDS rounds: promote only when the decode uplift clears
-    the noise floor in the median and every round was faster, and prefill did not get slower the same way; reject when
-    decode was slower beyond the floor in the median and in every round; anything else is within noise."""
+    baseline's on the same prompts. Speed, with at least MIN_ROUNDS rounds, over three KPIs kept apart (decode tok/s per
+    request, prefill tok/s, aggregate tok/s): each is faster (median ratio at least 1 + floor and every round above 1),
+    slower (the mirror) or the same. Promote when at least one is faster and none slower; reject when some are slower
+    and none faster; a trade-off (some of each) or nothing beyond the floor holds."""
     gated = _gate_decision(candidate_gate=candidate_gate, candidate_failure=candidate_failure,
                            baseline_gate=baseline_gate, baseline_failure=baseline_failure, decode=decode)
     served = _serving_decision(agreement=agreement, failed=failed or {}, errors=errors or {})
@@ -303,21 +305,44 @@ def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, b
     if decode is None or not math.isfinite(decode.ratio):
         return "hold", "hold: not measured", "decode speed could not be measured on both images"
     rounds = _finite(decode.rounds)
-    up, down = 1.0 + floor, 1.0 - floor
-    text = (f"decode tok/s per request {decode.ratio:.3f}x the baseline (rounds "
-            f"{min(rounds):.3f}-{max(rounds):.3f}), noise floor {100 * floor:.1f}%")
     if len(rounds) < MIN_ROUNDS:
-        return "hold", "hold: too few rounds", f"{text}; {len(rounds)} rounds cannot tell this from noise (--runs 3 or more)"
-    if decode.ratio <= down and max(rounds) < 1.0:
-        return "reject", "reject: slower", f"{text}: slower beyond the noise floor in every round"
-    if decode.ratio >= up and min(rounds) > 1.0:
-        p = _finite(prefill.rounds) if prefill is not None else []
-        if prefill is not None and prefill.ratio <= down and p and max(p) < 1.0:
-            return "hold", "hold: decode faster, prefill slower", (
-                f"{text}; but prefill tok/s {prefill.ratio:.3f}x (rounds {min(p):.3f}-{max(p):.3f}): a trade-off for "
-                "the workload to decide, not an uplift")
-        return "promote", "promote", f"{text}: faster beyond the noise floor in every round; quality gates passed"
-    return "hold", "hold: within noise", f"{text}: not beyond the noise floor in every round"
+        return "hold", "hold: too few rounds", (f"decode tok/s per request {decode.ratio:.3f}x the baseline; {len(rounds)} "
+                                                "rounds cannot tell this from noise (--runs 3 or more)")
+    moves = {k.name: _direction(k, floor) for k in (decode, prefill, aggregate) if k is not None}
+    text = "; ".join(_kpi_text(k) for k in (decode, prefill, aggregate) if k is not None)
+    text += f"; noise floor {100 * floor:.1f}%"
+    faster = [name for name, move in moves.items() if move == "faster"]
+    slower = [name for name, move in moves.items() if move == "slower"]
+    if slower and not faster:
+        return "reject", "reject: slower", f"{text}: {' and '.join(slower)} slower beyond the noise floor in every round"
+    if slower:
+        return "hold", f"hold: trade-off ({', '.join(faster)} faster, {', '.join(slower)} slower)", (
+            f"{text}: a trade-off for the workload to decide, not an uplift")
+    if faster:
+        return "promote", "promote", (f"{text}: {' and '.join(faster)} faster beyond the noise floor in every round, "
+                                      "nothing slower; quality gates passed")
+    return "hold", "hold: within noise", f"{text}: nothing beyond the noise floor in every round"
+
+
+SPEED_KPIS = {"decode": "decode tok/s per request", "prefill": "prefill tok/s", "aggregate": "aggregate tok/s"}
+
+
+def _direction(k: KPI, floor: float) -> str:
+    """'faster' (median ratio at least 1 + floor and every round above 1), 'slower' (the mirror), or 'same'."""
+    rounds = _finite(k.rounds)
+    if not rounds or not math.isfinite(k.ratio):
+        return "same"
+    if k.ratio >= 1.0 + floor and min(rounds) > 1.0:
+        return "faster"
+    if k.ratio <= 1.0 - floor and max(rounds) < 1.0:
+        return "slower"
+    return "same"
+
+
+def _kpi_text(k: KPI) -> str:
+    rounds = _finite(k.rounds)
+    spread = f" (rounds {min(rounds):.3f}-{max(rounds):.3f})" if rounds else ""
+    return f"{SPEED_KPIS.get(k.name, k.name)} {k.ratio:.3f}x{spread}"
 
 
 # ---------------------------------------------------------------- the record of a runtime A/B (ab.json)

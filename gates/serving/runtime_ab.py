@@ -251,6 +251,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
             floor, basis = DEFAULT_FLOOR, "one round shows no noise: the fixed 10% floor (run --runs 3 or more)"
     decode_kpi = next((k for k in kpis if k.name == "decode"), None)
     prefill_kpi = next((k for k in kpis if k.name == "prefill"), None)
+    aggregate_kpi = next((k for k in kpis if k.name == "aggregate"), None)
 
     def failure(role: Role) -> str:
         v = gates[role][0]
@@ -262,7 +263,8 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
     agreement = measured.agreement()
     decision, line, reason = decide(candidate_gate=gates["candidate"][0].decision, candidate_failure=failure("candidate"),
                                     baseline_gate=gates["baseline"][0].decision, baseline_failure=failure("baseline"),
-                                    decode=decode_kpi, prefill=prefill_kpi, floor=floor, agreement=agreement,
+                                    decode=decode_kpi, prefill=prefill_kpi, aggregate=aggregate_kpi, floor=floor,
+                                    agreement=agreement,
                                     failed={str(k): v for k, v in failed.items()},
                                     errors={str(k): v for k, v in measured.errors.items()})
     result = RuntimeAB(baseline=sides["baseline"], candidate=sides["candidate"], same=same, settings=settings,

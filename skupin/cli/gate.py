@@ -199,9 +199,12 @@ Then:
      $/1M output tokens (each SKU's cost block), per-round ratios and a noise floor from each
      image's own round-to-round movement (at least 2%).
 
-Decision: "promote" (candidate passed the gate; decode faster beyond the noise floor in the median
-and in every round; prefill not slower the same way), "hold: within noise" (or another hold
-reason), "reject: quality gate failed" or "reject: slower".
+Decision: "reject: quality gate failed" when the candidate fails the gate (however fast); then what
+the rounds showed (a server failing, requests streaming nothing, completions that differ from the
+baseline's); then speed over decode tok/s per request, prefill tok/s and aggregate tok/s, with at
+least 3 rounds: "promote" when one or more are faster beyond the noise floor in the median and in
+every round and none slower, "reject: slower" when some are slower and none faster, "hold:
+trade-off (...)" when both, "hold: within noise" otherwise (docs/SERVE.md, section 5).
 Writes annex.md (one page), annex.png and ab.json to --out (default .skupin/ab/BASELINE-vs-CANDIDATE/TIME).
 Exit 0: promote; 12: hold; 13: reject; 2: not the same weights; 5, 6, 11: the build, Docker or gate
 could not run.""",

