@@ -206,12 +206,12 @@ def test_the_llamacpp_server_serves_the_gguf_of_the_gate_weights_with_a_kv_cache
                              distribution="llama-cpp-python")
     assert launch.argv == ("python3", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0",
                            "--port", "8000", "--model_alias", "skupin-model", "--n_ctx", "0", "--seed", "0",
-                           "--type_k", "0", "--type_v", "0")
+                           "--type_k", "0", "--type_v", "0", "--interrupt_requests", "False")
     assert (launch.model_id, launch.health_path, launch.prompt, launch.returns_logprobs, launch.request_extra) == (
         "skupin-model", "/v1/models", "text", True, {"repeat_penalty": 1.0})
     bf16 = llamacpp.server(dtype="bfloat16", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
                            distribution="llama-cpp-python", weights="q8_0")
-    assert bf16.argv[4] == "/model/model-q8_0.gguf" and bf16.argv[-4:] == ("--type_k", "30", "--type_v", "30")
+    assert bf16.argv[4] == "/model/model-q8_0.gguf" and bf16.argv[-6:-2] == ("--type_k", "30", "--type_v", "30")
     assert llamacpp.model_file(dtype="bfloat16", weights="full") == "model-bf16.gguf"
     with pytest.raises(ValueError, match="no full-precision GGUF for dtype float16"):
         llamacpp.model_file(dtype="float16", weights="full")

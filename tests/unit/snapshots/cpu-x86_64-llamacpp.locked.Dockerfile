@@ -77,7 +77,7 @@ RUN apt-get update \
 # layer: labels
 ENV OMP_NUM_THREADS="1"
 EXPOSE 8000
-CMD ["python3", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0", "--port", "8000", "--model_alias", "skupin-model", "--n_ctx", "0", "--seed", "0", "--type_k", "0", "--type_v", "0"]
+CMD ["python3", "-m", "llama_cpp.server", "--model", "/model/model-f32.gguf", "--host", "0.0.0.0", "--port", "8000", "--model_alias", "skupin-model", "--n_ctx", "0", "--seed", "0", "--type_k", "0", "--type_v", "0", "--interrupt_requests", "False"]
 ARG SKUPIN_LOCK_HASH=unlocked
 ARG SKUPIN_DOCKERFILE_SHA256=unknown
 LABEL org.opencontainers.image.title="skupin/cpu-x86_64-llamacpp" \
