@@ -60,7 +60,8 @@ class ABResult(Frozen):
 
 
 def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else float("nan")
+    """a / b; NaN when either is 0 (perf reports 0 for a figure it could not measure, e.g. prefill with no prompt count)."""
+    return a / b if a > 0 and b > 0 else float("nan")
 
 
 def ab_from_runs(*, candidate_runs: Sequence[PerfResult], baseline_runs: Sequence[PerfResult], bound: float | None,

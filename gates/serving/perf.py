@@ -13,6 +13,7 @@ level with the highest aggregate tok/s; the rate and the utilisation are shown w
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -171,9 +172,11 @@ def merge_perf(results: Sequence[PerfResult]) -> PerfResult:
 
 
 def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int, max_tokens: int,
-                  on_completion: Callable[[int, Any], None] | None = None) -> tuple[list[Sample], float]:
+                  on_completion: Callable[[int, Any], None] | None = None,
+                  prompt_tokens: Sequence[int] | None = None) -> tuple[list[Sample], float]:
     """`requests` completions shared by `concurrency` closed-loop users; (samples, wall seconds). `on_completion`
-    gets (prompt index, Completion) of every request, also those that streamed nothing."""
+    gets (prompt index, Completion) of every request, also those that streamed nothing. `prompt_tokens` (per prompt,
+    counted by the host) replaces the server's own prompt count in prefill tok/s."""
     jobs = iter([(i % len(prompts), prompts[i % len(prompts)]) for i in range(requests)])
     lock = threading.Lock()
 
@@ -189,6 +192,8 @@ def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int,
             if on_completion is not None:
                 on_completion(index, completion)
             sample = sample_of(completion, max_tokens)
+            if sample is not None and prompt_tokens is not None:
+                sample = dataclasses.replace(sample, prompt_tokens=int(prompt_tokens[index]))
             if sample is not None:
                 mine.append(sample)
 
@@ -199,7 +204,8 @@ def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int,
 
 
 def run_perf(*, client, prompts: Sequence, settings: PerfSettings,
-             on_completion: Callable[[int, Any], None] | None = None) -> PerfResult:
+             on_completion: Callable[[int, Any], None] | None = None,
+             prompt_tokens: Sequence[int] | None = None) -> PerfResult:
     """Warm up, then measure every concurrency level `repetitions` times (see the module docstring)."""
     start = time.perf_counter()
     if max(settings.concurrency) > 0 and settings.warmup:
@@ -208,7 +214,8 @@ def run_perf(*, client, prompts: Sequence, settings: PerfSettings,
     levels = []
     for c in settings.concurrency:
         reps = [measure_level(client=client, prompts=prompts, concurrency=c, requests=max(settings.requests, c),
-                              max_tokens=settings.max_tokens, on_completion=on_completion)
+                              max_tokens=settings.max_tokens, on_completion=on_completion,
+                              prompt_tokens=prompt_tokens)
                 for _ in range(settings.repetitions)]
         levels.append(summarize_level(concurrency=c, reps=reps))
     return PerfResult(settings=settings, levels=tuple(levels), wall_s=round(time.perf_counter() - start, 3))

@@ -388,6 +388,7 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         servers: dict[Role, RunningServer] = {}
         inputs: dict[Role, list[list[Any]]] = {}
+        counts: dict[Role, list[list[int]]] = {}
         for role, side in pairs:
             manifest = side.stack.manifest
             try:
@@ -398,6 +399,9 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                 measured.launches[role] = tuple(server.launch.argv)
                 inputs[role] = [prompt_inputs(prompts=prompt_set["prompts"], tokenizer=tokenizer, length=n, count=8,
                                               launch=server.launch) for n in settings.prompt_lengths]
+                # prompt tokens as the host counts them (a server's own count is its word, and some send none)
+                counts[role] = [[len(p) if isinstance(p, list) else 1 + len(tokenizer.encode(p, add_special_tokens=False))
+                                 for p in per_length] for per_length in inputs[role]]
                 on_event(f"ab: {role}: {' '.join(server.launch.argv[:3])} ready in {server.ready_s:.1f} s")
                 if settings.warmup:
                     measure_level(client=server.client, prompts=inputs[role][0], concurrency=1,
@@ -417,7 +421,7 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                         try:
                             measured.runs[role].append([
                                 run_perf(client=server.client, prompts=inputs[role][i], settings=perf,
-                                         on_completion=measured.record(role, i))
+                                         on_completion=measured.record(role, i), prompt_tokens=counts[role][i])
                                 for i in range(len(settings.prompt_lengths))])
                         except failures as exc:
                             raise _SideFailed(role, f"its server failed in round {r + 1}: {type(exc).__name__}: "

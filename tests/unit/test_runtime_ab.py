@@ -239,3 +239,15 @@ def test_the_annex_of_a_faster_candidate_that_failed_quality_says_reject() -> No
     assert "- [ ] quality gates: baseline pass, candidate fail" in text
     assert "- [ ] uplift clears the gates" in text
     assert record.exit_code == 13
+
+
+def test_a_figure_one_side_could_not_measure_is_no_ratio_and_decides_nothing() -> None:
+    """A server that reports no prompt count gets prefill 0 from perf: that is 'not measured', never '0x, slower'."""
+    c, b = [[perf(150, prefill_tok_s=1e-9)] for _ in range(3)], rounds(100, 100, 100)
+    zero = [[p.model_copy(update={"levels": tuple(lv.model_copy(update={"prefill_tok_s": 0.0}) for lv in p.levels)})
+             for p in r] for r in c]
+    k = prefill_kpi(zero, b)
+    assert all(math.isnan(r) for r in k.rounds) and math.isnan(k.ratio)
+    decision, line, _ = decide(candidate_gate="pass", candidate_failure="", baseline_gate="pass", baseline_failure="",
+                               decode=decode_kpi(zero, b), prefill=k, floor=0.05)
+    assert (decision, line) == ("promote", "promote")
