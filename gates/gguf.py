@@ -38,6 +38,7 @@ from typing import Final
 
 import numpy as np
 
+from builder.wheels import file_sha256
 from common.errors import BundleError
 from gates import fixture
 from gates.tensorio import read_safetensors
@@ -207,14 +208,6 @@ def _ordered(params: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
     return sorted(params.items(), key=lambda kv: key(kv[0]))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def gguf_model(*, folder: Path, name: str, file_type: str, cache: Path) -> Path:
     """The checked GGUF of fixture `name` (its checked folder `folder`) as `file_type`: taken from `cache` when its
     sha256 is the recorded one, else regenerated there (and checked); BundleError when it cannot be had as recorded."""
@@ -223,7 +216,7 @@ def gguf_model(*, folder: Path, name: str, file_type: str, cache: Path) -> Path:
         raise BundleError(f"fixture {name} has no recorded GGUF sha256 for {file_type}")
     cache = Path(cache)
     path = cache / f"{name}-{file_name(file_type)}"
-    if path.is_file() and not path.is_symlink() and _sha256(path) == expected:
+    if path.is_file() and not path.is_symlink() and file_sha256(path) == expected:
         return path
     data = gguf_bytes(folder=folder, name=name, file_type=file_type)
     found = hashlib.sha256(data).hexdigest()
