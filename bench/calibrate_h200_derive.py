@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import analysis  # noqa: E402
+from gates.bundle import bundle_sha256  # noqa: E402
 from gates.calibrate import Measurement, derive_entry_from_measurements  # noqa: E402
 from gates.compare import ModelStatistics  # noqa: E402
-from gates.gate import bundle_sha256  # noqa: E402
 from gates.tolerance import (  # noqa: E402
     DEFAULT_PATH,
     ToleranceEntry,

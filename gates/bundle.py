@@ -39,6 +39,11 @@ DEFAULT_TIMEOUT_S = 1800
 MAX_META_BYTES = 16 * 1024**2
 
 
+def bundle_sha256(folder: Path) -> str:
+    """The bundle's identity: sha256 of its SHA256SUMS (which names the sha256 of every file)."""
+    return hashlib.sha256((Path(folder) / "SHA256SUMS").read_bytes()).hexdigest()
+
+
 def fixture_folder(*, name: str, model_dir: Path | None, scratch: Path) -> Path:
     """The checked fixture folder: `model_dir`, the committed one, or a fresh generation in `scratch`."""
     if model_dir is None:

@@ -44,7 +44,7 @@ from common.paths import REPO, STATE
 from common.untrusted import open_folder, printable, write_new_file
 from dockerd import BindMount, Docker, ImageInfo, RunResult
 from engines import MODEL_MOUNT, engine_outputs, probe_adapter
-from gates.bundle import PROBE, load_bundle, model_folder, probe_args
+from gates.bundle import PROBE, bundle_sha256, load_bundle, model_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
 from gates.report import write_report
@@ -105,11 +105,6 @@ class ProbeRun:
 def repo_root() -> Path:
 
     return Path(REPO)
-
-
-def bundle_sha256(folder: Path) -> str:
-    """The bundle's identity: sha256 of its SHA256SUMS (which names the sha256 of every file)."""
-    return hashlib.sha256((Path(folder) / "SHA256SUMS").read_bytes()).hexdigest()
 
 
 def reference_folder(*, manifest: SkuManifest, folder: Path | None = None) -> Path:

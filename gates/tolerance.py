@@ -10,7 +10,6 @@ refuses to touch any other class's.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +20,7 @@ from builder.grammar import Name
 from builder.manifest import SkuManifest
 from common.errors import GateCouldNotRun
 from common.model import Frozen
+from gates.bundle import bundle_sha256
 
 FORMAT = "skupin-tolerances/1"
 DEFAULT_PATH = Path(__file__).with_name("data") / "tolerances.yaml"
@@ -142,8 +142,8 @@ def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, repo: 
     if entry is None:
         return (f"no calibrated tolerance for {key.label()} in {path}: its gate runs the calibration-free checks only and "
                 f"ends 'uncalibrated' (exit 14), never pass; {fix}")
-    sums = Path(repo) / manifest.gate.reference / "SHA256SUMS"
-    if sums.is_file() and hashlib.sha256(sums.read_bytes()).hexdigest() != entry.provenance.reference_sha256:
+    folder = Path(repo) / manifest.gate.reference
+    if (folder / "SHA256SUMS").is_file() and bundle_sha256(folder) != entry.provenance.reference_sha256:
         return (f"the tolerance of {key.label()} was calibrated against bundle {entry.provenance.reference_sha256[:12]}, "
                 f"not {manifest.gate.reference}: its gate ends 'uncalibrated' (exit 14), never pass; {fix}")
     return None

@@ -62,7 +62,7 @@ class CheckOutcome(Frozen):
 class ReferencePin(Frozen):
     """The reference bundle the gate compared with."""
 
-    sha256: str = Field(description="sha256 of the bundle's SHA256SUMS (gates/gate.py bundle_sha256)")
+    sha256: str = Field(description="sha256 of the bundle's SHA256SUMS (gates/bundle.py bundle_sha256)")
     path: str = ""
 
 

@@ -30,6 +30,7 @@ from builder.manifest import load_manifest
 from common.errors import PublishError, SkupinError
 from common.model import Frozen, canonical_json
 from common.paths import REPO, sku_path
+from gates.bundle import bundle_sha256
 from gates.tolerance import DEFAULT_PATH as TOLERANCES_PATH
 from gates.tolerance import ToleranceKey, load_tolerances
 from publishing.attest import (
@@ -63,11 +64,11 @@ def expected_for(sku: str) -> Expected:
     path = sku_path(sku)
     manifest = load_manifest(path)
     lock = read_lock(lock_path(path))
-    sums = REPO / manifest.gate.reference / "SHA256SUMS"
+    folder = REPO / manifest.gate.reference
     try:
-        bundle = hashlib.sha256(sums.read_bytes()).hexdigest()
+        bundle = bundle_sha256(folder)
     except OSError as exc:
-        raise PublishError(f"{manifest.name}: the committed reference bundle cannot be read ({sums}): {exc}") from exc
+        raise PublishError(f"{manifest.name}: the committed reference bundle cannot be read ({folder}): {exc}") from exc
     key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
                        model=manifest.gate.model)
     entry = load_tolerances(TOLERANCES_PATH).find(key)

@@ -9,7 +9,8 @@ import pytest
 
 from bench import calibrate_h200_derive as D
 from bench.detection import analysis as A
-from gates.gate import bundle_sha256, repo_root
+from gates.bundle import bundle_sha256
+from gates.gate import repo_root
 from gates.tolerance import ToleranceKey, load_tolerances, lookup
 from gates.verdict import binomial_sf, clopper_pearson_upper
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from common.errors import GateCouldNotRun
+from gates.bundle import bundle_sha256
 from gates.calibrate import HonestRun, derive_entry
 from gates.compare import kernel_errors, model_statistics
-from gates.gate import bundle_sha256, repo_root
+from gates.gate import repo_root
 from gates.tolerance import (
     DEFAULT_PATH,
     ToleranceKey,
