@@ -1,7 +1,10 @@
 """Generate the gate's model fixtures bit-identically from seeds, and check a folder against them.
 
-A fixture is a Llama-architecture causal LM (transformers' LlamaConfig layout) whose weights are
-drawn from numpy's ``default_rng`` (N(0, 0.02), norms 1, rounded to bfloat16 and stored as BF16
+A fixture is a causal LM in a real checkpoint layout -- Llama (transformers' LlamaConfig) or, with
+``experts`` set, a Mixtral-style mixture of experts (top-k routing over ``experts`` SwiGLU experts
+per layer, stored under Mixtral's Hub names ``block_sparse_moe.gate`` / ``experts.N.w1|w2|w3``) --
+whose weights are drawn from numpy's ``default_rng`` (N(0, std), the router N(0, router_std) so
+that routing is decided by clear margins, norms 1, rounded to bfloat16 and stored as BF16
 so fp32 and bf16 runs start from the same numbers), a BPE tokenizer trained offline with the
 ``tokenizers`` library on a seeded word corpus (vocab size equal to the model's), and a fixed
 prompt set (``prompts.json``: text and token ids of every prompt). Nothing here needs torch, so
@@ -48,12 +51,23 @@ class FixtureSpec:
     new_tokens: int = 16  # greedy continuation length the probe generates
     std: float = 0.02
     max_positions: int = 512
+    experts: int = 0  # > 0: a Mixtral-style MoE with this many experts per layer (intermediate = per expert)
+    experts_per_token: int = 0
+    router_std: float = 0.0
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
 
 SPECS: dict[str, FixtureSpec] = {
     "tiny-llama": FixtureSpec("tiny-llama", hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512, vocab=2048),
     "llama-1k": FixtureSpec("llama-1k", hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816, vocab=8192,
                             words=12000, sentences=60000),
+    # Mixtral-style: 8 experts, top-2 routing (the code path of 4-bit MoE serving); same tokenizer and prompts as
+    # tiny-llama (same corpus, prompt seed and vocabulary).
+    "tiny-moe": FixtureSpec("tiny-moe", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256, vocab=2048,
+                            experts=8, experts_per_token=2, router_std=0.25),
 }
 
 # sha256 of every file of each fixture, as generated; regeneration must reproduce them.
@@ -74,6 +88,15 @@ EXPECTED: dict[str, dict[str, str]] = {
         "prompts.json": "9c4779c716085a0786bf58380bfec317a29b665ef18d981ece3fae583fe14630",
         "special_tokens_map.json": "7f7ba0811f62f76051a24e6c025bcd2b222e0e26ae9a603179544c72d7c3e952",
         "tokenizer.json": "218f8e162b4fea1b2c93693cbca023c8eb2f9b78b95fb7994c24cf2af6ed26d6",
+        "tokenizer_config.json": "d9c43c46ba0f03b993142c7b655b615a22ad2706ba83455b820e20188a9ec97d",
+    },
+    "tiny-moe": {
+        "config.json": "3dbdc50e38c6226d527c365cb5fe2cd8faa74a139ad2683b84d45230c4962162",
+        "generation_config.json": "9560e1c7353131b230d9e8aa59199400e94048474fd8ba7f1bde3aeba52a2369",
+        "model.safetensors": "d2da21450c2cebc20b4a6ad71e2ec0b9ff4d4d404c29cfc2713ff3f81cab8a77",
+        "prompts.json": "29e2134be46a5f3fb113921e504ce831f47cf430d51f234818d1d6b40ab417b1",
+        "special_tokens_map.json": "7f7ba0811f62f76051a24e6c025bcd2b222e0e26ae9a603179544c72d7c3e952",
+        "tokenizer.json": "eef8669a8ef2f6bec2818a91332dddc3ce90dcab170cc880a1ff860969a5ae20",
         "tokenizer_config.json": "d9c43c46ba0f03b993142c7b655b615a22ad2706ba83455b820e20188a9ec97d",
     },
 }
@@ -107,28 +130,42 @@ def weight_shapes(spec: FixtureSpec) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (spec.kv_heads * head_dim, spec.hidden),
             p + "self_attn.v_proj.weight": (spec.kv_heads * head_dim, spec.hidden),
             p + "self_attn.o_proj.weight": (spec.hidden, spec.heads * head_dim),
-            p + "mlp.gate_proj.weight": (spec.intermediate, spec.hidden),
-            p + "mlp.up_proj.weight": (spec.intermediate, spec.hidden),
-            p + "mlp.down_proj.weight": (spec.hidden, spec.intermediate),
         }
+        if spec.moe:
+            m = p + "block_sparse_moe."
+            shapes[m + "gate.weight"] = (spec.experts, spec.hidden)
+            for e in range(spec.experts):
+                shapes |= {
+                    f"{m}experts.{e}.w1.weight": (spec.intermediate, spec.hidden),
+                    f"{m}experts.{e}.w2.weight": (spec.hidden, spec.intermediate),
+                    f"{m}experts.{e}.w3.weight": (spec.intermediate, spec.hidden),
+                }
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (spec.intermediate, spec.hidden),
+                p + "mlp.up_proj.weight": (spec.intermediate, spec.hidden),
+                p + "mlp.down_proj.weight": (spec.hidden, spec.intermediate),
+            }
     return shapes
 
 
 def weights(spec: FixtureSpec) -> dict[str, np.ndarray]:
-    """float32 weights (bf16-representable): norms 1, the rest N(0, std) drawn in sorted name order."""
+    """float32 weights (bf16-representable): norms 1, routers N(0, router_std), the rest N(0, std), drawn in sorted
+    name order."""
     rng = np.random.default_rng(spec.weight_seed)
     out = {}
     for name, shape in sorted(weight_shapes(spec).items()):
         if name.endswith("norm.weight"):
             out[name] = np.ones(shape, dtype=np.float32)
         else:
-            out[name] = (rng.standard_normal(shape) * spec.std).astype(np.float32)
+            std = spec.router_std if name.endswith("block_sparse_moe.gate.weight") else spec.std
+            out[name] = (rng.standard_normal(shape) * std).astype(np.float32)
     return out
 
 
 def config(spec: FixtureSpec) -> dict:
-    """config.json of the model (transformers LlamaConfig keys)."""
-    return {
+    """config.json of the model (transformers LlamaConfig keys, or MixtralConfig's for a MoE fixture)."""
+    doc = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": spec.hidden,
@@ -152,6 +189,20 @@ def config(spec: FixtureSpec) -> dict:
         "use_cache": True,
         "torch_dtype": "bfloat16",
     }
+    if spec.moe:
+        for key in ("attention_bias", "mlp_bias"):
+            del doc[key]
+        doc |= {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": spec.experts,
+            "num_experts_per_tok": spec.experts_per_token,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    return doc
 
 
 def generation_config() -> dict:

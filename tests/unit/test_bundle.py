@@ -99,14 +99,15 @@ def test_tensorio_refuses_files_over_the_size_limit(tmp_path):
 # ---------------------------------------------------------------- committed H200 bundles
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_committed_h200_bundles_verify_and_name_the_h200(dtype):
-    folder = REFS / f"h200-{dtype}"
+def test_committed_h200_bundles_verify_and_name_the_h200(model, dtype):
+    folder = REFS.parent / model / f"h200-{dtype}"
     meta = bundle.verify(folder=folder)
     assert meta["gpu"]["name"] == "NVIDIA H200" and meta["gpu"]["capability"] == [9, 0]
     assert meta["driver"] and meta["cuda"] and meta["torch"] and meta["triton"] and meta["engine"]["version"]
-    assert meta["dtype"] == dtype and meta["model"]["sha256"] == fixture.fixture_digest("tiny-llama")
-    assert meta["prompts"]["sha256"] == fixture.EXPECTED["tiny-llama"]["prompts.json"]
+    assert meta["dtype"] == dtype and meta["model"]["sha256"] == fixture.fixture_digest(model)
+    assert meta["prompts"]["sha256"] == fixture.EXPECTED[model]["prompts.json"]
     assert sum(p.stat().st_size for p in folder.iterdir()) < 10 * 1024**2
     _, tensors = bundle.load_bundle(folder=folder)
     assert all(np.isfinite(v).all() for v in tensors.values())

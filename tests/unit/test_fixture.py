@@ -101,6 +101,40 @@ def test_measurement_fixture_is_recorded_and_large_enough():
     assert len(fixture.fixture_digest("llama-1k")) == 64
 
 
+def test_the_moe_fixture_is_mixtral_shaped_and_regenerates_bit_for_bit(tmp_path):
+    spec = fixture.SPECS["tiny-moe"]
+    assert spec.moe and spec.experts == 8 and spec.experts_per_token == 2 and spec.layers >= 4
+    config = fixture.config(spec)
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 8 and config["num_experts_per_tok"] == 2
+    names = fixture.weight_shapes(spec)
+    assert names["model.layers.3.block_sparse_moe.gate.weight"] == (8, spec.hidden)  # Mixtral's Hub layout
+    assert names["model.layers.0.block_sparse_moe.experts.7.w2.weight"] == (spec.hidden, spec.intermediate)
+    assert not any(".mlp." in n for n in names)
+    w = fixture.weights(spec)
+    router = w["model.layers.0.block_sparse_moe.gate.weight"]
+    expert = w["model.layers.0.block_sparse_moe.experts.0.w1.weight"]
+    assert 0.2 < router.std() < 0.3 and 0.015 < expert.std() < 0.025  # routing decided by margins, experts small
+    assert fixture.generate_fixture(name="tiny-moe", out=tmp_path) == fixture.EXPECTED["tiny-moe"]
+    # same tokenizer as tiny-llama (same corpus seed and vocabulary); its own prompts.json names the fixture
+    assert fixture.EXPECTED["tiny-moe"]["tokenizer.json"] == fixture.EXPECTED["tiny-llama"]["tokenizer.json"]
+
+
+def test_the_moe_fixture_loads_in_transformers_with_every_weight_where_it_belongs(tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    fixture.generate_fixture(name="tiny-moe", out=tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    raw = fixture.weights(fixture.SPECS["tiny-moe"])
+    experts = model.model.layers[2].mlp.experts  # transformers 5 fuses each layer's experts into 3-D tensors
+    # stored as BF16: the drawn float32 numbers rounded once
+    w1 = torch.from_numpy(raw["model.layers.2.block_sparse_moe.experts.5.w1.weight"]).bfloat16().float()
+    w2 = torch.from_numpy(raw["model.layers.2.block_sparse_moe.experts.5.w2.weight"]).bfloat16().float()
+    assert torch.equal(experts.gate_up_proj[5][: w1.shape[0]], w1) and torch.equal(experts.down_proj[5], w2)
+    assert model.config.num_experts_per_tok == 2
+
+
 def test_cli_fixture_choices_match_the_specs():
     from gates.fixture import SPECS
     from skupin.cli.reference import FIXTURE_NAMES
