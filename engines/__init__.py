@@ -31,7 +31,8 @@ from engines.base import (
 
 __all__ = [
     "ALL_ENGINES", "DEFAULT_ENGINE", "MODEL_MOUNT", "SERVED_NAME", "SERVE_PORT", "Distribution", "InferenceEngine",
-    "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_named", "engine_outputs",
+    "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_float32", "engine_named",
+    "engine_outputs",
     "model_file", "probe_adapter", "refresh_sources", "serve_launch",
 ]
 
@@ -67,6 +68,12 @@ def engine_outputs(name: str) -> frozenset[Output]:
     """What engine `name`'s probe adapter reports besides top-k logprobs; nothing for an engine not in ALL_ENGINES."""
     engine = ALL_ENGINES.get(name)
     return engine.OUTPUTS if engine is not None else frozenset()
+
+
+def engine_float32(name: str) -> bool:
+    """Whether the gate's float32 pass runs engine `name` (DEFAULT_ENGINE's answer for an unregistered engine, whose
+    probe runs through DEFAULT_ENGINE's adapter)."""
+    return ALL_ENGINES.get(name, ALL_ENGINES[DEFAULT_ENGINE]).FLOAT32
 
 
 def engine_distributions() -> tuple[str, ...]:

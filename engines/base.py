@@ -69,6 +69,12 @@ class InferenceEngine(Protocol):
         """What its probe adapter returns besides top-k logprobs: a candidate missing one fails the model check."""
         ...
 
+    @property
+    def FLOAT32(self) -> bool:
+        """Whether the gate's float32 pass runs it at float32 on a SKU that serves another dtype (the same image, the
+        fixture at float32, judged against the float32 bundle): a kernel wrong by 1% hides under bf16 rounding."""
+        ...
+
     def model_file(self, *, dtype: str, weights: str) -> str | None:
         """The file inside the model folder its server and probe adapter load for gate dtype `dtype` and gate.weights
         `weights` (a GGUF: model-f32.gguf, ...), None for the folder itself; ValueError for weights it cannot serve."""

@@ -19,6 +19,8 @@ PROBE_ADAPTER: Final = "llamacpp"
 # hidden: llama.cpp's embeddings with pooling NONE (the graph's result_norm tensor: the output of the final RMSNorm,
 # transformers' last_hidden_state), see imagetools/probe.py
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
+# The gate's model folder holds the one GGUF the SKU serves (model_file); an F32 GGUF beside a BF16 one is not built.
+FLOAT32: Final = False
 
 # gate.weights + gate.dtype -> the GGUF file type the SKU serves. "full" is the gate dtype at full precision.
 _FULL: Final = {"float32": "f32", "bfloat16": "bf16"}

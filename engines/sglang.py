@@ -13,6 +13,8 @@ PROBE_ADAPTER: Final = "sglang"
 # hidden: final hidden states of the teacher-forced pass (Engine.generate(return_hidden_states=True) on an engine
 # started with return_hidden_states_mode="full"), see imagetools/probe.py
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
+# Its default CUDA attention backends (FlashInfer, FA3) take bf16/fp16 only; a float32 run was never verified here.
+FLOAT32: Final = False
 
 # Checked against the sglang 0.5.23 wheel (the version skus/nvidia-h200-sglang.yaml pins), no SGLang installed:
 # - `python -m sglang.launch_server` is still a supported entrypoint (sglang/launch_server.py; it warns that

@@ -12,6 +12,7 @@ NAME: Final = "transformers"
 DISTRIBUTIONS: Final = (Distribution(name="transformers", refresh_since=None),)
 PROBE_ADAPTER: Final = "transformers"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
+FLOAT32: Final = True
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

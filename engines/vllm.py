@@ -14,6 +14,7 @@ DISTRIBUTIONS: Final = (Distribution(name="vllm", refresh_since="0.8.5"),
 PROBE_ADAPTER: Final = "vllm"
 # hidden: final hidden states through vLLM's own pooling runner (all tokens, no activation), see imagetools/probe.py
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
+FLOAT32: Final = True  # `--dtype float32`: the CPU backend, and on CUDA an attention backend that takes fp32
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

@@ -11,7 +11,8 @@ The probe prints its outputs as one frame on stdout (``--out -``); the host pars
 (gates/probe_output.py) and writes the raw outputs and the container's log into the host-only
 folder OUT/probe/. Nothing is unpickled.
 Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
-the image runs: its files are its lock, gates/static/integrity.py), boot, kernels, model, serve
+the image runs: its files are its lock, gates/static/integrity.py), boot, kernels, model, float32
+(a SKU serving bf16 is probed again at float32 against the float32 bundle), serve
 (gates/serving/serve.py: the engine's own server; `baseline` adds an interleaved A/B). Each check
 returns its CheckResult; the driver records it and stops at the first that did not pass (an exception a
 check did not expect is recorded as its error result, so every run ends in a verdict).
@@ -43,7 +44,7 @@ from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
 from common.paths import REPO, STATE
 from common.untrusted import open_folder, printable, write_new_file
 from dockerd import BindMount, Docker, ImageInfo, RunResult
-from engines import MODEL_MOUNT, engine_outputs, probe_adapter
+from engines import MODEL_MOUNT, engine_float32, engine_outputs, probe_adapter
 from gates.bundle import PROBE, bundle_sha256, load_bundle, model_folder, probe_args
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
@@ -506,10 +507,76 @@ def _check_model(run: _GateRun) -> CheckResult:
     except CompareError as exc:
         return CheckResult(name="model", status="error", reason=str(exc))
     result, run.decisions, run.prompts = judge_model(stats=stats, entry=run.entry, hard=run.tolerances.hard_bounds,
-                                                     why=run.tol_problem)
+                                                     dtype=run.manifest.gate.dtype, why=run.tol_problem)
     result = result.model_copy(update={"details": {**result.details, "engine_path": engine_path(run.probe.report)}})
     run.time("model_s", t0)
     return result
+
+
+def float32_reference(reference: Path, *, dtype: str) -> Path:
+    """The float32 bundle beside a SKU's reference: the sibling folder named with `float32` in place of the SKU's
+    dtype (gates/references/tiny-llama/h200-bfloat16 -> .../h200-float32)."""
+    reference = Path(reference)
+    if dtype not in reference.name:
+        raise BundleError(f"{reference}: the folder name does not contain the SKU's dtype {dtype!r}, so the float32 "
+                          f"bundle beside it cannot be named (rule: the same name with 'float32' in place of the dtype)")
+    return reference.with_name(reference.name.replace(dtype, "float32"))
+
+
+def _float32_entry(run: _GateRun, key: ToleranceKey, ref_sha: str) -> tuple[ToleranceEntry | None, str]:
+    """The calibrated entry of the float32 key for this bundle, or None and why there is none."""
+    entry = run.tolerances.find(key)
+    if entry is None:
+        return None, f"no calibrated tolerance for {key.label()} in {run.tolerances_path}"
+    if entry.provenance.reference_sha256 != ref_sha:
+        return None, (f"the tolerance of {key.label()} was calibrated against bundle "
+                      f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}")
+    return entry, ""
+
+
+def _check_float32(run: _GateRun) -> CheckResult:
+    """The float32 pass of a SKU that serves another dtype: the probe again, the fixture at float32, against the float32
+    bundle beside the SKU's reference. A kernel wrong by 1% (an attention scale, a narrower accumulation) moves bf16
+    outputs by less than one bf16 rounding, so the serving-dtype check cannot see it; at float32 it stands 10^2-10^5
+    above the noise. Judged with the class's float32 entry when calibrated, else by the hard bounds alone (float32's
+    mean logprob L2 bound among them), which ends the run `uncalibrated` at best."""
+    m = run.manifest
+    if m.gate.dtype == "float32":
+        return CheckResult(name="float32", status="skipped",
+                           reason="the SKU serves float32: its model check was the float32 pass")
+    engine = m.stack.engine.name
+    if not engine_float32(engine):
+        return CheckResult(name="float32", status="skipped",
+                           reason=f"the {engine} engine has no float32 path the gate runs (engines/{engine}.py: FLOAT32)")
+    t0 = time.monotonic()
+    try:
+        folder = float32_reference(reference_folder(manifest=m, folder=run.reference), dtype=m.gate.dtype)
+        m32 = m.model_copy(update={"gate": m.gate.model_copy(update={"dtype": "float32"})})
+        _, ref, ref_sha = load_reference(manifest=m32, folder=folder)
+    except BundleError as exc:
+        return CheckResult(name="float32", status="error", reason=f"no float32 bundle to compare with: {exc}")
+    run.on_event(f"float32: booting {run.shown} again with the probe at float32 (against {folder})")
+    try:
+        probe = probe_in_container(manifest=m32, image=run.image_id, docker=run.docker, out=run.out / "probe-float32",
+                                   model_dir=run.model_dir)
+    except (GateCouldNotRun, DockerError, BundleError) as exc:
+        return CheckResult(name="float32", status="error", reason=str(exc))
+    problem = probe.error or _probe_check_error(probe.report, "model")
+    if problem:
+        return CheckResult(name="float32", status="error", reason=f"the float32 probe failed: {problem}",
+                           details={"logs_tail": probe.logs_tail[-2000:]})
+    try:
+        stats = model_statistics(ref, probe.tensors)
+    except CompareError as exc:
+        return CheckResult(name="float32", status="error", reason=str(exc))
+    key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype="float32", model=m.gate.model)
+    entry, why = _float32_entry(run, key, ref_sha)
+    result, _, _ = judge_model(stats=stats, entry=entry, hard=run.tolerances.hard_bounds, dtype="float32", why=why,
+                               name="float32")
+    run.time("float32_s", t0)
+    return result.model_copy(update={"details": {**result.details, "reference": str(folder), "reference_sha256": ref_sha,
+                                                 "tolerance_key": key.label(), "calibrated": entry is not None,
+                                                 "probe_seconds": probe.seconds}})
 
 
 ENGINE_PATH_KEYS = ("engine", "engine_distribution", "engine_version", "hidden_states", "logprobs", "greedy")
@@ -548,6 +615,7 @@ CHECKS: tuple[tuple[Check, str, str | None], ...] = (
     (_check_boot, "boot", None),
     (_check_kernels, "kernels", "kernels"),
     (_check_model, "model", "model"),
+    (_check_float32, "float32", "model"),
     (_check_serve, "serve", "serve"),
 )
 CHECK_NAMES = tuple(name for _, name, _ in CHECKS if name)

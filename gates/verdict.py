@@ -34,7 +34,11 @@ CALIBRATION_FREE = {
     "kernels": "hard bounds only: every op's output finite, the float32 elementwise ops (SiLU, softmax, RMSNorm, "
                "4-bit dequantize) within the hard bound; the per-op calibrated tolerances were not applied",
     "model": "hard bounds only: no NaN/Inf, mean KL (top-k and full vocabulary) within the hard bound, top-1 agreement "
-             "at or above the hard bound; the per-statistic binomial tests and mean bounds were not applied",
+             "at or above the hard bound, and at float32 the mean logprob L2 within its hard bound; the per-statistic "
+             "binomial tests and mean bounds were not applied",
+    "float32": "hard bounds only, at float32 against the float32 bundle: no NaN/Inf, mean KL, top-1 agreement and the "
+               "float32 mean logprob L2 bound (which alone catches a kernel 1% off); the per-statistic binomial tests "
+               "and mean bounds were not applied",
     "serve": "not run: its near-tie threshold (2 x the calibrated per-prompt max |logprob delta|) and its logprob "
              "comparison both come from the calibrated entry, and without them an honest near-tie divergence and a "
              "wrong token cannot be told apart",
@@ -307,8 +311,8 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def hard_bound_failures(stats: ModelStatistics, hard: HardBounds) -> list[str]:
-    """Reasons the candidate breaks a bound that needs no calibration."""
+def hard_bound_failures(stats: ModelStatistics, hard: HardBounds, *, dtype: str) -> list[str]:
+    """Reasons the candidate breaks a bound that needs no calibration (run at `dtype`: float32 has one of its own)."""
     out = []
     if stats.nonfinite:
         out.append(f"NaN/Inf in {', '.join(stats.nonfinite)}")
@@ -318,18 +322,24 @@ def hard_bound_failures(stats: ModelStatistics, hard: HardBounds) -> list[str]:
     top1 = stats.mean("top1_agree")
     if top1 is not None and top1 < hard.min_top1_agree:
         out.append(f"top-1 agreement {top1:.1%} < hard bound {hard.min_top1_agree:.0%}")
+    l2 = stats.mean("logprob_l2")
+    if dtype == "float32" and l2 is not None and l2 > hard.max_fp32_mean_logprob_l2:
+        out.append(f"float32 mean logprob L2 {_fmt(l2)} > hard bound {hard.max_fp32_mean_logprob_l2:.3g} "
+                   f"({l2 / hard.max_fp32_mean_logprob_l2:.3g}x; float32 noise stays below it on any hardware)")
     return out
 
 
-def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: HardBounds, why: str = ""
-                ) -> tuple[CheckResult, tuple[StatDecision, ...], tuple[PromptResult, ...]]:
+def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: HardBounds, dtype: str, why: str = "",
+                name: str = "model") -> tuple[CheckResult, tuple[StatDecision, ...], tuple[PromptResult, ...]]:
     """Hard bounds first, then per statistic a binomial test on per-prompt exceedances and an aggregate bound.
 
     With no entry (`why` says why there is none) only the hard bounds run: `fail` when one breaks, else `uncalibrated`.
+    `dtype` is what the candidate ran at (float32 adds its own hard bound); `name` names the result (`model`, or
+    `float32` for the float32 pass).
     """
     n = stats.num_prompts
     decision_stats = [s for s in DECISION_STATS if s in stats.available and (entry is None or s in entry.model.per_prompt)]
-    hard_fail = hard_bound_failures(stats, hard)
+    hard_fail = hard_bound_failures(stats, hard, dtype=dtype)
     decisions: list[StatDecision] = []
     exceeds: dict[int, list[str]] = {i: [] for i in range(n)}
     if entry is not None:
@@ -352,16 +362,16 @@ def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: H
     summary = {"prompts": n, "statistics": list(stats.available), "means": {k: stats.mean(k) for k in stats.per_prompt},
                "greedy_same": stats.greedy_same, "notes": list(stats.notes)}
     if hard_fail:
-        return (CheckResult(name="model", status="fail", reason="hard bound: " + "; ".join(hard_fail),
+        return (CheckResult(name=name, status="fail", reason="hard bound: " + "; ".join(hard_fail),
                             details={**summary, "hard_bounds": hard_fail}), tuple(decisions), prompts)
     if entry is None:
-        return (CheckResult(name="model", status="uncalibrated",
+        return (CheckResult(name=name, status="uncalibrated",
                             reason=f"{why or 'no calibrated tolerance'} (only the hard bounds were checked, and they passed)",
-                            details={**summary, "calibration_free": CALIBRATION_FREE["model"],
+                            details={**summary, "calibration_free": CALIBRATION_FREE.get(name, CALIBRATION_FREE["model"]),
                                      **({"why": why} if why else {})}),
                 tuple(decisions), prompts)
     if not decision_stats:
-        return (CheckResult(name="model", status="error", reason="no calibrated statistic is available on both sides",
+        return (CheckResult(name=name, status="error", reason="no calibrated statistic is available on both sides",
                             details=summary), tuple(decisions), prompts)
     failed = [d for d in decisions if d.failed_by]
     if failed:
@@ -372,10 +382,10 @@ def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: H
         others = [x.stat for x in failed if x is not d]
         if others:
             why += f"; also {', '.join(others)}"
-        return CheckResult(name="model", status="fail", reason=why, details=summary), tuple(decisions), prompts
+        return CheckResult(name=name, status="fail", reason=why, details=summary), tuple(decisions), prompts
     closest = max(decisions, key=lambda x: x.mean / x.mean_threshold if x.mean_threshold else 0)
     ratio = closest.mean / closest.mean_threshold if closest.mean_threshold else 0.0
-    return (CheckResult(name="model", status="pass",
+    return (CheckResult(name=name, status="pass",
                         reason=f"{len(decisions)} statistics within tolerance over {n} prompts "
                                f"(closest: mean {closest.stat} at {ratio:.2g}x its bound)", details=summary),
             tuple(decisions), prompts)

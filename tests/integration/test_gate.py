@@ -7,11 +7,14 @@ fixture), also when the probe hangs past the deadline or crashes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,8 +43,10 @@ def test_honest_image_passes_through_the_cli(honest_image: str, docker: Docker, 
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     verdict = json.loads(proc.stdout)
     assert verdict["decision"] == "pass"
-    assert [c["name"] for c in verdict["checks"]] == ["reference", "pins", "boot", "kernels", "model", "serve"]
+    assert [c["name"] for c in verdict["checks"]] == ["reference", "pins", "boot", "kernels", "model", "float32",
+                                                      "serve"]
     assert [c["status"] for c in verdict["checks"]][:5] == ["pass"] * 5
+    assert verdict["checks"][5]["status"] == "skipped"  # the SKU serves float32: its model check was the float32 pass
     assert verdict["image_id"] == honest_image
     assert verdict["reference"]["gpu"] == "NVIDIA H200"
     assert verdict["tolerance"]["entry"]["provenance"]["runs"] >= 4
@@ -57,6 +62,7 @@ def test_honest_image_passes_through_the_cli(honest_image: str, docker: Docker, 
     ("fp8", "model", "prompts exceed"),
     ("int4-nibble", "model", ""),
     ("silu", "kernels", "silu.float32: max error"),
+    ("attn-scale", "model", "hard bound: float32 mean logprob L2"),
 ])
 def test_swapped_image_fails_for_the_right_reason(mode, check, words, derived, stack, docker: Docker,
                                                   tmp_path: Path) -> None:
@@ -130,5 +136,60 @@ def test_an_uncalibrated_class_runs_the_calibration_free_checks_and_ends_uncalib
     assert verdict.decision == "uncalibrated" and verdict.exit_code == 14, verdict.reason
     assert [(c.name, c.status) for c in verdict.checks] == [
         ("reference", "pass"), ("pins", "pass"), ("boot", "pass"), ("kernels", "uncalibrated"),
-        ("model", "uncalibrated"), ("serve", "uncalibrated")]
+        ("model", "uncalibrated"), ("float32", "skipped"), ("serve", "uncalibrated")]
     assert set(verdict.calibration_free) == {"kernels", "model", "serve"}
+
+
+def _served_in_bfloat16(stack):
+    """The CPU SKU gated as a bf16 SKU is: serving dtype bfloat16 against the H200 bf16 bundle. No cpu-x86_64 bf16 entry
+    is calibrated, so that check runs its hard bounds only; the float32 pass uses the float32 bundle beside the
+    reference and the class's calibrated float32 entry."""
+    gate = stack.manifest.gate.model_copy(update={"dtype": "bfloat16",
+                                                  "reference": "gates/references/tiny-llama/h200-bfloat16"})
+    return stack.model_copy(update={"manifest": stack.manifest.model_copy(update={"gate": gate})})
+
+
+@contextlib.contextmanager
+def _with_command_of(stack, image: str, docker: Docker, folder: Path) -> Iterator[str]:
+    """`image` with the default command the rendered Dockerfile of `stack` gives (which carries the serving dtype, and
+    which `pins` compares with the image's), built FROM it by tag; removed afterwards."""
+    from builder.render import render
+
+    command = next(line for line in render(stack).text.splitlines() if line.startswith("CMD "))
+    base = f"skupin-test/command-base:{uuid.uuid4().hex[:12]}"
+    folder.mkdir(parents=True)
+    (folder / "Dockerfile").write_text(f"FROM {base}\n{command}\n", encoding="utf-8")
+    docker.tag(image, base)
+    made = None
+    try:
+        made = docker.build(context=folder, dockerfile=folder / "Dockerfile")
+        yield made
+    finally:
+        if made:
+            docker.remove_image(made, force=True)
+        docker.remove_image(base)
+
+
+def test_the_float32_pass_catches_an_attention_scale_one_percent_off_that_bfloat16_hides(
+        derived, stack, honest_image: str, docker: Docker, tmp_path: Path) -> None:
+    """Issue 18: a kernel 1% off moves bf16 outputs by less than one bf16 rounding; a bf16 SKU's gate probes the image
+    again at float32, where the same fault stands far above the noise."""
+    bf16 = _served_in_bfloat16(stack)
+    with _with_command_of(bf16, honest_image, docker, tmp_path / "honest-image") as image:
+        honest = _gate(bf16, image, docker, tmp_path / "honest")
+    statuses = {c.name: c.status for c in honest.checks}
+    assert statuses["model"] == "uncalibrated" and statuses["float32"] == "pass", honest.reason
+    assert honest.decision == "uncalibrated"  # never pass without a bf16 entry; the float32 pass itself passed
+    assert honest.check("float32").details["reference"].endswith("tiny-llama/h200-float32")
+    assert (tmp_path / "honest" / "probe-float32" / "probe.json").is_file()
+
+    swapped = derived.swap("attn-scale")
+    bf16 = _served_in_bfloat16(swapped.stack(stack))
+    with _with_command_of(bf16, swapped.image, docker, tmp_path / "swapped-image") as image:
+        verdict = _gate(bf16, image, docker, tmp_path / "swapped", wheelhouse=swapped.wheelhouse)
+    assert verdict.check("model").status == "uncalibrated"  # bf16: its hard bounds cannot see a 1% scale
+    failing = verdict.failing_check()
+    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
+    assert failing is not None and failing.name == "float32"
+    assert "float32 mean logprob L2" in failing.reason
+    print(f"attn-scale in bf16: {verdict.check('model').details['means']}; float32 pass: {failing.reason}")

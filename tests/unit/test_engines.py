@@ -63,7 +63,7 @@ def h200() -> SkuManifest:
 
 
 def test_protocol_members_are_what_the_docs_say() -> None:
-    assert MEMBERS == ["DISTRIBUTIONS", "NAME", "OUTPUTS", "PROBE_ADAPTER", "model_file", "server"]
+    assert MEMBERS == ["DISTRIBUTIONS", "FLOAT32", "NAME", "OUTPUTS", "PROBE_ADAPTER", "model_file", "server"]
 
 
 @pytest.mark.parametrize("name", sorted(ALL_ENGINES))

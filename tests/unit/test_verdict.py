@@ -62,7 +62,7 @@ def test_clopper_pearson_upper_bound_of_zero_events_is_the_rule_of_three():
 
 
 def test_honest_prompts_pass():
-    check, decisions, prompts = judge_model(stats=stats(np.full(N, 0.1)), entry=entry(), hard=HardBounds())
+    check, decisions, prompts = judge_model(stats=stats(np.full(N, 0.1)), entry=entry(), hard=HardBounds(), dtype="bfloat16")
     assert check.status == "pass", check.reason
     assert all(d.exceedances == 0 and not d.failed_by for d in decisions)
     assert len(prompts) == N
@@ -71,19 +71,20 @@ def test_honest_prompts_pass():
 def test_one_noisy_prompt_is_tolerated_but_many_fail_the_binomial_test():
     one = np.full(N, 0.1)
     one[7] = 3.0
-    check, _, prompts = judge_model(stats=stats(one), entry=entry(), hard=HardBounds())
+    check, _, prompts = judge_model(stats=stats(one), entry=entry(), hard=HardBounds(), dtype="bfloat16")
     assert check.status == "pass", check.reason
     assert prompts[7].exceeds == ("kl",)
     many = np.full(N, 0.1)
     many[:8] = 1.5
-    check, decisions, _ = judge_model(stats=stats(many), entry=entry(), hard=HardBounds())
+    check, decisions, _ = judge_model(stats=stats(many), entry=entry(), hard=HardBounds(), dtype="bfloat16")
     assert check.status == "fail"
     assert check.reason.startswith("kl: 8/64 prompts exceed")
     assert "binomial" in next(d for d in decisions if d.stat == "kl").failed_by
 
 
 def test_a_uniform_shift_below_the_per_prompt_threshold_fails_on_the_mean():
-    check, decisions, _ = judge_model(stats=stats(np.full(N, 0.1), l2=np.full(N, 0.9)), entry=entry(), hard=HardBounds())
+    check, decisions, _ = judge_model(stats=stats(np.full(N, 0.1), l2=np.full(N, 0.9)), entry=entry(), hard=HardBounds(),
+                                      dtype="bfloat16")
     assert check.status == "fail"
     assert next(d for d in decisions if d.stat == "logprob_l2").failed_by == ("mean",)
 
@@ -95,13 +96,33 @@ def test_a_uniform_shift_below_the_per_prompt_threshold_fails_on_the_mean():
 ])
 def test_hard_bounds_need_no_calibration(kwargs, words):
     s = stats(kwargs.pop("kl", np.full(N, 0.01)), **kwargs)
-    check, _, _ = judge_model(stats=s, entry=None, hard=HardBounds())
+    check, _, _ = judge_model(stats=s, entry=None, hard=HardBounds(), dtype="bfloat16")
     assert check.status == "fail"
     assert words in check.reason
 
 
+def test_float32_has_a_calibration_free_bound_that_a_kernel_one_percent_off_breaks():
+    # H200 numbers (bench/results/calibration): honest float32 mean logprob L2 <= 7.8e-6 on every fixture; the
+    # attention scale 1% off >= 2.6e-4. The bound sits between them and applies only to float32 runs.
+    honest, faulty = np.full(N, 7.8e-6), np.full(N, 2.6e-4)
+    ok, _, _ = judge_model(stats=stats(np.zeros(N), l2=honest), entry=None, hard=HardBounds(), dtype="float32")
+    assert ok.status == "uncalibrated", ok.reason
+    bad, _, _ = judge_model(stats=stats(np.zeros(N), l2=faulty), entry=None, hard=HardBounds(), dtype="float32",
+                            name="float32")
+    assert (bad.name, bad.status) == ("float32", "fail")
+    assert "float32 mean logprob L2 0.00026 > hard bound 4e-05 (6.5x" in bad.reason
+    same_in_bf16, _, _ = judge_model(stats=stats(np.zeros(N), l2=faulty), entry=None, hard=HardBounds(),
+                                     dtype="bfloat16")
+    assert same_in_bf16.status == "uncalibrated"  # bf16 rounding alone moves logprobs by ~1e-2: no such bound there
+    # the calibrated decision does not lift the bound: an entry whose thresholds would pass it still fails
+    calibrated, _, _ = judge_model(stats=stats(np.zeros(N), l2=faulty), entry=entry(), hard=HardBounds(),
+                                   dtype="float32")
+    assert calibrated.status == "fail" and calibrated.reason.startswith("hard bound: float32 mean logprob L2")
+
+
 def test_without_a_tolerance_only_hard_bounds_run_and_the_gate_cannot_pass():
-    check, _, _ = judge_model(stats=stats(np.full(N, 0.01)), entry=None, hard=HardBounds(), why="no entry for k")
+    check, _, _ = judge_model(stats=stats(np.full(N, 0.01)), entry=None, hard=HardBounds(), dtype="bfloat16",
+                              why="no entry for k")
     assert check.status == "uncalibrated"  # never pass; decide() makes the run `uncalibrated` (exit 14)
     assert check.reason == "no entry for k (only the hard bounds were checked, and they passed)"
 
@@ -171,7 +192,7 @@ def test_the_first_failure_decides_and_errors_mean_could_not_run():
 
 def test_report_writes_json_markdown_and_a_png(tmp_path):
     s = stats(np.linspace(0.01, 1.2, N))
-    check, decisions, prompts = judge_model(stats=s, entry=entry(), hard=HardBounds())
+    check, decisions, prompts = judge_model(stats=s, entry=entry(), hard=HardBounds(), dtype="bfloat16")
     kern = judge_kernels(results=(KernelResult("matmul.float32", 5e-7, True),), entry=entry())
     checks = (CheckResult(name="boot", status="pass", reason="ok"), kern, check)
     decision, reason = decide(checks)

@@ -14,6 +14,8 @@ Modes:
   fp8          linear weights cast to float8 e4m3 with one scale per tensor
   int4-nibble  INT4 group 128 packed two per byte, dequantized with the nibble order swapped in 5% of groups
   silu         torch.nn.functional.silu off by a factor 1 + 2**-7
+  attn-scale   every attention layer's softmax scale 1% too large (1.01 / sqrt(head_dim)), set on each loaded
+               model's attention modules: smaller than one bf16 rounding, so only a float32 run shows it
   sampler      every GenerationConfig gets repetition_penalty=1.3 (the server's generate() uses it; the probe's
                teacher-forced check and its own greedy loop do not)
   hang         every Python process sleeps for an hour at start
@@ -38,7 +40,7 @@ import importlib.util
 import os
 import sys
 
-MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
+MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
          "vllm-int4", "vllm-silu", "slow")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
@@ -102,12 +104,26 @@ def quantize_model(model, mode: str) -> None:
                 module.weight.copy_(QUANT[mode](module.weight.data))
 
 
+def scale_attention(model, factor: float = 1.01) -> int:
+    """Multiply the softmax scale (`scaling`, which transformers passes to its eager and SDPA paths) of every attention
+    module of `model`; return how many there were."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "scaling", None), float):
+            module.scaling *= factor
+            changed += 1
+    return changed
+
+
 def _patch_modeling_utils(module, mode: str) -> None:
     original = module.PreTrainedModel.from_pretrained.__func__
 
     def from_pretrained(cls, *args, **kwargs):
         model = original(cls, *args, **kwargs)
-        quantize_model(model, mode)
+        if mode == "attn-scale":
+            scale_attention(model)
+        else:
+            quantize_model(model, mode)
         return model
 
     module.PreTrainedModel.from_pretrained = classmethod(from_pretrained)
@@ -262,7 +278,7 @@ def install(mode: str) -> None:
         import ctypes
 
         ctypes.string_at(0)
-    elif mode in QUANT:
+    elif mode in QUANT or mode == "attn-scale":
         sys.meta_path.insert(0, _AfterImport("transformers.modeling_utils", lambda m: _patch_modeling_utils(m, mode)))
     elif mode == "silu":
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", lambda m: _patch_functional(m, mode)))
