@@ -1,24 +1,27 @@
-"""Honest and swapped runs of tiny-llama on the NVIDIA H200 for the `nvidia-hopper` tolerance entries (issue 18).
+"""Honest and swapped runs of the gate's fixtures on the NVIDIA H200: `nvidia-hopper` entries and the detection bench.
 
 Runs on the reference machine through the `run` tool (torch + transformers + numpy; no pydantic, no Docker):
 
-    PYTHONPATH=$PWD python3 bench/calibrate_h200.py --out $OUT
+    PYTHONPATH=$PWD python3 bench/calibrate_h200.py --out $OUT [--boots 1,2] [--models tiny-llama,tiny-moe,llama-1k]
 
 Everything runs in-process with the probe's own code (imagetools/probe.py through
 bench/detection/runs.py: the transformers loading, the kernel battery, the teacher-forced Collector)
-and is measured against the committed H200 bundles gates/references/tiny-llama/h200-{bfloat16,float32}
-with the gate's own gates/compare.py, as bench/detection/h200_job.py does. Four fresh Python
-processes ("boots"), each a new CUDA context:
+and is measured against the H200 references with the gate's own gates/compare.py. References:
+the committed bundles gates/references/<model>/h200-{bfloat16,float32} (tiny-llama, tiny-moe),
+and for llama-1k (8 decoder layers, 14 MB per reference: not committed) a capture made by boot 1
+(batch 8, sdpa, as the bundles were) in --refs, re-captured by the first boot of a later device call
+(the H200 reproduces it bit for bit). Every boot is a fresh Python process (a new CUDA context, new
+allocator state, new kernel choices):
 
 - boots 1 and 2, split "calibration": batch 1/2/4/8/16/64 x sdpa/eager attention;
-- boots 3 and 4, split "heldout": batch 1/2/3/4/7/8/16/32/64 x sdpa/eager (3, 7 and 32 never
-  calibrated on), never used to derive the entries;
-- boot 1 also runs every swap of bench/detection/swaps.py at (batch 8, sdpa), (batch 1, eager) and
-  (batch 64, sdpa), split "swap".
+- boots 3 to 6, split "heldout": batch 1-24/32/48/64 x sdpa/eager (every size but 1/2/4/8/16/64
+  never calibrated on), never used to derive the entries;
+- boot 1 also runs every swap of bench/detection/swaps.py that applies to the model (the MoE
+  faults to tiny-moe only) at (batch 8, sdpa), (batch 1, eager) and (batch 64, sdpa), split "swap".
 
 One JSON line per run goes to OUT/h200-calib-records.jsonl (the spec, per-prompt statistics,
-kernel errors); OUT/h200-calib-env.json holds the machine's versions. The entries are derived on
-the development machine from these records with gates.calibrate.derive_entry_from_measurements
+kernel errors); OUT/h200-calib-env.json holds the machine's versions. The entries and the bench's
+decisions are derived on the development machine from these records with the gate's own code
 (bench/calibrate_h200_derive.py), which needs pydantic.
 """
 
@@ -35,19 +38,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.detection import runs  # noqa: E402
+from bench.detection import runs, swaps  # noqa: E402
 from gates.tensorio import read_safetensors  # noqa: E402
 from imagetools import probe  # noqa: E402
 
 HW = "nvidia-hopper"
-MODEL = "tiny-llama"
+MODELS = ("tiny-llama", "tiny-moe", "llama-1k")
+COMMITTED = ("tiny-llama", "tiny-moe")  # models whose H200 references are committed bundles
 DTYPES = ("bfloat16", "float32")
 ATTNS = ("sdpa", "eager")
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 64)
-HELDOUT_BATCHES = (1, 2, 3, 4, 7, 8, 16, 32, 64)
+HELDOUT_BATCHES = (*range(1, 25), 32, 48, 64)
 SWAP_VARIATIONS = ((8, "sdpa", 0), (1, "eager", 0), (64, "sdpa", 0))
-BOOTS = {1: "calibration", 2: "calibration", 3: "heldout", 4: "heldout"}
-FULL = 4  # prompts with full-vocabulary logprobs (the probe's default for tiny-llama)
+BOOTS = {1: "calibration", 2: "calibration", 3: "heldout", 4: "heldout", 5: "heldout", 6: "heldout"}
+FULL = {"tiny-llama": 4, "tiny-moe": 4, "llama-1k": 2}  # prompts with full-vocabulary logprobs
 ENV_KEYS = ("python", "torch", "cuda", "cudnn", "triton", "engines", "driver", "device", "settings", "cpu_model",
             "cpu_capability", "distributions")
 
@@ -56,58 +60,98 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def specs_for(boot: int, dtype: str) -> list[dict]:
-    """The run specs of one boot for one dtype, each tagged with its split."""
+def specs_for(boot: int, model: str, dtype: str) -> list[dict]:
+    """The run specs of one boot for one model and dtype, each tagged with its split."""
     split = BOOTS[boot]
     batches = CALIBRATION_BATCHES if split == "calibration" else HELDOUT_BATCHES
-    specs = [{**s, "split": split} for s in runs.honest_specs(hw=HW, model=MODEL, dtype=dtype, batches=batches,
+    specs = [{**s, "split": split} for s in runs.honest_specs(hw=HW, model=model, dtype=dtype, batches=batches,
                                                               attns=ATTNS, threads=(0,), boot=boot)]
     if boot == 1:
-        specs += [{**s, "split": "swap"} for s in runs.swap_specs(hw=HW, model=MODEL, dtype=dtype,
-                                                                  variations=SWAP_VARIATIONS, boot=1)]
+        names = [n for n in swaps.SWAPS + swaps.MOE_SWAPS if swaps.applies_to(n, moe=model == "tiny-moe")]
+        specs += [{**s, "split": "swap"} for s in runs.swap_specs(hw=HW, model=model, dtype=dtype,
+                                                                  variations=SWAP_VARIATIONS, boot=1, names=names)]
     return specs
 
 
-def one_boot(boot: int, out: Path, *, smoke: bool = False) -> None:
+def fixture_dir(model: str, fixtures: Path) -> Path:
+    """The committed fixture folder (tiny-llama), or one generated here (sha256 checked against the record)."""
+    if (ROOT / "gates/fixtures" / model).is_dir():
+        return ROOT / "gates/fixtures" / model
+    folder = fixtures / model
+    if not (folder / "SHA256SUMS").is_file():
+        from gates.fixture import generate_fixture
+
+        log(f"generating the {model} fixture")
+        generate_fixture(name=model, out=folder)
+    return folder
+
+
+def reference(model: str, dtype: str, *, folder: Path, ids, device: str, boot: int, refs: Path):
+    """The reference tensors of (model, dtype): the committed bundle, or a capture made by boot 1 in `refs`."""
+    if model in COMMITTED:
+        tensors, _ = read_safetensors(ROOT / f"gates/references/{model}/h200-{dtype}/tensors.safetensors")
+        return tensors
+    path = refs / f"ref-{model}-{dtype}.safetensors"
+    if not path.is_file():  # boot 1, or the first boot of a later call on a fresh machine (the capture is deterministic)
+        log(f"capturing the {model} {dtype} reference (batch 8, sdpa) in boot {boot}")
+        captured = runs.probe_run(model_dir=folder, ids=ids, dtype=dtype, attn="sdpa", batch=8, device=device,
+                                  swap=None, full=FULL[model])
+        probe.write_safetensors(str(path), captured, {"format": probe.FORMAT, "probe_version": probe.PROBE_VERSION,
+                                                      "detection": f"{model} {dtype} batch 8 sdpa"})
+    tensors, _ = read_safetensors(path)
+    return tensors
+
+
+def one_boot(boot: int, out: Path, *, models: list[str], fixtures: Path, refs: Path, smoke: bool = False) -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    fixture = ROOT / "gates/fixtures" / MODEL
-    ids = runs.load_ids(fixture / "prompts.json")
     if boot == 1:
         env = probe.environment(device)
         (out / "h200-calib-env.json").write_text(json.dumps({k: env.get(k) for k in ENV_KEYS}, indent=1, default=str)
                                                  + "\n")
     with (out / "h200-calib-records.jsonl").open("a", encoding="utf-8") as records:
-        for dtype in DTYPES:
-            ref, _ = read_safetensors(ROOT / f"gates/references/{MODEL}/h200-{dtype}/tensors.safetensors")
-            t0 = time.perf_counter()
-            specs = specs_for(boot, dtype)
-            if smoke:
-                specs = specs[:1] + specs[-1:]
-            for spec in specs:
-                record = runs.run_spec(spec, model_dir=fixture, ids=ids, reference=ref, device=device, full=FULL)
-                records.write(json.dumps(record, separators=(",", ":")) + "\n")
-                records.flush()
-            log(f"boot {boot} ({BOOTS[boot]}) {dtype}: {len(specs)} runs in {time.perf_counter() - t0:.1f} s")
+        for model in models:
+            folder = fixture_dir(model, fixtures)
+            ids = runs.load_ids(folder / "prompts.json")
+            for dtype in DTYPES:
+                ref = reference(model, dtype, folder=folder, ids=ids, device=device, boot=boot, refs=refs)
+                t0 = time.perf_counter()
+                specs = specs_for(boot, model, dtype)
+                if smoke:
+                    specs = specs[:1] + specs[-1:]
+                for spec in specs:
+                    record = runs.run_spec(spec, model_dir=folder, ids=ids, reference=ref, device=device,
+                                           full=FULL[model])
+                    records.write(json.dumps(record, separators=(",", ":")) + "\n")
+                    records.flush()
+                log(f"boot {boot} ({BOOTS[boot]}) {model} {dtype}: {len(specs)} runs in "
+                    f"{time.perf_counter() - t0:.1f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--boot", type=int, default=0, help="run one boot (a child process); 0 = run every boot in turn")
-    p.add_argument("--boot-timeout", type=float, default=150.0)
-    p.add_argument("--smoke", action="store_true", help="two runs per boot and dtype (a quick check)")
+    p.add_argument("--boots", default=",".join(map(str, BOOTS)), help="the boots to run, each a child process")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--fixtures", type=Path, default=Path("/tmp/skupin-fixtures"))
+    p.add_argument("--refs", type=Path, default=Path("/tmp/skupin-detection-refs"))
+    p.add_argument("--boot-timeout", type=float, default=400.0)
+    p.add_argument("--smoke", action="store_true", help="two runs per boot, model and dtype (a quick check)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.refs.mkdir(parents=True, exist_ok=True)
+    models = args.models.split(",")
     if args.boot:
-        one_boot(args.boot, args.out, smoke=args.smoke)
+        one_boot(args.boot, args.out, models=models, fixtures=args.fixtures, refs=args.refs, smoke=args.smoke)
         return 0
     failed = 0
-    for boot in BOOTS:  # every boot a fresh process: a new CUDA context, new allocator state, new kernel choices
+    for boot in map(int, args.boots.split(",")):  # every boot a fresh process: a new CUDA context, allocator state
         t0 = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--boot", str(boot)]
+            done = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--boot", str(boot),
+                                   "--models", args.models, "--fixtures", str(args.fixtures), "--refs", str(args.refs)]
                                   + (["--smoke"] if args.smoke else []), check=False,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.boot_timeout)
             rc = done.returncode

@@ -46,10 +46,24 @@ from gates.tolerance import (  # noqa: E402
 from gates.verdict import hard_bound_failures, kernel_hard_failures  # noqa: E402
 
 RESULTS = ROOT / "bench/results/calibration"
-HW, MODEL, MARGIN = "nvidia-hopper", "tiny-llama", 4.0
+HW, MARGIN = "nvidia-hopper", 4.0
+MODELS = ("tiny-llama", "tiny-moe", "llama-1k")
+COMMITTED = ("tiny-llama", "tiny-moe")  # bundles in gates/references: their entries are merged into tolerances.yaml
 DTYPES = ("bfloat16", "float32")
+DATE = {"tiny-llama": "2026-12-01T03:23:23+00:00", "tiny-moe": "2026-12-01T06:24:29+00:00",
+        "llama-1k": "2026-12-01T06:24:29+00:00"}
 IMAGE = ("in-process on the H200 (no Docker there): imagetools/probe.py's transformers path via "
          "bench/calibrate_h200.py, transformers {transformers}, torch {torch}")
+# Swap classes of the acceptance list (issue 18) -> the swaps of bench/detection/swaps.py in each, and the rate the
+# class must reach.
+CLASSES = {
+    "INT4": (("int4", "int4-mlp", "int4-nibble"), 0.999),
+    "INT8 and FP8": (("int8", "fp8-tensor", "fp8-channel"), 0.99),
+    "partial INT8": (("int8-last", "int8-quarter"), 0.95),
+    "kernel 1%": (("attn-scale", "accum-bf16", "silu", "softmax"), 1.0),
+    "model change": (("rope-base",), 1.0),
+    "MoE": (("moe-expert-scale", "moe-top1"), 1.0),
+}
 
 
 def without_hidden(stats: ModelStatistics) -> ModelStatistics:
@@ -63,30 +77,32 @@ def uncalibrated(record: dict) -> str:
     hard = analysis.DEFAULT_HARD
     if kernel_hard_failures(results=analysis.to_kernels(record), hard=hard):
         return "hard"
-    return "hard" if hard_bound_failures(analysis.to_stats(record), hard) else "uncalibrated"
+    return "hard" if hard_bound_failures(analysis.to_stats(record), hard, dtype=record["dtype"]) else "uncalibrated"
+
+
+def block_decisions(record: dict, entry: ToleranceEntry, *, size: int, seed: int, hidden: bool = True) -> list[str]:
+    """One gate decision per disjoint block of `size` prompts of one run (size 64 = the whole run, as the gate)."""
+    stats, kernels = analysis.to_stats(record), analysis.to_kernels(record)
+    if not hidden:
+        stats = without_hidden(stats)
+    return [analysis.decide(stats=analysis.subset(stats, np.sort(idx)), kernels=kernels, entry=entry)
+            for idx in analysis.blocks(stats.num_prompts, size, seed=seed)]
 
 
 def decide_runs(records: list[dict], entry: ToleranceEntry, *, size: int, hidden: bool = True) -> list[str]:
-    """One gate decision per disjoint block of `size` prompts of every run (size 64 = the whole run, as the gate)."""
-    out = []
-    for i, r in enumerate(records):
-        stats, kernels = analysis.to_stats(r), analysis.to_kernels(r)
-        if not hidden:
-            stats = without_hidden(stats)
-        for idx in analysis.blocks(stats.num_prompts, size, seed=i):
-            out.append(analysis.decide(stats=analysis.subset(stats, np.sort(idx)), kernels=kernels, entry=entry))
-    return out
+    """Every run's block decisions, run i's blocks drawn with seed i."""
+    return [d for i, r in enumerate(records) for d in block_decisions(r, entry, size=size, seed=i, hidden=hidden)]
 
 
-def entry_for(dtype: str, calib: list[dict], env: dict) -> ToleranceEntry:
-    """The project's calibration of (nvidia-hopper, dtype, tiny-llama) from the calibration split."""
+def entry_for(model: str, dtype: str, calib: list[dict], env: dict) -> ToleranceEntry:
+    """The project's calibration of (nvidia-hopper, dtype, model) from the calibration split."""
     measured = [Measurement(label=analysis.label(r), stats=analysis.to_stats(r), kernels=analysis.to_kernels(r), env=env)
                 for r in calib]
-    key = ToleranceKey(hardware_class=HW, dtype=dtype, model=MODEL)
+    key = ToleranceKey(hardware_class=HW, dtype=dtype, model=model)
     engines = env.get("engines") or {}
+    sha = bundle_sha256(ROOT / f"gates/references/{model}/h200-{dtype}") if model in COMMITTED else "0" * 64
     entry = derive_entry_from_measurements(
-        key=key, measurements=measured, margin=MARGIN, date="2026-12-01T03:23:23+00:00",
-        reference_sha256=bundle_sha256(ROOT / f"gates/references/{MODEL}/h200-{dtype}"),
+        key=key, measurements=measured, margin=MARGIN, date=DATE[model], reference_sha256=sha,
         image=IMAGE.format(transformers=engines.get("transformers"), torch=env.get("torch")))
     boots = sorted({r["boot"] for r in calib})
     note = (f"; runs made in-process on one NVIDIA H200 (driver {(env.get('driver') or {}).get('version')}, "
@@ -111,6 +127,81 @@ def summary(records: list[dict], entry: ToleranceEntry) -> dict:
     return out
 
 
+def pair_key(record: dict) -> tuple:
+    return record["model"], record["split"], record["swap"], record["boot"], record["batch"], record["attn"]
+
+
+def numerics(record: dict) -> str:
+    """A run's measured numbers (statistics and kernel errors), to tell runs that computed something else apart from
+    repeats: on the H200 the same (batch, attention) gives the same bits in every boot."""
+    return json.dumps([record["model"], record["swap"], record["stats"], record["kernels"]], sort_keys=True)
+
+
+def gate_decisions(records: list[dict], entries: dict[tuple[str, str], ToleranceEntry], *, size: int,
+                   hidden: bool = True, float32_calibrated: bool = True) -> dict[str, list[str]]:
+    """The whole gate of a bf16 SKU on paired runs: the serving-dtype (bfloat16) check, then the float32 pass on the
+    same variation, block by block; a block fails when either fails. Keyed by swap ('' = honest held-out).
+
+    Only distinct pairs count: a held-out pair whose numbers (both dtypes) equal a calibration run's or an earlier
+    pair's is a repeat, not another decision (bit-identical repeats would inflate the count without adding evidence)."""
+    fp32 = {pair_key(r): r for r in records if r["dtype"] == "float32"}
+    seen = {numerics(r) + numerics(fp32[pair_key(r)]) for r in records
+            if r["split"] == "calibration" and r["dtype"] == "bfloat16" and pair_key(r) in fp32}
+    out: dict[str, list[str]] = {}
+    for i, r in enumerate(r for r in records if r["dtype"] == "bfloat16" and r["split"] != "calibration"):
+        twin = fp32.get(pair_key(r))
+        if twin is None or numerics(r) + numerics(twin) in seen:
+            continue
+        seen.add(numerics(r) + numerics(twin))
+        bf = block_decisions(r, entries[(r["model"], "bfloat16")], size=size, seed=i, hidden=hidden)
+        if float32_calibrated:
+            f32 = block_decisions(twin, entries[(r["model"], "float32")], size=size, seed=i, hidden=hidden)
+        else:
+            f32 = ["pass" if uncalibrated(twin) == "uncalibrated" else "hard"] * len(bf)
+        out.setdefault(r["swap"] or "", []).extend(b if b != "pass" else (f if f == "pass" else f"float32 {f}")
+                                                   for b, f in zip(bf, f32, strict=True))
+    return out
+
+
+def class_table(records: list[dict], entries: dict[tuple[str, str], ToleranceEntry]) -> dict:
+    """Per class of the acceptance list: the whole gate's catch rate (bf16 check + float32 pass), and the same gate with
+    no float32 calibration (its hard bounds only), at 64 and 8 prompts, with and without hidden states; honest
+    held-out rejects of the whole gate."""
+    out: dict = {"honest": {}}
+    for size in (64, 8):
+        for hidden in (True, False):
+            tag = f"n{size}" + ("" if hidden else "_no_hidden")
+            full = gate_decisions(records, entries, size=size, hidden=hidden)
+            free = gate_decisions(records, entries, size=size, hidden=hidden, float32_calibrated=False)
+            out["honest"][tag] = analysis.count(full.get("", []), positive=False)
+            out["honest"][tag + "_float32_uncalibrated"] = analysis.count(free.get("", []), positive=False)
+            for name, (members, target) in CLASSES.items():
+                row = out.setdefault(name, {"swaps": list(members), "target": target})
+                row[tag] = analysis.count([d for m in members for d in full.get(m, [])], positive=True)
+                row[tag + "_float32_uncalibrated"] = analysis.count([d for m in members for d in free.get(m, [])],
+                                                                    positive=True)
+    for name, (members, _) in CLASSES.items():
+        fp32 = [r for r in records if r["dtype"] == "float32" and r["swap"] in members]
+        out[name]["float32_runs_caught_by_hard_bounds"] = {"caught": sum(uncalibrated(r) == "hard" for r in fp32),
+                                                           "runs": len(fp32)}
+    return out
+
+
+def bf16_alone(records: list[dict], entries: dict[tuple[str, str], ToleranceEntry], *, size: int) -> dict:
+    """Per swap: what the bfloat16 check alone catches (no float32 pass), with and without hidden states."""
+    out = {}
+    bf = [r for r in records if r["dtype"] == "bfloat16" and r["role"] == "swap"]
+    for name in dict.fromkeys(r["swap"] for r in bf):
+        mine = [r for r in bf if r["swap"] == name]
+        got = [d for i, r in enumerate(mine) for d in block_decisions(r, entries[(r["model"], "bfloat16")], size=size,
+                                                                        seed=i)]
+        nohid = [d for i, r in enumerate(mine) for d in block_decisions(r, entries[(r["model"], "bfloat16")],
+                                                                          size=size, seed=i, hidden=False)]
+        out[name] = {"with_hidden": analysis.count(got, positive=True),
+                     "no_hidden": analysis.count(nohid, positive=True)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="judge only; leave gates/data/tolerances.yaml as it is")
@@ -120,26 +211,34 @@ def main(argv: list[str] | None = None) -> int:
     records = analysis.load_records([RESULTS / "h200-calib-records.jsonl"])
     tolerances = load_tolerances(args.tolerances)
     result: dict = {"source": "bench/results/calibration/h200-calib-records.jsonl", "margin": MARGIN, "keys": {}}
-    for dtype in DTYPES:
-        mine = [r for r in records if r["dtype"] == dtype and r["model"] == MODEL]
-        calib = [r for r in mine if r["split"] == "calibration"]
-        held = [r for r in mine if r["split"] == "heldout"]
-        swapped = [r for r in mine if r["split"] == "swap"]
-        entry = entry_for(dtype, calib, env)
-        tolerances = merge_entry(tolerances, entry)
-        swaps = {}
-        for name in dict.fromkeys(r["swap"] for r in swapped):
-            runs = [r for r in swapped if r["swap"] == name]
-            swaps[name] = {**summary(runs, entry), "margin": analysis.margins(runs, entry)}
-        result["keys"][entry.key.label()] = {
-            "runs": {"calibration": len(calib), "heldout": len(held), "swap": len(swapped)},
-            "thresholds": {"per_prompt": entry.model.per_prompt, "mean": entry.model.mean,
-                           "honest_rate": entry.model.honest_rate},
-            "honest_max": {k: v for k, v in entry.provenance.honest_max.items() if not k.startswith("kernels.")},
-            "heldout": {**summary(held, entry), "per_prompt_exceed": analysis.per_prompt_exceed(held, entry),
-                        "max_over_threshold": analysis.honest_max_ratio(held, entry)},
-            "swaps": swaps,
-        }
+    entries: dict[tuple[str, str], ToleranceEntry] = {}
+    for model in MODELS:
+        for dtype in DTYPES:
+            mine = [r for r in records if r["dtype"] == dtype and r["model"] == model]
+            calib = [r for r in mine if r["split"] == "calibration"]
+            held = [r for r in mine if r["split"] == "heldout"]
+            swapped = [r for r in mine if r["split"] == "swap"]
+            entry = entries[(model, dtype)] = entry_for(model, dtype, calib, env)
+            if model in COMMITTED:
+                tolerances = merge_entry(tolerances, entry)
+            swaps = {}
+            for name in dict.fromkeys(r["swap"] for r in swapped):
+                runs = [r for r in swapped if r["swap"] == name]
+                swaps[name] = {**summary(runs, entry), "margin": analysis.margins(runs, entry)}
+            result["keys"][entry.key.label()] = {
+                "committed_entry": model in COMMITTED,
+                "runs": {"calibration": len(calib), "heldout": len(held), "swap": len(swapped)},
+                "thresholds": {"per_prompt": entry.model.per_prompt, "mean": entry.model.mean,
+                               "honest_rate": entry.model.honest_rate},
+                "honest_max": {k: v for k, v in entry.provenance.honest_max.items() if not k.startswith("kernels.")},
+                "heldout": {**summary(held, entry), "per_prompt_exceed": analysis.per_prompt_exceed(held, entry),
+                            "max_over_threshold": analysis.honest_max_ratio(held, entry)},
+                "swaps": swaps,
+            }
+    result["gate"] = {"what": "a bf16 SKU's whole gate: the bfloat16 model check, then the float32 pass on the same "
+                              "variation (boot, batch, attention); a decision fails when either fails",
+                      "classes": class_table(records, entries),
+                      "bf16_alone_n64": bf16_alone(records, entries, size=64)}
     if not args.dry_run:
         write_tolerances(tolerances, args.tolerances)
     (RESULTS / "h200-calibration.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -148,9 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: {r['runs']}; held-out honest rejected {h['n64']['rejected']}/{h['n64']['total']} at 64 prompts, "
               f"{h['n8']['rejected']}/{h['n8']['total']} at 8 (CI {h['n8']['ci95']}); max/threshold {h['max_over_threshold']}")
         for name, s in r["swaps"].items():
-            print(f"  {name:13s} caught {s['n64']['caught']}/{s['n64']['total']} (64), {s['n8']['caught']}/{s['n8']['total']} "
-                  f"(8), no hidden {s['n8_no_hidden']['caught']}/{s['n8_no_hidden']['total']} (8); uncalibrated: "
-                  f"{s['uncalibrated']['hard_bound']}/{s['uncalibrated']['runs']} by hard bounds; by {s['n8']['by']}")
+            print(f"  {name:16s} caught {s['n64']['caught']}/{s['n64']['total']} (64), {s['n8']['caught']}/"
+                  f"{s['n8']['total']} (8), no hidden {s['n8_no_hidden']['caught']}/{s['n8_no_hidden']['total']} (8); "
+                  f"uncalibrated: {s['uncalibrated']['hard_bound']}/{s['uncalibrated']['runs']} by hard bounds")
+    print("whole gate (bf16 check + float32 pass):")
+    for name, row in result["gate"]["classes"].items():
+        print(f"  {name:14s} " + "; ".join(f"{tag}: {v.get('caught', v.get('rejected'))}/{v.get('total', v.get('runs'))}"
+                                           for tag, v in row.items() if isinstance(v, dict) and "ci95" in v))
     return 0
 
 

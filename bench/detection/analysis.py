@@ -108,7 +108,7 @@ def decide(*, stats: ModelStatistics, kernels: tuple[KernelResult, ...], entry: 
         return "hard"
     if judge_kernels(results=kernels, entry=entry).status != "pass":
         return "kernels"
-    check, _, _ = judge_model(stats=stats, entry=entry, hard=hard)
+    check, _, _ = judge_model(stats=stats, entry=entry, hard=hard, dtype=entry.key.dtype)
     if check.status == "pass":
         return "pass"
     return "hard" if check.reason.startswith("hard bound") else "calibrated"

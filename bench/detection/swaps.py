@@ -4,8 +4,12 @@ The weight quantizers (INT4 RTN g128, INT8 per-channel, FP8 e4m3 per-tensor, INT
 swapped in 5% of groups) and the SiLU patch are the very functions the gate's integration test
 bakes into derived images (tests/integration/derived/swap.py, loaded here by path so there
 is one copy of them). Added here: FP8 e4m3 per output channel, partial swaps (INT8 in one quarter
-of the layers, INT4 in the MLP only) and a softmax off by a small factor. Needs torch only (it
-also runs on the NVIDIA reference machine, which has no skupin dependencies).
+of the layers, INT8 in the last decoder layer only, INT4 in the MLP only), a softmax off by a small
+factor, the attention scale off by 1% (the derived images' `attn-scale`), matrix products that
+accumulate in bfloat16, a RoPE base changed by 2x, and for mixture-of-experts models one expert's
+output 10% too large and top-1 instead of top-2 routing. Weight quantizers reach MoE experts too
+(transformers 5 keeps them as 3-D `experts.*_proj` parameters, not nn.Linear). Needs torch only
+(it also runs on the NVIDIA reference machine, which has no skupin dependencies).
 
 Weight swaps change a loaded model in place (`apply_weight_swap`); kernel swaps patch torch
 functions for the duration of a ``with kernel_swap(name):`` block and restore them after.
@@ -50,28 +54,41 @@ def fp8_channel(w):
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
-# name -> (quantizer, which linear layers: "all" | "quarter" (every 4th decoder layer) | "mlp")
+# name -> (quantizer, which linear layers: "all" | "quarter" (every 4th decoder layer) | "last" (the last decoder
+# layer) | "mlp")
 WEIGHT_SWAPS = {
     "int4": (derived.int4, "all"),
     "int8": (derived.int8, "all"),
     "fp8-tensor": (derived.fp8, "all"),
     "fp8-channel": (fp8_channel, "all"),
     "int8-quarter": (derived.int8, "quarter"),
+    "int8-last": (derived.int8, "last"),
     "int4-mlp": (derived.int4, "mlp"),
     "int4-nibble": (derived.int4_nibble, "all"),
 }
-KERNEL_SWAPS = ("silu", "softmax")
-SWAPS = (*WEIGHT_SWAPS, *KERNEL_SWAPS)
+# changes made to a loaded model (its modules' attributes), not to its weights
+MODEL_SWAPS = ("attn-scale", "rope-base")
+MOE_SWAPS = ("moe-expert-scale", "moe-top1")
+KERNEL_SWAPS = ("silu", "softmax", "accum-bf16")
+SWAPS = (*WEIGHT_SWAPS, *MODEL_SWAPS, *KERNEL_SWAPS)
+EXPERT_SCALE, SCALED_EXPERT = 1.1, 3
+ACCUM_CHUNK = 64
 DESCRIPTIONS = {
     "int4": "INT4 RTN, symmetric, group 128, every linear layer (lm_head kept)",
     "int8": "INT8 per output channel, every linear layer",
     "fp8-tensor": "FP8 e4m3, one scale per tensor, every linear layer",
     "fp8-channel": "FP8 e4m3, one scale per output channel, every linear layer",
     "int8-quarter": "INT8 per channel in one decoder layer of every four (layers 0, 4, ...)",
+    "int8-last": "INT8 per channel in the last decoder layer only (one of eight in llama-1k)",
     "int4-mlp": "INT4 g128 in the MLP (gate/up/down) only, attention kept",
     "int4-nibble": "INT4 g128 with the nibble order swapped in 5% of groups (a broken dequant)",
     "silu": "SiLU output x (1 + 2^-7) (a subtly wrong kernel)",
     "softmax": "softmax / attention probabilities x (1 + 2^-7) (a subtly wrong kernel)",
+    "attn-scale": "attention softmax scale 1% too large (1.01 / sqrt(head_dim))",
+    "rope-base": "RoPE base (theta) doubled",
+    "accum-bf16": "every matrix product accumulated in bfloat16 (partial sums of 64-wide slices rounded to bf16)",
+    "moe-expert-scale": "expert 3 of every MoE layer outputs 10% too much (a wrong per-expert scale)",
+    "moe-top1": "top-1 instead of top-2 expert routing (a routing change)",
 }
 
 
@@ -81,37 +98,109 @@ def selected(name: str, scope: str, num_layers: int) -> bool:
         return False
     if scope == "all":
         return True
-    if scope == "mlp":
-        return name.rsplit(".", 1)[-1] in MLP
+    if scope == "mlp":  # dense MLP projections, or every expert's
+        return name.rsplit(".", 1)[-1] in MLP or ".experts." in name
+    m = _LAYER.search(name + ".")
     if scope == "quarter":
-        m = _LAYER.search(name + ".")
         return bool(m) and int(m.group(1)) % 4 == 0 and num_layers > 0
+    if scope == "last":
+        return bool(m) and int(m.group(1)) == num_layers - 1
     raise ValueError(f"unknown scope {scope}")
 
 
+def matrices(model):
+    """(name, 2-D weight tensor) of every matrix product of `model`: nn.Linear weights, and each expert's slice of
+    the 3-D `experts.*` parameters of transformers 5's MoE blocks (named `<module>.<param>.<expert>`)."""
+    import torch
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            yield name, module.weight.data
+        elif name.endswith("experts"):
+            for pname, param in module.named_parameters(recurse=False):
+                if param.dim() == 3:
+                    for e in range(param.shape[0]):
+                        yield f"{name}.{pname}.{e}", param.data[e]
+
+
 def apply_weight_swap(model, swap: str) -> list[str]:
-    """Quantize the selected linear weights of `model` in place; return the names of the swapped layers."""
+    """Quantize the selected weight matrices of `model` in place; return the names of the swapped ones."""
     import torch
 
     quantize, scope = WEIGHT_SWAPS[swap]
     num_layers = int(getattr(model.config, "num_hidden_layers", 0))
     done = []
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and selected(name, scope, num_layers):
-                w = module.weight.data
+        for name, w in matrices(model):
+            if selected(name, scope, num_layers):
                 # the nibble swap draws its broken groups from a CPU generator: quantize that one on the CPU
                 q = quantize(w.cpu()).to(w.device) if swap == "int4-nibble" else quantize(w)
-                module.weight.copy_(q)
+                w.copy_(q)
                 done.append(name)
     if not done:
         raise ValueError(f"swap {swap} matched no linear layer")
     return done
 
 
+def apply_model_swap(model, swap: str) -> int:
+    """Change a loaded model's attention scale, RoPE base, expert scale or routing in place; return how many modules
+    changed (ValueError when none: a swap that changes nothing must not be counted as caught or missed)."""
+    import torch
+
+    if swap == "attn-scale":  # the derived images' own function (tests/integration/derived/swap.py)
+        changed = derived.scale_attention(model)
+        if not changed:
+            raise ValueError(f"swap {swap} matched nothing in {type(model).__name__}")
+        return changed
+    changed = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if swap == "rope-base" and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                # inv_freq[i] = base^(-2i/d); with base 2x: x 2^(-2i/d)
+                d = 2 * module.inv_freq.shape[-1]
+                factor = 2.0 ** (-torch.arange(0, d, 2, device=module.inv_freq.device, dtype=torch.float32) / d)
+                for attr in ("inv_freq", "original_inv_freq"):
+                    if isinstance(getattr(module, attr, None), torch.Tensor):
+                        getattr(module, attr).mul_(factor.to(getattr(module, attr).dtype))
+                changed += 1
+            elif swap == "moe-expert-scale" and name.endswith("experts"):
+                for pname, param in module.named_parameters(recurse=False):
+                    if param.dim() == 3 and "down" in pname:
+                        param.data[SCALED_EXPERT].mul_(EXPERT_SCALE)
+                        changed += 1
+            elif swap == "moe-top1" and getattr(module, "top_k", None) == 2:
+                module.top_k = 1
+                changed += 1
+    if not changed:
+        raise ValueError(f"swap {swap} matched nothing in {type(model).__name__}")
+    return changed
+
+
+def applies_to(swap: str, *, moe: bool) -> bool:
+    """Whether `swap` means anything for a dense (moe=False) or MoE model."""
+    return swap not in MOE_SWAPS or moe
+
+
+def _accumulate_bf16(f_linear):
+    import torch
+
+    def linear(input, weight, bias=None):
+        k = weight.shape[-1]
+        if k <= ACCUM_CHUNK:
+            return f_linear(input, weight, bias)
+        total = None
+        for s in range(0, k, ACCUM_CHUNK):
+            part = f_linear(input[..., s:s + ACCUM_CHUNK], weight[..., s:s + ACCUM_CHUNK]).float()
+            total = part.to(torch.bfloat16) if total is None else (total.float() + part).to(torch.bfloat16)
+        out = total.to(input.dtype)
+        return out if bias is None else out + bias
+    return linear
+
+
 @contextlib.contextmanager
 def kernel_swap(swap: str | None):
-    """Patch torch so SiLU or softmax (and SDPA's attention probabilities) are off by KERNEL_FACTOR; restore after."""
+    """Patch torch so SiLU or softmax (and SDPA's attention probabilities) are off by KERNEL_FACTOR, or matrix
+    products accumulate in bfloat16; restore after."""
     import torch
     import torch.nn.functional as F
 
@@ -131,7 +220,9 @@ def kernel_swap(swap: str | None):
             patch(torch, "softmax", lambda *a, **k: t_softmax(*a, **k) * KERNEL_FACTOR)
             # softmax(QK^T) V scaled by c == softmax probabilities scaled by c
             patch(F, "scaled_dot_product_attention", lambda *a, **k: sdpa(*a, **k) * KERNEL_FACTOR)
-        elif swap not in (None, "", *WEIGHT_SWAPS):
+        elif swap == "accum-bf16":
+            patch(F, "linear", _accumulate_bf16(F.linear))
+        elif swap not in (None, "", *WEIGHT_SWAPS, *MODEL_SWAPS, *MOE_SWAPS):
             raise ValueError(f"unknown swap {swap}")
         yield
     finally:
