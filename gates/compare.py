@@ -19,6 +19,9 @@ Model check, one value per prompt (statistics over its teacher-forced positions)
   top-k ids and the reference (next) token;
 - ``max_abs``: the largest absolute logprob difference among those;
 - ``top1_agree``: fraction of positions whose most likely next token is the same.
+
+A ragged prompt set (prompts of several lengths, so that batches pad) carries ``model.prompt_lengths``;
+each prompt's statistics then cover its own positions only.
 """
 
 from __future__ import annotations
@@ -181,14 +184,42 @@ def _one_minus_cos(ref_h: np.ndarray, cand_h: np.ndarray) -> np.ndarray:
     return 0.5 * ((a - b) ** 2).sum(-1)
 
 
+def prompt_lengths(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Each prompt's length in ids when the prompt set is ragged (the reference's model.prompt_lengths, which the
+    candidate must repeat exactly), None when every prompt fills model.input_ids."""
+    r, c = ref.get("model.prompt_lengths"), cand.get("model.prompt_lengths")
+    if r is None and c is None:
+        return None
+    if r is None or c is None or r.shape != c.shape or not np.array_equal(r, c):
+        raise CompareError("the candidate ran other prompts than the reference (model.prompt_lengths differ)")
+    seq = ref["model.input_ids"].shape
+    if r.ndim != 1 or r.shape[0] != seq[0] or _kind(r) != "int" or int(r.min()) < 2 or int(r.max()) != seq[1]:
+        raise CompareError(f"model.prompt_lengths {list(r.shape)} does not fit model.input_ids {list(seq)}")
+    return r.astype(np.int64)
+
+
 def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> ModelStatistics:
-    """Every per-prompt statistic of the candidate against the reference (see the module docstring)."""
+    """Every per-prompt statistic of the candidate against the reference (see the module docstring).
+
+    With a ragged prompt set (model.prompt_lengths) each prompt's statistics cover its own positions only: the rows
+    are padded at the end, and whatever a candidate put in the padding changes nothing but the NaN/Inf check."""
     _require(ref, "reference")
     _require(cand, "candidate")
     if ref["model.input_ids"].shape != cand["model.input_ids"].shape or \
             not np.array_equal(ref["model.input_ids"], cand["model.input_ids"]):
         raise CompareError("the candidate ran other prompts than the reference (model.input_ids differ)")
+    lengths = prompt_lengths(ref, cand)
     _check_shapes(ref, cand)
+    seq = ref["model.input_ids"].shape[1]
+    pos = None if lengths is None else np.arange(seq - 1)[None, :] < (lengths - 1)[:, None]  # predicted positions
+    tok = None if lengths is None else np.arange(seq)[None, :] < lengths[:, None]  # hidden-state positions
+
+    def mean(x: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+        return x.mean(-1) if valid is None else np.where(valid, x, 0.0).sum(-1) / valid.sum(-1)
+
+    def largest(x: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+        return x.max(-1) if valid is None else np.where(valid, x, 0.0).max(-1)
+
     bad = nonfinite_tensors(cand)
     f64 = np.float64
     ref_ids, ref_lp = ref["model.topk_ids"], ref["model.topk_logprobs"].astype(f64)
@@ -198,16 +229,17 @@ def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
         delta = at_ref - ref_lp
         dt = cand["model.target_logprob"].astype(f64) - ref["model.target_logprob"].astype(f64)
         stats: dict[str, np.ndarray] = {
-            "kl": _topk_kl(ref_lp, at_ref).mean(-1),
-            "logprob_l2": np.sqrt((delta**2).sum(-1) + dt**2).mean(-1),
-            "max_abs": np.maximum(np.abs(delta).max(axis=(-1, -2)), np.abs(dt).max(-1)),
-            "top1_agree": (ref_ids[..., 0] == cand_ids[..., 0]).mean(-1).astype(f64),
+            "kl": mean(_topk_kl(ref_lp, at_ref), pos),
+            "logprob_l2": mean(np.sqrt((delta**2).sum(-1) + dt**2), pos),
+            "max_abs": np.maximum(largest(np.abs(delta).max(-1), pos), largest(np.abs(dt), pos)),
+            "top1_agree": mean((ref_ids[..., 0] == cand_ids[..., 0]).astype(f64), pos),
         }
         n = stats["kl"].shape[0]
         available = ["kl", "logprob_l2", "max_abs", "top1_agree"]
         notes = []
         if "model.hidden" in ref and "model.hidden" in cand:  # of the same shape (_check_shapes)
-            stats["one_minus_cos"] = _one_minus_cos(ref["model.hidden"].astype(f64), cand["model.hidden"].astype(f64)).mean(-1)
+            stats["one_minus_cos"] = mean(_one_minus_cos(ref["model.hidden"].astype(f64),
+                                                         cand["model.hidden"].astype(f64)), tok)
             available.append("one_minus_cos")
         else:
             stats["one_minus_cos"] = np.full(n, np.nan)
@@ -218,7 +250,7 @@ def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
             rf, cf = _renormalise(ref["model.logprobs_full"]), _renormalise(cand["model.logprobs_full"])
             m = cf.shape[0]  # 1 <= m <= the reference's prompts, the rest of the same shape (_check_shapes)
             terms = np.where(np.isneginf(rf[:m]), 0.0, np.exp(rf[:m]) * (rf[:m] - cf[:m]))
-            stats["kl_full"][:m] = np.clip(terms.sum(-1), 0.0, None).mean(-1)
+            stats["kl_full"][:m] = mean(np.clip(terms.sum(-1), 0.0, None), None if pos is None else pos[:m])
             full_prompts = m
             available.append("kl_full")
     greedy = None

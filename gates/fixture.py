@@ -47,7 +47,8 @@ class FixtureSpec:
     words: int = 6000
     sentences: int = 30000
     prompts: int = 64
-    prompt_tokens: int = 64  # token ids per prompt, the leading <s> included
+    prompt_tokens: int = 64  # token ids per prompt, the leading <s> included (the longest, with min_prompt_tokens)
+    min_prompt_tokens: int = 0  # > 0: each prompt's length drawn from [min_prompt_tokens, prompt_tokens], so batches pad
     new_tokens: int = 16  # greedy continuation length the probe generates
     std: float = 0.02
     max_positions: int = 512
@@ -67,7 +68,10 @@ SPECS: dict[str, FixtureSpec] = {
     # Mixtral-style: 8 experts, top-2 routing (the code path of 4-bit MoE serving); same tokenizer and prompts as
     # tiny-llama (same corpus, prompt seed and vocabulary).
     "tiny-moe": FixtureSpec("tiny-moe", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256, vocab=2048,
-                            experts=8, experts_per_token=2, router_std=0.25),
+                            experts=8, experts_per_token=2, router_std=0.25, min_prompt_tokens=16),
+    # deeper and narrow: 8 decoder layers (a partial swap of one layer is one eighth of the network), ragged prompts
+    "deep-llama": FixtureSpec("deep-llama", hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, vocab=2048,
+                              min_prompt_tokens=16),
 }
 
 # sha256 of every file of each fixture, as generated; regeneration must reproduce them.
@@ -94,7 +98,16 @@ EXPECTED: dict[str, dict[str, str]] = {
         "config.json": "3dbdc50e38c6226d527c365cb5fe2cd8faa74a139ad2683b84d45230c4962162",
         "generation_config.json": "9560e1c7353131b230d9e8aa59199400e94048474fd8ba7f1bde3aeba52a2369",
         "model.safetensors": "d2da21450c2cebc20b4a6ad71e2ec0b9ff4d4d404c29cfc2713ff3f81cab8a77",
-        "prompts.json": "29e2134be46a5f3fb113921e504ce831f47cf430d51f234818d1d6b40ab417b1",
+        "prompts.json": "7fb4bb44d2c61700812428913db42262be1ce22d3c9d264594d993d71c2e0069",
+        "special_tokens_map.json": "7f7ba0811f62f76051a24e6c025bcd2b222e0e26ae9a603179544c72d7c3e952",
+        "tokenizer.json": "eef8669a8ef2f6bec2818a91332dddc3ce90dcab170cc880a1ff860969a5ae20",
+        "tokenizer_config.json": "d9c43c46ba0f03b993142c7b655b615a22ad2706ba83455b820e20188a9ec97d",
+    },
+    "deep-llama": {
+        "config.json": "7f8e4f615ce6e8926fda421fc8ccd6e0abb9d559b033666d007e3d510219eb5d",
+        "generation_config.json": "9560e1c7353131b230d9e8aa59199400e94048474fd8ba7f1bde3aeba52a2369",
+        "model.safetensors": "5857391728ceec5d93b38d6400a4a99bee983edfa0ae1c86ea82b83f0882b982",
+        "prompts.json": "1604b278df2a48015f32481b58736e229eb0411a6249d591153972ce09651260",
         "special_tokens_map.json": "7f7ba0811f62f76051a24e6c025bcd2b222e0e26ae9a603179544c72d7c3e952",
         "tokenizer.json": "eef8669a8ef2f6bec2818a91332dddc3ce90dcab170cc880a1ff860969a5ae20",
         "tokenizer_config.json": "d9c43c46ba0f03b993142c7b655b615a22ad2706ba83455b820e20188a9ec97d",
@@ -262,18 +275,28 @@ def tokenizer_config() -> dict:
     }
 
 
+def prompt_lengths(spec: FixtureSpec) -> list[int]:
+    """Each prompt's length in ids: spec.prompt_tokens for all, or drawn from [min_prompt_tokens, prompt_tokens] (the
+    first prompt always the longest, so that the set's longest length is spec.prompt_tokens)."""
+    if not spec.min_prompt_tokens:
+        return [spec.prompt_tokens] * spec.prompts
+    rng = np.random.default_rng(spec.prompt_seed + 1)
+    drawn = rng.integers(spec.min_prompt_tokens, spec.prompt_tokens + 1, size=spec.prompts - 1)
+    return [spec.prompt_tokens, *map(int, drawn)]
+
+
 def prompt_set(spec: FixtureSpec, tok, words: list[str]) -> list[dict]:
-    """spec.prompts texts of words whose encoding (with <s>) is exactly spec.prompt_tokens ids."""
+    """spec.prompts texts of words whose encoding (with <s>) is exactly as many ids as prompt_lengths(spec) says."""
     rng = np.random.default_rng(spec.prompt_seed)
     single = [w for w in words if len(tok.encode(w).ids) == 2]
     prompts: list[dict[str, Any]] = []
-    for _ in range(spec.prompts):
+    for length in prompt_lengths(spec):
         text_words: list[str] = []
         ids = tok.encode("").ids
-        while len(ids) < spec.prompt_tokens:
+        while len(ids) < length:
             candidate = words[int(rng.integers(len(words)))]
             trial = tok.encode(" ".join([*text_words, candidate])).ids
-            if len(trial) > spec.prompt_tokens:
+            if len(trial) > length:
                 candidate = single[int(rng.integers(len(single)))]
                 trial = tok.encode(" ".join([*text_words, candidate])).ids
             text_words.append(candidate)
@@ -292,6 +315,7 @@ def prompts_document(spec: FixtureSpec, prompts: list[dict], tokenizer_sha256: s
         "fixture": spec.name,
         "seed": spec.prompt_seed,
         "seq_len": spec.prompt_tokens,
+        **({"min_seq_len": spec.min_prompt_tokens} if spec.min_prompt_tokens else {}),
         "new_tokens": spec.new_tokens,
         "bos_id": 1,
         "eos_id": 2,
@@ -408,6 +432,9 @@ def load_prompts(path: Path) -> dict:
         raise BundleError(f"{path}: cannot read the prompt set: {exc}") from exc
     if doc.get("format") != PROMPTS_FORMAT or not doc.get("prompts"):
         raise BundleError(f"{path}: not a {PROMPTS_FORMAT} document")
-    if any(len(p["ids"]) != doc["seq_len"] for p in doc["prompts"]):
-        raise BundleError(f"{path}: every prompt must have seq_len={doc['seq_len']} ids")
+    shortest = doc.get("min_seq_len", doc["seq_len"])  # ragged prompt sets name their shortest length
+    if any(not shortest <= len(p["ids"]) <= doc["seq_len"] for p in doc["prompts"]) or \
+            max(len(p["ids"]) for p in doc["prompts"]) != doc["seq_len"]:
+        raise BundleError(f"{path}: every prompt must have between {shortest} and seq_len={doc['seq_len']} ids, "
+                          f"the longest exactly seq_len")
     return doc

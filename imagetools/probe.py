@@ -441,13 +441,19 @@ class Collector:
         return torch.full(shape, value, dtype=torch.float32)
 
     def tensors(self) -> dict:
+        """Every row kind stacked over prompts; rows of ragged prompts (fewer positions) are padded with zeros at the
+        end of their first axis (model.prompt_lengths says where each prompt's positions end)."""
         if self.numpy:
             import numpy as np
 
-            return {"model." + k: np.stack(v) for k, v in self.rows.items()}
+            return {"model." + k: np.stack([np.pad(r, [(0, max(len(x) for x in v) - len(r))] + [(0, 0)] * (r.ndim - 1))
+                                            for r in v]) for k, v in self.rows.items()}
         import torch
 
-        return {"model." + k: torch.stack(v) for k, v in self.rows.items()}
+        def pad(r, n):
+            return r if r.shape[0] == n else torch.cat([r, r.new_zeros((n - r.shape[0], *r.shape[1:]))])
+
+        return {"model." + k: torch.stack([pad(r, max(x.shape[0] for x in v)) for r in v]) for k, v in self.rows.items()}
 
 
 def run_transformers(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> dict:
@@ -460,19 +466,20 @@ def run_transformers(model_dir: str, ids: list[list[int]], opts: dict, device: s
                                                  attn_implementation=opts["attn"])
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type `.to` through a decorator
     load_s = time.perf_counter() - t0
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     col = Collector(opts["top_k"], opts["full_logprobs"])
     t1 = time.perf_counter()
     with torch.inference_mode():
-        for start, batch in _chunks(ids, opts["batch_size"]):
-            x = torch.tensor(batch, dtype=torch.long, device=device)
-            hidden = decoder(input_ids=x).last_hidden_state
-            logprobs = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
-            _collect_teacher(col, start, x, logprobs[:, :-1], hidden)
+        teacher_forced_transformers(model, ids, batch_size=opts["batch_size"], device=device, col=col)
         forward_s = time.perf_counter() - t1
         t2 = time.perf_counter()
         for _, batch in _chunks(ids, opts["batch_size"]):
-            _greedy_transformers(model, torch.tensor(batch, dtype=torch.long, device=device), opts["new_tokens"], col)
+            if len({len(p) for p in batch}) == 1:
+                _greedy_transformers(model, torch.tensor(batch, dtype=torch.long, device=device), opts["new_tokens"],
+                                     col)
+            else:  # ragged prompts decode one by one (a left-padded decode would shift their positions)
+                for prompt in batch:
+                    _greedy_transformers(model, torch.tensor([prompt], dtype=torch.long, device=device),
+                                         opts["new_tokens"], col)
         generate_s = time.perf_counter() - t2
     info = {
         "attn_implementation": getattr(model.config, "_attn_implementation", opts["attn"]),
@@ -486,20 +493,44 @@ def run_transformers(model_dir: str, ids: list[list[int]], opts: dict, device: s
     return {"tensors": col.tensors(), "info": info}
 
 
-def _collect_teacher(col: Collector, start: int, x, pred_logprobs, hidden) -> None:
-    """Store target logprobs, top-k and (first prompts) full logprobs of positions 0..T-2."""
+def teacher_forced_transformers(model, ids: list[list[int]], *, batch_size: int, device: str, col: Collector) -> None:
+    """Teacher-forced forward passes in batches of `batch_size` prompts. A batch of ragged prompts is left-padded
+    with id 0, as generation batches are, with an attention mask over the padding and position ids counted from each
+    prompt's first real token: the mask is what keeps every prompt's numbers its own, so a kernel that ignores it
+    shows. Each prompt keeps only its own positions."""
+    import torch
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    for start, batch in _chunks(ids, batch_size):
+        lengths = [len(p) for p in batch]
+        longest = max(lengths)
+        x = torch.tensor([[0] * (longest - len(p)) + p for p in batch], dtype=torch.long, device=device)
+        if len(set(lengths)) == 1:
+            hidden = decoder(input_ids=x).last_hidden_state
+        else:
+            mask = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths], dtype=torch.long, device=device)
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)
+            hidden = decoder(input_ids=x, attention_mask=mask, position_ids=positions).last_hidden_state
+        logprobs = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
+        _collect_teacher(col, start, x, logprobs[:, :-1], hidden, lengths=lengths)
+
+
+def _collect_teacher(col: Collector, start: int, x, pred_logprobs, hidden, lengths: list[int] | None = None) -> None:
+    """Store target logprobs, top-k and (first prompts) full logprobs of positions 0..T-2 (with `lengths`, of each
+    left-padded row's own last lengths[row] positions only)."""
     import torch
 
     target = pred_logprobs.gather(-1, x[:, 1:, None])[..., 0]
     top = pred_logprobs.topk(col.top_k, dim=-1)
     for row in range(x.shape[0]):
-        col.add("target_logprob", target[row].cpu())
-        col.add("topk_logprobs", top.values[row].cpu())
-        col.add("topk_ids", top.indices[row].to(torch.int32).cpu())
+        pad = 0 if lengths is None else x.shape[1] - lengths[row]
+        col.add("target_logprob", target[row, pad:].cpu())
+        col.add("topk_logprobs", top.values[row, pad:].cpu())
+        col.add("topk_ids", top.indices[row, pad:].to(torch.int32).cpu())
         if hidden is not None:
-            col.add("hidden", hidden[row].cpu())
+            col.add("hidden", hidden[row, pad:].cpu())
         if start + row < col.n_full:
-            col.add("logprobs_full", pred_logprobs[row].cpu())
+            col.add("logprobs_full", pred_logprobs[row, pad:].cpu())
 
 
 def _greedy_transformers(model, x, new_tokens: int, col: Collector) -> None:
@@ -574,7 +605,7 @@ def _vllm_hidden(model_dir: str, ids: list[list[int]], opts: dict, col: Collecto
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=model_dir, tokenizer=model_dir, dtype=opts["dtype"], seed=0, runner="pooling", convert="embed",
-              max_num_seqs=opts["batch_size"], max_model_len=len(ids[0]) + opts["new_tokens"] + 8, enforce_eager=True,
+              max_num_seqs=opts["batch_size"], max_model_len=max(map(len, ids)) + opts["new_tokens"] + 8, enforce_eager=True,
               pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False))
     try:
         outs = llm.encode([TokensPrompt(prompt_token_ids=p) for p in ids], pooling_task="token_embed",
@@ -620,7 +651,7 @@ def run_vllm(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> d
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, tokenizer=model_dir, dtype=opts["dtype"], seed=0, max_num_seqs=opts["batch_size"],
               max_logprobs=max(opts["top_k"], vocab if opts["full_logprobs"] else 0, 2),
-              max_model_len=len(ids[0]) + opts["new_tokens"] + 8, enforce_eager=opts["attn"] == "eager")
+              max_model_len=max(map(len, ids)) + opts["new_tokens"] + 8, enforce_eager=opts["attn"] == "eager")
     load_s = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
     t1 = time.perf_counter()
@@ -840,7 +871,7 @@ def run_llamacpp(model_dir: str, ids: list[list[int]], opts: dict, device: str) 
             digest.update(block)
     gguf_sha256 = digest.hexdigest()
     vocab, threads = opts["vocab"], _cpu_threads()
-    n_ctx = len(ids[0]) + opts["new_tokens"] + 8
+    n_ctx = max(map(len, ids)) + opts["new_tokens"] + 8
     col = Collector(opts["top_k"], opts["full_logprobs"], numpy=True)
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, type_k=0, type_v=0, seed=0,
@@ -907,6 +938,12 @@ def _all_finite(value) -> bool:
     return bool(np.isfinite(value).all())
 
 
+def padded(ids: list[list[int]]) -> list[list[int]]:
+    """Prompts padded at the end with id 0 to the longest one's length (model.input_ids of a ragged prompt set)."""
+    longest = max(map(len, ids))
+    return [p + [0] * (longest - len(p)) for p in ids]
+
+
 def model_check(args, device: str) -> tuple[dict, dict]:
     """Load the prompt set, run the engine adapter, return (model.* tensors, check info)."""
     with open(args.prompts, encoding="utf-8") as fh:
@@ -914,8 +951,9 @@ def model_check(args, device: str) -> tuple[dict, dict]:
     if doc.get("format") != "skupin-prompts/1":
         raise ValueError(f"{args.prompts}: not a skupin-prompts/1 document")
     ids = [list(map(int, p["ids"])) for p in doc["prompts"]]
-    if len({len(p) for p in ids}) != 1:
-        raise ValueError("all prompts must have the same number of ids")
+    if not ids or min(map(len, ids)) < 2:
+        raise ValueError("every prompt must have at least two ids")
+    ragged = len({len(p) for p in ids}) > 1  # model.* rows padded at the end, model.prompt_lengths says how far
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as fh:
         vocab = int(json.load(fh)["vocab_size"])
     opts = {"dtype": args.dtype, "batch_size": args.batch_size, "top_k": args.top_k, "attn": args.attn,
@@ -926,18 +964,22 @@ def model_check(args, device: str) -> tuple[dict, dict]:
 
         result = run_llamacpp(args.model, ids, opts, device)
         tensors = result["tensors"]
-        tensors["model.input_ids"] = np.asarray(ids, dtype=np.int32)
+        tensors["model.input_ids"] = np.asarray(padded(ids), dtype=np.int32)
+        if ragged:
+            tensors["model.prompt_lengths"] = np.asarray([len(p) for p in ids], dtype=np.int32)
     else:
         import torch
 
         torch.manual_seed(0)
         result = ADAPTERS[args.engine](args.model, ids, opts, device)
         tensors = result["tensors"]
-        tensors["model.input_ids"] = torch.tensor(ids, dtype=torch.int32)
+        tensors["model.input_ids"] = torch.tensor(padded(ids), dtype=torch.int32)
+        if ragged:
+            tensors["model.prompt_lengths"] = torch.tensor([len(p) for p in ids], dtype=torch.int32)
     finite = {k: _all_finite(v) for k, v in tensors.items() if _is_float(v) and k != "model.logprobs_full"}
     info = {**result["info"], "engine": args.engine, "engine_version": engine_version(args.engine),
             "engine_distribution": engine_distribution(args.engine), "dtype": args.dtype,
-            "batch_size": args.batch_size, "num_prompts": len(ids), "seq_len": len(ids[0]), "top_k": args.top_k,
+            "batch_size": args.batch_size, "num_prompts": len(ids), "seq_len": max(map(len, ids)), "top_k": args.top_k,
             "full_logprobs_prompts": opts["full_logprobs"], "new_tokens": opts["new_tokens"], "vocab_size": vocab,
             "finite": finite}
     return tensors, info

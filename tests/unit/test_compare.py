@@ -178,3 +178,68 @@ def test_a_kernel_output_of_another_kind_is_a_problem_not_a_number():
     ref = {"kernels.a.float32": np.ones(2, np.float32)}
     results = kernel_errors(ref, {"kernels.a.float32": np.ones(2, np.bool_)})
     assert results[0].rel_err is None and "dtype" in results[0].problem
+
+
+def _ragged(tensors: dict, lengths: np.ndarray, fill: float) -> dict:
+    """`tensors` of a ragged prompt set: every position past a prompt's length set to `fill` (0 for ids)."""
+    out = dict(tensors)
+    seq = tensors["model.input_ids"].shape[1]
+    tok = np.arange(seq)[None, :] < lengths[:, None]
+    pos = tok[:, 1:]
+    for name, valid in (("model.topk_logprobs", pos), ("model.target_logprob", pos), ("model.hidden", tok)):
+        value = tensors[name].copy()
+        value[~valid] = fill
+        out[name] = value
+    ids = tensors["model.topk_ids"].copy()
+    ids[~pos] = 0
+    out["model.topk_ids"], out["model.logprobs_full"] = ids, tensors["model.logprobs_full"].copy()
+    out["model.logprobs_full"][~pos[: ids.shape[0]][: out["model.logprobs_full"].shape[0]]] = fill
+    inputs = tensors["model.input_ids"].copy()
+    inputs[~tok] = 0
+    out["model.input_ids"] = inputs
+    out["model.prompt_lengths"] = lengths.astype(np.int32)
+    return out
+
+
+def test_ragged_prompts_are_judged_on_their_own_positions_only(model):
+    hidden, head, ids = model
+    lengths = np.array([11, 4, 7, 11, 2, 9, 11, 5, 6, 10, 3, 8])
+    ref = _ragged(probe_tensors(hidden @ head, hidden, ids), lengths, 0.0)
+    # what a candidate writes in the padding changes nothing (finite values)
+    junk = _ragged(probe_tensors(hidden @ head, hidden, ids), lengths, 3.0)
+    stats = model_statistics(ref, junk)
+    assert all(np.all(stats.per_prompt[s] == 0) for s in ("kl", "one_minus_cos", "logprob_l2", "max_abs"))
+    assert np.all(stats.per_prompt["top1_agree"] == 1)
+    # a change inside one prompt's positions shows in that prompt only; a short prompt's mean is over its own positions
+    moved = dict(junk)
+    moved["model.target_logprob"] = junk["model.target_logprob"].copy()
+    moved["model.target_logprob"][4, 0] -= 0.5  # prompt 4 has 2 ids: one predicted position
+    stats = model_statistics(ref, moved)
+    assert stats.per_prompt["max_abs"][4] == pytest.approx(0.5) and stats.per_prompt["max_abs"][np.arange(12) != 4].max() == 0
+    assert stats.per_prompt["logprob_l2"][4] == pytest.approx(0.5, rel=1e-6)  # one position: its own L2, not 0.5 / 10
+
+
+@pytest.mark.parametrize("lengths, words", [
+    (None, "model.prompt_lengths differ"),
+    (np.array([11, 4, 7, 11, 2, 9, 11, 5, 6, 10, 3, 9]), "model.prompt_lengths differ"),
+])
+def test_a_candidate_with_other_prompt_lengths_cannot_be_compared(model, lengths, words):
+    hidden, head, ids = model
+    mine = np.array([11, 4, 7, 11, 2, 9, 11, 5, 6, 10, 3, 8])
+    ref = _ragged(probe_tensors(hidden @ head, hidden, ids), mine, 0.0)
+    cand = dict(ref)
+    if lengths is None:
+        del cand["model.prompt_lengths"]
+    else:
+        cand["model.prompt_lengths"] = lengths.astype(np.int32)
+    with pytest.raises(CompareError, match=words):
+        model_statistics(ref, cand)
+
+
+def test_prompt_lengths_that_do_not_fit_the_inputs_are_refused(model):
+    hidden, head, ids = model
+    bad = np.array([12, 4, 7, 11, 2, 9, 11, 5, 6, 10, 3, 8])  # longer than model.input_ids
+    ref = _ragged(probe_tensors(hidden @ head, hidden, ids), np.minimum(bad, 11), 0.0)
+    ref["model.prompt_lengths"] = bad.astype(np.int32)
+    with pytest.raises(CompareError, match="does not fit model.input_ids"):
+        model_statistics(ref, dict(ref))

@@ -56,7 +56,7 @@ def test_check_fixture_refuses_a_damaged_folder(tmp_path, damage):
 
 
 def test_unknown_fixture_name_is_refused(tmp_path):
-    with pytest.raises(BundleError, match="known: llama-1k, tiny-llama"):
+    with pytest.raises(BundleError, match="known: deep-llama, llama-1k, tiny-llama, tiny-moe"):
         fixture.generate_fixture(name="tiny-lama", out=tmp_path)
 
 
@@ -133,6 +133,28 @@ def test_the_moe_fixture_loads_in_transformers_with_every_weight_where_it_belong
     w2 = torch.from_numpy(raw["model.layers.2.block_sparse_moe.experts.5.w2.weight"]).bfloat16().float()
     assert torch.equal(experts.gate_up_proj[5][: w1.shape[0]], w1) and torch.equal(experts.down_proj[5], w2)
     assert model.config.num_experts_per_tok == 2
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "deep-llama"])
+def test_ragged_prompt_sets_pad_every_batch_and_load(name, tmp_path):
+    spec = fixture.SPECS[name]
+    lengths = fixture.prompt_lengths(spec)
+    assert lengths[0] == spec.prompt_tokens == max(lengths) and min(lengths) >= spec.min_prompt_tokens == 16
+    assert all(len(set(lengths[i:i + 8])) > 1 for i in range(0, 64, 8))  # every batch of 8 pads
+    folder = tmp_path / name
+    fixture.generate_fixture(name=name, out=folder)
+    doc = fixture.load_prompts(folder / "prompts.json")
+    assert [len(p["ids"]) for p in doc["prompts"]] == lengths and doc["min_seq_len"] == 16
+    assert fixture.SPECS["deep-llama"].layers == 8
+
+
+def test_a_prompt_set_outside_its_stated_lengths_is_refused(tmp_path):
+    fixture.generate_fixture(name="deep-llama", out=tmp_path)
+    doc = json.loads((tmp_path / "prompts.json").read_text())
+    doc["prompts"][3]["ids"] = doc["prompts"][3]["ids"][:5]  # shorter than min_seq_len
+    (tmp_path / "prompts.json").write_text(json.dumps(doc))
+    with pytest.raises(BundleError, match="between 16 and seq_len=64 ids"):
+        fixture.load_prompts(tmp_path / "prompts.json")
 
 
 def test_cli_fixture_choices_match_the_specs():

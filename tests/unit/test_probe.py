@@ -136,6 +136,31 @@ def test_probe_on_this_cpu_matches_the_h200_bundle_shapes(tmp_path):
     assert report["checks"]["model"]["hidden_states"].startswith("decoder last_hidden_state")
 
 
+def test_ragged_prompts_left_padded_in_batches_give_each_prompt_its_unpadded_numbers(tmp_path):
+    """deep-llama's prompts are 16-64 ids: batch 8 left-pads with a mask and shifted positions; batch 1 pads nothing.
+    In float32 the two agree to rounding, so the mask and positions are right (a dropped mask moves logprobs by ~0.4);
+    greedy ids match too (ragged batches decode one prompt at a time)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from gates.compare import model_statistics
+    from gates.fixture import generate_fixture
+
+    model = tmp_path / "deep-llama"
+    generate_fixture(name="deep-llama", out=model)
+    outs = {}
+    for batch in ("1", "8"):
+        done = _run_probe(tmp_path / batch, "--model", str(model), "--prompts", str(model / "prompts.json"),
+                          "--dtype", "float32", "--batch-size", batch, "--threads", "2", "--checks", "model")
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[batch], _ = read_safetensors(tmp_path / batch / "out" / "tensors.safetensors")
+    lengths = outs["8"]["model.prompt_lengths"]
+    assert lengths.shape == (64,) and lengths.min() == 16 and lengths.max() == 64
+    assert outs["8"]["model.topk_logprobs"].shape == (64, 63, 20) and outs["8"]["model.hidden"].shape[:2] == (64, 64)
+    stats = model_statistics(outs["1"], outs["8"])
+    assert stats.per_prompt["max_abs"].max() < 1e-5 and stats.per_prompt["one_minus_cos"].max() < 1e-10
+    assert stats.greedy_same == 1.0
+
+
 # ---------------------------------------------------------------- the SGLang adapter against a fake Engine
 
 # ServerArgs fields of sglang 0.5.23 (sglang/srt/arg_groups/fields/*.py; Engine(**kwargs) builds ServerArgs, a
