@@ -2,12 +2,12 @@
 
 Runs on the reference machine through the `run` tool (torch + transformers + numpy; no pydantic, no Docker):
 
-    PYTHONPATH=$PWD python3 bench/calibrate_h200.py --out $OUT [--boots 1,2] [--models tiny-llama,tiny-moe,llama-1k]
+    PYTHONPATH=$PWD python3 bench/calibrate_h200.py --out $OUT [--boots 1,2] [--models tiny-moe,deep-llama]
 
 Everything runs in-process with the probe's own code (imagetools/probe.py through
 bench/detection/runs.py: the transformers loading, the kernel battery, the teacher-forced Collector)
 and is measured against the H200 references with the gate's own gates/compare.py. References:
-the committed bundles gates/references/<model>/h200-{bfloat16,float32} (tiny-llama, tiny-moe),
+the committed bundles gates/references/<model>/h200-{bfloat16,float32} (tiny-llama, tiny-moe, deep-llama),
 and for llama-1k (8 decoder layers, 14 MB per reference: not committed) a capture made by boot 1
 (batch 8, sdpa, as the bundles were) in --refs, re-captured by the first boot of a later device call
 (the H200 reproduces it bit for bit). Every boot is a fresh Python process (a new CUDA context, new
@@ -17,7 +17,8 @@ allocator state, new kernel choices):
 - boots 3 to 6, split "heldout": batch 1-24/32/48/64 x sdpa/eager (every size but 1/2/4/8/16/64
   never calibrated on), never used to derive the entries;
 - boot 1 also runs every swap of bench/detection/swaps.py that applies to the model (the MoE
-  faults to tiny-moe only) at (batch 8, sdpa), (batch 1, eager) and (batch 64, sdpa), split "swap".
+  faults to tiny-moe only, the dropped attention mask to the ragged prompt sets of tiny-moe and deep-llama) at
+  (batch 8, sdpa), (batch 1, eager) and (batch 64, sdpa), split "swap".
 
 One JSON line per run goes to OUT/h200-calib-records.jsonl (the spec, per-prompt statistics,
 kernel errors); OUT/h200-calib-env.json holds the machine's versions. The entries and the bench's
@@ -43,15 +44,16 @@ from gates.tensorio import read_safetensors  # noqa: E402
 from imagetools import probe  # noqa: E402
 
 HW = "nvidia-hopper"
-MODELS = ("tiny-llama", "tiny-moe", "llama-1k")
-COMMITTED = ("tiny-llama", "tiny-moe")  # models whose H200 references are committed bundles
+MODELS = ("tiny-llama", "tiny-moe", "deep-llama", "llama-1k")
+COMMITTED = ("tiny-llama", "tiny-moe", "deep-llama")  # models whose H200 references are committed bundles
+RAGGED = ("tiny-moe", "deep-llama")  # prompt sets of 16-64 ids: batches pad
 DTYPES = ("bfloat16", "float32")
 ATTNS = ("sdpa", "eager")
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 64)
 HELDOUT_BATCHES = (*range(1, 25), 32, 48, 64)
 SWAP_VARIATIONS = ((8, "sdpa", 0), (1, "eager", 0), (64, "sdpa", 0))
 BOOTS = {1: "calibration", 2: "calibration", 3: "heldout", 4: "heldout", 5: "heldout", 6: "heldout"}
-FULL = {"tiny-llama": 4, "tiny-moe": 4, "llama-1k": 2}  # prompts with full-vocabulary logprobs
+FULL = {"tiny-llama": 4, "tiny-moe": 4, "deep-llama": 4, "llama-1k": 2}  # prompts with full-vocabulary logprobs
 ENV_KEYS = ("python", "torch", "cuda", "cudnn", "triton", "engines", "driver", "device", "settings", "cpu_model",
             "cpu_capability", "distributions")
 
@@ -67,7 +69,8 @@ def specs_for(boot: int, model: str, dtype: str) -> list[dict]:
     specs = [{**s, "split": split} for s in runs.honest_specs(hw=HW, model=model, dtype=dtype, batches=batches,
                                                               attns=ATTNS, threads=(0,), boot=boot)]
     if boot == 1:
-        names = [n for n in swaps.SWAPS + swaps.MOE_SWAPS if swaps.applies_to(n, moe=model == "tiny-moe")]
+        names = [n for n in swaps.SWAPS + swaps.MOE_SWAPS + swaps.RAGGED_SWAPS
+                 if swaps.applies_to(n, moe=model == "tiny-moe", ragged=model in RAGGED)]
         specs += [{**s, "split": "swap"} for s in runs.swap_specs(hw=HW, model=model, dtype=dtype,
                                                                   variations=SWAP_VARIATIONS, boot=1, names=names)]
     return specs

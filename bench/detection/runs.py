@@ -43,16 +43,13 @@ def teacher_forced(model, ids: list[list[int]], *, batch: int, device: str, full
     """The probe's model.* tensors (top-k, target logprob, hidden, full logprobs of the first `full` prompts)."""
     import torch
 
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     col = probe.Collector(TOP_K, full)
     with torch.inference_mode():
-        for start, chunk in probe._chunks(ids, batch):
-            x = torch.tensor(chunk, dtype=torch.long, device=device)
-            hidden = decoder(input_ids=x).last_hidden_state
-            logprobs = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
-            probe._collect_teacher(col, start, x, logprobs[:, :-1], hidden)
+        probe.teacher_forced_transformers(model, ids, batch_size=batch, device=device, col=col)
     tensors = col.tensors()
-    tensors["model.input_ids"] = torch.tensor(ids, dtype=torch.int32)
+    tensors["model.input_ids"] = torch.tensor(probe.padded(ids), dtype=torch.int32)
+    if len({len(p) for p in ids}) > 1:
+        tensors["model.prompt_lengths"] = torch.tensor([len(p) for p in ids], dtype=torch.int32)
     return tensors
 
 
@@ -80,7 +77,7 @@ def probe_run(*, model_dir: Path, ids: list[list[int]], dtype: str, attn: str, b
         model = load_model(model_dir, dtype=dtype, attn=attn, device=device)
         if swap in swaps.WEIGHT_SWAPS:
             swaps.apply_weight_swap(model, swap)
-        elif swap in (*swaps.MODEL_SWAPS, *swaps.MOE_SWAPS):
+        elif swap in (*swaps.MODEL_SWAPS, *swaps.MOE_SWAPS, *swaps.RAGGED_SWAPS):
             swaps.apply_model_swap(model, swap)
         kernels, _ = probe.kernel_battery(device)
         tensors = teacher_forced(model, ids, batch=batch, device=device, full=full)

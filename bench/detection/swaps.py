@@ -7,7 +7,8 @@ is one copy of them). Added here: FP8 e4m3 per output channel, partial swaps (IN
 of the layers, INT8 in the last decoder layer only, INT4 in the MLP only), a softmax off by a small
 factor, the attention scale off by 1% (the derived images' `attn-scale`), matrix products that
 accumulate in bfloat16, a RoPE base changed by 2x, and for mixture-of-experts models one expert's
-output 10% too large and top-1 instead of top-2 routing. Weight quantizers reach MoE experts too
+output 10% too large and top-1 instead of top-2 routing; for ragged prompt sets, the attention mask
+dropped (left-padded prompts then attend to padding). Weight quantizers reach MoE experts too
 (transformers 5 keeps them as 3-D `experts.*_proj` parameters, not nn.Linear). Needs torch only
 (it also runs on the NVIDIA reference machine, which has no skupin dependencies).
 
@@ -69,6 +70,7 @@ WEIGHT_SWAPS = {
 # changes made to a loaded model (its modules' attributes), not to its weights
 MODEL_SWAPS = ("attn-scale", "rope-base")
 MOE_SWAPS = ("moe-expert-scale", "moe-top1")
+RAGGED_SWAPS = ("pad-attended",)  # need a ragged prompt set: batches that pad
 KERNEL_SWAPS = ("silu", "softmax", "accum-bf16")
 SWAPS = (*WEIGHT_SWAPS, *MODEL_SWAPS, *KERNEL_SWAPS)
 EXPERT_SCALE, SCALED_EXPERT = 1.1, 3
@@ -89,6 +91,7 @@ DESCRIPTIONS = {
     "accum-bf16": "every matrix product accumulated in bfloat16 (partial sums of 64-wide slices rounded to bf16)",
     "moe-expert-scale": "expert 3 of every MoE layer outputs 10% too much (a wrong per-expert scale)",
     "moe-top1": "top-1 instead of top-2 expert routing (a routing change)",
+    "pad-attended": "the attention mask dropped: left-padded prompts attend to their batch's padding",
 }
 
 
@@ -142,43 +145,66 @@ def apply_weight_swap(model, swap: str) -> list[str]:
     return done
 
 
-def apply_model_swap(model, swap: str) -> int:
-    """Change a loaded model's attention scale, RoPE base, expert scale or routing in place; return how many modules
-    changed (ValueError when none: a swap that changes nothing must not be counted as caught or missed)."""
+def _drop_attention_mask(model) -> int:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    forward = decoder.forward
+    decoder.forward = lambda *a, **k: forward(*a, **{n: v for n, v in k.items() if n != "attention_mask"})
+    return 1
+
+
+def _double_rope_base(module) -> int:
+    """inv_freq[i] = base^(-2i/d); with the base doubled: x 2^(-2i/d)."""
     import torch
 
-    if swap == "attn-scale":  # the derived images' own function (tests/integration/derived/swap.py)
-        changed = derived.scale_attention(model)
-        if not changed:
-            raise ValueError(f"swap {swap} matched nothing in {type(model).__name__}")
-        return changed
+    if not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+        return 0
+    d = 2 * module.inv_freq.shape[-1]
+    factor = 2.0 ** (-torch.arange(0, d, 2, device=module.inv_freq.device, dtype=torch.float32) / d)
+    for attr in ("inv_freq", "original_inv_freq"):
+        if isinstance(getattr(module, attr, None), torch.Tensor):
+            getattr(module, attr).mul_(factor.to(getattr(module, attr).dtype))
+    return 1
+
+
+def _scale_expert(module) -> int:
     changed = 0
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if swap == "rope-base" and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-                # inv_freq[i] = base^(-2i/d); with base 2x: x 2^(-2i/d)
-                d = 2 * module.inv_freq.shape[-1]
-                factor = 2.0 ** (-torch.arange(0, d, 2, device=module.inv_freq.device, dtype=torch.float32) / d)
-                for attr in ("inv_freq", "original_inv_freq"):
-                    if isinstance(getattr(module, attr, None), torch.Tensor):
-                        getattr(module, attr).mul_(factor.to(getattr(module, attr).dtype))
-                changed += 1
-            elif swap == "moe-expert-scale" and name.endswith("experts"):
-                for pname, param in module.named_parameters(recurse=False):
-                    if param.dim() == 3 and "down" in pname:
-                        param.data[SCALED_EXPERT].mul_(EXPERT_SCALE)
-                        changed += 1
-            elif swap == "moe-top1" and getattr(module, "top_k", None) == 2:
-                module.top_k = 1
-                changed += 1
+    for pname, param in module.named_parameters(recurse=False):
+        if param.dim() == 3 and "down" in pname:
+            param.data[SCALED_EXPERT].mul_(EXPERT_SCALE)
+            changed += 1
+    return changed
+
+
+def _route_top1(module) -> int:
+    if getattr(module, "top_k", None) != 2:
+        return 0
+    module.top_k = 1
+    return 1
+
+
+def apply_model_swap(model, swap: str) -> int:
+    """Change a loaded model's attention scale, attention mask, RoPE base, expert scale or routing in place; return how
+    many modules changed (ValueError when none: a swap that changes nothing must not be counted as caught or missed)."""
+    import torch
+
+    if swap == "pad-attended":
+        changed = _drop_attention_mask(model)
+    elif swap == "attn-scale":  # the derived images' own function (tests/integration/derived/swap.py)
+        changed = derived.scale_attention(model)
+    else:
+        per_module = {"rope-base": _double_rope_base, "moe-top1": _route_top1,
+                      "moe-expert-scale": lambda m: _scale_expert(m) if m is not model else 0}[swap]
+        with torch.no_grad():
+            changed = sum(per_module(m) for name, m in model.named_modules()
+                          if swap != "moe-expert-scale" or name.endswith("experts"))
     if not changed:
         raise ValueError(f"swap {swap} matched nothing in {type(model).__name__}")
     return changed
 
 
-def applies_to(swap: str, *, moe: bool) -> bool:
-    """Whether `swap` means anything for a dense (moe=False) or MoE model."""
-    return swap not in MOE_SWAPS or moe
+def applies_to(swap: str, *, moe: bool, ragged: bool) -> bool:
+    """Whether `swap` means anything for a dense (moe=False) or MoE model, with a ragged prompt set or not."""
+    return (swap not in MOE_SWAPS or moe) and (swap not in RAGGED_SWAPS or ragged)
 
 
 def _accumulate_bf16(f_linear):
@@ -222,7 +248,7 @@ def kernel_swap(swap: str | None):
             patch(F, "scaled_dot_product_attention", lambda *a, **k: sdpa(*a, **k) * KERNEL_FACTOR)
         elif swap == "accum-bf16":
             patch(F, "linear", _accumulate_bf16(F.linear))
-        elif swap not in (None, "", *WEIGHT_SWAPS, *MODEL_SWAPS, *MOE_SWAPS):
+        elif swap not in (None, "", *WEIGHT_SWAPS, *MODEL_SWAPS, *MOE_SWAPS, *RAGGED_SWAPS):
             raise ValueError(f"unknown swap {swap}")
         yield
     finally:
