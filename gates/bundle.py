@@ -267,3 +267,21 @@ def probe_environment() -> dict[str, str]:
     """Environment for running the probe on a host: unbuffered, no user site, offline, tokenizers quiet."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONNOUSERSITE": "1", "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def float32_manifest(manifest: SkuManifest) -> SkuManifest:
+    """The SKU as its float32 pass runs it (the gate's `float32` check, `skupin calibrate --float32`): gate dtype
+    float32 and, as its reference, the float32 bundle beside its own."""
+    reference = float32_reference(Path(manifest.gate.reference), dtype=manifest.gate.dtype)
+    gate = manifest.gate.model_copy(update={"dtype": "float32", "reference": reference.as_posix()})
+    return manifest.model_copy(update={"gate": gate})
+
+
+def float32_reference(reference: Path, *, dtype: str) -> Path:
+    """The float32 bundle beside a SKU's reference: the sibling folder named with `float32` in place of the SKU's
+    dtype (gates/references/tiny-llama/h200-bfloat16 -> .../h200-float32)."""
+    reference = Path(reference)
+    if dtype not in reference.name:
+        raise BundleError(f"{reference}: the folder name does not contain the SKU's dtype {dtype!r}, so the float32 "
+                          f"bundle beside it cannot be named (rule: the same name with 'float32' in place of the dtype)")
+    return reference.with_name(reference.name.replace(dtype, "float32"))

@@ -45,7 +45,15 @@ from common.paths import REPO, STATE
 from common.untrusted import open_folder, printable, write_new_file
 from dockerd import BindMount, Docker, ImageInfo, RunResult
 from engines import MODEL_MOUNT, engine_float32, engine_outputs, probe_adapter
-from gates.bundle import PROBE, bundle_sha256, load_bundle, model_folder, probe_args
+from gates.bundle import (
+    PROBE,
+    bundle_sha256,
+    float32_manifest,
+    float32_reference,
+    load_bundle,
+    model_folder,
+    probe_args,
+)
 from gates.compare import CompareError, kernel_errors, model_statistics
 from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
 from gates.report import write_report
@@ -513,16 +521,6 @@ def _check_model(run: _GateRun) -> CheckResult:
     return result
 
 
-def float32_reference(reference: Path, *, dtype: str) -> Path:
-    """The float32 bundle beside a SKU's reference: the sibling folder named with `float32` in place of the SKU's
-    dtype (gates/references/tiny-llama/h200-bfloat16 -> .../h200-float32)."""
-    reference = Path(reference)
-    if dtype not in reference.name:
-        raise BundleError(f"{reference}: the folder name does not contain the SKU's dtype {dtype!r}, so the float32 "
-                          f"bundle beside it cannot be named (rule: the same name with 'float32' in place of the dtype)")
-    return reference.with_name(reference.name.replace(dtype, "float32"))
-
-
 def _float32_entry(run: _GateRun, key: ToleranceKey, ref_sha: str) -> tuple[ToleranceEntry | None, str]:
     """The calibrated entry of the float32 key for this bundle, or None and why there is none."""
     entry = run.tolerances.find(key)
@@ -551,7 +549,7 @@ def _check_float32(run: _GateRun) -> CheckResult:
     t0 = time.monotonic()
     try:
         folder = float32_reference(reference_folder(manifest=m, folder=run.reference), dtype=m.gate.dtype)
-        m32 = m.model_copy(update={"gate": m.gate.model_copy(update={"dtype": "float32"})})
+        m32 = float32_manifest(m)
         _, ref, ref_sha = load_reference(manifest=m32, folder=folder)
     except BundleError as exc:
         return CheckResult(name="float32", status="error", reason=f"no float32 bundle to compare with: {exc}")

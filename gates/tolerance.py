@@ -19,9 +19,9 @@ from pydantic import Field, ValidationError
 
 from builder.grammar import Name
 from builder.manifest import SkuManifest
-from common.errors import GateCouldNotRun
+from common.errors import BundleError, GateCouldNotRun
 from common.model import Frozen
-from gates.bundle import bundle_sha256
+from gates.bundle import bundle_sha256, float32_reference
 
 FORMAT = "skupin-tolerances/1"
 DEFAULT_PATH = Path(__file__).with_name("data") / "tolerances.yaml"
@@ -153,6 +153,32 @@ def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, repo: 
     if (folder / "SHA256SUMS").is_file() and bundle_sha256(folder) != entry.provenance.reference_sha256:
         return (f"the tolerance of {key.label()} was calibrated against bundle {entry.provenance.reference_sha256[:12]}, "
                 f"not {manifest.gate.reference}: its gate ends 'uncalibrated' (exit 14), never pass; {fix}")
+    return None
+
+
+def float32_pass_warning(*, manifest: SkuManifest, tolerances: Tolerances, repo: Path, path: Path = DEFAULT_PATH
+                         ) -> str | None:
+    """What weakens the float32 pass of a SKU that serves another dtype (docs/GATE.md, "The float32 pass"): no float32
+    bundle beside its reference (the gate then ends 'could not run'), or no calibrated float32 entry for it (the pass
+    then runs its hard bounds only and the gate ends 'uncalibrated' at best); None when nothing does."""
+    from engines import engine_float32
+
+    if manifest.gate.dtype == "float32" or not engine_float32(manifest.stack.engine.name):
+        return None
+    try:
+        folder = float32_reference(Path(repo) / manifest.gate.reference, dtype=manifest.gate.dtype)
+    except BundleError as exc:
+        return f"its float32 pass has no bundle to compare with: {exc}"
+    if not (folder / "SHA256SUMS").is_file():
+        return (f"its float32 pass needs the bundle {folder.relative_to(repo) if folder.is_relative_to(repo) else folder} "
+                f"beside its reference, which is missing: its gate would end 'could not run' (exit 11); fix: capture it "
+                f"(docs/REFERENCES.md)")
+    key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype="float32", model=manifest.gate.model)
+    entry = tolerances.find(key)
+    if entry is None or entry.provenance.reference_sha256 != bundle_sha256(folder):
+        return (f"no calibrated tolerance for {key.label()} against {folder.name} in {path}: its float32 pass runs the "
+                f"hard bounds only and the gate ends 'uncalibrated' (exit 14) at best; fix: skupin calibrate "
+                f"{manifest.name} --float32 on that hardware")
     return None
 
 

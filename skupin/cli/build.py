@@ -40,16 +40,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _warn_uncalibrated(manifests) -> None:
-    """A warning (stderr, exit code unchanged) for each SKU whose tolerance key has no calibrated entry."""
+    """A warning (stderr, exit code unchanged) for each SKU whose tolerance key has no calibrated entry, and for each
+    whose float32 pass lacks its bundle or its calibrated float32 entry."""
     from common.paths import REPO
-    from gates.tolerance import DEFAULT_PATH, calibration_warning, load_tolerances
+    from gates.tolerance import DEFAULT_PATH, calibration_warning, float32_pass_warning, load_tolerances
 
     tolerances = load_tolerances(DEFAULT_PATH)
     shown = DEFAULT_PATH.relative_to(REPO) if DEFAULT_PATH.is_relative_to(REPO) else DEFAULT_PATH
     for manifest in manifests:
-        warning = calibration_warning(manifest=manifest, tolerances=tolerances, repo=Path(REPO), path=shown)
-        if warning:
-            err(f"warning: {manifest.name}: {warning}")
+        for warning in (calibration_warning(manifest=manifest, tolerances=tolerances, repo=Path(REPO), path=shown),
+                        float32_pass_warning(manifest=manifest, tolerances=tolerances, repo=Path(REPO), path=shown)):
+            if warning:
+                err(f"warning: {manifest.name}: {warning}")
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -32,6 +32,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     stack, docker = _stack_and_docker(args.sku)
     image = args.image or image_from_build_record(stack.manifest.name)
+    if args.float32:
+        from common.errors import ManifestError
+        from gates.bundle import float32_manifest
+
+        if stack.manifest.gate.dtype == "float32":
+            raise ManifestError(f"{stack.manifest.name} serves float32: its gate has no separate float32 pass; "
+                                f"run skupin calibrate {stack.manifest.name} without --float32")
+        stack = stack.model_copy(update={"manifest": float32_manifest(stack.manifest)})
     folder = Path(args.out) if args.out else _default_out("gates", stack.manifest.name)
     verdict = gate_image(stack=stack, image=image, docker=docker, out=folder, on_event=err,
                          tolerances_path=Path(args.tolerances) if args.tolerances else DEFAULT_PATH,
@@ -178,6 +186,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tolerances", metavar="FILE", help="tolerance file to update (default gates/data/tolerances.yaml)")
     p.add_argument("--allow-looser", action="store_true", help="allow replacing this class's entry with looser thresholds")
     p.add_argument("--dry-run", action="store_true", help="print the entry without writing it")
+    p.add_argument("--float32", action="store_true",
+                   help="calibrate the float32 pass of a SKU that serves bf16/fp16: honest float32 runs of the same image "
+                        "against the float32 bundle beside its reference (key <class>/float32/<model>)")
     p.set_defaults(func=cmd_calibrate)
 
     p = subparsers.add_parser(

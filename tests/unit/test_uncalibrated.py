@@ -23,6 +23,7 @@ from gates.tolerance import (
     HardBounds,
     Tolerances,
     calibration_warning,
+    float32_pass_warning,
     load_tolerances,
     write_tolerances,
 )
@@ -198,3 +199,29 @@ def test_every_shipped_hopper_sku_has_its_entry():
     tolerances = load_tolerances(DEFAULT_PATH)
     for path in sorted(SKUS.glob("nvidia-*.yaml")):
         assert calibration_warning(manifest=load_manifest(path), tolerances=tolerances, repo=REPO) is None, path.name
+
+
+def test_the_float32_pass_of_every_shipped_bf16_sku_has_its_bundle_and_what_it_lacks_is_said():
+    from gates.bundle import float32_manifest
+
+    tolerances = load_tolerances(DEFAULT_PATH)
+    h200 = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
+    assert float32_manifest(h200).gate.reference == "gates/references/tiny-llama/h200-float32"
+    assert float32_manifest(h200).gate.dtype == "float32"
+    for path in sorted(SKUS.glob("nvidia-*.yaml")):  # calibrated on the H200 (bench/calibrate_h200*.py)
+        assert float32_pass_warning(manifest=load_manifest(path), tolerances=tolerances, repo=REPO) is None, path.name
+    amd = float32_pass_warning(manifest=load_manifest(SKUS / "amd-mi300x-vllm.yaml"), tolerances=tolerances, repo=REPO)
+    assert amd is not None and "no calibrated tolerance for amd-cdna3/float32/tiny-llama" in amd
+    assert "skupin calibrate amd-mi300x-vllm --float32" in amd
+    assert float32_pass_warning(manifest=load_manifest(CPU), tolerances=tolerances, repo=REPO) is None  # serves fp32
+
+
+def test_a_missing_float32_bundle_is_said_before_anything_is_built(tmp_path):
+    import shutil
+
+    manifest = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "gates/references/tiny-llama/h200-bfloat16", repo / "gates/references/tiny-llama/h200-bfloat16")
+    warning = float32_pass_warning(manifest=manifest, tolerances=load_tolerances(DEFAULT_PATH), repo=repo)
+    assert warning is not None and "needs the bundle gates/references/tiny-llama/h200-float32" in warning
+    assert "'could not run' (exit 11)" in warning
