@@ -33,7 +33,8 @@ def test_honest_vllm_image_passes_through_vllms_own_engine(vllm_image: str, dock
     verdict = json.loads(proc.stdout)
     assert verdict["decision"] == "pass", verdict["reason"]
     checks = {c["name"]: c for c in verdict["checks"]}
-    assert list(checks) == ["reference", "pins", "boot", "kernels", "model", "serve"]
+    assert list(checks) == ["reference", "pins", "boot", "kernels", "model", "float32", "serve"]
+    assert checks.pop("float32")["status"] == "skipped"  # the SKU serves float32: its model check was the float32 pass
     assert all(c["status"] == "pass" for c in checks.values()), [(c["name"], c["reason"]) for c in checks.values()]
     # pins: the three declared requirements the SKU leaves out are accepted with their reasons, nothing else
     omitted = checks["pins"]["details"]["omitted"]
