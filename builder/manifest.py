@@ -31,6 +31,7 @@ from builder.grammar import (
 from common.errors import ManifestError, Problem
 from common.model import Frozen, canonical_json
 from common.paths import PYPI_SIMPLE
+from common.untrusted import printable
 
 SCHEMA_VERSION = 1
 PYPI = PYPI_SIMPLE
@@ -495,17 +496,45 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+MAX_MANIFEST_BYTES = 256 * 1024  # the largest shipped manifest is ~4 KB
+
+
+def _references(text: str, file: str) -> list[Problem]:
+    """Anchors and aliases, refused before anything is built from the text: one alias can stand for a whole subtree,
+    so a few hundred bytes of nested aliases expand to billions of nodes (a YAML "billion laughs"). A manifest has
+    no use for them. Found by scanning tokens, which takes time linear in the text."""
+    found: dict[int, Problem] = {}
+    for token in yaml.scan(text, Loader=_SafeLoader):
+        if isinstance(token, yaml.AliasToken | yaml.AnchorToken):
+            line = token.start_mark.line + 1
+            sign = "*" if isinstance(token, yaml.AliasToken) else "&"
+            found.setdefault(line, Problem(file, f"(yaml) line {line}",
+                                           f"{sign}{printable(str(token.value), 40)}: manifests take no anchors or "
+                                           f"aliases", "write the value out where it is used"))
+            if len(found) >= 5:
+                break
+    return list(found.values())
+
+
 def parse_manifest(path: Path) -> tuple[SkuManifest | None, list[Problem]]:
     """Parse one manifest; return it (or None) and every problem found, never raising."""
     file = display_path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            return None, [Problem(file, "(file)", f"larger than {MAX_MANIFEST_BYTES // 1024} KiB: not a manifest")]
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        return None, [Problem(file, "(file)", f"cannot read: {exc}")]
+        return None, [Problem(file, "(file)", f"cannot read: {printable(str(exc), 200)}")]
     try:
+        references = _references(text, file)
+        if references:
+            return None, references
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # SafeLoader subclass
-    except yaml.YAMLError as exc:
-        return None, [Problem(file, "(yaml)", " ".join(str(exc).split()), "fix the YAML syntax")]
+    except (yaml.YAMLError, RecursionError) as exc:
+        why = " ".join(str(exc).split()) if isinstance(exc, yaml.YAMLError) else "nested too deeply"
+        return None, [Problem(file, "(yaml)", printable(why, 300), "fix the YAML syntax")]
     if not isinstance(data, dict):
         return None, [Problem(file, "(top)", "a manifest is a YAML mapping", "see skus/cpu-x86_64.yaml")]
     problems = _control_char_problems(file, data)

@@ -16,6 +16,7 @@ Nothing imports this package: it sits on top of the build side (builder/), the g
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from common import __version__
@@ -25,7 +26,8 @@ EPILOG = """\
 the flow:  check -> lock -> render -> build -> gate -> publish
 exit codes: 0 ok, 2 manifest error, 3 incompatible pins, 4 lock, 5 build, 6 docker,
             7 reference bundle, 8 publish, 9 network/index, 10 gate failed, 11 gate could not run,
-            14 gate uncalibrated (never a pass); skupin ab: 0 promote, 12 hold, 13 reject
+            14 gate uncalibrated (never a pass); skupin ab: 0 promote, 12 hold, 13 reject;
+            130 interrupted, 141 the output pipe closed
 examples:
   skupin check                      check every manifest in skus/
   skupin render cpu-x86_64          print the CPU SKU's Dockerfile (no Docker needed)
@@ -81,3 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`skupin matrix | head -3`): stop quietly, as `ls | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush cannot raise
+        return 141

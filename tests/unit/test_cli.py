@@ -109,3 +109,16 @@ def test_building_the_cli_does_not_import_the_stages():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("command", [["matrix"], ["render", "cpu-x86_64"], ["schema"]])
+def test_a_closed_pipe_ends_quietly_with_141_not_a_traceback(command):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "skupin.cli", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    proc.stdout.close()  # the reader is gone before the first line (`skupin matrix | head -0`)
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == ""

@@ -376,3 +376,29 @@ def test_quantized_weights_need_an_engine_that_serves_them():
     problems = [p for p in check_compat(manifest=q8, file="skus/x.yaml") if p.field == "gate.weights"]
     assert [p.message for p in problems] == [
         "transformers serves the model folder at full precision only (gate.weights full, not 'q8_0')"]
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_naming_the_line(tmp_path):
+    import time
+
+    # nine levels of nine aliases: a few hundred bytes that expand to 9^9 nodes if anything ever resolves them
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    start = time.monotonic()
+    _, problems = problems_of(tmp_path, "\n".join(lines) + "\n")
+    assert time.monotonic() - start < 1.0
+    assert 1 <= len(problems) <= 5
+    assert problems[0].field == "(yaml) line 1" and problems[0].message.startswith("&a0: manifests take no anchors")
+
+
+def test_an_alias_inside_a_real_manifest_is_refused_too(tmp_path):
+    text = (SKUS / "cpu-x86_64.yaml").read_text().replace("schema_version: 1\n", "schema_version: &v 1\n", 1)
+    _, problems = problems_of(tmp_path, text, name="cpu-x86_64")
+    assert [p.message.split(":")[0] for p in problems] == ["&v"]
+
+
+def test_an_oversized_or_deeply_nested_manifest_is_one_problem(tmp_path):
+    _, big = problems_of(tmp_path, "name: x\n" + "# padding\n" * 40_000)
+    assert [(p.field, p.message) for p in big] == [("(file)", "larger than 256 KiB: not a manifest")]
+    _, deep = problems_of(tmp_path, "a: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    assert len(deep) == 1 and deep[0].field == "(yaml)" and "\n" not in deep[0].message
