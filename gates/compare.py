@@ -198,6 +198,16 @@ def prompt_lengths(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> n
     return r.astype(np.int64)
 
 
+def _check_widths(ref: dict[str, np.ndarray]) -> None:
+    """The reference's per-position tensors span the prompts' positions: T - 1 predicted ones, T hidden rows."""
+    prompts, seq = ref["model.input_ids"].shape
+    for name in ("model.target_logprob", "model.topk_logprobs", "model.topk_ids", "model.logprobs_full", "model.hidden"):
+        want = seq if name == "model.hidden" else seq - 1
+        if name in ref and (ref[name].ndim < 2 or ref[name].shape[1] != want):
+            raise CompareError(f"{name}: the reference's shape {list(ref[name].shape)} does not span the "
+                               f"{want} positions of its {seq}-id prompts")
+
+
 def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> ModelStatistics:
     """Every per-prompt statistic of the candidate against the reference (see the module docstring).
 
@@ -209,6 +219,7 @@ def model_statistics(ref: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
             not np.array_equal(ref["model.input_ids"], cand["model.input_ids"]):
         raise CompareError("the candidate ran other prompts than the reference (model.input_ids differ)")
     lengths = prompt_lengths(ref, cand)
+    _check_widths(ref)
     _check_shapes(ref, cand)
     seq = ref["model.input_ids"].shape[1]
     pos = None if lengths is None else np.arange(seq - 1)[None, :] < (lengths - 1)[:, None]  # predicted positions

@@ -65,8 +65,8 @@ SPECS: dict[str, FixtureSpec] = {
     "tiny-llama": FixtureSpec("tiny-llama", hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512, vocab=2048),
     "llama-1k": FixtureSpec("llama-1k", hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816, vocab=8192,
                             words=12000, sentences=60000),
-    # Mixtral-style: 8 experts, top-2 routing (the code path of 4-bit MoE serving); same tokenizer and prompts as
-    # tiny-llama (same corpus, prompt seed and vocabulary).
+    # Mixtral-style: 8 experts, top-2 routing (the code path of 4-bit MoE serving); tiny-llama's tokenizer (same
+    # corpus and vocabulary), its own ragged prompts.
     "tiny-moe": FixtureSpec("tiny-moe", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256, vocab=2048,
                             experts=8, experts_per_token=2, router_std=0.25, min_prompt_tokens=16),
     # deeper and narrow: 8 decoder layers (a partial swap of one layer is one eighth of the network), ragged prompts

@@ -48,7 +48,7 @@ class HardBounds(Frozen):
         "of logprob_l2 exceeds this. Measured on the H200 (bench/results/calibration/h200-calibration.json): honest "
         "runs of every fixture at most 7.8e-6 (llama-1k), the smallest fault of the bench, an attention scale 1% "
         "off, at least 2.0e-4 (deep-llama): the bound sits at their geometric mean, 5x from each; float32 rounding does "
-        "not hide a 1% kernel error the way bf16 does")
+        "not hide a 1% kernel error the way bf16 does. It assumes float32 computed in float32 (no TF32/XF32)")
 
 
 class ToleranceKey(Frozen):

@@ -440,20 +440,28 @@ class Collector:
 
         return torch.full(shape, value, dtype=torch.float32)
 
+    PREDICTED = ("target_logprob", "topk_logprobs", "topk_ids", "logprobs_full")
+
+    def _width(self, kind: str) -> int:
+        """How many positions a row kind is padded to: the longest prompt's (T for hidden states, T - 1 for what is
+        predicted), taken from a kind every prompt has (logprobs_full covers only the first prompts)."""
+        source = "target_logprob" if kind in self.PREDICTED and "target_logprob" in self.rows else kind
+        return max(len(r) for r in self.rows[source])
+
     def tensors(self) -> dict:
         """Every row kind stacked over prompts; rows of ragged prompts (fewer positions) are padded with zeros at the
         end of their first axis (model.prompt_lengths says where each prompt's positions end)."""
         if self.numpy:
             import numpy as np
 
-            return {"model." + k: np.stack([np.pad(r, [(0, max(len(x) for x in v) - len(r))] + [(0, 0)] * (r.ndim - 1))
+            return {"model." + k: np.stack([np.pad(r, [(0, self._width(k) - len(r))] + [(0, 0)] * (r.ndim - 1))
                                             for r in v]) for k, v in self.rows.items()}
         import torch
 
         def pad(r, n):
             return r if r.shape[0] == n else torch.cat([r, r.new_zeros((n - r.shape[0], *r.shape[1:]))])
 
-        return {"model." + k: torch.stack([pad(r, max(x.shape[0] for x in v)) for r in v]) for k, v in self.rows.items()}
+        return {"model." + k: torch.stack([pad(r, self._width(k)) for r in v]) for k, v in self.rows.items()}
 
 
 def run_transformers(model_dir: str, ids: list[list[int]], opts: dict, device: str) -> dict:
@@ -944,6 +952,15 @@ def padded(ids: list[list[int]]) -> list[list[int]]:
     return [p + [0] * (longest - len(p)) for p in ids]
 
 
+def prompt_tensors(ids: list[list[int]], int32) -> dict:
+    """model.input_ids (padded) and, for a ragged prompt set, model.prompt_lengths; `int32(values)` makes the int32
+    tensor or array (torch or numpy, as the adapter works)."""
+    out = {"model.input_ids": int32(padded(ids))}
+    if len({len(p) for p in ids}) > 1:
+        out["model.prompt_lengths"] = int32([len(p) for p in ids])
+    return out
+
+
 def model_check(args, device: str) -> tuple[dict, dict]:
     """Load the prompt set, run the engine adapter, return (model.* tensors, check info)."""
     with open(args.prompts, encoding="utf-8") as fh:
@@ -953,7 +970,6 @@ def model_check(args, device: str) -> tuple[dict, dict]:
     ids = [list(map(int, p["ids"])) for p in doc["prompts"]]
     if not ids or min(map(len, ids)) < 2:
         raise ValueError("every prompt must have at least two ids")
-    ragged = len({len(p) for p in ids}) > 1  # model.* rows padded at the end, model.prompt_lengths says how far
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as fh:
         vocab = int(json.load(fh)["vocab_size"])
     opts = {"dtype": args.dtype, "batch_size": args.batch_size, "top_k": args.top_k, "attn": args.attn,
@@ -963,19 +979,13 @@ def model_check(args, device: str) -> tuple[dict, dict]:
         import numpy as np
 
         result = run_llamacpp(args.model, ids, opts, device)
-        tensors = result["tensors"]
-        tensors["model.input_ids"] = np.asarray(padded(ids), dtype=np.int32)
-        if ragged:
-            tensors["model.prompt_lengths"] = np.asarray([len(p) for p in ids], dtype=np.int32)
+        tensors = {**result["tensors"], **prompt_tensors(ids, lambda v: np.asarray(v, dtype=np.int32))}
     else:
         import torch
 
         torch.manual_seed(0)
         result = ADAPTERS[args.engine](args.model, ids, opts, device)
-        tensors = result["tensors"]
-        tensors["model.input_ids"] = torch.tensor(padded(ids), dtype=torch.int32)
-        if ragged:
-            tensors["model.prompt_lengths"] = torch.tensor([len(p) for p in ids], dtype=torch.int32)
+        tensors = {**result["tensors"], **prompt_tensors(ids, lambda v: torch.tensor(v, dtype=torch.int32))}
     finite = {k: _all_finite(v) for k, v in tensors.items() if _is_float(v) and k != "model.logprobs_full"}
     info = {**result["info"], "engine": args.engine, "engine_version": engine_version(args.engine),
             "engine_distribution": engine_distribution(args.engine), "dtype": args.dtype,

@@ -46,11 +46,7 @@ def teacher_forced(model, ids: list[list[int]], *, batch: int, device: str, full
     col = probe.Collector(TOP_K, full)
     with torch.inference_mode():
         probe.teacher_forced_transformers(model, ids, batch_size=batch, device=device, col=col)
-    tensors = col.tensors()
-    tensors["model.input_ids"] = torch.tensor(probe.padded(ids), dtype=torch.int32)
-    if len({len(p) for p in ids}) > 1:
-        tensors["model.prompt_lengths"] = torch.tensor([len(p) for p in ids], dtype=torch.int32)
-    return tensors
+    return {**col.tensors(), **probe.prompt_tensors(ids, lambda v: torch.tensor(v, dtype=torch.int32))}
 
 
 def to_numpy(tensors: dict) -> dict[str, np.ndarray]:

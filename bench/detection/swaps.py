@@ -5,8 +5,8 @@ swapped in 5% of groups) and the SiLU patch are the very functions the gate's in
 bakes into derived images (tests/integration/derived/swap.py, loaded here by path so there
 is one copy of them). Added here: FP8 e4m3 per output channel, partial swaps (INT8 in one quarter
 of the layers, INT8 in the last decoder layer only, INT4 in the MLP only), a softmax off by a small
-factor, the attention scale off by 1% (the derived images' `attn-scale`), matrix products that
-accumulate in bfloat16, a RoPE base changed by 2x, and for mixture-of-experts models one expert's
+factor, the attention scale off by 1% (the derived images' `attn-scale`), linear layers whose
+products accumulate in bfloat16, a RoPE base changed by 2x, and for mixture-of-experts models one expert's
 output 10% too large and top-1 instead of top-2 routing; for ragged prompt sets, the attention mask
 dropped (left-padded prompts then attend to padding). Weight quantizers reach MoE experts too
 (transformers 5 keeps them as 3-D `experts.*_proj` parameters, not nn.Linear). Needs torch only
@@ -88,7 +88,8 @@ DESCRIPTIONS = {
     "softmax": "softmax / attention probabilities x (1 + 2^-7) (a subtly wrong kernel)",
     "attn-scale": "attention softmax scale 1% too large (1.01 / sqrt(head_dim))",
     "rope-base": "RoPE base (theta) doubled",
-    "accum-bf16": "every matrix product accumulated in bfloat16 (partial sums of 64-wide slices rounded to bf16)",
+    "accum-bf16": "every linear layer's product (F.linear; attention's own products untouched) accumulated in "
+                  "bfloat16: partial sums of 64-wide slices rounded to bf16",
     "moe-expert-scale": "expert 3 of every MoE layer outputs 10% too much (a wrong per-expert scale)",
     "moe-top1": "top-1 instead of top-2 expert routing (a routing change)",
     "pad-attended": "the attention mask dropped: left-padded prompts attend to their batch's padding",

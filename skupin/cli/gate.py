@@ -32,14 +32,6 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     stack, docker = _stack_and_docker(args.sku)
     image = args.image or image_from_build_record(stack.manifest.name)
-    if args.float32:
-        from common.errors import ManifestError
-        from gates.bundle import float32_manifest
-
-        if stack.manifest.gate.dtype == "float32":
-            raise ManifestError(f"{stack.manifest.name} serves float32: its gate has no separate float32 pass; "
-                                f"run skupin calibrate {stack.manifest.name} without --float32")
-        stack = stack.model_copy(update={"manifest": float32_manifest(stack.manifest)})
     folder = Path(args.out) if args.out else _default_out("gates", stack.manifest.name)
     verdict = gate_image(stack=stack, image=image, docker=docker, out=folder, on_event=err,
                          tolerances_path=Path(args.tolerances) if args.tolerances else DEFAULT_PATH,
@@ -57,12 +49,24 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from builder.check import resolve
+    from common.paths import sku_path
+    from dockerd import connect
     from gates.calibrate import DEFAULT_VARIATIONS, calibrate_image
     from gates.gate import image_from_build_record
     from gates.tolerance import DEFAULT_PATH, load_tolerances, merge_entry, write_tolerances
 
-    stack, docker = _stack_and_docker(args.sku)
+    stack = resolve(sku_path(args.sku))
+    if args.float32:  # the float32 pass's entry: the same image at float32 against the float32 bundle
+        from common.errors import ManifestError
+        from gates.bundle import float32_manifest
+
+        if stack.manifest.gate.dtype == "float32":
+            raise ManifestError(f"{stack.manifest.name} serves float32: its gate has no separate float32 pass; "
+                                f"run skupin calibrate {stack.manifest.name} without --float32")
+        stack = stack.model_copy(update={"manifest": float32_manifest(stack.manifest)})
     image = args.image or image_from_build_record(stack.manifest.name)
+    docker = connect()
     folder = Path(args.out) if args.out else _default_out("calibrations", stack.manifest.name)
     path = Path(args.tolerances) if args.tolerances else DEFAULT_PATH
     tolerances = load_tolerances(path)

@@ -58,8 +58,8 @@ def test_honest_image_passes_through_the_cli(honest_image: str, docker: Docker, 
 
 @pytest.mark.parametrize("mode, check, words", [
     ("int4", "model", ""),
-    ("int8", "model", "prompts exceed"),
-    ("fp8", "model", "prompts exceed"),
+    ("int8", "model", "hard bound: float32 mean logprob L2"),
+    ("fp8", "model", "hard bound: float32 mean logprob L2"),
     ("int4-nibble", "model", ""),
     ("silu", "kernels", "silu.float32: max error"),
     ("attn-scale", "model", "hard bound: float32 mean logprob L2"),

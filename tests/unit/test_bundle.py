@@ -99,7 +99,7 @@ def test_tensorio_refuses_files_over_the_size_limit(tmp_path):
 # ---------------------------------------------------------------- committed H200 bundles
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe", "deep-llama"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_committed_h200_bundles_verify_and_name_the_h200(model, dtype):
     folder = REFS.parent / model / f"h200-{dtype}"

@@ -122,3 +122,14 @@ def test_a_closed_pipe_ends_quietly_with_141_not_a_traceback(command):
     with proc.stderr:
         err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and err == ""
+
+
+def test_gate_parses_without_the_calibrate_only_float32_flag_and_calibrate_refuses_it_for_a_float32_sku(capsys):
+    from skupin.cli import build_parser
+
+    args = build_parser().parse_args(["gate", "cpu-x86_64"])
+    assert not hasattr(args, "float32")  # a flag of `calibrate` only
+    assert build_parser().parse_args(["calibrate", "nvidia-h200-vllm", "--float32"]).float32 is True
+    # refused before any image or Docker engine is looked for
+    assert main(["calibrate", "cpu-x86_64", "--float32"]) == 2
+    assert "cpu-x86_64 serves float32: its gate has no separate float32 pass" in capsys.readouterr().err

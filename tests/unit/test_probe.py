@@ -157,7 +157,7 @@ def test_ragged_prompts_left_padded_in_batches_give_each_prompt_its_unpadded_num
     assert lengths.shape == (64,) and lengths.min() == 16 and lengths.max() == 64
     assert outs["8"]["model.topk_logprobs"].shape == (64, 63, 20) and outs["8"]["model.hidden"].shape[:2] == (64, 64)
     stats = model_statistics(outs["1"], outs["8"])
-    assert stats.per_prompt["max_abs"].max() < 1e-5 and stats.per_prompt["one_minus_cos"].max() < 1e-10
+    assert stats.per_prompt["max_abs"].max() < 2e-6 and stats.per_prompt["one_minus_cos"].max() < 1e-10
     assert stats.greedy_same == 1.0
 
 
@@ -441,3 +441,20 @@ def test_probe_runs_llamacpp_without_torch(tmp_path):
     tensors, _ = read_safetensors(out / "tensors.safetensors")
     assert tensors["model.topk_ids"].shape == (2, 3, 3) and tensors["model.logprobs_full"].shape == (1, 3, 40)
     assert tensors["model.input_ids"].dtype == np.int32 and "kernels.matmul.float32" not in tensors
+
+
+def test_collector_pads_every_position_kind_to_the_longest_prompt_even_when_full_logprobs_skip_it():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("probe_module", PROBE)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    col = probe.Collector(2, 1, numpy=True)  # full logprobs for the first prompt only, which is the shorter one
+    for n in (3, 6):
+        col.add("target_logprob", np.ones(n - 1, dtype=np.float32))
+        col.add("hidden", np.ones((n, 4), dtype=np.float32))
+    col.add("logprobs_full", np.ones((2, 8), dtype=np.float32))
+    out = col.tensors()
+    assert out["model.target_logprob"].shape == (2, 5) and out["model.hidden"].shape == (2, 6, 4)
+    assert out["model.logprobs_full"].shape == (1, 5, 8)  # T - 1 positions, not the first prompt's 2
+    assert out["model.logprobs_full"][0, 2:].sum() == 0 and out["model.target_logprob"][0, 2:].sum() == 0

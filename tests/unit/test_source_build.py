@@ -63,7 +63,7 @@ def test_the_llamacpp_manifest_builds_its_engine_from_the_sdist() -> None:
      "should match pattern"),
     (lambda d: d["stack"]["engine"]["source"].update(build_packages=[{"name": "cmake"}]),
      "stack.engine.source.build_packages[0].version", "required key is missing"),
-    (lambda d: d["stack"]["engine"]["source"].update(build_packages=[{"name": "cmake", "version": "1"}] * 2),
+    (lambda d: d["stack"]["engine"]["source"].update(build_packages=[{"name": "cmake", "version": "1"} for _ in "ab"]),
      "stack.engine.source", "names a package twice"),
     (lambda d: d["stack"]["engine"]["source"].update(wheels="x"), "stack.engine.source.wheels", "unknown key"),
 ])

@@ -225,3 +225,62 @@ def test_a_missing_float32_bundle_is_said_before_anything_is_built(tmp_path):
     warning = float32_pass_warning(manifest=manifest, tolerances=load_tolerances(DEFAULT_PATH), repo=repo)
     assert warning is not None and "needs the bundle gates/references/tiny-llama/h200-float32" in warning
     assert "'could not run' (exit 11)" in warning
+
+
+# ---------------------------------------------------------------- the float32 pass of a bf16 SKU, without Docker
+
+
+def float32_run(tmp_path: Path, monkeypatch, candidate: dict, *, tolerances_path: Path = DEFAULT_PATH,
+                reference: Path | None = None):
+    """A gate run of nvidia-h200-vllm (serves bf16) at its float32 check, the probe container replaced by one that
+    answers `candidate`; returns (result, what the probe was asked to run)."""
+    asked: dict = {}
+
+    def fake_probe(*, manifest, image, docker, out, model_dir=None, **_):
+        asked.update(dtype=manifest.gate.dtype, checks=manifest.gate.checks, reference=manifest.gate.reference,
+                     out=out, image=image)
+        return ProbeRun(report={"checks": {"model": {"status": "ok"}}}, tensors=candidate, seconds=1.0)
+
+    monkeypatch.setattr(gate, "probe_in_container", fake_probe)
+    manifest = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
+    run = _GateRun(stack=ResolvedStack(manifest=manifest, manifest_path=SKUS / "nvidia-h200-vllm.yaml"), image="img",
+                   docker=None, out=tmp_path / "out", on_event=lambda _: None,  # type: ignore[arg-type]
+                   tolerances_path=tolerances_path, reference=reference, baseline=None, serve_perf=None,
+                   scratch=tmp_path)
+    run.image_id = "sha256:" + "1" * 64
+    run.tolerances = load_tolerances(tolerances_path)
+    return gate._check_float32(run), asked
+
+
+def test_the_float32_pass_probes_the_same_image_at_float32_against_the_float32_bundle(monkeypatch, tmp_path,
+                                                                                      reference):
+    result, asked = float32_run(tmp_path, monkeypatch, dict(reference))
+    assert (result.name, result.status) == ("float32", "pass"), result.reason
+    assert (asked["dtype"], asked["reference"]) == ("float32", "gates/references/tiny-llama/h200-float32")
+    assert (asked["out"], asked["image"]) == (tmp_path / "out" / "probe-float32", "sha256:" + "1" * 64)
+    assert "model" in asked["checks"] and "kernels" not in asked["checks"]  # the battery ran in the boot's probe
+    assert result.details["tolerance_key"] == "nvidia-hopper/float32/tiny-llama" and result.details["calibrated"]
+    assert result.details["reference_sha256"] == bundle_sha()
+
+
+def test_a_float32_pass_one_percent_off_fails_on_the_hard_bound_and_without_an_entry_is_uncalibrated(
+        monkeypatch, tmp_path, reference):
+    shifted = dict(reference)
+    shifted["model.target_logprob"] = reference["model.target_logprob"] - 2e-4  # ~ an attention scale 1% off
+    result, _ = float32_run(tmp_path, monkeypatch, shifted)
+    assert result.status == "fail" and result.reason.startswith("hard bound: float32 mean logprob L2")
+    empty = tmp_path / "empty.yaml"
+    write_tolerances(Tolerances(), empty)
+    honest, _ = float32_run(tmp_path, monkeypatch, dict(reference), tolerances_path=empty)
+    assert honest.status == "uncalibrated" and "skupin calibrate nvidia-h200-vllm --float32" in honest.reason
+    caught, _ = float32_run(tmp_path, monkeypatch, shifted, tolerances_path=empty)
+    assert caught.status == "fail"  # the hard bound needs no calibration
+
+
+def test_a_float32_pass_without_a_bundle_beside_the_reference_cannot_run(monkeypatch, tmp_path, reference):
+    import shutil
+
+    alone = tmp_path / "refs" / "h200-bfloat16"
+    shutil.copytree(REPO / "gates/references/tiny-llama/h200-bfloat16", alone)
+    result, asked = float32_run(tmp_path, monkeypatch, dict(reference), reference=alone)
+    assert result.status == "error" and "no float32 bundle to compare with" in result.reason and not asked
