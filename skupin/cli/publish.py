@@ -59,10 +59,20 @@ def cmd_publish(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- verify / pull
 
 
+def _sku_name(sku: str | None) -> str | None:
+    """The SKU an operator names: a name as given (no catalog needed), or a manifest path read for its `name`."""
+    if sku is None or not (sku.endswith((".yaml", ".yml")) or "/" in sku):
+        return sku
+    from builder.manifest import load_manifest
+    from common.paths import sku_path
+
+    return load_manifest(sku_path(sku)).name
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from publishing.verify import verify_reference
 
-    result = verify_reference(ref=args.ref, sku=args.sku, trusted=args.key or None)
+    result = verify_reference(ref=args.ref, sku=_sku_name(args.sku), trusted=args.key or None)
     _out(json.dumps(result.model_dump(mode="json")) if args.json else result.line())
     return 0 if result.ok else PublishError.exit_code
 
@@ -74,7 +84,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from publishing.verify import pull_verified
 
     target = parse_target(args.registry or default_registry(addr=args.addr).addr)
-    result, image_id = pull_verified(sku=args.sku, target=target, docker=connect(), trusted=args.key or None)
+    result, image_id = pull_verified(sku=str(_sku_name(args.sku)), target=target, docker=connect(),
+                                     trusted=args.key or None)
     _out(result.line())
     _out(f"image id {image_id}")
     _out(str(result.reference))
@@ -179,7 +190,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                       "publish's policy (trusted key, this digest, this SKU, required checks, committed "
                                       "bundle and tolerance, current lock)? exit 8 when not")
     p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
-    p.add_argument("--sku", help="the SKU the image must be attested for (default: the repository's last path part)")
+    p.add_argument("--sku", help="the SKU the image must be attested for, by name or manifest path (default: the "
+                                 "repository's last path part)")
     p.add_argument("--key", type=Path, action="append", metavar="FILE",
                    help="trusted public key (PEM); repeatable; replaces the default keys/trusted/*.pub and "
                         ".skupin/keys/trusted/*.pub")
@@ -187,7 +199,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("pull", help="pull the verified digest of a SKU (not a tag); prints name@sha256:... last")
-    p.add_argument("sku", help="SKU name")
+    p.add_argument("sku", help="SKU name, or a manifest path (its name is used)")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
     p.add_argument("--key", type=Path, action="append", metavar="FILE",

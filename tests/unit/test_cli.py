@@ -133,3 +133,11 @@ def test_gate_parses_without_the_calibrate_only_float32_flag_and_calibrate_refus
     # refused before any image or Docker engine is looked for
     assert main(["calibrate", "cpu-x86_64", "--float32"]) == 2
     assert "cpu-x86_64 serves float32: its gate has no separate float32 pass" in capsys.readouterr().err
+
+
+def test_pull_and_verify_take_a_manifest_path_as_its_sku_name():
+    from skupin.cli.publish import _sku_name
+
+    assert _sku_name(str(SKUS / "cpu-x86_64.yaml")) == "cpu-x86_64"  # read from the manifest, not the path
+    assert _sku_name("skus/cpu-x86_64.yaml") == "cpu-x86_64"
+    assert _sku_name("cpu-x86_64") == "cpu-x86_64" and _sku_name(None) is None  # names need no catalog
