@@ -389,25 +389,28 @@ def _check_reference(run: _GateRun) -> CheckResult:
                               f"on {gpu.get('name')}")
 
 
+def _entry_for(run: _GateRun, key: ToleranceKey, ref_sha: str, *, calibrate: str) -> tuple[ToleranceEntry | None, str]:
+    """The calibrated entry of `key` measured against the bundle `ref_sha`, or None and why there is none (with the
+    `calibrate` command that fixes it)."""
+    entry = run.tolerances.find(key)
+    if entry is None:
+        return None, f"no calibrated tolerance for {key.label()} in {run.tolerances_path}; fix: {calibrate} on that hardware"
+    if entry.provenance.reference_sha256 != ref_sha:
+        return None, (f"the tolerance of {key.label()} was calibrated against bundle "
+                      f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; fix: {calibrate}")
+    return entry, ""
+
+
 def _find_tolerance(run: _GateRun) -> None:
     """The calibrated entry of the SKU's class x dtype x model; a missing one (or one of another bundle) is not fatal:
     every check then runs what it can without calibration and the run ends `uncalibrated`, never pass."""
     run.tolerances = load_tolerances(run.tolerances_path)
     m = run.manifest
     key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype=m.gate.dtype, model=m.gate.model)
-    entry = run.tolerances.find(key)
     ref_sha = run.reference_info.sha256 if run.reference_info is not None else ""
-    if entry is None:
-        run.tol_problem = (f"no calibrated tolerance for {key.label()} in {run.tolerances_path}; "
-                           f"fix: skupin calibrate {m.name} on that hardware")
-    elif entry.provenance.reference_sha256 != ref_sha:
-        run.tol_problem = (f"the tolerance of {key.label()} was calibrated against bundle "
-                           f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; "
-                           f"fix: skupin calibrate {m.name}")
-        entry = None
-    run.entry = entry
+    run.entry, run.tol_problem = _entry_for(run, key, ref_sha, calibrate=f"skupin calibrate {m.name}")
     run.tolerance_info = ToleranceInfo(key=key.label(), source=str(run.tolerances_path),
-                                       entry=entry.model_dump(mode="json") if entry else None,
+                                       entry=run.entry.model_dump(mode="json") if run.entry else None,
                                        hard_bounds=run.tolerances.hard_bounds.model_dump())
 
 
@@ -521,18 +524,6 @@ def _check_model(run: _GateRun) -> CheckResult:
     return result
 
 
-def _float32_entry(run: _GateRun, key: ToleranceKey, ref_sha: str) -> tuple[ToleranceEntry | None, str]:
-    """The calibrated entry of the float32 key for this bundle, or None and why there is none."""
-    entry = run.tolerances.find(key)
-    fix = f"fix: skupin calibrate {run.manifest.name} --float32 on that hardware"
-    if entry is None:
-        return None, f"no calibrated tolerance for {key.label()} in {run.tolerances_path}; {fix}"
-    if entry.provenance.reference_sha256 != ref_sha:
-        return None, (f"the tolerance of {key.label()} was calibrated against bundle "
-                      f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; {fix}")
-    return entry, ""
-
-
 def _check_float32(run: _GateRun) -> CheckResult:
     """The float32 pass of a SKU that serves another dtype: the probe again, the fixture at float32, against the float32
     bundle beside the SKU's reference. A kernel wrong by 1% (an attention scale, a narrower accumulation) moves bf16
@@ -573,7 +564,7 @@ def _check_float32(run: _GateRun) -> CheckResult:
     except CompareError as exc:
         return CheckResult(name="float32", status="error", reason=str(exc))
     key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype="float32", model=m.gate.model)
-    entry, why = _float32_entry(run, key, ref_sha)
+    entry, why = _entry_for(run, key, ref_sha, calibrate=f"skupin calibrate {m.name} --float32")
     result, _, _ = judge_model(stats=stats, entry=entry, hard=run.tolerances.hard_bounds, dtype="float32", why=why,
                                name="float32")
     return result.model_copy(update={"details": {**result.details, "reference": str(folder), "reference_sha256": ref_sha,
