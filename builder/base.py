@@ -28,7 +28,7 @@ from builder.manifest import Bootstrap, SkuManifest
 from common.apt import apt_install
 from common.errors import BuildError, DockerError
 from common.model import Frozen
-from common.paths import STATE
+from common.paths import state_dir
 from dockerd import Docker, ImageInfo
 
 OnEvent = Callable[[str], None]
@@ -60,14 +60,17 @@ class BaseRecord(Frozen):
         return max(found, key=lambda b: len(b.layers), default=None)
 
 
-BASES = STATE / "bases"
 
 
-def base_record_path(recipe_sha256: str, *, folder: Path = BASES) -> Path:
-    return Path(folder) / f"{recipe_sha256}.json"
+def bases_dir() -> Path:
+    return state_dir() / "bases"
 
 
-def read_base_record(recipe_sha256: str, *, folder: Path = BASES) -> BaseRecord | None:
+def base_record_path(recipe_sha256: str, *, folder: Path | None = None) -> Path:
+    return Path(folder or bases_dir()) / f"{recipe_sha256}.json"
+
+
+def read_base_record(recipe_sha256: str, *, folder: Path | None = None) -> BaseRecord | None:
     """The host's record of a bootstrap recipe's bases; None when there is none; BuildError when it is unreadable."""
     path = base_record_path(recipe_sha256, folder=folder)
     try:
@@ -89,7 +92,7 @@ def read_base_record(recipe_sha256: str, *, folder: Path = BASES) -> BaseRecord 
 
 
 def record_base(*, recipe: Bootstrap, info: ImageInfo, config: dict[str, Any], origin: Literal["bootstrapped", "found"],
-                folder: Path = BASES) -> BaseRecord:
+                folder: Path | None = None) -> BaseRecord:
     """Add the base `info` (with its engine config) to the recipe's record in `folder` (made when missing)."""
     sha = recipe.recipe_sha256()
     record = read_base_record(sha, folder=folder) or BaseRecord(recipe_sha256=sha, tag=recipe.local_tag())
@@ -106,7 +109,7 @@ def _quiet(_: str) -> None:
     return None
 
 
-def ensure_base(*, manifest: SkuManifest, docker: Docker, on_event: OnEvent = _quiet, bases: Path = BASES) -> str:
+def ensure_base(*, manifest: SkuManifest, docker: Docker, on_event: OnEvent = _quiet, bases: Path | None = None) -> str:
     """Return the image id of the SKU's base, making it locally when it is missing.
 
     Bootstrap bases: reuse the local tag `Bootstrap.local_tag()` when present and it points at a
@@ -114,6 +117,7 @@ def ensure_base(*, manifest: SkuManifest, docker: Docker, on_event: OnEvent = _q
     and `docker import` the tree, and record it. Image bases: use the local copy, else pull by
     digest (DockerError when no registry is reachable). `bases` is the folder of the host's base records.
     """
+    bases = bases or bases_dir()
     ref = manifest.base.reference
     info = docker.inspect_image(ref)
     recipe = manifest.base.bootstrap

@@ -40,17 +40,17 @@ from typing import Literal
 from packaging.utils import canonicalize_name
 from pydantic import Field
 
-from builder.base import BASES, ensure_base
+from builder.base import bases_dir, ensure_base
 from builder.lockfile import Lock, LockedPackage, image_tag
 from builder.manifest import SkuManifest
 from builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
-from builder.sourcebuild import RECORDS as BUILT_RECORDS
-from builder.sourcebuild import BuiltWheel, export_wheel, write_built
+from builder.sourcebuild import BuiltWheel, built_dir, export_wheel, write_built
 from builder.stack import ResolvedStack
-from builder.wheels import STORE, fetch_wheels
+from builder.wheels import fetch_wheels
+from builder.wheels import wheel_store as default_wheel_store
 from common.errors import BuildError, DockerError, LockError
 from common.model import Frozen
-from common.paths import STATE
+from common.paths import state_dir
 from dockerd import ContainerSpec, Docker, ImageInfo
 
 OnLine = Callable[[str], None]
@@ -295,7 +295,7 @@ class EnsureBase(Frozen):
 
     kind: Literal["base"] = "base"
     manifest: SkuManifest
-    bases: Path = BASES  # the host's records of bootstrap bases (builder/base.py)
+    bases: Path  # the host's records of bootstrap bases (builder/base.py)
 
 
 class GatherWheels(Frozen):
@@ -386,20 +386,20 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
     secrets = {CA_SECRET_ID: ca_bundle} if ca_bundle is not None and f"id={CA_SECRET_ID}" in rendered.text else {}
     from_source = bool(lock.sources())
     steps: list[BuildStep] = [
-        EnsureBase(manifest=manifest, bases=bases or BASES),
-        GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or STORE,
+        EnsureBase(manifest=manifest, bases=bases or bases_dir()),
+        GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or default_wheel_store(),
                      wheelhouse=wheelhouse, ca_bundle=ca_bundle),
-        WriteContext(folder=(contexts or STATE / "contexts") / manifest.name),
+        WriteContext(folder=(contexts or state_dir() / "contexts") / manifest.name),
         RunBuildKit(build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
                                 "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
                     secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None,
                     export_stage=ENGINE_WHEEL_STAGE if from_source else None,
-                    store=(wheel_store or STORE) if from_source else None),
+                    store=(wheel_store or default_wheel_store()) if from_source else None),
         VerifyInstalled(locked=locked_versions(lock)),
         TagImage(tag=image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)),
     ]
     if from_source:
-        steps.append(RecordBuiltWheel(folder=built or BUILT_RECORDS))
+        steps.append(RecordBuiltWheel(folder=built or built_dir()))
     if records is not None:
         steps.append(WriteRecord(folder=records))
     return tuple(steps)
@@ -484,7 +484,7 @@ def _run_buildkit(step: RunBuildKit, run: _Execution) -> None:
             run.docker.build(context=context, dockerfile=context / "Dockerfile", build_args=step.build_args,
                              secrets=step.secrets or None, on_line=lambda _: None, target=step.export_stage,
                              output_dir=out)
-            run.built_wheel = export_wheel(out, lock=run.lock, image_id=run.image_id, store=step.store or STORE)
+            run.built_wheel = export_wheel(out, lock=run.lock, image_id=run.image_id, store=step.store or default_wheel_store())
     except BuildError as exc:
         raise _failure(exc, lines=run.lines, dockerfile=run.rendered.text, ca_given=step.ca_given) from exc
     finally:

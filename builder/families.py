@@ -3,7 +3,7 @@
 `Family` and `Vendor` are the one spelling of the names (the manifest's `base.family` and
 `accelerator.vendor`, the compatibility data's `families` rows); ALL_FAMILIES says what each family
 is for. A new family: its name in `Family`, its row here, its template
-`templates/<family>.Dockerfile.j2` and its compatibility rows in builder/data/compat.yaml
+`builder/templates/<family>.Dockerfile.j2` and its compatibility rows in builder/data/compat.yaml
 (tests/unit/test_families.py checks the four agree).
 """
 
@@ -25,7 +25,7 @@ class FamilyInfo:
 
     @property
     def template(self) -> str:
-        """Its child template under templates/ (it extends base.Dockerfile.j2)."""
+        """Its child template under builder/templates/ (it extends base.Dockerfile.j2)."""
         return f"{self.name}.Dockerfile.j2"
 
 

@@ -76,7 +76,7 @@ class Bootstrap(Model):
 class Base(Model):
     """Where the image starts: a registry image pinned by digest, or a local bootstrap recipe."""
 
-    family: Family = Field(description="Selects templates/<family>.Dockerfile.j2")
+    family: Family = Field(description="Selects builder/templates/<family>.Dockerfile.j2")
     image: ImageRef | None = None
     bootstrap: Bootstrap | None = None
     os: Name = Field(description="Distribution of the base, e.g. debian-12, ubuntu-24.04")
@@ -385,7 +385,7 @@ class SkuManifest(Model):
             raise ValueError(f"stack.omit names {', '.join(clash)}, which extras.python pins: leave it out or pin it")
         if self.stack.engine.is_sdist and self.base.family != "cpu":
             raise ValueError(f"stack.engine.source: kind sdist is built by the cpu family's template only, not "
-                             f"{self.base.family}'s (templates/cpu.Dockerfile.j2)")
+                             f"{self.base.family}'s (builder/templates/cpu.Dockerfile.j2)")
         return self
 
 

@@ -1,4 +1,4 @@
-"""Render a SKU's Dockerfile and its build-context files from templates/, without a Docker daemon."""
+"""Render a SKU's Dockerfile and its build-context files from templates (common/paths.py: templates_dir), without Docker."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import BuildError
 from common.model import Frozen
-from common.paths import TEMPLATES
+from common.paths import templates_dir
 from engines import serve_launch
 
 WHEELS_DIR = "wheels"
@@ -109,10 +109,14 @@ def _escape_dq(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
 
 
-@functools.cache
 def _environment() -> jinja2.Environment:
+    return _environment_for(templates_dir())
+
+
+@functools.cache
+def _environment_for(folder: Path) -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        loader=jinja2.FileSystemLoader(str(folder)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,  # Dockerfiles, not HTML; values are grammar-checked

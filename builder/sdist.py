@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name
 
 from builder.lockfile import LockedPackage
 from builder.manifest import Pin
-from builder.wheels import STORE, fetch_wheels
+from builder.wheels import fetch_wheels
 from clients.pypi import IndexClient
 from common.errors import LockError, NetworkError
 from common.model import Frozen
@@ -64,7 +64,7 @@ def find_sdist(pin: Pin, index_url: str, *, ca_bundle: Path | None = None) -> Lo
                          sha256=found.sha256.lower(), url=found.url, source="sdist")
 
 
-def fetch_sdist(pin: Pin, index_url: str, *, ca_bundle: Path | None = None, store: Path = STORE,
+def fetch_sdist(pin: Pin, index_url: str, *, ca_bundle: Path | None = None, store: Path | None = None,
                 on_event: Callable[[str], None] = lambda _: None) -> tuple[LockedPackage, Path]:
     """`find_sdist`, then the file into the wheel store (downloaded once, kept only with the index's sha256)."""
     pkg = find_sdist(pin, index_url, ca_bundle=ca_bundle)

@@ -23,12 +23,15 @@ from pydantic import ValidationError
 
 from builder.grammar import Sha256
 from builder.lockfile import Lock, LockedPackage
-from builder.wheels import STORE, file_sha256, store_path
+from builder.wheels import file_sha256, store_path, wheel_store
 from common.errors import BuildError
 from common.model import Frozen
-from common.paths import STATE
+from common.paths import state_dir
 
-RECORDS = STATE / "built"
+
+def built_dir() -> Path:
+    """The host's records of source-built wheels: STATE/built."""
+    return state_dir() / "built"
 _REQ = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+) --hash=sha256:([0-9a-f]{64})$")
 
 
@@ -43,11 +46,11 @@ class BuiltWheel(Frozen):
     created: str
 
 
-def record_path(lock_sha256: str, *, folder: Path = RECORDS) -> Path:
-    return folder / f"{lock_sha256}.json"
+def record_path(lock_sha256: str, *, folder: Path | None = None) -> Path:
+    return (folder or built_dir()) / f"{lock_sha256}.json"
 
 
-def read_built(lock: Lock, *, folder: Path = RECORDS) -> BuiltWheel | None:
+def read_built(lock: Lock, *, folder: Path | None = None) -> BuiltWheel | None:
     """The record of the wheel built for `lock` (None when this host built none); BuildError when unreadable."""
     path = record_path(lock.content_hash(), folder=folder)
     if not path.exists():
@@ -61,7 +64,7 @@ def read_built(lock: Lock, *, folder: Path = RECORDS) -> BuiltWheel | None:
     return record
 
 
-def export_wheel(folder: Path, *, lock: Lock, image_id: str, store: Path = STORE) -> BuiltWheel:
+def export_wheel(folder: Path, *, lock: Lock, image_id: str, store: Path | None = None) -> BuiltWheel:
     """The wheel of an exported build stage (`folder`: wheel/<one .whl> and requirements.txt), into the store."""
     sdists = list(lock.sources().values())
     if len(sdists) != 1:
@@ -82,7 +85,7 @@ def export_wheel(folder: Path, *, lock: Lock, image_id: str, store: Path = STORE
         raise BuildError(f"the engine's build stage names {line[:200]!r} but its wheel {wheel.name} has sha256 {sha}")
     pkg = LockedPackage(name=sdist.name, version=sdist.version, filename=wheel.name, sha256=sha, url=None,
                         source="sdist")
-    dest = store_path(store, pkg)
+    dest = store_path(store or wheel_store(), pkg)
     if not dest.is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.part")
@@ -92,6 +95,7 @@ def export_wheel(folder: Path, *, lock: Lock, image_id: str, store: Path = STORE
                       created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
-def write_built(record: BuiltWheel, *, folder: Path = RECORDS) -> Path:
+def write_built(record: BuiltWheel, *, folder: Path | None = None) -> Path:
+    folder = folder or built_dir()
     folder.mkdir(parents=True, exist_ok=True)
     return record.write_json(record_path(record.lock_sha256, folder=folder))

@@ -31,9 +31,12 @@ from pathlib import Path
 from builder.lockfile import LockedPackage
 from clients.transport import Transport
 from common.errors import BuildError, NetworkError
-from common.paths import STATE
+from common.paths import state_dir
 
-STORE = STATE / "wheels"
+
+def wheel_store() -> Path:
+    """The host's store of fetched wheels: STATE/wheels."""
+    return state_dir() / "wheels"
 DEFAULT_JOBS = 4
 CHUNK = 1 << 20
 OnEvent = Callable[[str], None]
@@ -59,7 +62,7 @@ def file_sha256(path: Path) -> str:
 def fetch_wheels(
     packages: Iterable[LockedPackage],
     *,
-    store: Path = STORE,
+    store: Path | None = None,
     wheelhouse: Path | None = None,
     ca_bundle: Path | None = None,
     on_event: OnEvent = _quiet,
@@ -74,6 +77,7 @@ def fetch_wheels(
     together before anything is fetched; a download that fails or does not hash to the lock's
     sha256 raises NetworkError / BuildError and leaves nothing behind in the store.
     """
+    store = store or wheel_store()
     unique = list({p.sha256: p for p in packages}.values())
     missing = [p for p in unique if not store_path(store, p).is_file()]
     local: list[tuple[LockedPackage, Path]] = []

@@ -1,4 +1,19 @@
-"""Where the repository's data lives (skus/, templates/, gates/) and how a SKU argument becomes a file."""
+"""Where things live: the catalog a command acts on, the data the package ships, and how a SKU argument becomes a file.
+
+The catalog is the folder holding `skus/` (a platform team's repository, or this one). It is found
+as git finds `.git`, in this order, and no other folder is ever acted on:
+
+1. `skupin --root DIR` (`use_root`),
+2. the `SKUPIN_ROOT` environment variable,
+3. the current directory or the nearest parent holding a `skus/` folder.
+
+What the tool needs at run time ships inside the package (templates, compatibility data, the
+probe and the in-image tools, the default fixtures and reference bundles). A catalog overrides by
+holding the same relative path: `templates/` replaces the shipped templates as a whole, and a
+manifest's `gate.reference` is read from the catalog when the catalog holds it, else from the
+package (`data_path`). Operator commands (verify, pull, inspect) need no catalog; without one,
+state lives in `$XDG_CACHE_HOME/skupin` (default `~/.cache/skupin`). `SKUPIN_STATE` overrides both.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +22,89 @@ from pathlib import Path
 
 from common.errors import ManifestError
 
-REPO = Path(os.environ.get("SKUPIN_ROOT", Path(__file__).resolve().parents[1]))
-SKUS = REPO / "skus"
-TEMPLATES = REPO / "templates"
-STATE = Path(os.environ.get("SKUPIN_STATE", REPO / ".skupin"))
+# The folder holding the installed packages (builder/, gates/, …): site-packages, or the checkout in an editable install.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_TEMPLATES = PACKAGE_ROOT / "builder" / "templates"
 # Defaults that CLI argument parsers need: kept here (stdlib only) so building the CLI stays light.
 PYPI_SIMPLE = "https://pypi.org/simple"
 REGISTRY_ADDR = "127.0.0.1:5000"  # the local registry `skupin registry up` runs
+ROOT_ENV = "SKUPIN_ROOT"
+STATE_ENV = "SKUPIN_STATE"
+NO_CATALOG_FIX = "run it inside a catalog (a folder holding skus/, or below one), pass --root DIR, or set SKUPIN_ROOT"
+
+_root: Path | None = None  # set by `skupin --root`
+
+
+def _checked_root(path: Path, source: str) -> Path:
+    if not (path / "skus").is_dir():
+        raise ManifestError(f"{source} {path}: not a catalog (no skus/ folder in it); fix: {NO_CATALOG_FIX}")
+    return path.resolve()
+
+
+def use_root(path: Path | str | None) -> None:
+    """Pin the catalog for this process (`--root`); None goes back to discovery."""
+    global _root
+    _root = None if path is None else _checked_root(Path(path), "--root")
+
+
+def find_catalog(start: Path | None = None) -> Path | None:
+    """The catalog root by the rule above, or None when there is none (operator commands work without one)."""
+    if _root is not None:
+        return _root
+    env = os.environ.get(ROOT_ENV)
+    if env:
+        return _checked_root(Path(env), ROOT_ENV)
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "skus").is_dir():
+            return folder
+    return None
+
+
+def catalog() -> Path:
+    """The catalog root; an error naming the way to give one when there is none."""
+    found = find_catalog()
+    if found is None:
+        raise ManifestError(f"no catalog: no skus/ folder in {Path.cwd()} or any parent; fix: {NO_CATALOG_FIX}")
+    return found
+
+
+def skus_dir() -> Path:
+    return catalog() / "skus"
+
+
+def templates_dir() -> Path:
+    """The catalog's templates/ when it has one, else the templates shipped with the package."""
+    found = find_catalog()
+    if found is not None and (found / "templates").is_dir():
+        return found / "templates"
+    return SHIPPED_TEMPLATES
+
+
+def state_dir() -> Path:
+    """Where builds, locks' wheels, the local registry and keys are kept (git-ignored)."""
+    env = os.environ.get(STATE_ENV)
+    if env:
+        return Path(env)
+    found = find_catalog()
+    if found is not None:
+        return found / ".skupin"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "skupin"
+
+
+def data_path(rel: str | Path) -> Path:
+    """A catalog-relative data path (a manifest's gate.reference): the catalog's copy when it holds one, else the package's."""
+    found = find_catalog()
+    if found is not None and (found / rel).exists():
+        return found / rel
+    return PACKAGE_ROOT / rel
 
 
 def manifest_files(paths: list[Path]) -> list[Path]:
-    """Expand files and folders into manifest files (*.yaml, sorted); folders default to skus/."""
+    """Expand files and folders into manifest files (*.yaml, sorted); folders default to the catalog's skus/."""
     found: list[Path] = []
-    for path in paths or [SKUS]:
+    for path in paths or [skus_dir()]:
         if path.is_dir():
             found += sorted(p for p in path.glob("*.yaml") if p.is_file())
         else:
@@ -28,18 +113,19 @@ def manifest_files(paths: list[Path]) -> list[Path]:
 
 
 def sku_path(sku: str) -> Path:
-    """A SKU name (skus/<name>.yaml) or a path to a manifest."""
+    """A SKU name (the catalog's skus/<name>.yaml) or a path to a manifest."""
     candidate = Path(sku)
     if candidate.suffix in (".yaml", ".yml") or os.sep in sku:
         if not candidate.is_file():
             raise ManifestError(f"{sku}: no such manifest file")
         return candidate
-    path = SKUS / f"{sku}.yaml"
+    skus = skus_dir()
+    path = skus / f"{sku}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in SKUS.glob("*.yaml"))
+        known = sorted(p.stem for p in skus.glob("*.yaml"))
         import difflib
 
         close = difflib.get_close_matches(sku, known, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"known SKUs: {', '.join(known)}"
+        hint = f"did you mean '{close[0]}'?" if close else f"known SKUs: {', '.join(known) or '(none)'}"
         raise ManifestError(f"{sku}: unknown SKU (no {path}); fix: {hint}")
     return path

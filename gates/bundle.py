@@ -23,7 +23,7 @@ import imagetools
 from builder.manifest import SkuManifest
 from common import __version__
 from common.errors import BundleError
-from common.paths import STATE
+from common.paths import state_dir
 from common.untrusted import load_json, read_regular_file
 from engines import model_file
 from gates import fixture, gguf
@@ -70,7 +70,7 @@ def model_folder(*, manifest: SkuManifest, scratch: Path, fixture_dir: Path | No
     if wanted is None:
         return folder
     file_type = gguf.file_type_of(wanted)
-    path = gguf.gguf_model(folder=folder, name=manifest.gate.model, file_type=file_type, cache=STATE / "gguf")
+    path = gguf.gguf_model(folder=folder, name=manifest.gate.model, file_type=file_type, cache=state_dir() / "gguf")
     out = Path(tempfile.mkdtemp(prefix=f"model-{file_type}-", dir=scratch))
     out.rmdir()
     return gguf.model_folder(fixture_dir=folder, gguf_path=path, file_type=file_type, out=out)

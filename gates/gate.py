@@ -41,7 +41,7 @@ from builder.render import VENV, render
 from builder.stack import ResolvedStack
 from common import __version__
 from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
-from common.paths import REPO, STATE
+from common.paths import data_path, state_dir
 from common.untrusted import open_folder, printable, write_new_file
 from dockerd import BindMount, Docker, ImageInfo, RunResult
 from engines import MODEL_MOUNT, engine_float32, engine_outputs, probe_adapter
@@ -111,14 +111,9 @@ class ProbeRun:
 # ---------------------------------------------------------------- inputs
 
 
-def repo_root() -> Path:
-
-    return Path(REPO)
-
-
 def reference_folder(*, manifest: SkuManifest, folder: Path | None = None) -> Path:
-    """The reference bundle folder: `folder` when given, else the SKU's gate.reference under the repository."""
-    return Path(folder) if folder else repo_root() / manifest.gate.reference
+    """The reference bundle folder: `folder` when given, else the SKU's gate.reference (common/paths.py: data_path)."""
+    return Path(folder) if folder else data_path(manifest.gate.reference)
 
 
 def load_reference(*, manifest: SkuManifest, folder: Path | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray], str]:
@@ -140,7 +135,7 @@ def default_wheelhouse() -> Path | None:
 def image_from_build_record(sku: str) -> str:
     """The image of the SKU's build record (.skupin/builds/<sku>.json), or GateCouldNotRun with the fix."""
 
-    path = Path(STATE) / "builds" / f"{sku}.json"
+    path = state_dir() / "builds" / f"{sku}.json"
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         return str(record.get("image_id") or record["image"])
@@ -470,7 +465,7 @@ def _check_pins(run: _GateRun) -> CheckResult:
     run.on_event(f"pins: checking the files of {run.shown} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
     try:
         dockerfile = render(run.stack).text  # what the image's config must be (builder/imageconfig.py)
-        report = inspect_image_files(docker=run.docker, image_id=info.id, lock=lock, state=Path(STATE),
+        report = inspect_image_files(docker=run.docker, image_id=info.id, lock=lock, state=state_dir(),
                                      dockerfile=dockerfile, wheelhouse=run.wheelhouse, on_event=run.on_event)
     except SkupinError as exc:
         return CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}")

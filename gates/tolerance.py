@@ -139,7 +139,7 @@ def lookup(tolerances: Tolerances, key: ToleranceKey, *, path: Path = DEFAULT_PA
     return entry
 
 
-def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, repo: Path, path: Path = DEFAULT_PATH
+def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, reference: Path, path: Path = DEFAULT_PATH
                         ) -> str | None:
     """Why the gate of `manifest` would end `uncalibrated` (its key has no entry, or the entry was measured against
     another reference bundle than the SKU's), with the fix; None when its entry is there (`skupin check` warns)."""
@@ -150,14 +150,14 @@ def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, repo: 
     if entry is None:
         return (f"no calibrated tolerance for {key.label()} in {path}: its gate runs the calibration-free checks only and "
                 f"ends 'uncalibrated' (exit 14), never pass; {fix}")
-    folder = Path(repo) / manifest.gate.reference
+    folder = Path(reference)
     if (folder / "SHA256SUMS").is_file() and bundle_sha256(folder) != entry.provenance.reference_sha256:
         return (f"the tolerance of {key.label()} was calibrated against bundle {entry.provenance.reference_sha256[:12]}, "
                 f"not {manifest.gate.reference}: its gate ends 'uncalibrated' (exit 14), never pass; {fix}")
     return None
 
 
-def float32_pass_warning(*, manifest: SkuManifest, tolerances: Tolerances, repo: Path, path: Path = DEFAULT_PATH
+def float32_pass_warning(*, manifest: SkuManifest, tolerances: Tolerances, reference: Path, path: Path = DEFAULT_PATH
                          ) -> str | None:
     """What weakens the float32 pass of a SKU that serves another dtype (docs/GATE.md, "The float32 pass"): no float32
     bundle beside its reference (the gate then ends 'could not run'), or no calibrated float32 entry for it (the pass
@@ -167,11 +167,11 @@ def float32_pass_warning(*, manifest: SkuManifest, tolerances: Tolerances, repo:
     if manifest.gate.dtype == "float32" or not engine_float32(manifest.stack.engine.name):
         return None
     try:
-        folder = float32_reference(Path(repo) / manifest.gate.reference, dtype=manifest.gate.dtype)
+        folder = float32_reference(Path(reference), dtype=manifest.gate.dtype)
     except BundleError as exc:
         return f"its float32 pass has no bundle to compare with: {exc}"
     if not (folder / "SHA256SUMS").is_file():
-        return (f"its float32 pass needs the bundle {folder.relative_to(repo) if folder.is_relative_to(repo) else folder} "
+        return (f"its float32 pass needs the bundle {folder} "
                 f"beside its reference, which is missing: its gate would end 'could not run' (exit 11); fix: capture it "
                 f"(docs/REFERENCES.md)")
     key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype="float32", model=manifest.gate.model)

@@ -34,20 +34,26 @@ from pydantic import Field
 
 from common.errors import PublishError
 from common.model import Frozen, canonical_json
-from common.paths import REPO, STATE
+from common.paths import find_catalog, state_dir
 from common.untrusted import json_depth
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://skupin.dev/verification/v1"
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 DSSE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
-TRUSTED_DIR = REPO / "keys" / "trusted"
 MAX_ENVELOPE_BYTES = 4 * 1024**2
+
+
+def trusted_dirs() -> list[Path]:
+    """Where trusted public keys live: the catalog's keys/trusted/ (in git, when there is a catalog), then this
+    machine's STATE/keys/trusted/ (git-ignored)."""
+    catalog = find_catalog()
+    return [*([catalog / "keys" / "trusted"] if catalog is not None else []), local_keys_dir() / "trusted"]
 
 
 def local_keys_dir() -> Path:
     """Where this machine keeps its signing key and the public keys it trusts locally (git-ignored)."""
-    return STATE / "keys"
+    return state_dir() / "keys"
 
 
 # ---------------------------------------------------------------- the predicate and the statement
@@ -182,12 +188,11 @@ class TrustedKeys:
 
 
 def trusted_keys(files: list[Path] | tuple[Path, ...] | None = None) -> TrustedKeys:
-    """`files` when given (`--key`), else keys/trusted/*.pub of the repository and this machine's
-    .skupin/keys/trusted/*.pub."""
+    """`files` when given (`--key`), else the *.pub files of `trusted_dirs()`."""
     if files:
         paths = [Path(f) for f in files]
     else:
-        paths = sorted(TRUSTED_DIR.glob("*.pub")) + sorted((local_keys_dir() / "trusted").glob("*.pub"))
+        paths = [path for folder in trusted_dirs() for path in sorted(folder.glob("*.pub"))]
     found: dict[str, tuple[ec.EllipticCurvePublicKey, str]] = {}
     for path in paths:
         key = load_public_key(path)
@@ -277,12 +282,12 @@ class KeyPair(Frozen):
 
 
 def _inside_repository_unignored(path: Path) -> bool:
-    """True when `path` is inside the repository but not under the git-ignored .skupin/ state folder."""
+    """True when `path` is inside the catalog but not under the git-ignored .skupin/ state folder."""
     resolved = path.resolve()
-    repo = REPO.resolve()
-    if not resolved.is_relative_to(repo):
+    catalog = find_catalog()
+    if catalog is None or not resolved.is_relative_to(catalog.resolve()):
         return False
-    return not resolved.is_relative_to((repo / ".skupin").resolve()) and not resolved.is_relative_to(STATE.resolve())
+    return not resolved.is_relative_to((catalog / ".skupin").resolve()) and not resolved.is_relative_to(state_dir().resolve())
 
 
 def generate_keys(*, out: Path | None = None, trust_locally: bool | None = None) -> KeyPair:

@@ -33,7 +33,7 @@ from clients.oci import RegistryClient
 from common.apt import apt_install
 from common.errors import NetworkError, PublishError
 from common.model import Frozen
-from common.paths import REGISTRY_ADDR, STATE
+from common.paths import REGISTRY_ADDR, state_dir
 
 DEFAULT_ADDR = REGISTRY_ADDR
 BINARY = "docker-registry"
@@ -77,7 +77,7 @@ class LocalRegistry(Frozen):
 def default_registry(*, state: Path | None = None, addr: str = DEFAULT_ADDR) -> LocalRegistry:
     """The default local registry: 127.0.0.1:5000, files under <state>/registry (state: .skupin/)."""
 
-    return LocalRegistry(addr=addr, folder=(state or STATE) / "registry")
+    return LocalRegistry(addr=addr, folder=(state or state_dir()) / "registry")
 
 
 class RegistryStatus(Frozen):

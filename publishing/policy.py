@@ -29,7 +29,7 @@ from builder.lockfile import Lock, lock_path, read_lock
 from builder.manifest import load_manifest
 from common.errors import PublishError, SkupinError
 from common.model import Frozen, canonical_json
-from common.paths import REPO, sku_path
+from common.paths import data_path, sku_path
 from gates.bundle import bundle_sha256
 from gates.tolerance import DEFAULT_PATH as TOLERANCES_PATH
 from gates.tolerance import ToleranceKey, load_tolerances
@@ -64,7 +64,7 @@ def expected_for(sku: str) -> Expected:
     path = sku_path(sku)
     manifest = load_manifest(path)
     lock = read_lock(lock_path(path))
-    folder = REPO / manifest.gate.reference
+    folder = data_path(manifest.gate.reference)
     try:
         bundle = bundle_sha256(folder)
     except OSError as exc:

@@ -57,7 +57,7 @@ from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from common import __version__
 from common.errors import BundleError, DockerError, NetworkError, PublishError
 from common.model import Frozen, canonical_json
-from common.paths import STATE, sku_path
+from common.paths import sku_path, state_dir
 from common.untrusted import load_json, read_regular_file
 from dockerd import Docker, ImageInfo
 from gates.verdict import GateVerdict
@@ -398,7 +398,7 @@ def push_by_digest(*, plan: PublishPlan, docker: Docker, on_event: OnEvent = _qu
 def publish_lock(plan: PublishPlan, *, folder: Path | None = None):
     """Serialize publishes of one repository on one registry from this host (flock on a file under
     .skupin/locks/); publishes from other hosts are caught by the immutable version tag instead."""
-    where = Path(folder) if folder else Path(STATE) / "locks"
+    where = Path(folder) if folder else state_dir() / "locks"
     where.mkdir(parents=True, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", f"publish-{plan.target.host}-{plan.repository}") + ".lock"
     with open(where / name, "a+b") as handle:
@@ -565,7 +565,7 @@ def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, di
     a FIFO or a folder named verdict.json is skipped, links to folders are not followed), and each is
     read bounded in size and JSON depth, so nothing in that folder can hang or crash publish."""
 
-    found = _verdict_files(Path(STATE) / "gates" / sku)
+    found = _verdict_files(state_dir() / "gates" / sku)
     newest: dict | None = None
     for i, path in enumerate(found):
         data = _load_verdict(path)

@@ -29,7 +29,7 @@ from builder.render import render
 from builder.stack import ResolvedStack
 from common.errors import LockError, PublishError, SkupinError
 from common.model import Frozen
-from common.paths import REGISTRY_ADDR, STATE, sku_path
+from common.paths import REGISTRY_ADDR, sku_path, state_dir
 from dockerd import Docker, connect, ensure_dockerd
 from gates.gate import gate
 from gates.verdict import GateVerdict, raise_for_verdict
@@ -205,14 +205,14 @@ def _base(stack: ResolvedStack, docker: Docker, say: OnEvent) -> tuple[str, str]
 
 def _build(stack: ResolvedStack, docker: Docker, options: RunOptions, say: OnEvent) -> tuple[BuiltImage, str]:
     built = build(render(stack), docker, wheelhouse=options.local_wheelhouse(), ca_bundle=options.trusted_ca(),
-                  progress="plain", on_line=say, no_cache=options.no_cache, records=STATE / "builds")
+                  progress="plain", on_line=say, no_cache=options.no_cache, records=state_dir() / "builds")
     cached = sum(1 for layer in built.layers if layer.cached)
     return built, f"{built.image} ({built.image_id[:19]}; {cached}/{len(built.layers)} layers cached)"
 
 
 def _gate(built: BuiltImage, docker: Docker, options: RunOptions, say: OnEvent) -> tuple[GateVerdict, str]:
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = Path(STATE) / "gates" / built.sku / stamp
+    out = state_dir() / "gates" / built.sku / stamp
     baseline = _verified_baseline(built, docker, options)
     if baseline:
         say(f"serve A/B baseline: the currently verified image {baseline[:19]}")

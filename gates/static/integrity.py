@@ -67,7 +67,7 @@ from builder.imageconfig import DockerfileConfigError, ImageConfig, apt_installs
 from builder.lock import BUILD_STAGE, marker_environment
 from builder.lockfile import Lock
 from builder.sourcebuild import BuiltWheel, read_built
-from builder.wheels import STORE, fetch_wheels, file_sha256, store_path
+from builder.wheels import fetch_wheels, file_sha256, store_path, wheel_store
 from common.errors import SkupinError
 from common.model import Frozen
 from common.untrusted import UntrustedInputError, printable
@@ -889,13 +889,13 @@ def inspect_image_files(*, docker, image_id: str, lock: Lock, state: Path, docke
         unknown = f"the config of the rendered Dockerfile cannot be computed: {exc}"
     sources = lock.sources()
     packages = {name: pkg for name, pkg in lock.packages().items() if name not in sources}
-    stored = fetch_wheels(packages.values(), store=STORE, wheelhouse=wheelhouse, on_event=on_event)
+    stored = fetch_wheels(packages.values(), store=wheel_store(), wheelhouse=wheelhouse, on_event=on_event)
     wheels = {name: stored[pkg.sha256] for name, pkg in packages.items()}
     try:
         record = read_built(lock, folder=state / "built")
     except SkupinError as exc:
         return IntegrityReport(unverifiable=(str(exc),))
-    built, problems = built_wheels(lock=lock, record=record, store=STORE)
+    built, problems = built_wheels(lock=lock, record=record, store=wheel_store())
     if problems:
         return IntegrityReport(unverifiable=tuple(problems))
     wheels.update(built)

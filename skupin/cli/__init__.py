@@ -28,8 +28,11 @@ exit codes: 0 ok, 2 manifest error, 3 incompatible pins, 4 lock, 5 build, 6 dock
             7 reference bundle, 8 publish, 9 network/index, 10 gate failed, 11 gate could not run,
             14 gate uncalibrated (never a pass); skupin ab: 0 promote, 12 hold, 13 reject;
             130 interrupted, 141 the output pipe closed
+the catalog:  the folder holding skus/ (found from the current folder upwards, or --root / $SKUPIN_ROOT);
+            templates, compatibility data, probe and default reference bundles ship with skupin, and a
+            catalog's own templates/ or gate.reference folders take precedence (docs/CATALOG.md)
 examples:
-  skupin check                      check every manifest in skus/
+  skupin check                      check every manifest in the catalog's skus/
   skupin render cpu-x86_64          print the CPU SKU's Dockerfile (no Docker needed)
   skupin run cpu-x86_64             check, lock, build, gate, publish and verify the CPU SKU
   skupin matrix                     the CI matrix as JSON
@@ -49,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"skupin {__version__}")
     parser.add_argument("--traceback", action="store_true", help="show Python tracebacks on errors")
+    parser.add_argument("--root", metavar="DIR",
+                        help="the catalog to act on (a folder holding skus/); default: $SKUPIN_ROOT, else the current "
+                             "folder or its nearest parent holding skus/. verify, pull and inspect need none")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for group in (build, reference, gate, publish, releases):
         group.add_commands(sub)
@@ -73,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _sigterm_as_interrupt()
     try:
+        if args.root is not None:
+            from common.paths import use_root
+
+            use_root(args.root)
         return int(args.func(args))
     except SkupinError as exc:
         if args.traceback:
@@ -86,3 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`skupin matrix | head -3`): stop quietly, as `ls | head` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush cannot raise
         return 141
+    finally:
+        if args.root is not None:  # main() may be called again in this process (tests): discovery is the default
+            from common.paths import use_root
+
+            use_root(None)

@@ -42,14 +42,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _warn_uncalibrated(manifests) -> None:
     """A warning (stderr, exit code unchanged) for each SKU whose tolerance key has no calibrated entry, and for each
     whose float32 pass lacks its bundle or its calibrated float32 entry."""
-    from common.paths import REPO
+    from common.paths import data_path
     from gates.tolerance import DEFAULT_PATH, calibration_warning, float32_pass_warning, load_tolerances
 
     tolerances = load_tolerances(DEFAULT_PATH)
-    shown = DEFAULT_PATH.relative_to(REPO) if DEFAULT_PATH.is_relative_to(REPO) else DEFAULT_PATH
     for manifest in manifests:
-        for warning in (calibration_warning(manifest=manifest, tolerances=tolerances, repo=Path(REPO), path=shown),
-                        float32_pass_warning(manifest=manifest, tolerances=tolerances, repo=Path(REPO), path=shown)):
+        reference = data_path(manifest.gate.reference)
+        for warning in (calibration_warning(manifest=manifest, tolerances=tolerances, reference=reference),
+                        float32_pass_warning(manifest=manifest, tolerances=tolerances, reference=reference)):
             if warning:
                 err(f"warning: {manifest.name}: {warning}")
 
@@ -93,10 +93,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
     text = json.dumps(manifest_schema(), indent=2, sort_keys=True) + "\n"
     if args.write:
-        from common.paths import SKUS
+        from common.paths import skus_dir
 
-        (SKUS / "schema.json").write_text(text, encoding="utf-8")
-        out(f"wrote {SKUS / 'schema.json'}")
+        (skus_dir() / "schema.json").write_text(text, encoding="utf-8")
+        out(f"wrote {skus_dir() / 'schema.json'}")
     else:
         sys.stdout.write(text)
     return 0
@@ -165,7 +165,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from builder.build import build
     from builder.check import resolve
     from builder.render import render
-    from common.paths import STATE, sku_path
+    from common.paths import sku_path, state_dir
     from dockerd import connect
 
     stack = resolve(sku_path(args.sku))
@@ -174,7 +174,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     built = build(
         render(stack), connect(),
         wheelhouse=args.wheelhouse, ca_bundle=args.ca_bundle, progress=mode,
-        on_line=progress_printer(mode), no_cache=args.no_cache, records=STATE / "builds",
+        on_line=progress_printer(mode), no_cache=args.no_cache, records=state_dir() / "builds",
     )
     if mode == "tty":
         sys.stderr.write("\n")
@@ -185,7 +185,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             out(f"  {layer.name:<10} {layer.seconds:8.1f} s  {'cached' if layer.cached else 'built'}")
         out(
             f"built {built.image} ({built.image_id[:19]}) in {built.total_s:.1f} s; "
-            f"record {STATE / 'builds' / (built.sku + '.json')}"
+            f"record {state_dir() / 'builds' / (built.sku + '.json')}"
         )
     return 0
 
@@ -194,7 +194,7 @@ def cmd_wheels(args: argparse.Namespace) -> int:
     """`skupin wheels prune`: drop stored wheels that no lock under the given paths names."""
     from builder.lockfile import lock_path, read_lock
     from builder.sourcebuild import read_built
-    from builder.wheels import STORE, prune_store
+    from builder.wheels import prune_store, wheel_store
     from common.paths import manifest_files
 
     keep: set[str] = set()
@@ -206,7 +206,7 @@ def cmd_wheels(args: argparse.Namespace) -> int:
             built = read_built(lock) if lock.sources() else None  # the wheel this host built from its sdist
             if built is not None:
                 keep.add(built.wheel.sha256)
-    store = Path(args.store) if args.store else STORE
+    store = Path(args.store) if args.store else wheel_store()
     stored = sum(1 for _ in store.glob("??/*/*"))
     removed, size = prune_store(store, keep=keep, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"

@@ -20,10 +20,10 @@ def _stack_and_docker(sku: str):
 
 
 def _default_out(kind: str, sku: str) -> Path:
-    from common.paths import STATE
+    from common.paths import state_dir
 
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    return Path(STATE) / kind / sku / stamp
+    return state_dir() / kind / sku / stamp
 
 
 def cmd_gate(args: argparse.Namespace) -> int:

@@ -78,9 +78,9 @@ def _built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
     """A SKU's image: the one `skupin build` recorded when it still exists for the same lock, else built now."""
     import json
 
-    from common.paths import STATE
+    from common.paths import state_dir
 
-    record = Path(STATE) / "builds" / f"{stack.manifest.name}.json"
+    record = state_dir() / "builds" / f"{stack.manifest.name}.json"
     if record.is_file():
         data = json.loads(record.read_text())
         from builder.sourcebuild import read_built

@@ -19,7 +19,7 @@ from builder.check import resolve
 from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
 from builder.render import render
-from builder.wheels import STORE, store_path
+from builder.wheels import store_path, wheel_store
 from common.errors import BuildError
 from dockerd import ContainerSpec, Docker
 
@@ -207,7 +207,7 @@ def test_failing_step_names_layer_exit_code_5_and_no_tag(docker: Docker, built: 
     try:
         assert main(argv) == 5
     finally:  # the CLI gathered the broken file into the shared wheel store: take it out again
-        shutil.rmtree(store_path(STORE, broken).parent, ignore_errors=True)
+        shutil.rmtree(store_path(wheel_store(), broken).parent, ignore_errors=True)
     assert "layer 'engine' failed" in capsys.readouterr().err
     assert not docker.image_exists(tag)
 

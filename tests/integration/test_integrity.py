@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from builder.render import render
-from common.paths import STATE
+from common.paths import state_dir
 from dockerd import ContainerSpec, Docker
 from gates.gate import gate_image
 from gates.static.integrity import inspect_image_files
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_the_honest_image_is_its_lock(honest_image: str, stack, docker: Docker, wheelhouse) -> None:
-    report = inspect_image_files(docker=docker, image_id=honest_image, lock=stack.lock, state=Path(STATE),
+    report = inspect_image_files(docker=docker, image_id=honest_image, lock=stack.lock, state=state_dir(),
                                  dockerfile=render(stack).text, wheelhouse=wheelhouse)
     assert report.ok, (report.findings[:5], report.unverifiable)
     counts = report.counts

@@ -16,7 +16,7 @@ import pytest
 
 from builder.render import render
 from builder.sourcebuild import read_built
-from common.paths import STATE
+from common.paths import state_dir
 from dockerd import ContainerSpec, Docker
 from gates.static.integrity import inspect_image_files
 
@@ -68,7 +68,7 @@ def test_the_built_engine_is_installed_and_its_files_are_the_recorded_wheel(llam
     lock = llamacpp_stack.lock
     record = read_built(lock)
     assert record is not None and record.sdist == lock.sources()["llama-cpp-python"]
-    report = inspect_image_files(docker=docker, image_id=llamacpp_image, lock=lock, state=Path(STATE),
+    report = inspect_image_files(docker=docker, image_id=llamacpp_image, lock=lock, state=state_dir(),
                                  dockerfile=render(llamacpp_stack).text, wheelhouse=wheelhouse)
     assert report.ok, (report.findings[:5], report.unverifiable)
     res = docker.run(ContainerSpec(image=llamacpp_image, entrypoint=(
@@ -91,7 +91,7 @@ def test_a_tampered_built_file_fails_pins(llamacpp_image: str, llamacpp_stack, d
     image = ""
     try:
         image = docker.build(context=tmp_path, dockerfile=tmp_path / "Dockerfile")
-        report = inspect_image_files(docker=docker, image_id=image, lock=llamacpp_stack.lock, state=Path(STATE),
+        report = inspect_image_files(docker=docker, image_id=image, lock=llamacpp_stack.lock, state=state_dir(),
                                      dockerfile=render(llamacpp_stack).text, wheelhouse=wheelhouse)
     finally:
         if image:

@@ -33,6 +33,7 @@ from publishing.attest import (
     tolerance_sha256,
 )
 from publishing.policy import Expected, evaluate, expected_for
+from tests.paths import REPO
 
 SIGNER = Signer(ec.generate_private_key(ec.SECP256R1()))
 TRUSTED = TrustedKeys({SIGNER.keyid: (SIGNER.key.public_key(), "test")})
@@ -196,7 +197,7 @@ def test_expected_for_reads_the_committed_files():
 
 
 def test_keys_generate_writes_a_private_key_0600_and_trusts_the_default_one(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(attest, "STATE", tmp_path / "state")
+    monkeypatch.setenv("SKUPIN_STATE", str(tmp_path / "state"))
     pair = attest.generate_keys()
     assert Path(pair.private) == tmp_path / "state" / "keys" / "signing.key"
     assert stat.S_IMODE(Path(pair.private).stat().st_mode) == 0o600
@@ -212,11 +213,11 @@ def test_keys_generate_writes_a_private_key_0600_and_trusts_the_default_one(tmp_
 
 def test_keys_generate_refuses_a_folder_inside_the_repository():
     with pytest.raises(PublishError, match="inside the repository"):
-        attest.generate_keys(out=attest.REPO / "keys" / "trusted")
+        attest.generate_keys(out=REPO / "keys" / "trusted")
 
 
 def test_find_signer_says_how_to_make_a_key_and_run_makes_one(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(attest, "STATE", tmp_path)
+    monkeypatch.setenv("SKUPIN_STATE", str(tmp_path))
     monkeypatch.delenv(attest.SIGNING_KEY_ENV, raising=False)
     with pytest.raises(PublishError, match="skupin keys generate"):
         attest.find_signer()

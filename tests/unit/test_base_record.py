@@ -11,9 +11,9 @@ from builder.base import base_record_path, ensure_base, read_base_record, record
 from builder.lockfile import Lock, LockedBase
 from builder.manifest import load_manifest
 from common.errors import BuildError
-from common.paths import SKUS
 from dockerd import ImageInfo
 from gates.static.integrity import locked_base_layers
+from tests.paths import SKUS
 
 MANIFEST = load_manifest(SKUS / "cpu-x86_64.yaml")
 RECIPE = MANIFEST.base.bootstrap

@@ -23,8 +23,8 @@ from builder.check import resolve
 from builder.lockfile import image_tag
 from builder.render import render, render_manifest
 from common.errors import BuildError, LockError
-from common.paths import SKUS
 from dockerd import ImageInfo, RunResult
+from tests.paths import SKUS
 
 CPU = SKUS / "cpu-x86_64.yaml"
 
@@ -39,10 +39,10 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
     stack = rendered.stack
     lock = stack.lock
     steps = plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records",
-                       wheel_store=tmp_path / "store", contexts=tmp_path / "contexts")
+                       wheel_store=tmp_path / "store", contexts=tmp_path / "contexts", bases=tmp_path / "bases")
     assert [step.kind for step in steps] == ["base", "wheels", "context", "buildkit", "verify", "tag", "record"]
     base, wheels, context, buildkit, verify, tag, record = steps
-    assert base == EnsureBase(manifest=stack.manifest)
+    assert base == EnsureBase(manifest=stack.manifest, bases=tmp_path / "bases")
     assert wheels == GatherWheels(packages=tuple(lock.packages().values()), store=tmp_path / "store",
                                   wheelhouse=tmp_path / "house")
     assert context == WriteContext(folder=tmp_path / "contexts" / "cpu-x86_64")
@@ -52,7 +52,7 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
     assert verify == VerifyInstalled(locked={name: p.version for name, p in lock.packages().items()})
     assert tag == TagImage(tag=image_tag(sku="cpu-x86_64", engine_version=stack.manifest.stack.engine.version, lock=lock))
     assert record == WriteRecord(folder=tmp_path / "records")
-    assert plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records",
+    assert plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records", bases=tmp_path / "bases",
                       wheel_store=tmp_path / "store", contexts=tmp_path / "contexts") == steps  # a plan is a value
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from builder.manifest import manifest_schema
-from common.paths import SKUS
 from skupin.cli import main
+from tests.paths import SKUS
 
 CPU = SKUS / "cpu-x86_64.yaml"
 

@@ -12,7 +12,7 @@ from builder.manifest import SkuManifest, load_manifest, manifest_schema
 from common.errors import CompatError
 
 REPO = Path(__file__).resolve().parents[2]
-TEMPLATES = REPO / "templates"
+TEMPLATES = REPO / "builder" / "templates"
 
 
 def test_the_table_has_one_row_per_family_and_serves_every_vendor() -> None:

@@ -8,8 +8,8 @@ import numpy as np
 
 from builder.manifest import load_manifest
 from builder.stack import ResolvedStack
-from common.paths import SKUS
 from gates.gate import ProbeRun, _check_model, _GateRun
+from tests.paths import SKUS
 
 
 def _run(ref: dict, cand: dict) -> _GateRun:

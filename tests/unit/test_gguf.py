@@ -213,7 +213,7 @@ def test_a_llamacpp_sku_gets_the_fixture_with_its_gguf_and_others_the_fixture_it
     from builder.manifest import load_manifest
     from gates import bundle
 
-    monkeypatch.setattr(bundle, "STATE", tmp_path / "state")
+    monkeypatch.setenv("SKUPIN_STATE", str(tmp_path / "state"))
     plain = load_manifest(REPO / "skus" / "cpu-x86_64.yaml")
     assert bundle.model_folder(manifest=plain, scratch=tmp_path, fixture_dir=FIXTURE) == FIXTURE
     engine = plain.stack.engine.model_copy(update={"name": "llamacpp", "package": "llama-cpp-python"})

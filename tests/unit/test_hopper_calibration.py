@@ -10,9 +10,9 @@ import pytest
 from bench import calibrate_h200_derive as D
 from bench.detection import analysis as A
 from gates.bundle import bundle_sha256
-from gates.gate import repo_root
 from gates.tolerance import ToleranceKey, load_tolerances, lookup
 from gates.verdict import binomial_sf, clopper_pearson_upper
+from tests.paths import REPO
 
 RECORDS = D.RESULTS / "h200-calib-records.jsonl"
 
@@ -40,7 +40,7 @@ def test_the_binomial_tail_survives_calibrations_of_more_than_a_thousand_prompts
 def test_the_committed_hopper_entry_names_its_bundle_and_what_varied(model, dtype):
     entry = hopper(dtype, model)
     prov = entry.provenance
-    assert prov.reference_sha256 == bundle_sha256(repo_root() / f"gates/references/{model}/h200-{dtype}")
+    assert prov.reference_sha256 == bundle_sha256(REPO / f"gates/references/{model}/h200-{dtype}")
     assert prov.runs == 24 and prov.prompts_per_run == 64 and prov.margin == 4.0
     assert {v.split(",")[0] for v in prov.variations} == {"boot 1", "boot 2"}
     assert any("eager" in v for v in prov.variations) and any("batch 64" in v for v in prov.variations)

@@ -7,7 +7,7 @@ import pytest
 from builder.check import resolve
 from builder.imageconfig import DEFAULT_PATH, DockerfileConfigError, ImageConfig, apt_installs, config_of, instructions
 from builder.render import VENV, render, render_manifest
-from common.paths import SKUS
+from tests.paths import SKUS
 
 # The CPU image's config as the engine reported it after a real build (docker inspect .Config, less its labels).
 CPU_ENGINE_CONFIG = {

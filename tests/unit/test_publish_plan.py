@@ -271,7 +271,7 @@ def test_verification_lines():
 
 
 def test_find_verdict_returns_the_parsed_data(tmp_path, monkeypatch):
-    monkeypatch.setattr("publishing.publish.STATE", tmp_path)
+    monkeypatch.setenv("SKUPIN_STATE", str(tmp_path))
     assert find_verdict(sku="s", image_id=IMAGE, lock_sha256="f" * 64) is None
     gates = tmp_path / "gates" / "s"
 
@@ -293,7 +293,7 @@ def test_find_verdict_returns_the_parsed_data(tmp_path, monkeypatch):
 
 
 def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_path, monkeypatch):
-    monkeypatch.setattr("publishing.publish.STATE", tmp_path)
+    monkeypatch.setenv("SKUPIN_STATE", str(tmp_path))
     gates = tmp_path / "gates" / "s"
     (gates / "good").mkdir(parents=True)
     match = {"image_id": IMAGE, "lock_hash": "f" * 64, "decision": "pass"}
@@ -364,9 +364,9 @@ def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrot
     from builder.build import BuiltImage
     from builder.manifest import load_manifest
     from builder.stack import ResolvedStack
-    from common.paths import SKUS
     from dockerd import ImageInfo
     from gates.verdict import GateVerdict
+    from tests.paths import SKUS
 
     class Engine(FakeEngine):
         def inspect_image(self, ref):
@@ -391,7 +391,7 @@ def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrot
     real = publishing.verdict_facts
     monkeypatch.setattr(publishing, "verdict_facts", lambda data: reads.append(data) or real(data))
     monkeypatch.setattr(publishing, "expected_for", lambda _sku: expected())
-    monkeypatch.setattr(publishing, "STATE", tmp_path)
+    monkeypatch.setenv("SKUPIN_STATE", str(tmp_path))
     out = publishing.publish(built, gated, parse_target("127.0.0.1:5000"), docker=Engine(),  # type: ignore[arg-type]
                              signer=SIGNER, trusted=TRUSTED)
     assert len(reads) == 1 and out.image_id == IMAGE and out.tags[-1] == VERIFIED_TAG and out.keyid == SIGNER.keyid

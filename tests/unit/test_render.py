@@ -14,7 +14,7 @@ from builder.lockfile import Lock, LockedBase, LockedPackage
 from builder.manifest import load_manifest
 from builder.render import render_manifest, write_context
 from common.errors import BuildError
-from common.paths import REPO, SKUS
+from tests.paths import REPO, SKUS
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 MANIFESTS = sorted(SKUS.glob("*.yaml"))

@@ -9,7 +9,6 @@ from common.errors import GateCouldNotRun
 from gates.bundle import bundle_sha256
 from gates.calibrate import HonestRun, derive_entry
 from gates.compare import kernel_errors, model_statistics
-from gates.gate import repo_root
 from gates.tolerance import (
     DEFAULT_PATH,
     ToleranceKey,
@@ -20,6 +19,7 @@ from gates.tolerance import (
     merge_entry,
     write_tolerances,
 )
+from tests.paths import REPO
 from tests.unit.test_compare import candidate, probe_tensors, synthetic
 
 KEY = ToleranceKey(hardware_class="cpu-test", dtype="float32", model="tiny")
@@ -121,7 +121,7 @@ def test_lookup_of_a_missing_class_says_how_to_calibrate():
 def test_the_committed_cpu_entry_matches_the_committed_reference_bundle():
     tolerances = load_tolerances(DEFAULT_PATH)
     entry = lookup(tolerances, ToleranceKey(hardware_class="cpu-x86_64", dtype="float32", model="tiny-llama"))
-    bundle = repo_root() / "gates/references/tiny-llama/h200-float32"
+    bundle = REPO / "gates/references/tiny-llama/h200-float32"
     assert entry.provenance.reference_sha256 == bundle_sha256(bundle)
     assert entry.provenance.runs >= 4 and entry.provenance.margin > 1
     assert tolerances.hard_bounds.max_mean_kl == 0.5 and tolerances.hard_bounds.min_top1_agree == 0.8

@@ -14,7 +14,6 @@ import gates.gate as gate
 from builder.manifest import load_manifest
 from builder.stack import ResolvedStack
 from common.errors import GateCouldNotRun, GateFailed, GateUncalibrated, PublishError
-from common.paths import REPO, SKUS
 from gates.compare import KernelResult
 from gates.gate import ProbeRun, _GateRun
 from gates.tensorio import read_safetensors
@@ -36,8 +35,17 @@ from gates.verdict import (
     serve_uncalibrated,
 )
 from publishing.publish import refusals, verdict_facts
+from tests.paths import REPO, SKUS
 
 BUNDLE = REPO / "gates/references/tiny-llama/h200-float32"
+
+
+def ref(manifest):
+    return REPO / manifest.gate.reference
+
+
+def _warn(warning, manifest, tolerances):
+    return warning(manifest=manifest, tolerances=tolerances, reference=ref(manifest))
 CPU = SKUS / "cpu-x86_64.yaml"
 
 
@@ -171,15 +179,15 @@ def test_hard_bounds_are_the_gates_defaults():
 def test_check_warns_naming_the_key_and_the_fix():
     manifest = load_manifest(CPU)
     tolerances = load_tolerances(DEFAULT_PATH)
-    assert calibration_warning(manifest=manifest, tolerances=tolerances, repo=REPO) is None
-    missing = calibration_warning(manifest=manifest, tolerances=Tolerances(), repo=REPO)
+    assert calibration_warning(manifest=manifest, tolerances=tolerances, reference=ref(manifest)) is None
+    missing = calibration_warning(manifest=manifest, tolerances=Tolerances(), reference=ref(manifest))
     assert missing is not None and "no calibrated tolerance for cpu-x86_64/float32/tiny-llama" in missing
     assert "'uncalibrated' (exit 14)" in missing and "fix: skupin calibrate cpu-x86_64 on that hardware" in missing
     stale = tolerances.model_copy(update={"entries": tuple(
         e.model_copy(update={"provenance": e.provenance.model_copy(update={"reference_sha256": "d" * 64})})
         for e in tolerances.entries)})
-    assert "calibrated against bundle dddddddddddd" in str(calibration_warning(manifest=manifest, tolerances=stale,
-                                                                              repo=REPO))
+    warning = calibration_warning(manifest=manifest, tolerances=stale, reference=ref(manifest))
+    assert "calibrated against bundle dddddddddddd" in str(warning)
 
 
 def test_skupin_check_warns_on_stderr_and_still_exits_0(monkeypatch, capsys, tmp_path):
@@ -198,7 +206,7 @@ def test_skupin_check_warns_on_stderr_and_still_exits_0(monkeypatch, capsys, tmp
 def test_every_shipped_hopper_sku_has_its_entry():
     tolerances = load_tolerances(DEFAULT_PATH)
     for path in sorted(SKUS.glob("nvidia-*.yaml")):
-        assert calibration_warning(manifest=load_manifest(path), tolerances=tolerances, repo=REPO) is None, path.name
+        assert _warn(calibration_warning, load_manifest(path), tolerances) is None, path.name
 
 
 def test_the_float32_pass_of_every_shipped_bf16_sku_has_its_bundle_and_what_it_lacks_is_said():
@@ -209,11 +217,11 @@ def test_the_float32_pass_of_every_shipped_bf16_sku_has_its_bundle_and_what_it_l
     assert float32_manifest(h200).gate.reference == "gates/references/tiny-llama/h200-float32"
     assert float32_manifest(h200).gate.dtype == "float32"
     for path in sorted(SKUS.glob("nvidia-*.yaml")):  # calibrated on the H200 (bench/calibrate_h200*.py)
-        assert float32_pass_warning(manifest=load_manifest(path), tolerances=tolerances, repo=REPO) is None, path.name
-    amd = float32_pass_warning(manifest=load_manifest(SKUS / "amd-mi300x-vllm.yaml"), tolerances=tolerances, repo=REPO)
+        assert _warn(float32_pass_warning, load_manifest(path), tolerances) is None, path.name
+    amd = _warn(float32_pass_warning, load_manifest(SKUS / "amd-mi300x-vllm.yaml"), tolerances)
     assert amd is not None and "no calibrated tolerance for amd-cdna3/float32/tiny-llama" in amd
     assert "skupin calibrate amd-mi300x-vllm --float32" in amd
-    assert float32_pass_warning(manifest=load_manifest(CPU), tolerances=tolerances, repo=REPO) is None  # serves fp32
+    assert _warn(float32_pass_warning, load_manifest(CPU), tolerances) is None  # serves fp32
 
 
 def test_a_missing_float32_bundle_is_said_before_anything_is_built(tmp_path):
@@ -222,8 +230,9 @@ def test_a_missing_float32_bundle_is_said_before_anything_is_built(tmp_path):
     manifest = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
     repo = tmp_path / "repo"
     shutil.copytree(REPO / "gates/references/tiny-llama/h200-bfloat16", repo / "gates/references/tiny-llama/h200-bfloat16")
-    warning = float32_pass_warning(manifest=manifest, tolerances=load_tolerances(DEFAULT_PATH), repo=repo)
-    assert warning is not None and "needs the bundle gates/references/tiny-llama/h200-float32" in warning
+    warning = float32_pass_warning(manifest=manifest, tolerances=load_tolerances(DEFAULT_PATH),
+                                   reference=repo / manifest.gate.reference)
+    assert warning is not None and "needs the bundle {}".format(repo / "gates/references/tiny-llama/h200-float32") in warning
     assert "'could not run' (exit 11)" in warning
 
 

@@ -229,7 +229,7 @@ def test_report_of_the_committed_example_plots_without_matplotlib_warnings(tmp_p
     matplotlib warn about identical y limits."""
     import warnings
 
-    from common.paths import REPO
+    from tests.paths import REPO
 
     verdict = GateVerdict.model_validate_json((REPO / "docs/examples/gate-cpu-x86_64/verdict.json").read_text())
     with warnings.catch_warnings():

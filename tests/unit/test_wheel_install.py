@@ -183,7 +183,7 @@ def test_the_rendered_tools_folder_works_alone_in_a_fresh_venv(tmp_path):
     venv's own Python, which has neither skupin nor installer installed."""
     from builder.manifest import load_manifest
     from builder.render import render_manifest
-    from common.paths import SKUS
+    from tests.paths import SKUS
 
     rendered = render_manifest(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))
     for rel, text in rendered.files.items():

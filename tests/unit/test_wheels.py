@@ -72,8 +72,8 @@ def test_prune_keeps_what_the_locks_name_and_drops_the_rest(tmp_path, capsys):
     import shutil
 
     from builder.lockfile import lock_path, read_lock
-    from common.paths import SKUS
     from skupin.cli import main
+    from tests.paths import SKUS
 
     skus = tmp_path / "skus"
     skus.mkdir()
