@@ -102,11 +102,13 @@ def data_path(rel: str | Path) -> Path:
 
 
 def manifest_files(paths: list[Path]) -> list[Path]:
-    """Expand files and folders into manifest files (*.yaml, sorted); folders default to the catalog's skus/."""
+    """Expand SKU names, files and folders into manifest files (*.yaml, sorted); none given: the catalog's skus/."""
     found: list[Path] = []
     for path in paths or [skus_dir()]:
         if path.is_dir():
             found += sorted(p for p in path.glob("*.yaml") if p.is_file())
+        elif not path.exists() and path.suffix not in (".yaml", ".yml") and os.sep not in str(path):
+            found.append(sku_path(str(path)))  # a SKU name
         else:
             found.append(path)
     return found

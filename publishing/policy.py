@@ -13,6 +13,10 @@
 4. the lock is the SKU's current lock. A record for an older lock is refused (not a warning): the
    reason names both locks, so an operator sees it is stale rather than forged.
 
+Without a catalog (an operator who only installed skupin), steps 1-3 still apply except the
+comparisons with the catalog's bundle, tolerance entry and lock, which there is nothing to compare
+with: `Expected.catalog` is None and the answer says so (`verify` prints "no catalog: ...").
+
 `publish` runs `predicate_problems` while planning (before anything is pushed) and `evaluate` on the
 signed envelope before storing it; `verify`/`pull` run `evaluate` on what they fetch.
 """
@@ -29,7 +33,7 @@ from builder.lockfile import Lock, lock_path, read_lock
 from builder.manifest import load_manifest
 from common.errors import PublishError, SkupinError
 from common.model import Frozen, canonical_json
-from common.paths import data_path, sku_path
+from common.paths import data_path, find_catalog, sku_path
 from gates.bundle import bundle_sha256
 from gates.tolerance import DEFAULT_PATH as TOLERANCES_PATH
 from gates.tolerance import ToleranceKey, load_tolerances
@@ -47,20 +51,27 @@ REQUIRED_CHECKS = ("pins", "model")
 
 
 class Expected(Frozen):
-    """What this repository knows about a SKU: its current lock, reference bundle and tolerance entry."""
+    """What the catalog knows about a SKU: its current lock, reference bundle and tolerance entry (all None, with
+    `catalog` None, when there is no catalog: only the SKU's name is known)."""
 
     sku: str
-    lock_sha256: str
-    bundle_sha256: str
-    tolerance_key: str
-    tolerance_sha256: str | None = Field(description="None: the repository has no calibrated entry for the key")
+    lock_sha256: str | None
+    bundle_sha256: str | None
+    tolerance_key: str | None
+    tolerance_sha256: str | None = Field(description="None: the catalog has no calibrated entry for the key")
+    catalog: str | None = Field("", description="the catalog compared with; None: no catalog, nothing to compare")
 
 
 ExpectFor = Callable[[str], Expected]
 
 
 def expected_for(sku: str) -> Expected:
-    """The committed facts of `sku`: skus/<sku>.lock.json, its gate.reference bundle, gates/data/tolerances.yaml."""
+    """The committed facts of `sku`: skus/<sku>.lock.json, its gate.reference bundle, gates/data/tolerances.yaml;
+    only its name when there is no catalog (common/paths.py: find_catalog)."""
+    catalog = find_catalog()
+    if catalog is None:
+        return Expected(sku=sku, lock_sha256=None, bundle_sha256=None, tolerance_key=None, tolerance_sha256=None,
+                        catalog=None)
     path = sku_path(sku)
     manifest = load_manifest(path)
     lock = read_lock(lock_path(path))
@@ -73,7 +84,8 @@ def expected_for(sku: str) -> Expected:
                        model=manifest.gate.model)
     entry = load_tolerances(TOLERANCES_PATH).find(key)
     return Expected(sku=manifest.name, lock_sha256=lock.content_hash(), bundle_sha256=bundle, tolerance_key=key.label(),
-                    tolerance_sha256=tolerance_sha256(entry.model_dump(mode="json")) if entry else None)
+                    tolerance_sha256=tolerance_sha256(entry.model_dump(mode="json")) if entry else None,
+                    catalog=str(catalog))
 
 
 def verdict_sha256(document: dict[str, Any]) -> str:
@@ -94,23 +106,31 @@ def predicate_problems(predicate: VerificationPredicate, expected: Expected) -> 
     missing = [n for n in REQUIRED_CHECKS if statuses.get(n) != "pass"]
     if missing:
         out.append("required checks did not pass: " + ", ".join(f"{n} ({statuses.get(n, 'absent')})" for n in missing))
-    if predicate.reference.sha256 != expected.bundle_sha256:
-        out.append(f"reference bundle {predicate.reference.sha256[:12] or 'none'} is not the committed bundle of "
-                   f"{expected.sku} ({expected.bundle_sha256[:12]})")
     tol = predicate.tolerance
     if tol is None or tol.entry_sha256 is None:
         out.append("the attestation names no tolerance entry")
-    elif tol.key != expected.tolerance_key:
-        out.append(f"tolerance entry {tol.key} is not {expected.sku}'s ({expected.tolerance_key})")
-    elif tol.entry_sha256 != expected.tolerance_sha256:
-        out.append(f"tolerance entry {tol.key} ({tol.entry_sha256[:12]}) is not the committed entry "
-                   f"({str(expected.tolerance_sha256)[:12]}) of gates/data/tolerances.yaml")
     try:
         if Lock.model_validate(predicate.lock).content_hash() != predicate.lock_sha256:
             out.append("the attestation's lock does not hash to its lock_sha256")
     except ValueError as exc:
         out.append(f"the attestation's lock is malformed: {str(exc)[:200]}")
-    if predicate.lock_sha256 != expected.lock_sha256:
+    return out + _catalog_problems(predicate, expected)
+
+
+def _catalog_problems(predicate: VerificationPredicate, expected: Expected) -> list[str]:
+    """Where the predicate differs from what the catalog commits (nothing to compare without a catalog)."""
+    out: list[str] = []
+    if expected.bundle_sha256 is not None and predicate.reference.sha256 != expected.bundle_sha256:
+        out.append(f"reference bundle {predicate.reference.sha256[:12] or 'none'} is not the committed bundle of "
+                   f"{expected.sku} ({expected.bundle_sha256[:12]})")
+    tol = predicate.tolerance
+    if tol is not None and tol.entry_sha256 is not None and expected.tolerance_key is not None:
+        if tol.key != expected.tolerance_key:
+            out.append(f"tolerance entry {tol.key} is not {expected.sku}'s ({expected.tolerance_key})")
+        elif tol.entry_sha256 != expected.tolerance_sha256:
+            out.append(f"tolerance entry {tol.key} ({tol.entry_sha256[:12]}) is not the committed entry "
+                       f"({str(expected.tolerance_sha256)[:12]}) of gates/data/tolerances.yaml")
+    if expected.lock_sha256 is not None and predicate.lock_sha256 != expected.lock_sha256:
         out.append(f"gated with lock {predicate.lock_sha256[:12]}, the current lock of {expected.sku} is "
                    f"{expected.lock_sha256[:12]} (an attestation for an older lock)")
     return out

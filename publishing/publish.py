@@ -57,7 +57,7 @@ from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from common import __version__
 from common.errors import BundleError, DockerError, NetworkError, PublishError
 from common.model import Frozen, canonical_json
-from common.paths import sku_path, state_dir
+from common.paths import NO_CATALOG_FIX, sku_path, state_dir
 from common.untrusted import load_json, read_regular_file
 from dockerd import Docker, ImageInfo
 from gates.verdict import GateVerdict
@@ -578,6 +578,15 @@ def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, di
     return (found[0], newest) if found else None
 
 
+def _catalog_facts(sku: str) -> Expected:
+    """What the catalog commits for `sku`: publishing always compares with a catalog (verify may go without one)."""
+    expected = expected_for(sku)
+    if expected.catalog is None:
+        raise PublishError(f"{sku}: publishing needs a catalog (its lock, bundle and tolerance are attested); "
+                           f"fix: {NO_CATALOG_FIX}")
+    return expected
+
+
 def _verdict_files(root: Path) -> list[Path]:
     """Every regular file named verdict.json under `root`, newest (lstat mtime) first; the probe's output folders
     (`probe/`, container-writable before the probe printed its outputs) are not searched."""
@@ -645,7 +654,7 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
         verdict = _read_verdict(vpath, manifest.name)
     target, untag, hint = publish_target(registry, addr)
     plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
-                        verdict=verdict_facts(verdict), target=target, expected=expected_for(manifest.name))
+                        verdict=verdict_facts(verdict), target=target, expected=_catalog_facts(manifest.name))
     return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=hint,
                     on_event=on_event)
 
@@ -666,7 +675,7 @@ def publish(built: BuiltImage, verdict: GateVerdict, target: RegistryTarget, *, 
         raise PublishError(f"{built.sku}: the stack it was built from has no current lock; fix: skupin lock {built.sku}")
     info = _local_image(docker=docker, ref=built.image_id, sku=built.sku)
     plan = plan_publish(sku=built.sku, engine_version=built.stack.manifest.stack.engine.version, lock=lock,
-                        image_id=info.id, verdict=facts_of(verdict), target=target, expected=expected_for(built.sku))
+                        image_id=info.id, verdict=facts_of(verdict), target=target, expected=_catalog_facts(built.sku))
     return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=registry_hint,
                     on_event=on_event)
 

@@ -20,7 +20,7 @@ from clients.oci import RegistryClient, parse_image_ref
 from common.errors import NetworkError, PublishError, SkupinError
 from common.model import Frozen
 from common.untrusted import json_depth
-from publishing.attest import TrustedKeys, trusted_keys
+from publishing.attest import TrustedKeys, VerificationPredicate, trusted_keys
 from publishing.policy import ExpectFor, PolicyResult, evaluate, expectations, expected_for, signed_predicate
 from publishing.publish import VERIFIED_TAG, RegistryTarget, read_attestations
 
@@ -39,12 +39,16 @@ class Verification(Frozen):
     gate_date: str | None = None
     signer: str | None = Field(None, description="Key id of the trusted key that signed the attestation")
     reason: str = ""
+    catalog: str | None = Field(None, description="The catalog whose lock, bundle and tolerance were compared; None: "
+                                                  "no catalog, so signature, subject, SKU and gate only")
+    unreachable: bool = Field(False, description="The registry could not be reached or answered wrongly (exit 9)")
     image_id: str | None = Field(None, exclude=True)  # the attestation's image id; not part of `verify --json`
 
     def line(self) -> str:
         if self.ok:
+            against = "" if self.catalog else "; no catalog: not compared with a current lock, bundle or tolerance"
             return (f"verified: {self.ref} -> {self.reference} ({self.sku}, lock {str(self.lock_sha256)[:12]}, "
-                    f"gate passed {self.gate_date or 'at an unknown date'}, signed by {str(self.signer)[:12]})")
+                    f"gate passed {self.gate_date or 'at an unknown date'}, signed by {str(self.signer)[:12]}{against})")
         return f"NOT verified: {self.ref}: {self.reason}"
 
 
@@ -82,7 +86,7 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
         try:
             digest = client.resolve(name.repository, name.digest or name.tag or VERIFIED_TAG)
         except NetworkError as exc:
-            return no(f"cannot resolve it: {exc}")
+            return no(f"cannot resolve it: {exc}", unreachable=True)
         if name.digest and digest != name.digest:
             return no(f"the registry serves {digest} for {name.digest}")
         pinned = f"{name.registry}/{name.repository}@{digest}"
@@ -90,7 +94,7 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
             envelopes = read_attestations(client=client, repository=name.repository, digest=digest)
             image = client.get_manifest(name.repository, digest)
         except (PublishError, NetworkError) as exc:
-            return no(str(exc), digest=digest, reference=pinned)
+            return no(str(exc), digest=digest, reference=pinned, unreachable=isinstance(exc, NetworkError))
         try:
             body = image.json() if len(image.body) <= MAX_MANIFEST_BYTES and json_depth(image.body) <= 16 else None
         except (ValueError, RecursionError):
@@ -101,17 +105,65 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
         config = block.get("digest") if isinstance(block, dict) and isinstance(block.get("digest"), str) else None
         results = [evaluate(env, trusted=keys, digest=digest, expected=expected, image_id=config) for env in envelopes]
         best = next((r for r in results if r.ok), results[0])
-        return _answer(ref=ref, pinned=pinned, digest=digest, result=best)
+        return _answer(ref=ref, pinned=pinned, digest=digest, result=best, catalog=expected.catalog)
     finally:
         client.close()
 
 
-def _answer(*, ref: str, pinned: str, digest: str, result: PolicyResult) -> Verification:
+def _answer(*, ref: str, pinned: str, digest: str, result: PolicyResult, catalog: str | None) -> Verification:
     p = result.predicate
-    base = dict(ref=ref, reference=pinned, digest=digest, signer=result.keyid)
+    base = dict(ref=ref, reference=pinned, digest=digest, signer=result.keyid, catalog=catalog)
     if p is not None:
         base.update(sku=p.sku, lock_sha256=p.lock_sha256, gate_date=p.gate_created, image_id=p.image_id)
     return Verification(ok=result.ok, reason=result.reason(), **base)
+
+
+class Record(Frozen):
+    """One attestation stored for a digest: its signer and record when a trusted key signed it, else why not."""
+
+    signer: str | None = None
+    predicate: VerificationPredicate | None = None
+    problem: str = ""
+
+
+class Inspection(Frozen):
+    """What `skupin inspect REF` prints: the digest REF resolves to and every attestation stored for it."""
+
+    ref: str
+    reference: str
+    digest: str
+    records: tuple[Record, ...]
+
+
+def inspect_reference(*, ref: str, trusted: TrustedKeys | list[Path] | None = None,
+                      client_for: ClientFor = _default_client) -> Inspection:
+    """Resolve `ref` and read its attestations; only what a trusted key signed is shown (the rest is named unread).
+
+    NetworkError when the registry cannot be reached; PublishError when REF names neither tag nor digest,
+    no key is trusted, or the registry holds no attestation for the digest. The SKU, lock and gate are
+    reported as signed, not compared with a catalog (`verify` does that).
+    """
+    name = parse_image_ref(ref)
+    if not name.tag and not name.digest:
+        raise PublishError(f"{ref}: give a tag or a digest (host/repo:tag)")
+    keys = _trusted(trusted)
+    if not len(keys):
+        raise PublishError("no trusted public keys (keys/trusted/*.pub, .skupin/keys/trusted/*.pub or --key FILE)")
+    with client_for(name.registry) as client:
+        digest = client.resolve(name.repository, name.digest or name.tag or VERIFIED_TAG)
+        if name.digest and digest != name.digest:
+            raise PublishError(f"{ref}: the registry serves {digest} for {name.digest}")
+        envelopes = read_attestations(client=client, repository=name.repository, digest=digest)
+    records = []
+    for env in envelopes:
+        try:
+            predicate, keyid = signed_predicate(env, trusted=keys, digest=digest)
+        except PublishError as exc:
+            records.append(Record(problem=str(exc)))
+            continue
+        records.append(Record(signer=keyid, predicate=predicate))
+    return Inspection(ref=ref, reference=f"{name.registry}/{name.repository}@{digest}", digest=digest,
+                      records=tuple(records))
 
 
 def pull_verified(*, sku: str, target: RegistryTarget, docker, expect: ExpectFor = expected_for,

@@ -6,7 +6,7 @@ so `skupin --help` loads none of them):
     skupin/cli/build.py      check, render, lock, matrix, schema, docker up, base, build, wheels prune
     skupin/cli/reference.py  reference capture|verify, fixture generate
     skupin/cli/gate.py       gate, calibrate, ab
-    skupin/cli/publish.py    registry up|down|status, publish, verify, pull, run
+    skupin/cli/publish.py    registry up|down|status, keys, publish, verify, inspect, pull, run
     skupin/cli/releases.py   compat refresh, watch
 
 Nothing imports this package: it sits on top of the build side (builder/), the gate side

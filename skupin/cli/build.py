@@ -16,27 +16,49 @@ from skupin.cli.output import err, out, progress_printer
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """Every problem of every manifest at once; exit 2 (manifest), 3 (compatibility) or 4 (a stale lock), else 0."""
     from builder.check import check_paths, raise_for
+    from common.errors import LockError
 
     reports = check_paths([Path(p) for p in args.paths], with_lock=not args.no_lock)
     if not reports:
         raise SkupinError(f"no manifests found in {', '.join(args.paths) or 'skus/'}")
+    stale = [r.stack for r in reports if r.stack is not None and r.stack.lock_state == "stale"]
+    try:
+        raise_for(reports)
+        if stale:
+            raise LockError(f"{len(stale)} stale lock(s)")
+        code = 0
+    except SkupinError as exc:
+        code = exc.exit_code
+    if args.json:
+        out(json.dumps({"exit_code": code, "manifests": [_check_json(r) for r in reports]}, indent=2))
+        return code
     for report in reports:
         for problem in report.manifest_problems + report.compat_problems:
             out(str(problem))
-    try:
-        raise_for(reports)
-    except SkupinError as exc:
-        bad = sum(1 for r in reports if r.manifest_problems or r.compat_problems)
+    bad = sum(1 for r in reports if r.manifest_problems or r.compat_problems)
+    if bad:
         out(f"{bad} of {len(reports)} manifest(s) have problems")
-        return exc.exit_code
+        return code
     for report in reports:
         stack = report.stack
         assert stack is not None
         note = f" ({stack.lock_note})" if stack.lock_note else ""
-        out(f"ok  {stack.manifest.name:<24} lock: {stack.lock_state}{note}")
+        out(f"{'ok ' if stack.lock_state != 'stale' else 'bad'} {stack.manifest.name:<24} lock: {stack.lock_state}{note}")
     _warn_uncalibrated([r.stack.manifest for r in reports if r.stack is not None])
-    return 0
+    if stale:
+        out(f"{len(stale)} of {len(reports)} lock(s) are stale: a build would refuse them; fix: "
+            f"skupin lock {' '.join(s.manifest.name for s in stale)}")
+    return code
+
+
+def _check_json(report) -> dict:
+    stack = report.stack
+    return {"file": report.file, "sku": stack.manifest.name if stack else None,
+            "lock": stack.lock_state if stack else None, "lock_note": stack.lock_note if stack else "",
+            "problems": [{"file": p.file, "field": p.field, "message": p.message, "fix": p.fix}
+                         for p in report.manifest_problems + report.compat_problems]}
 
 
 def _warn_uncalibrated(manifests) -> None:
@@ -122,7 +144,12 @@ def cmd_lock(args: argparse.Namespace) -> int:
         )
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
         tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
-        out(f"locked {manifest.name}: {len(lock.packages())} packages ({counts}) -> {lock_path(path)}; image {tag}")
+        if args.json:
+            out(json.dumps({"sku": manifest.name, "lock": str(lock_path(path)), "lock_sha256": lock.content_hash(),
+                            "packages": len(lock.packages()), "layers": {k: len(v) for k, v in lock.layers.items()},
+                            "image": tag}))
+        else:
+            out(f"locked {manifest.name}: {len(lock.packages())} packages ({counts}) -> {lock_path(path)}; image {tag}")
     return 0
 
 
@@ -222,9 +249,12 @@ def cmd_wheels(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add the build side's commands to the `skupin` parser."""
-    p = sub.add_parser("check", help="validate manifests, pin compatibility and locks; report every problem")
-    p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
+    p = sub.add_parser("check", help="validate manifests, pin compatibility and locks; report every problem "
+                                     "(exit 2 manifest, 3 compatibility, 4 a stale lock)")
+    p.add_argument("paths", nargs="*", default=[],
+                   help="SKU names, manifest files or folders (default: the catalog's skus/)")
     p.add_argument("--no-lock", action="store_true", help="skip the lock freshness check")
+    p.add_argument("--json", action="store_true", help="print every manifest's problems and lock state as JSON")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("render", help="print a SKU's Dockerfile (no Docker daemon needed)")
@@ -242,6 +272,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels, preferred over the index (e.g. /opt/wheels)")
     p.add_argument("--index-url", metavar="URL", help="a mirror used instead of PyPI")
     p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="CA bundle pip trusts (default: SSL_CERT_FILE or the system's)")
+    p.add_argument("--json", action="store_true", help="print one JSON line per lock written")
     p.set_defaults(func=cmd_lock)
 
     p = sub.add_parser("matrix", help="the CI matrix as JSON: one entry per SKU with runner labels")

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common.errors import PublishError
+from common.errors import NetworkError, PublishError
 from skupin.cli.output import err as _err
 from skupin.cli.output import out as _out
 
@@ -74,7 +74,38 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     result = verify_reference(ref=args.ref, sku=_sku_name(args.sku), trusted=args.key or None)
     _out(json.dumps(result.model_dump(mode="json")) if args.json else result.line())
-    return 0 if result.ok else PublishError.exit_code
+    if result.ok:
+        return 0
+    return NetworkError.exit_code if result.unreachable else PublishError.exit_code
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from publishing.verify import inspect_reference
+
+    found = inspect_reference(ref=args.ref, trusted=args.key or None)
+    if args.json:
+        _out(json.dumps(found.model_dump(mode="json"), indent=2, sort_keys=True))
+    else:
+        _out(f"{found.ref} -> {found.reference}")
+        for number, record in enumerate(found.records, 1):
+            p = record.predicate
+            if p is None:
+                _out(f"attestation {number}: not read (not signed by a trusted key): {_shown(record.problem)}")
+                continue
+            _out(f"attestation {number}: signed by {record.signer}")
+            for label, value in (("sku", p.sku), ("decision", f"{p.decision}: {p.reason}"), ("image id", p.image_id),
+                                 ("lock", p.lock_sha256), ("reference bundle", f"{p.reference.sha256} {p.reference.path}"),
+                                 ("tolerance", f"{p.tolerance.key} {p.tolerance.entry_sha256}" if p.tolerance else "none"),
+                                 ("gate", f"{p.gate_created} (skupin {p.gate_tool_version})"),
+                                 ("published", f"{p.published} (skupin {p.tool_version})"),
+                                 ("checks", ", ".join(f"{c.name} {c.status}" for c in p.checks))):
+                _out(f"  {label:<17}{_shown(str(value))}")
+    return 0 if any(r.predicate is not None for r in found.records) else PublishError.exit_code
+
+
+def _shown(text: str) -> str:
+    """Text from a registry, printed with control characters escaped (a record cannot rewrite the terminal)."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -86,6 +117,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
     target = parse_target(args.registry or default_registry(addr=args.addr).addr)
     result, image_id = pull_verified(sku=str(_sku_name(args.sku)), target=target, docker=connect(),
                                      trusted=args.key or None)
+    if args.json:
+        _out(json.dumps({**result.model_dump(mode="json"), "image_id": image_id}))
+        return 0
     _out(result.line())
     _out(f"image id {image_id}")
     _out(str(result.reference))
@@ -142,7 +176,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """`registry`, `keys`, `publish`, `verify`, `pull`, `run`."""
+    """`registry`, `keys`, `publish`, `verify`, `inspect`, `pull`, `run`."""
     from common.paths import REGISTRY_ADDR as DEFAULT_ADDR
 
     p = sub.add_parser("registry", help="the default local OCI registry: up, down, status (127.0.0.1:5000)")
@@ -198,6 +232,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.set_defaults(func=cmd_verify)
 
+    p = sub.add_parser("inspect", help="operators: print the signed records (attestations) stored for REF's digest: SKU, "
+                                       "gate decision and checks, lock, reference bundle, tolerance, dates; only what a "
+                                       "trusted key signed is shown; exit 8 when nothing is, 9 when the registry fails")
+    p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
+    p.add_argument("--key", type=Path, action="append", metavar="FILE",
+                   help="trusted public key (PEM); repeatable; replaces the default keys/trusted/*.pub and "
+                        ".skupin/keys/trusted/*.pub")
+    p.add_argument("--json", action="store_true", help="print the records as JSON")
+    p.set_defaults(func=cmd_inspect)
+
     p = sub.add_parser("pull", help="pull the verified digest of a SKU (not a tag); prints name@sha256:... last")
     p.add_argument("sku", help="SKU name, or a manifest path (its name is used)")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry)")
@@ -205,6 +249,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key", type=Path, action="append", metavar="FILE",
                    help="trusted public key (PEM); repeatable; replaces the default keys/trusted/*.pub and "
                         ".skupin/keys/trusted/*.pub")
+    p.add_argument("--json", action="store_true", help="print the verification and the local image id as JSON")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("run", help="the whole pipeline: check, lock, docker, base, build, gate, registry, publish, verify "

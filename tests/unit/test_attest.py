@@ -189,8 +189,29 @@ def test_a_second_signature_by_a_trusted_key_is_enough():
 
 def test_expected_for_reads_the_committed_files():
     exp = expected_for("cpu-x86_64")
-    assert exp.sku == "cpu-x86_64" and len(exp.lock_sha256) == 64 and len(exp.bundle_sha256) == 64
-    assert exp.tolerance_key.startswith("cpu-x86_64/") and exp.tolerance_sha256 is not None
+    assert exp.sku == "cpu-x86_64" and len(str(exp.lock_sha256)) == 64 and len(str(exp.bundle_sha256)) == 64
+    assert str(exp.tolerance_key).startswith("cpu-x86_64/") and exp.tolerance_sha256 is not None
+    assert exp.catalog == str(REPO)
+
+
+NO_CATALOG = Expected(sku="cpu-x86_64", lock_sha256=None, bundle_sha256=None, tolerance_key=None, tolerance_sha256=None,
+                      catalog=None)
+
+
+def test_without_a_catalog_only_the_signed_facts_are_checked(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SKUPIN_ROOT", raising=False)
+    assert expected_for("cpu-x86_64") == NO_CATALOG
+    old_lock = predicate(reference=ReferencePin(sha256="f" * 64),
+                         tolerance=TolerancePin(key="other/float32/x", entry_sha256="0" * 64))
+    assert evaluate(envelope(old_lock), trusted=TRUSTED, digest=DIGEST, expected=NO_CATALOG, image_id=IMAGE_ID).ok
+    for bad, why in ((envelope(signer=STRANGER), "does not verify with any trusted key"),
+                     (envelope(predicate(decision="fail")), "the gate did not pass"),
+                     (envelope(predicate(sku="cuda-h200")), "is for SKU cuda-h200"),
+                     (envelope(predicate(tolerance=None)), "names no tolerance entry"),
+                     (envelope(digest=OTHER_DIGEST), "a signature over another image")):
+        result = evaluate(bad, trusted=TRUSTED, digest=DIGEST, expected=NO_CATALOG, image_id=IMAGE_ID)
+        assert not result.ok and why in result.reason(), result.reason()
 
 
 # ---------------------------------------------------------------- keys

@@ -264,9 +264,12 @@ def test_registry_config_is_loopback_with_its_own_storage(tmp_path):
 
 
 def test_verification_lines():
-    ok = Verification(ok=True, ref="r:verified", reference=f"r@{IMAGE}", sku="s", lock_sha256="f" * 64, gate_date="D")
+    ok = Verification(ok=True, ref="r:verified", reference=f"r@{IMAGE}", sku="s", lock_sha256="f" * 64, gate_date="D",
+                      catalog="/c")
     ok = ok.model_copy(update={"signer": "a" * 64})
     assert ok.line() == f"verified: r:verified -> r@{IMAGE} (s, lock ffffffffffff, gate passed D, signed by aaaaaaaaaaaa)"
+    assert ok.model_copy(update={"catalog": None}).line().endswith(
+        "aaaaaaaaaaaa; no catalog: not compared with a current lock, bundle or tolerance)")
     assert Verification(ok=False, ref="r:x", reason="why").line() == "NOT verified: r:x: why"
 
 

@@ -1,0 +1,97 @@
+"""common/paths.py: which catalog a command acts on (--root, SKUPIN_ROOT, the nearest folder holding skus/), and
+where shipped data is read from; never another checkout (issue 20)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from common import paths
+from common.errors import ManifestError
+from skupin.cli import main
+from tests.paths import REPO
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """A folder outside any catalog, with discovery's inputs cleared."""
+    monkeypatch.delenv(paths.ROOT_ENV, raising=False)
+    monkeypatch.delenv(paths.STATE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def _catalog(root: Path) -> Path:
+    (root / "skus").mkdir(parents=True)
+    shutil.copy(REPO / "skus" / "cpu-x86_64.yaml", root / "skus")
+    shutil.copy(REPO / "skus" / "cpu-x86_64.lock.json", root / "skus")
+    return root
+
+
+def test_the_nearest_folder_holding_skus_is_the_catalog(elsewhere, tmp_path, monkeypatch):
+    assert paths.find_catalog() is None  # the package's own checkout is never picked up from outside it
+    with pytest.raises(ManifestError, match="no catalog: no skus/ folder in .* fix: .*--root DIR.*SKUPIN_ROOT"):
+        paths.catalog()
+    assert paths.state_dir() == tmp_path / "cache" / "skupin"
+    cat = _catalog(tmp_path / "cat")
+    deep = cat / "a" / "b"
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep)
+    assert paths.find_catalog() == cat.resolve()
+    assert paths.sku_path("cpu-x86_64") == cat.resolve() / "skus" / "cpu-x86_64.yaml"
+    assert paths.state_dir() == cat.resolve() / ".skupin"
+    monkeypatch.setenv(paths.STATE_ENV, str(tmp_path / "state"))
+    assert paths.state_dir() == tmp_path / "state"
+
+
+def test_root_and_the_environment_come_before_discovery(elsewhere, tmp_path, monkeypatch):
+    one, two = _catalog(tmp_path / "one"), _catalog(tmp_path / "two")
+    monkeypatch.chdir(one)
+    monkeypatch.setenv(paths.ROOT_ENV, str(two))
+    assert paths.find_catalog() == two.resolve()
+    paths.use_root(one)
+    try:
+        assert paths.find_catalog() == one.resolve()
+    finally:
+        paths.use_root(None)
+    monkeypatch.setenv(paths.ROOT_ENV, str(tmp_path))
+    with pytest.raises(ManifestError, match=f"SKUPIN_ROOT {tmp_path}: not a catalog"):
+        paths.find_catalog()
+    with pytest.raises(ManifestError, match="--root .*: not a catalog"):
+        paths.use_root(tmp_path / "nope")
+
+
+def test_shipped_data_unless_the_catalog_holds_its_own(elsewhere, tmp_path, monkeypatch):
+    cat = _catalog(tmp_path / "cat")
+    monkeypatch.chdir(cat)
+    reference = "gates/references/tiny-llama/h200-float32"
+    assert paths.data_path(reference) == paths.PACKAGE_ROOT / reference
+    assert paths.templates_dir() == paths.SHIPPED_TEMPLATES and (paths.SHIPPED_TEMPLATES / "base.Dockerfile.j2").is_file()
+    (cat / reference).mkdir(parents=True)
+    (cat / "templates").mkdir()
+    assert paths.data_path(reference) == cat.resolve() / reference
+    assert paths.templates_dir() == cat.resolve() / "templates"
+
+
+def test_a_catalogs_templates_override_the_shipped_ones(elsewhere, tmp_path, monkeypatch, capsys):
+    cat = _catalog(tmp_path / "cat")
+    shutil.copytree(paths.SHIPPED_TEMPLATES, cat / "templates")
+    base = cat / "templates" / "base.Dockerfile.j2"
+    base.write_text(base.read_text() + "# a catalog's own line\n")
+    assert main(["--root", str(cat), "render", "cpu-x86_64"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("# a catalog's own line")
+    monkeypatch.chdir(cat)
+    assert main(["check", "cpu-x86_64"]) != 0  # the lock pins the shipped templates' Dockerfile: stale here
+    assert "stale" in capsys.readouterr().out
+
+
+def test_the_cli_names_the_way_out_when_there_is_no_catalog(elsewhere, capsys):
+    assert main(["check"]) == 2
+    assert "fix: run it inside a catalog" in capsys.readouterr().err
+    assert main(["--root", str(REPO), "render", "cpu-x86_64"]) == 0
+    assert paths.find_catalog() is None  # --root lasts one command
