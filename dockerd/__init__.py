@@ -21,7 +21,7 @@ Its surface is small on purpose:
 """
 
 from dockerd.client import Docker, RunningContainer, connect
-from dockerd.daemon import DEFAULT_SOCKET, DockerdStatus, ensure_dockerd
+from dockerd.daemon import DEFAULT_SOCKET, DockerdStatus, engine_host, ensure_dockerd
 from dockerd.specs import (
                            DEADLINE_GRACE_S,
                            KILL_AFTER_S,
@@ -38,4 +38,4 @@ from dockerd.specs import (
 
 __all__ = ["DEADLINE_GRACE_S", "DEFAULT_SOCKET", "KILL_AFTER_S", "OWNER_LABEL", "SANDBOX_LABEL", "SESSION_LABEL",
            "BindMount", "ContainerSpec", "Docker", "DockerdStatus", "ExecResult", "ImageInfo", "ReapedContainer",
-           "RunResult", "RunningContainer", "connect", "ensure_dockerd"]
+           "RunResult", "RunningContainer", "connect", "engine_host", "ensure_dockerd"]

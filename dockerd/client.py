@@ -21,7 +21,7 @@ from docker.types import Mount as _DockerMount
 
 from common.errors import BuildError, DockerError
 from dockerd.capture import OutputCapture
-from dockerd.daemon import DEFAULT_SOCKET
+from dockerd.daemon import engine_host
 from dockerd.owners import boot_id, owner_gone, owner_labels, pid_namespace
 from dockerd.specs import (
     DEADLINE_GRACE_S,
@@ -159,9 +159,10 @@ def _is_timeout(exc: BaseException) -> bool:
 class Docker:
     """A connected Docker engine: images, sandboxed containers and BuildKit builds."""
 
-    def __init__(self, client: docker.DockerClient, *, socket: Path, cli: str | None = None) -> None:
+    def __init__(self, client: docker.DockerClient, *, host: str, cli: str | None = None) -> None:
         self._client = client
-        self.socket = socket
+        self.host = host  # unix:///var/run/docker.sock, tcp://..., ssh://...
+        self.socket = Path(host.removeprefix("unix://")) if host.startswith("unix://") else None
         self._cli = cli
         # Every container this Docker object creates carries SESSION_LABEL=<this id>, so a caller
         # can find (only) its own leftovers on an engine other people use at the same time.
@@ -175,7 +176,7 @@ class Docker:
             self._client.ping()
             return str(self._client.version().get("Version", "unknown"))
         except Exception as exc:
-            raise DockerError(f"the Docker engine at {self.socket} does not answer: {exc}") from exc
+            raise DockerError(f"the Docker engine at {self.host} does not answer: {exc}") from exc
 
     def close(self) -> None:
         self._client.close()
@@ -544,7 +545,7 @@ class Docker:
 
     def _cli_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
-        env.update(DOCKER_HOST=f"unix://{self.socket}", DOCKER_BUILDKIT="1", BUILDKIT_PROGRESS="plain")
+        env.update(DOCKER_HOST=self.host, DOCKER_BUILDKIT="1", BUILDKIT_PROGRESS="plain")
         return env
 
     def build(
@@ -643,11 +644,13 @@ def _interrupt(proc: subprocess.Popen) -> None:
             continue
 
 
-def connect(*, socket: Path = DEFAULT_SOCKET, timeout_s: int = 120, cli: str | None = None) -> Docker:
-    """Connect to the engine on `socket`; DockerError (with the fix) when none answers."""
+def connect(*, socket: Path | None = None, timeout_s: int = 120, cli: str | None = None) -> Docker:
+    """Connect to the engine on `socket`, by default the one the docker CLI would use (`engine_host`: DOCKER_HOST, the
+    Docker context, /var/run/docker.sock); DockerError (with the fix) when none answers."""
+    host = f"unix://{socket}" if socket is not None else engine_host()
     try:
-        client = docker.DockerClient(base_url=f"unix://{socket}", timeout=timeout_s)
+        client = docker.DockerClient(base_url=host, timeout=timeout_s)
         client.ping()
     except Exception as exc:
-        raise DockerError(f"no Docker daemon answers on {socket}: {exc}; fix: run `skupin docker up`") from exc
-    return Docker(client, socket=socket, cli=cli)
+        raise DockerError(f"no Docker daemon answers at {host}: {exc}; fix: run `skupin docker up`") from exc
+    return Docker(client, host=host, cli=cli)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
 import subprocess
 import time
@@ -39,6 +42,38 @@ class DockerdStatus(Frozen):
     log: str | None = None
 
 
+def engine_host() -> str:
+    """The engine the docker CLI would talk to: $DOCKER_HOST, else the Docker context in use ($DOCKER_CONTEXT, else
+    the config's currentContext), else unix:///var/run/docker.sock. DockerError naming the file when a context is
+    named but cannot be read."""
+    if os.environ.get("DOCKER_HOST"):
+        return os.environ["DOCKER_HOST"]
+    config_dir = Path(os.environ.get("DOCKER_CONFIG") or Path.home() / ".docker")
+    name = os.environ.get("DOCKER_CONTEXT")
+    if not name:
+        try:
+            config = json.loads((config_dir / "config.json").read_bytes()[:1024**2])
+        except (OSError, ValueError, RecursionError):
+            config = {}
+        name = config.get("currentContext") if isinstance(config, dict) else None
+    if not name or name == "default":
+        return f"unix://{DEFAULT_SOCKET}"
+    meta = config_dir / "contexts" / "meta" / hashlib.sha256(str(name).encode()).hexdigest() / "meta.json"
+    try:
+        host = json.loads(meta.read_bytes()[:1024**2])["Endpoints"]["docker"]["Host"]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as exc:
+        raise DockerError(f"{meta}: cannot read the endpoint of Docker context {name!r}: {exc}; fix: "
+                          f"`docker context use default`, or set DOCKER_HOST") from exc
+    if not isinstance(host, str) or not host:
+        raise DockerError(f"{meta}: Docker context {name!r} names no docker endpoint")
+    return host
+
+
+def local_socket(host: str) -> Path | None:
+    """The socket file of a unix:// host, else None (an engine skupin can only talk to, never start)."""
+    return Path(host.removeprefix("unix://")) if host.startswith("unix://") else None
+
+
 def _server_version(socket: Path) -> str | None:
     """The engine's version when the socket answers a ping, else None."""
     if not socket.exists():
@@ -47,6 +82,17 @@ def _server_version(socket: Path) -> str | None:
         client = docker.DockerClient(base_url=f"unix://{socket}", timeout=5)
         try:
             client.ping()
+            return str(client.version().get("Version", "unknown"))
+        finally:
+            client.close()
+    except Exception:  # any failure means "does not answer"
+        return None
+
+
+def _remote_version(host: str) -> str | None:
+    try:
+        client = docker.DockerClient(base_url=host, timeout=10)
+        try:
             return str(client.version().get("Version", "unknown"))
         finally:
             client.close()
@@ -69,14 +115,26 @@ def ensure_dockerd(
     *,
     deadline_s: float = 60,
     on_event: OnEvent = _quiet,
-    socket: Path = DEFAULT_SOCKET,
+    socket: Path | None = None,
     log_path: Path = DEFAULT_DOCKERD_LOG,
 ) -> DockerdStatus:
-    """Make sure a Docker engine answers on `socket`; start (and if needed install) dockerd.
+    """Make sure a Docker engine answers on `socket` (default: `engine_host()`); start dockerd when none does, after
+    installing Debian's docker.io when it is missing and installs are allowed (common/apt.py), else DockerError.
 
-    An engine that already answers is never touched. Raises DockerError with the tail of the
-    dockerd log when the engine does not come up within `deadline_s`.
+    An engine that already answers is never touched, and an engine elsewhere (DOCKER_HOST or a context naming
+    tcp:// or ssh://) is only asked, never started. Raises DockerError with the tail of the dockerd log when the
+    engine does not come up within `deadline_s`.
     """
+    if socket is None:
+        host = engine_host()
+        socket = local_socket(host)
+        if socket is None:
+            version = _remote_version(host)
+            if version is None:
+                raise DockerError(f"no Docker engine answers at {host} (DOCKER_HOST or the Docker context); skupin "
+                                  f"starts dockerd only on a local socket; fix: start that engine, or unset DOCKER_HOST")
+            on_event(f"engine {version} answers at {host}")
+            return DockerdStatus(socket=host, server_version=version, action="already running")
     version = _server_version(socket)
     if version is not None:
         on_event(f"engine {version} already running on {socket}")

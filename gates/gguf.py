@@ -131,7 +131,7 @@ def tokenizer_vocab(folder: Path, unk: str) -> tuple[list[str], list[float], lis
 
 def gguf_bytes(*, folder: Path, name: str, file_type: str) -> bytes:
     """The GGUF of the checked fixture folder `folder` (fixture `name`) as `file_type`."""
-    import gguf  # the `gate` extra; imported here so that the gate's other modules do not need it
+    import gguf  # imported here: only a llama.cpp SKU needs it
 
     file_name(file_type)
     spec = fixture.spec_for(name)

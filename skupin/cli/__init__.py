@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"skupin {__version__}")
     parser.add_argument("--traceback", action="store_true", help="show Python tracebacks on errors")
+    parser.add_argument("--install-missing", action="store_true",
+                        help="let skupin apt-get install the Debian packages it needs and lacks (docker.io, debootstrap, "
+                             "docker-registry); default: name them and stop ($SKUPIN_INSTALL_MISSING=1 does the same)")
     parser.add_argument("--root", metavar="DIR",
                         help="the catalog to act on (a folder holding skus/); default: $SKUPIN_ROOT, else the current "
                              "folder or its nearest parent holding skus/. verify, pull and inspect need none")
@@ -83,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             from common.paths import use_root
 
             use_root(args.root)
+        if args.install_missing:
+            from common.apt import allow_installs
+
+            allow_installs()
         return int(args.func(args))
     except SkupinError as exc:
         if args.traceback:
@@ -101,3 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             from common.paths import use_root
 
             use_root(None)
+        if args.install_missing:
+            from common.apt import allow_installs
+
+            allow_installs(False)

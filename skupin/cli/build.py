@@ -160,7 +160,7 @@ def cmd_docker_up(args: argparse.Namespace) -> int:
     from dockerd import connect, ensure_dockerd
 
     status = ensure_dockerd(deadline_s=args.deadline, on_event=progress_printer("plain"))
-    docker = connect(socket=Path(status.socket))
+    docker = connect()
     try:
         reaped = docker.reap_orphans()
     finally:

@@ -61,7 +61,7 @@ class FakeApi:
 
 
 def docker() -> Docker:
-    return Docker(SimpleNamespace(api=FakeApi()), socket=Path("/nonexistent.sock"))
+    return Docker(SimpleNamespace(api=FakeApi()), host="unix:///nonexistent.sock")
 
 
 def test_a_deadline_runs_the_command_under_timeout_as_pid_1() -> None:
@@ -190,4 +190,4 @@ def test_one_image_config_reader_says_when_the_image_is_missing() -> None:
     assert docker().image_config("img") == {"Entrypoint": ["/entry.sh"], "Cmd": ["serve", "--port", "8000"]}
     assert not hasattr(Docker, "_image_config")
     with pytest.raises(DockerError, match="not on this engine"):
-        Docker(SimpleNamespace(api=Missing()), socket=Path("/nonexistent.sock")).image_config("img")
+        Docker(SimpleNamespace(api=Missing()), host="unix:///nonexistent.sock").image_config("img")
