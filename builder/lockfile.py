@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +12,7 @@ from pydantic import Field, ValidationError
 from builder.grammar import Name, Sha256
 from common.errors import LockError
 from common.model import Frozen, canonical_json
+from common.untrusted import UntrustedInputError, load_json, read_regular_file
 
 LOCK_VERSION: Literal[1] = 1
 # Python layers in build order, slowest- to fastest-moving.
@@ -95,19 +95,23 @@ def lock_path(manifest_path: Path) -> Path:
     return manifest_path.with_name(f"{manifest_path.stem}.lock.json")
 
 
+MAX_LOCK_BYTES = 16 * 1024**2  # the largest committed lock is ~200 KB
+MAX_LOCK_DEPTH = 16  # a lock nests 5 levels
+
+
 def read_lock(path: Path) -> Lock:
     """Read and validate a lock file; LockError names the file and field on any problem."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise LockError(f"{path}: no lock; fix: run `skupin lock {path.name.split('.')[0]}`") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LockError(f"{path}: unreadable lock: {exc}") from exc
+    if not path.exists() and not path.is_symlink():
+        raise LockError(f"{path}: no lock; fix: run `skupin lock {path.name.split('.')[0]}`")
+    try:  # bounded: size, depth, UTF-8, a regular file (a folder, FIFO or device is refused, not read)
+        data = load_json(read_regular_file(path, max_bytes=MAX_LOCK_BYTES), source=str(path), max_depth=MAX_LOCK_DEPTH)
+    except UntrustedInputError as exc:
+        raise LockError(f"unreadable lock: {exc}") from exc
     try:
         return Lock.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
+        field = ".".join(str(p) for p in first["loc"]) or "(the whole file)"
         raise LockError(f"{path}: {field}: {first['msg']}") from exc
 
 

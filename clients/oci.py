@@ -20,7 +20,7 @@ from urllib.parse import urljoin, urlparse
 
 from pydantic import SecretStr
 
-from clients.transport import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Sleep, Transport, httpx, safe_url
+from clients.transport import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Sleep, Transport, httpx, safe_url, server_json
 from common.errors import NetworkError
 from common.model import Frozen
 
@@ -111,7 +111,7 @@ class Manifest(Frozen):
     body: bytes
 
     def json(self) -> dict:  # type: ignore[override]
-        return json.loads(self.body)
+        return server_json(self.body, source=f"manifest {self.digest}")
 
 
 def sha256_digest(data: bytes) -> str:
@@ -176,9 +176,9 @@ class RegistryClient:
         headers = {"Authorization": b} if (b := self._basic()) else {}
         response = self.http.request("GET", realm, params=params, headers=headers)
         try:
-            body = response.json()
+            body = server_json(response.content, source=safe_url(realm))
             return body.get("token") or body["access_token"]
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, AttributeError) as exc:
             raise NetworkError(f"registry {self.host}: token endpoint {safe_url(realm)} gave no token") from exc
 
     def _send(self, method: str, path: str, *, scope: str, ok: tuple[int, ...] = (200,), **kwargs) -> httpx.Response:
@@ -221,7 +221,10 @@ class RegistryClient:
         path: str | None = f"/v2/{repo}/tags/list?n=1000"
         while path:
             response = self._send("GET", path, scope=self._scope(repo))
-            tags += response.json().get("tags") or []
+            try:
+                tags += server_json(response.content, source=f"registry {self.host} tags of {repo}").get("tags") or []
+            except (ValueError, AttributeError, TypeError) as exc:
+                raise NetworkError(f"registry {self.host}: the tag list of {repo} is not a JSON object: {exc}") from exc
             link = response.headers.get("Link", "")
             match = re.match(r"<([^>]+)>", link)
             path = urljoin(self.url + "/", match.group(1)) if match else None
@@ -246,7 +249,12 @@ class RegistryClient:
         for want in (claimed, ref if ref.startswith("sha256:") else None):
             if want and want != digest:
                 raise NetworkError(f"registry {self.host}: manifest {repo}@{ref} has digest {digest}, expected {want}")
-        media = response.headers.get("Content-Type", "").split(";")[0] or json.loads(body).get("mediaType", "")
+        media = response.headers.get("Content-Type", "").split(";")[0]
+        if not media:
+            try:
+                media = str(server_json(body, source=f"manifest {repo}@{ref}").get("mediaType", ""))
+            except (ValueError, AttributeError) as exc:
+                raise NetworkError(f"registry {self.host}: manifest {repo}@{ref} is not a JSON object: {exc}") from exc
         return Manifest(media_type=media, digest=digest, body=body)
 
     def has_blob(self, repo: str, digest: str) -> bool:

@@ -21,7 +21,7 @@ from urllib.parse import urljoin
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from clients.transport import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Sleep, Transport, safe_url
+from clients.transport import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Sleep, Transport, safe_url, server_json
 from common.errors import NetworkError
 from common.model import Frozen
 from common.paths import PYPI_SIMPLE
@@ -154,7 +154,7 @@ class IndexClient:
             url = urljoin(self.base_url, f"{key}/")
             response = self.http.request("GET", url, headers={"Accept": f"{SIMPLE_JSON}, application/json;q=0.1"})
             try:
-                data = response.json()
+                data = server_json(response.content, source=safe_url(url))
                 files = tuple(self._file(url, f) for f in data.get("files", ()))
                 self._projects[key] = Project(name=data.get("name", key), versions=tuple(data.get("versions", ())),
                                               files=files)
@@ -223,7 +223,7 @@ class IndexClient:
             raise NetworkError(f"index {safe_url(self.base_url)}: no JSON API configured (pass json_url)")
         url = urljoin(self.json_url, f"{canonicalize_name(name)}/{version}/json")
         try:
-            return self.http.request("GET", url).json()
+            return server_json(self.http.request("GET", url).content, source=safe_url(url))
         except ValueError as exc:
             raise NetworkError(f"index {safe_url(url)}: not JSON: {exc}") from exc
 

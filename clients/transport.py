@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 
@@ -149,3 +149,19 @@ def body_excerpt(response: httpx.Response) -> str:
     except Exception:  # undecodable body
         return ""
     return f": {text[:200]}" if text and not text.startswith("<") else ""
+
+
+MAX_SERVER_JSON_BYTES = 32 * 1024**2  # PyPI's largest simple pages are a few MB
+MAX_SERVER_JSON_DEPTH = 32  # PEP 691 pages, OCI manifests and token answers nest 5 levels at most
+
+
+def server_json(body: bytes, *, source: str) -> Any:
+    """JSON a server answered, read with size and depth limits (an index or registry is not trusted to be sane):
+    ValueError naming `source` when it is too large, too deep or not JSON."""
+    from common.untrusted import UntrustedInputError, load_json
+
+    try:
+        return load_json(body, source=source, max_bytes=MAX_SERVER_JSON_BYTES, max_depth=MAX_SERVER_JSON_DEPTH)
+    except UntrustedInputError as exc:
+        raise ValueError(str(exc)) from exc
+

@@ -39,6 +39,13 @@ class ManifestError(SkupinError):
     exit_code = 2
 
 
+class UsageError(SkupinError):
+    """A command-line argument cannot be used (an --out target that is a file or a system folder): exit 2, as argparse
+    answers a malformed command line."""
+
+    exit_code = 2
+
+
 class CompatError(SkupinError):
     """The pins of a manifest do not fit together (torch/triton, engine/torch, driver/runtime)."""
 

@@ -24,7 +24,7 @@ from common.errors import SkupinError
 
 EPILOG = """\
 the flow:  check -> lock -> render -> build -> gate -> publish
-exit codes: 0 ok, 2 manifest error, 3 incompatible pins, 4 lock, 5 build, 6 docker,
+exit codes: 0 ok, 2 bad input (manifest or arguments), 3 incompatible pins, 4 lock, 5 build, 6 docker,
             7 reference bundle, 8 publish, 9 network/index, 10 gate failed, 11 gate could not run,
             14 gate uncalibrated (never a pass); skupin ab: 0 promote, 12 hold, 13 reject;
             130 interrupted, 141 the output pipe closed

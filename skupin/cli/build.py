@@ -81,6 +81,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     from builder.render import render, render_manifest, write_context
     from common.paths import sku_path
 
+    if args.out:
+        _writable_folder(Path(args.out))
     stack = resolve(sku_path(args.sku))
     lock = None if args.unlocked else stack.current_lock
     rendered = render_manifest(manifest=stack.manifest) if args.unlocked else render(stack)
@@ -97,6 +99,23 @@ def cmd_render(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(rendered.text)
     return 0
+
+
+def _writable_folder(path: Path) -> None:
+    """--out must be a folder (made when missing) this user can write, outside /proc, /sys and /dev: checked before
+    anything is rendered or fetched, so a bad target costs nothing."""
+    from common.errors import UsageError
+
+    resolved = path.resolve()
+    if any(resolved.is_relative_to(system) for system in ("/proc", "/sys", "/dev")):
+        raise UsageError(f"--out {path}: a system folder, not a build context; fix: name a folder of your own")
+    if resolved.exists() and not resolved.is_dir():
+        raise UsageError(f"--out {path}: exists and is not a folder; fix: name a folder (it is made when missing)")
+    existing = next(p for p in (resolved, *resolved.parents) if p.exists())
+    import os
+
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {path}: {existing} cannot be written here; fix: name a folder you can write")
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:

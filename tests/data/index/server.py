@@ -173,6 +173,36 @@ def serve_index(root: Path, state: dict | None = None) -> Iterator[str]:
         yield f"{url}/simple"
 
 
+def wheels_handler(files: dict[str, list[tuple[Path, str]]], state: dict) -> type[BaseHTTPRequestHandler]:
+    """A PEP 503 (HTML) index of local files: /simple/<normalized name>/ links each (path, sha256) of that project."""
+    by_name = {Path(path).name: path for entries in files.values() for path, _sha in entries}
+
+    class Handler(_Quiet):
+        def do_GET(self) -> None:
+            state["requests"].append(self.path)
+            path = self.path.split("?")[0]
+            if (m := re.fullmatch(r"/simple/([a-z0-9._-]+)/", path)) and m.group(1) in files:
+                links = "".join(f'<a href="/files/{Path(f).name}#sha256={sha}">{Path(f).name}</a>\n'
+                                for f, sha in files[m.group(1)])
+                return self._send(200, f"<!DOCTYPE html><html><body>\n{links}</body></html>".encode(),
+                                  {"Content-Type": "text/html"})
+            if (m := re.fullmatch(r"/files/([^/]+)", path)) and m.group(1) in by_name:
+                return self._send(200, Path(by_name[m.group(1)]).read_bytes(),
+                                  {"Content-Type": "application/octet-stream"})
+            self._send(404, b"not found", {"Content-Type": "text/plain"})
+
+    return Handler
+
+
+@contextlib.contextmanager
+def serve_wheels(files: dict[str, list[tuple[Path, str]]], state: dict | None = None) -> Iterator[str]:
+    """Serve local wheels as a PEP 503 index (project name -> [(file, sha256)]); yields the simple API URL."""
+    st = state if state is not None else {}
+    st.setdefault("requests", [])
+    with _serve(wheels_handler(files, st)) as url:
+        yield f"{url}/simple"
+
+
 @contextlib.contextmanager
 def serve_registry(store: dict | None = None, auth: tuple[str, str] | None = None) -> Iterator[str]:
     """Serve an in-memory OCI registry; yields its base URL."""
