@@ -37,10 +37,12 @@ def _lock_state(manifest: SkuManifest, path: Path) -> tuple[Lock | None, LockSta
 def check_file(path: Path, *, with_lock: bool = True) -> SkuReport:
     """Check one manifest file: grammar, compatibility, lock."""
 
-    manifest, problems = parse_manifest(path)
+    manifest, problems = parse_manifest(path, keep_valid=True)
     if manifest is None:
         return SkuReport(file=str(path), stack=None, manifest_problems=tuple(problems))
     compat = check_compat(manifest=manifest, file=display_path(path))
+    if problems:  # every problem at once: the file's (its name) and the pins' compatibility
+        return SkuReport(file=str(path), stack=None, manifest_problems=tuple(problems), compat_problems=tuple(compat))
     lock: Lock | None = None
     state: LockState = "unlocked"
     note = ""

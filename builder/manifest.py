@@ -516,8 +516,10 @@ def _references(text: str, file: str) -> list[Problem]:
     return list(found.values())
 
 
-def parse_manifest(path: Path) -> tuple[SkuManifest | None, list[Problem]]:
-    """Parse one manifest; return it (or None) and every problem found, never raising."""
+def parse_manifest(path: Path, *, keep_valid: bool = False) -> tuple[SkuManifest | None, list[Problem]]:
+    """Parse one manifest; return it (or None) and every problem found, never raising. With `keep_valid`, a manifest
+    that validates is returned even when the file has other problems (its name), so that `check` can report its
+    compatibility problems in the same run."""
     file = display_path(path)
     try:
         with open(path, "rb") as fh:
@@ -545,7 +547,7 @@ def parse_manifest(path: Path) -> tuple[SkuManifest | None, list[Problem]]:
         return None, _dedupe(problems)
     if manifest.name != path.stem:
         problems.append(Problem(file, "name", f"{manifest.name!r} differs from the file name", f"name: {path.stem}"))
-    return (None if problems else manifest), problems
+    return (None if problems and not keep_valid else manifest), problems
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:
