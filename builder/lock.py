@@ -1,8 +1,10 @@
-"""Lock a SKU: resolve its Python layers with pip for the image's platform and Python, every file hashed.
+"""Lock a SKU: resolve its Python layers for the image's platform and Python, every file hashed.
 
-The resolver is pip's own (`pip install --dry-run --ignore-installed --report`), run in a
-subprocess isolated from this machine's pip configuration and aimed at the image's platform
-(`--platform/--python-version/--implementation/--abi`, wheels only). All pins are resolved
+The resolver is uv (`uv pip compile` for the target, builder/uv.py), or pip's own (`pip install
+--dry-run --ignore-installed --report`) for what uv is not given here (direct URL requirements,
+non-manylinux targets, `skupin lock --resolver pip`): each runs in a subprocess isolated from this
+machine's configuration and aimed at the image's platform (wheels only); uv answers in pip's
+report shape, so everything after the resolution is shared. All pins are resolved
 together, so the set is consistent; each layer then holds what its pins add to the layers below
 (the dependency closure of framework; + compiler; + engine; + extras), so every package lands
 in the lowest layer that needs it and the layers are disjoint.
@@ -551,12 +553,31 @@ def resolve_target(
             dropped = sorted(set(resolved) - found.needed - found.omitted)
             if dropped:
                 progress(f"dropped {', '.join(dropped)}: not needed on Python {env['python_version']}")
-            return {n: resolved[n] for n in found.needed}, str(report.get("pip_version", "?"))
+            return {n: resolved[n] for n in found.needed}, _resolver_label(report)
         if not todo:
             break
         progress(f"Python {env['python_version']} (not this host's) also needs {', '.join(todo)}; resolving again")
         hints = (*hints, *todo)
     raise LockError(f"{file}: the resolution does not fit Python {env['python_version']}: " + "; ".join(found.why))
+
+
+def _resolver_label(report: Mapping) -> str:
+    """What resolved: "uv X" (builder/uv.py says so in its report) or "pip X" (pip's report names its version)."""
+    return str(report.get("resolver") or f"pip {report.get('pip_version', '?')}")
+
+
+def default_resolver(*, ca_bundle: Path | None, prefer: str = "uv") -> Resolver:
+    """uv (`prefer="uv"`) when its wheel is installed and the request suits it (builder/uv.py: usable), else pip."""
+    from builder.uv import run_uv, usable, uv_binary
+
+    uv = uv_binary() if prefer == "uv" else None
+
+    def resolve(request: PipRequest) -> dict:
+        if uv is not None and usable(request.requirements, request.platforms):
+            return run_uv(request, uv=uv, ca_bundle=ca_bundle)
+        return run_pip(request, ca_bundle=ca_bundle)
+
+    return resolve
 
 
 def assign_layers(
@@ -650,8 +671,7 @@ def lock_sku(
     resolver = "none (no Python layers)"
     if plans or build_reqs:
         if resolve is None:
-            bundle = ca_bundle or default_ca_bundle()
-            resolve = lambda req: run_pip(req, ca_bundle=bundle)  # noqa: E731
+            resolve = default_resolver(ca_bundle=ca_bundle or default_ca_bundle())
     omit = frozenset(str(canonicalize_name(o.name)) for o in manifest.stack.omit)
     if plans:
         assert resolve is not None
@@ -659,10 +679,9 @@ def lock_sku(
         request = _request(manifest, layer=",".join(p.layer for p in plans), plans=plans, wheelhouse=wheelhouse)
         started = time.monotonic()
         say(f"resolving {' '.join(roots)} for CPython {manifest.base.python} {manifest.base.platform}")
-        resolved, pip_version = resolve_target(request=request, plans=plans, resolve=resolve, env=env, file=file,
-                                               progress=say, omit=omit)
+        resolved, resolver = resolve_target(request=request, plans=plans, resolve=resolve, env=env, file=file,
+                                            progress=say, omit=omit)
         layers = assign_layers(resolved=resolved, plans=plans, env=env, omit=omit)
-        resolver = f"pip {pip_version}"
         counts = ", ".join(f"{k} {len(v)}" for k, v in layers.items())
         say(f"resolved {len(resolved)} packages in {time.monotonic() - started:.1f} s ({counts})")
     if sdist_pkg is not None:
@@ -672,10 +691,9 @@ def lock_sku(
         plan = LayerPlan(layer="build", requirements=build_reqs, pins=(),
                          indexes=(_mirrored(engine.source.index, index_url=index_url),))
         say(f"resolving the build stage's {' '.join(build_reqs)}")
-        resolved, pip_version = resolve_target(request=_request(manifest, layer="build", plans=(plan,), wheelhouse=None),
-                                               plans=(plan,), resolve=resolve, env=env, file=file, progress=say)
+        resolved, resolver = resolve_target(request=_request(manifest, layer="build", plans=(plan,), wheelhouse=None),
+                                            plans=(plan,), resolve=resolve, env=env, file=file, progress=say)
         build = tuple(_locked(resolved[n], set()) for n in sorted(resolved))
-        resolver = f"pip {pip_version}"
     return Lock(
         sku=manifest.name,
         manifest_sha256=manifest_digest(manifest),
@@ -706,11 +724,11 @@ def _request(manifest: SkuManifest, *, layer: str, plans: Sequence[LayerPlan], w
 
 
 def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None = None, index_url: str | None = None,
-           progress: Progress | None = None, ca_bundle: Path | None = None) -> Lock:
+           progress: Progress | None = None, ca_bundle: Path | None = None, resolve: Resolver | None = None) -> Lock:
     """`lock_sku` and write the lock next to the manifest (what `skupin lock`, `skupin run` and
     `skupin watch --apply` do)."""
     lock = lock_sku(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse, index_url=index_url,
-                    progress=progress, ca_bundle=ca_bundle)
+                    progress=progress, ca_bundle=ca_bundle, resolve=resolve)
     write_lock(lock, lock_path(manifest_path))
     return lock
 

@@ -148,17 +148,18 @@ def _prefixed(name: str, line: str) -> None:
 
 
 def cmd_lock(args: argparse.Namespace) -> int:
-    from builder.lock import relock
+    from builder.lock import default_ca_bundle, default_resolver, relock
     from builder.lockfile import image_tag, lock_path
     from builder.manifest import load_manifest
     from common.paths import sku_path
 
+    resolve = default_resolver(ca_bundle=args.ca_bundle or default_ca_bundle(), prefer=args.resolver)
     for sku in args.skus:
         path = sku_path(sku)
         manifest = load_manifest(path)
         lock = relock(
             manifest=manifest, manifest_path=path, wheelhouse=args.wheelhouse, index_url=args.index_url,
-            ca_bundle=args.ca_bundle,
+            ca_bundle=args.ca_bundle, resolve=resolve,
             progress=functools.partial(_prefixed, manifest.name),
         )
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
@@ -286,11 +287,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unlocked", action="store_true", help="render from the pins alone, ignoring the lock")
     p.set_defaults(func=cmd_render)
 
-    p = sub.add_parser("lock", help="resolve each layer's Python packages (pip, hashed) into skus/<sku>.lock.json")
+    p = sub.add_parser("lock", help="resolve each layer's Python packages (uv or pip, every file hashed) into "
+                                    "skus/<sku>.lock.json")
     p.add_argument("skus", nargs="+", metavar="SKU", help="SKU names (skus/<name>.yaml) or manifest paths")
     p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels, preferred over the index (e.g. /opt/wheels)")
     p.add_argument("--index-url", metavar="URL", help="a mirror used instead of PyPI")
     p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="CA bundle pip trusts (default: SSL_CERT_FILE or the system's)")
+    p.add_argument("--resolver", choices=("uv", "pip"), default="uv",
+                   help="uv (default; 1.2x uv pip compile's time, docs/BENCHMARKS.md) or pip's own resolver; direct "
+                        "URL requirements always go to pip")
     p.add_argument("--json", action="store_true", help="print one JSON line per lock written")
     p.set_defaults(func=cmd_lock)
 

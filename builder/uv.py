@@ -1,0 +1,217 @@
+"""uv as the lock's resolver: `uv pip compile` for the image's Python and platform, answered in pip's report shape.
+
+uv resolves for the target itself (`--python-version`, `--python-platform`: markers are evaluated for the
+image, not this host) and is 3-6x faster than pip's `--dry-run --report` here (docs/BENCHMARKS.md, "Locking").
+It runs twice on the same inputs: once writing a PEP 751 `pylock.toml` (each package's version and its
+wheels with their sha256, already filtered to the target), once writing annotated requirements whose
+`# via` comments give the dependency graph. `run_uv` turns both into the dict `builder.lock` reads from
+pip's `--report` (install[].metadata and download_info), so everything after the resolution is shared.
+
+Of a package's wheels the one pip would install is kept: the first in the target's tag priority
+(packaging.tags for CPython X.Y on the target's platforms). Requires-Dist is replaced by the edges uv
+reported (markers already applied), so the layer closure follows exactly what uv resolved.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote, urlparse
+
+from packaging.tags import Tag, compatible_tags, cpython_tags
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
+from common.errors import LockError
+
+_PLATFORM = re.compile(r"^manylinux_(\d+)_(\d+)_(x86_64|aarch64)$")
+_PINNED = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+?)\s*(?:#\s*via\s+(.*))?$")
+
+
+def uv_binary() -> str | None:
+    """The uv executable of the `uv` wheel installed with skupin (None when it is missing)."""
+    try:
+        from uv import find_uv_bin
+    except ImportError:
+        return None
+    try:
+        return str(find_uv_bin())
+    except FileNotFoundError:
+        return None
+
+
+def uv_platform(platforms: Sequence[str]) -> str | None:
+    """uv's --python-platform for pip's platform tags (the first is the newest manylinux), None when it has none."""
+    m = _PLATFORM.match(platforms[0]) if platforms else None
+    return f"{m.group(3)}-manylinux_{m.group(1)}_{m.group(2)}" if m else None
+
+
+def usable(requirements: Sequence[str], platforms: Sequence[str]) -> bool:
+    """Whether uv can take this request: a manylinux target, and no direct URL requirement (pip takes those)."""
+    return uv_platform(platforms) is not None and not any(" @ " in r or "://" in r for r in requirements)
+
+
+_LEGACY = {(2, 17): "manylinux2014", (2, 12): "manylinux2010", (2, 5): "manylinux1"}
+
+
+def _expanded(platforms: Sequence[str]) -> list[str]:
+    """pip's expansion of --platform: each manylinux_2_N also admits every older glibc down to 2.5, with the legacy
+    aliases (manylinux2014, manylinux2010, manylinux1) where they fall."""
+    out: list[str] = []
+    for platform in platforms:
+        m = _PLATFORM.match(platform)
+        extra = [platform]
+        if m:
+            major, minor, arch = int(m.group(1)), int(m.group(2)), m.group(3)
+            extra = []
+            for glibc in range(minor, 4, -1):
+                extra.append(f"manylinux_{major}_{glibc}_{arch}")
+                if (major, glibc) in _LEGACY:
+                    extra.append(f"{_LEGACY[(major, glibc)]}_{arch}")
+        out += [p for p in extra if p not in out]
+    return out
+
+
+def target_tags(*, python: str, abis: Sequence[str], platforms: Sequence[str]) -> list[Tag]:
+    """The target's wheel tags, most preferred first (as pip ranks them)."""
+    version = tuple(int(p) for p in python.split(".")[:2])
+    interpreter = f"cp{version[0]}{version[1]}"
+    every = _expanded(platforms)
+    return [*cpython_tags(version, abis=list(abis), platforms=every),
+            *compatible_tags(version, interpreter=interpreter, platforms=every)]
+
+
+def _rank(filename: str, priority: Mapping[Tag, int]) -> int | None:
+    try:
+        _name, _version, _build, tags = parse_wheel_filename(filename)
+    except InvalidWheelFilename:
+        return None
+    ranks = [priority[t] for t in tags if t in priority]
+    return min(ranks) if ranks else None
+
+
+def _wheel_url(wheel: Mapping[str, Any], base: Path) -> str:
+    if "url" in wheel:
+        return str(wheel["url"])
+    path = Path(str(wheel.get("path", "")))
+    return "file://" + quote(str(path if path.is_absolute() else (base / path).resolve()))
+
+
+def via_graph(annotated: str) -> dict[str, tuple[str, ...]]:
+    """package -> the packages it requires, from `uv pip compile --annotation-style line` output."""
+    children: dict[str, set[str]] = {}
+    for line in annotated.splitlines():
+        m = _PINNED.match(line.strip())
+        if not m:
+            continue
+        child = str(canonicalize_name(m.group(1)))
+        children.setdefault(child, set())
+        for parent in (m.group(3) or "").split(","):
+            parent = parent.strip()
+            if parent and not parent.startswith(("-r ", "-c ")):
+                children.setdefault(str(canonicalize_name(parent)), set()).add(child)
+    return {k: tuple(sorted(v)) for k, v in children.items()}
+
+
+def report_from(pylock: Mapping[str, Any], graph: Mapping[str, tuple[str, ...]], *, tags: Sequence[Tag],
+                base: Path, uv_version: str, layer: str) -> dict[str, Any]:
+    """pip's --report shape (install[]: metadata, download_info) for uv's pylock and dependency graph."""
+    priority = {tag: i for i, tag in enumerate(tags)}
+    install, problems = [], []
+    for pkg in pylock.get("packages", ()):
+        name, version = str(canonicalize_name(pkg["name"])), str(pkg["version"])
+        ranked = sorted((r, i, w) for i, w in enumerate(pkg.get("wheels", ()))
+                        if (r := _rank(unquote(urlparse(_wheel_url(w, base)).path).rsplit("/", 1)[-1], priority))
+                        is not None)
+        if not ranked:
+            problems.append(f"{name} {version}: no wheel for the target (locks take wheels only)")
+            continue
+        wheel = ranked[0][2]
+        sha = (wheel.get("hashes") or {}).get("sha256")
+        url = _wheel_url(wheel, base)
+        if not sha and not url.startswith("file://"):
+            problems.append(f"{name} {version}: the index gave no sha256 for {url.rsplit('/', 1)[-1]}")
+            continue
+        install.append({"metadata": {"name": name, "version": version, "requires_dist": list(graph.get(name, ()))},
+                        "download_info": {"url": url, "archive_info": {"hashes": {"sha256": sha} if sha else {}}},
+                        "is_direct": False})
+    if problems:
+        raise LockError(f"{layer}: uv's resolution cannot be locked: " + "; ".join(problems))
+    return {"resolver": f"uv {uv_version}", "install": install}
+
+
+def _explain(layer: str, output: str) -> str:
+    tail = "\n".join(output.strip().splitlines()[-15:])
+    if "No solution found" in output:
+        return f"{layer}: the pins cannot be installed together (uv):\n{tail}"
+    if any(s in output for s in ("Failed to fetch", "dns error", "certificate", "Connection refused", "timed out")):
+        return f"{layer}: an index is unreachable (or its TLS is not trusted: pass --ca-bundle):\n{tail}"
+    return f"{layer}: uv could not resolve:\n{tail}"
+
+
+def _command(request, *, uv: str, platform: str, work: Path) -> list[str]:
+    """`uv pip compile` of the request's requirements (and constraints, written into `work`) for the target."""
+    reqs = work / "requirements.in"
+    reqs.write_text("\n".join(request.requirements) + "\n", encoding="utf-8")
+    cmd = [uv, "pip", "compile", str(reqs), "--quiet", "--no-header", "--python-version", request.python,
+           "--python-platform", platform, "--only-binary", ":all:", "--index-strategy", "unsafe-best-match",
+           "--index-url", request.index_url]
+    for url in request.extra_index_urls:
+        cmd += ["--extra-index-url", url]
+    for folder in request.find_links:
+        cmd += ["--find-links", folder]
+    if request.constraints:
+        cons = work / "constraints.txt"
+        cons.write_text("\n".join(request.constraints) + "\n", encoding="utf-8")
+        cmd += ["--constraints", str(cons)]
+    return cmd
+
+
+def run_uv(request, *, uv: str, ca_bundle: Path | None = None, timeout_s: float = 1800.0,
+           environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Resolve one `builder.lock.PipRequest` with uv; pip's report shape (see the module doc). LockError on failure."""
+    import os
+
+    platform = uv_platform(request.platforms)
+    if platform is None:
+        raise LockError(f"{request.layer}: uv takes manylinux targets only, not {request.platforms[:1]}")
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if not k.startswith(("UV_", "PIP_"))}
+    env["UV_NO_CONFIG"] = "1"
+    if ca_bundle is not None:
+        env["SSL_CERT_FILE"] = str(ca_bundle)
+    with tempfile.TemporaryDirectory(prefix="skupin-uv-") as tmp:
+        work = Path(tmp)
+        cmd = _command(request, uv=uv, platform=platform, work=work)
+        runs = [["--format", "pylock.toml", "-o", str(work / "pylock.toml")],  # both at once: each is mostly waiting
+                ["--annotation-style", "line", "-o", str(work / "graph.txt")]]  # on the index's answers
+        try:
+            procs = [subprocess.Popen([*cmd, *extra], env=env, cwd=work, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True) for extra in runs]
+        except OSError as exc:
+            raise LockError(f"{request.layer}: cannot run uv ({uv}): {exc}") from exc
+        try:
+            answers = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
+        except subprocess.TimeoutExpired as exc:
+            raise LockError(f"{request.layer}: uv did not finish within {timeout_s:.0f} s") from exc
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for proc, answer in zip(procs, answers, strict=True):
+            if proc.returncode != 0:
+                raise LockError(_explain(request.layer, answer))
+        try:
+            pylock = tomllib.loads((work / "pylock.toml").read_text(encoding="utf-8"))
+            graph = via_graph((work / "graph.txt").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise LockError(f"{request.layer}: uv wrote no readable lock: {exc}") from exc
+        version = subprocess.run([uv, "--version"], capture_output=True, text=True, check=False, env=env).stdout.split()
+        tags = target_tags(python=request.python, abis=request.abis, platforms=request.platforms)
+        return report_from(pylock, graph, tags=tags, base=work, uv_version=version[1] if len(version) > 1 else "?",
+                           layer=request.layer)
+
