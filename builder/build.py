@@ -396,7 +396,8 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
                     export_stage=ENGINE_WHEEL_STAGE if from_source else None,
                     store=(wheel_store or default_wheel_store()) if from_source else None),
         VerifyInstalled(locked=locked_versions(lock)),
-        TagImage(tag=image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)),
+        TagImage(tag=image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
+                               dockerfile_sha256=rendered.sha256)),
     ]
     if from_source:
         steps.append(RecordBuiltWheel(folder=built or built_dir()))

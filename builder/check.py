@@ -8,7 +8,6 @@ from builder.compat import check_compat
 from builder.lock import lock_status
 from builder.lockfile import Lock
 from builder.manifest import SkuManifest, display_path, parse_manifest
-from builder.render import render_manifest
 from builder.stack import LockState, ResolvedStack
 from common.errors import CompatError, LockError, ManifestError, Problem
 from common.model import Frozen
@@ -29,8 +28,7 @@ class SkuReport(Frozen):
 def _lock_state(manifest: SkuManifest, path: Path) -> tuple[Lock | None, LockState, str]:
     """(lock, state, note); stale locks are returned too so callers can say what moved."""
 
-    state, note, lock = lock_status(manifest=manifest, manifest_path=path,
-                                    dockerfile_sha256=lambda: render_manifest(manifest=manifest).sha256)
+    state, note, lock = lock_status(manifest=manifest, manifest_path=path)
     return lock, state, note
 
 

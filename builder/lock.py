@@ -37,7 +37,6 @@ from packaging.version import InvalidVersion, Version
 
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
-from builder.render import render_manifest
 from builder.sdist import SdistFetcher, applicable, fetch_sdist, read_sdist
 from builder.stack import LockState
 from builder.wheels import file_sha256
@@ -623,7 +622,6 @@ def lock_sku(
     manifest: SkuManifest,
     manifest_path: Path,
     wheelhouse: Path | None,
-    dockerfile_sha256: str | None = None,
     index_url: str | None = None,
     progress: Progress | None = None,
     ca_bundle: Path | None = None,
@@ -704,7 +702,6 @@ def lock_sku(
         system=_system(manifest),
         omitted={str(canonicalize_name(o.name)): o.reason for o in manifest.stack.omit},
         build=build,
-        dockerfile_sha256=dockerfile_sha256 or _pins_dockerfile_sha256(manifest),
         resolver=resolver,
         tool_version=__version__,
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -733,19 +730,11 @@ def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | Non
     return lock
 
 
-def _pins_dockerfile_sha256(manifest: SkuManifest) -> str:
-    """The hash a lock records and `check` compares: the pins-only render of the manifest."""
-
-    return render_manifest(manifest=manifest).sha256
-
-
 # ---------------------------------------------------------------- is a lock still current?
 
 
-def lock_status(*, manifest: SkuManifest, manifest_path: Path,
-                dockerfile_sha256: str | Callable[[], str]) -> tuple[LockState, str, Lock | None]:
-    """("ok" | "unlocked" | "stale", why, the lock when it could be read) for the lock next to a
-    manifest. `dockerfile_sha256` may be a function: the Dockerfile is rendered only when a lock exists."""
+def lock_status(*, manifest: SkuManifest, manifest_path: Path) -> tuple[LockState, str, Lock | None]:
+    """("ok" | "unlocked" | "stale", why, the lock when it could be read) for the lock next to a manifest."""
     path = lock_path(manifest_path)
     if not path.exists():
         return "unlocked", f"no {path.name}; run `skupin lock {manifest.name}`", None
@@ -753,22 +742,21 @@ def lock_status(*, manifest: SkuManifest, manifest_path: Path,
         lock = read_lock(path)
     except LockError as exc:
         return "stale", f"{exc}; run `skupin lock {manifest.name}`", None
-    sha = dockerfile_sha256() if callable(dockerfile_sha256) else dockerfile_sha256
-    reasons = stale_reasons(manifest=manifest, lock=lock, dockerfile_sha256=sha)
+    reasons = stale_reasons(manifest=manifest, lock=lock)
     if reasons:
         return "stale", "; ".join(reasons) + f"; run `skupin lock {manifest.name}`", lock
     return "ok", f"{path.name} {lock.content_hash()[:12]}", lock
 
 
-def stale_reasons(*, manifest: SkuManifest, lock: Lock, dockerfile_sha256: str) -> list[str]:
-    """Every way a lock no longer matches its manifest and Dockerfile (empty when it does)."""
+def stale_reasons(*, manifest: SkuManifest, lock: Lock) -> list[str]:
+    """Every way a lock no longer matches what decides the installed set (empty when it does): the manifest's build
+    inputs (manifest_digest), the base, the target, each pin, the engine's source, the apt pins, stack.omit. A
+    template edit is not among them: it changes the image (its tag hashes the locked Dockerfile), not the lock."""
     reasons: list[str] = []
     if lock.sku != manifest.name:
         reasons.append(f"lock is for {lock.sku}, not {manifest.name}")
     if lock.manifest_sha256 != manifest_digest(manifest):
         reasons.append("the manifest changed since the lock")
-    if lock.dockerfile_sha256 != dockerfile_sha256:
-        reasons.append("the rendered Dockerfile changed since the lock")
     if lock.base != locked_base(manifest):
         reasons.append("the base changed since the lock")
     if (lock.python, lock.platform) != (manifest.base.python, manifest.base.platform):

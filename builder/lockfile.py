@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -65,7 +66,10 @@ class Lock(Frozen):
     build: tuple[LockedPackage, ...] = Field(
         (), description="Wheels that build a source-built engine (stack.engine.source kind sdist) in the image's "
                         "build stage: its build-system requirements; not installed in the served image")
-    dockerfile_sha256: Sha256
+    dockerfile_sha256: Sha256 | None = Field(
+        None, description="Locks made before 2026-12-01 recorded their pins-only Dockerfile's hash, which made every "
+                          "template edit a relock; kept so their content hash (and attestations) stay valid, never "
+                          "compared: a lock is stale when what decides the installed set changes (builder/lock.py)")
     resolver: str = Field(description="The resolver and its version, e.g. pip 25.3")
     tool_version: str
     created: str = Field(description="UTC time of locking; not part of the content hash")
@@ -77,6 +81,8 @@ class Lock(Frozen):
             del data["omitted"]
         if not self.build:  # likewise a lock that builds nothing from source
             del data["build"]
+        if self.dockerfile_sha256 is None:  # and a lock made since the Dockerfile no longer invalidates it
+            del data["dockerfile_sha256"]
         return hashlib.sha256(canonical_json(data)).hexdigest()
 
     def packages(self) -> dict[str, LockedPackage]:
@@ -116,11 +122,16 @@ def read_lock(path: Path) -> Lock:
 
 
 def write_lock(lock: Lock, path: Path) -> None:
-    """Write a lock as stable, diff-friendly JSON (atomic replace)."""
-    lock.write_json(path)
+    """Write a lock as stable, diff-friendly JSON (atomic replace); no legacy Dockerfile hash when it has none."""
+    data = lock.model_dump(mode="json", exclude={"dockerfile_sha256"} if lock.dockerfile_sha256 is None else None)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
-def image_tag(*, sku: str, engine_version: str, lock: Lock, repository: str = "skupin") -> str:
-    """The content-addressed local tag of a SKU's image: repository/sku:engine-version-lockhash12."""
+def image_tag(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256: str, repository: str = "skupin") -> str:
+    """The content-addressed local tag of a SKU's image: repository/sku:<engine-version>-<hash12>, the hash over the
+    lock and the locked Dockerfile it is built from: a template edit makes a new image, not a new lock."""
     version = engine_version.replace("+", "_")
-    return f"{repository}/{sku}:{version}-{lock.content_hash()[:12]}"
+    both = hashlib.sha256(f"{lock.content_hash()}\n{dockerfile_sha256}".encode()).hexdigest()
+    return f"{repository}/{sku}:{version}-{both[:12]}"

@@ -21,8 +21,8 @@ verdict file found on this host (`skupin publish`). The flow:
    whole policy on the signed envelope (`evaluate`, exactly what `verify` runs), store it the way
    cosign stores attestations (tag `sha256-<hex>.att`, one `application/vnd.dsse.envelope.v1+json`
    layer, OCI 1.1 `subject` = the image where the registry accepts it) and read it back;
-6. only then move the human tags `<engine-version>-<lock-hash12>` and `verified`, server-side: the
-   registry stores the very manifest bytes of the pushed digest under each tag, so a tag names
+6. only then move the human tags `<engine-version>-<hash12>` (over the lock and the locked Dockerfile)
+   and `verified`, server-side: the registry stores the very manifest bytes of the pushed digest under each tag, so a tag names
    exactly the gated digest;
 7. remove the temporary registry tag, also after a failure in any step above (HTTP DELETE where the
    registry supports it; for our own local distribution 2.8 registry, from its storage; otherwise it
@@ -53,6 +53,7 @@ from pydantic import Field
 from builder.build import BuiltImage
 from builder.lockfile import Lock, image_tag, lock_path, read_lock
 from builder.manifest import load_manifest
+from builder.render import render_manifest
 from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from common import __version__
 from common.errors import BundleError, DockerError, NetworkError, PublishError
@@ -226,13 +227,15 @@ class PublishPlan(Frozen):
         return f"{self.target.host}/{self.repository}:{self.push_tag}"
 
 
-def version_tag(*, sku: str, engine_version: str, lock: Lock) -> str:
-    """`<engine-version>-<lock-hash12>`: the tag part of the content-addressed local tag."""
-    return image_tag(sku=sku, engine_version=engine_version, lock=lock).rsplit(":", 1)[1]
+def version_tag(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256: str) -> str:
+    """`<engine-version>-<hash12>` over the lock and the locked Dockerfile: the tag part of the local tag."""
+    return image_tag(sku=sku, engine_version=engine_version, lock=lock,
+                     dockerfile_sha256=dockerfile_sha256).rsplit(":", 1)[1]
 
 
-def plan_publish(*, sku: str, engine_version: str, lock: Lock, image_id: str, verdict: VerdictFacts,
-                 target: RegistryTarget, expected: Expected, push_tag: str | None = None) -> PublishPlan:
+def plan_publish(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256: str, image_id: str,
+                 verdict: VerdictFacts, target: RegistryTarget, expected: Expected,
+                 push_tag: str | None = None) -> PublishPlan:
     """Decide the publish: PublishError listing every reason when the verdict does not allow it, or when the
     attestation it would sign would not pass the policy `verify` applies (publishing/policy.py)."""
     lock_sha = lock.content_hash()
@@ -245,7 +248,7 @@ def plan_publish(*, sku: str, engine_version: str, lock: Lock, image_id: str, ve
     if problems:
         raise PublishError(f"refusing to publish {sku} ({image_id[:19]}): " + "; ".join(problems)
                            + f"; fix: run `skupin gate {sku}` on this image and lock")
-    vtag = version_tag(sku=sku, engine_version=engine_version, lock=lock)
+    vtag = version_tag(sku=sku, engine_version=engine_version, lock=lock, dockerfile_sha256=dockerfile_sha256)
     return PublishPlan(sku=sku, target=target, repository=target.repository(sku), image_id=image_id,
                        lock_sha256=lock_sha, version_tag=vtag, tags=(vtag, VERIFIED_TAG),
                        push_tag=push_tag or PUSH_TAG_PREFIX + secrets.token_hex(6), verdict=verdict,
@@ -643,7 +646,9 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     signer = find_signer(signing_key)  # before anything else: a missing key is the first thing to fix
     manifest = load_manifest(path)
     lock = read_lock(lock_path(path))
-    ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
+    dockerfile = render_manifest(manifest=manifest, lock=lock).sha256
+    ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
+                             dockerfile_sha256=dockerfile)
     info = _local_image(docker=docker, ref=ref, sku=manifest.name)
     found = (verdict_path, None) if verdict_path else find_verdict(sku=manifest.name, image_id=info.id,
                                                                    lock_sha256=lock.content_hash())
@@ -653,8 +658,9 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     if verdict is None:  # given on the command line, or the newest verdict could not be read
         verdict = _read_verdict(vpath, manifest.name)
     target, untag, hint = publish_target(registry, addr)
-    plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock, image_id=info.id,
-                        verdict=verdict_facts(verdict), target=target, expected=_catalog_facts(manifest.name))
+    plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
+                        dockerfile_sha256=dockerfile, image_id=info.id, verdict=verdict_facts(verdict), target=target,
+                        expected=_catalog_facts(manifest.name))
     return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=hint,
                     on_event=on_event)
 
@@ -675,7 +681,8 @@ def publish(built: BuiltImage, verdict: GateVerdict, target: RegistryTarget, *, 
         raise PublishError(f"{built.sku}: the stack it was built from has no current lock; fix: skupin lock {built.sku}")
     info = _local_image(docker=docker, ref=built.image_id, sku=built.sku)
     plan = plan_publish(sku=built.sku, engine_version=built.stack.manifest.stack.engine.version, lock=lock,
-                        image_id=info.id, verdict=facts_of(verdict), target=target, expected=_catalog_facts(built.sku))
+                        dockerfile_sha256=built.dockerfile_sha256, image_id=info.id, verdict=facts_of(verdict),
+                        target=target, expected=_catalog_facts(built.sku))
     return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=registry_hint,
                     on_event=on_event)
 

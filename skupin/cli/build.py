@@ -151,6 +151,7 @@ def cmd_lock(args: argparse.Namespace) -> int:
     from builder.lock import default_ca_bundle, default_resolver, relock
     from builder.lockfile import image_tag, lock_path
     from builder.manifest import load_manifest
+    from builder.render import render_manifest
     from common.paths import sku_path
 
     resolve = default_resolver(ca_bundle=args.ca_bundle or default_ca_bundle(), prefer=args.resolver)
@@ -163,7 +164,8 @@ def cmd_lock(args: argparse.Namespace) -> int:
             progress=functools.partial(_prefixed, manifest.name),
         )
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
-        tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
+        tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
+                        dockerfile_sha256=render_manifest(manifest=manifest, lock=lock).sha256)
         if args.json:
             out(json.dumps({"sku": manifest.name, "lock": str(lock_path(path)), "lock_sha256": lock.content_hash(),
                             "packages": len(lock.packages()), "layers": {k: len(v) for k, v in lock.layers.items()},

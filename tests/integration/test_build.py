@@ -18,7 +18,7 @@ from builder.build import BuiltImage, build
 from builder.check import resolve
 from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
 from builder.manifest import load_manifest
-from builder.render import render
+from builder.render import render, render_manifest
 from builder.wheels import store_path, wheel_store
 from common.errors import BuildError
 from dockerd import ContainerSpec, Docker
@@ -41,11 +41,10 @@ def sku_dir(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path | None, h
         shutil.copy(committed, lock_path(folder / CPU_SKU.name))
     else:
         from builder.lock import lock_sku
-        from builder.render import render_manifest
 
         manifest = load_manifest(folder / CPU_SKU.name)
         lock = lock_sku(manifest=manifest, manifest_path=folder / CPU_SKU.name, wheelhouse=wheelhouse,
-                        dockerfile_sha256=render_manifest(manifest=manifest).sha256, ca_bundle=host_ca_bundle)
+                        ca_bundle=host_ca_bundle)
         write_lock(lock, lock_path(folder / CPU_SKU.name))
     return folder
 
@@ -97,7 +96,8 @@ def test_labels_name_sku_pins_lock_and_dockerfile(docker: Docker, built: BuiltIm
     assert labels["io.skupin.lock-sha256"] == lock.content_hash()
     assert labels["io.skupin.dockerfile-sha256"] == built.dockerfile_sha256
     assert labels["org.opencontainers.image.version"] == manifest.stack.engine.version
-    assert built.image == image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock)
+    assert built.image == image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
+                                    dockerfile_sha256=built.dockerfile_sha256)
 
 
 def test_image_distributions_equal_the_lock(docker: Docker, built: BuiltImage, sku_dir: Path) -> None:
@@ -192,7 +192,8 @@ def test_failing_step_names_layer_exit_code_5_and_no_tag(docker: Docker, built: 
     bad = _broken_engine_wheel(read_lock(lock_path(sku_dir / CPU_SKU.name)), house)
     write_lock(bad, lock_path(tmp_path / CPU_SKU.name))
     manifest = load_manifest(tmp_path / CPU_SKU.name)
-    tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=bad)
+    tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=bad,
+                    dockerfile_sha256=render_manifest(manifest=manifest, lock=bad).sha256)
     tags_to_remove.append(tag)
     with pytest.raises(BuildError) as err:
         build(render(resolve(tmp_path / CPU_SKU.name)), docker, wheelhouse=house, ca_bundle=host_ca_bundle,

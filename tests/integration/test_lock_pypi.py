@@ -30,7 +30,7 @@ def cpu_locks():
     manifest = load_manifest(CPU)
     lines: list[str] = []
     locks = [
-        lock_sku(manifest=manifest, manifest_path=CPU, wheelhouse=WHEELHOUSE, dockerfile_sha256="d" * 64,
+        lock_sku(manifest=manifest, manifest_path=CPU, wheelhouse=WHEELHOUSE,
                  progress=lines.append)
         for _ in range(2)
     ]
@@ -62,6 +62,6 @@ def test_cpu_lock_twice_names_the_same_image(cpu_locks):
     manifest, (first, second), _ = cpu_locks
     assert first.content_hash() == second.content_hash()
     version = manifest.stack.engine.version
-    assert image_tag(sku=manifest.name, engine_version=version, lock=first) == image_tag(
-        sku=manifest.name, engine_version=version, lock=second
+    assert image_tag(sku=manifest.name, engine_version=version, lock=first, dockerfile_sha256="d" * 64) == image_tag(
+        sku=manifest.name, engine_version=version, lock=second, dockerfile_sha256="d" * 64
     )

@@ -20,6 +20,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from builder.lockfile import Lock, LockedBase
+from builder.render import render
 from clients.oci import RegistryClient
 from common.errors import NetworkError, PublishError
 from dockerd import Docker
@@ -134,7 +135,7 @@ def publish(*, docker: Docker, registry: LocalRegistry, image_id: str, lock: Loc
             url: str | None = None, on_event=lambda _s: None, client: RegistryClient | None = None) -> PublishedImage:
     """The library path `skupin publish` takes, with an injected image/lock/verdict, signed by the test key."""
     target = parse_target(url or registry.addr)
-    plan = plan_publish(sku=SKU, engine_version="5.24.0", lock=lock, image_id=image_id,
+    plan = plan_publish(sku=SKU, engine_version="5.24.0", lock=lock, dockerfile_sha256="c" * 64, image_id=image_id,
                         verdict=verdict_facts(verdict), target=target, expected=expected(lock))
     with client or RegistryClient(target.url, retries=1, backoff=0.1) as reg:
         return publish_image(plan=plan, docker=docker, client=reg, signer=SIGNER, trusted=TRUSTED, on_event=on_event,
@@ -271,7 +272,8 @@ def test_end_to_end_cpu_image_gate_publish_and_verify(docker: Docker, registry: 
     verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text(encoding="utf-8"))
     lock, target = stack.lock, parse_target(registry.addr)
     plan = plan_publish(sku="cpu-x86_64", engine_version=stack.manifest.stack.engine.version, lock=lock,
-                        image_id=honest_image, verdict=verdict_facts(verdict), target=target,
+                        dockerfile_sha256=render(stack).sha256, image_id=honest_image,
+                        verdict=verdict_facts(verdict), target=target,
                         expected=expected_for("cpu-x86_64"))
     t0 = time.monotonic()
     with RegistryClient(target.url) as client:

@@ -50,7 +50,8 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
                                                "SKUPIN_LOCK_HASH": lock.content_hash(),
                                                "SKUPIN_DOCKERFILE_SHA256": rendered.sha256})
     assert verify == VerifyInstalled(locked={name: p.version for name, p in lock.packages().items()})
-    assert tag == TagImage(tag=image_tag(sku="cpu-x86_64", engine_version=stack.manifest.stack.engine.version, lock=lock))
+    assert tag == TagImage(tag=image_tag(sku="cpu-x86_64", engine_version=stack.manifest.stack.engine.version, lock=lock,
+                                         dockerfile_sha256=rendered.sha256))
     assert record == WriteRecord(folder=tmp_path / "records")
     assert plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records", bases=tmp_path / "bases",
                       wheel_store=tmp_path / "store", contexts=tmp_path / "contexts") == steps  # a plan is a value

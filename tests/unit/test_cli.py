@@ -141,3 +141,23 @@ def test_pull_and_verify_take_a_manifest_path_as_its_sku_name():
     assert _sku_name(str(SKUS / "cpu-x86_64.yaml")) == "cpu-x86_64"  # read from the manifest, not the path
     assert _sku_name("skus/cpu-x86_64.yaml") == "cpu-x86_64"
     assert _sku_name("cpu-x86_64") == "cpu-x86_64" and _sku_name(None) is None  # names need no catalog
+
+
+def test_every_exit_code_is_documented_the_same_in_help_and_readme():
+    """The exit codes the errors carry are the ones `skupin --help` and the README list, each meaning one thing."""
+    import re
+
+    import common.errors as errors
+    from skupin.cli import EPILOG
+    from tests.paths import REPO
+
+    codes = {cls.exit_code: cls.__name__ for cls in vars(errors).values()
+             if isinstance(cls, type) and issubclass(cls, errors.SkupinError) and cls is not errors.SkupinError}
+    assert codes[2] in ("ManifestError", "UsageError") and len(codes) == 11  # 2-11 and 14
+    readme = (REPO / "README.md").read_text()
+    help_codes = {int(c) for c in re.findall(r"\b(\d{1,3}) [a-z]", EPILOG.split("exit codes:")[1].split("the catalog")[0])}
+    readme_codes = {int(c) for c in re.findall(r"\b(\d{1,3}) [a-zA-Z]", readme.split("Exit codes:")[1].split("`--traceback`")[0])}
+    for code, name in codes.items():
+        assert code in help_codes, f"{name} exits {code}, which `skupin --help` does not list"
+        assert code in readme_codes, f"{name} exits {code}, which the README does not list"
+    assert {0, 130, 141} <= help_codes and help_codes == readme_codes

@@ -69,7 +69,7 @@ def _cpu_reports(wheelhouse: Path) -> list[dict]:
 def _lock_cpu(wheelhouse: Path, reports: list[dict] | None = None, manifest=None):
     resolver = Replay(reports if reports is not None else _cpu_reports(wheelhouse))
     lock = lock_sku(manifest=manifest or load_manifest(CPU), manifest_path=CPU, wheelhouse=wheelhouse,
-                    dockerfile_sha256=DOCKERFILE, resolve=resolver, reachable=lambda _url: True)
+                    resolve=resolver, reachable=lambda _url: True)
     return lock, resolver
 
 
@@ -144,15 +144,18 @@ def test_same_inputs_same_content_hash(wheelhouse):
     first, _ = _lock_cpu(wheelhouse)
     second, _ = _lock_cpu(wheelhouse)
     assert first.content_hash() == second.content_hash()
-    changed = first.model_copy(update={"dockerfile_sha256": "e" * 64})
+    changed = first.model_copy(update={"resolver": "uv 0.0.1"})
     assert changed.content_hash() != first.content_hash()
+    assert first.dockerfile_sha256 is None and "dockerfile_sha256" not in first.model_dump(mode="json", exclude_none=True)
+    legacy = first.model_copy(update={"dockerfile_sha256": "e" * 64})  # a lock made before 2026-12-01
+    assert legacy.content_hash() != first.content_hash()  # its recorded hash stays its own
 
 
 def test_canonical_json_bytes(wheelhouse):
     """The canonical form every content hash is made of: sorted keys, no whitespace, ASCII escapes."""
     assert canonical_json({"b": 1, "a": [1, "\u00e9"], "c": None}) == b'{"a":[1,"\\u00e9"],"b":1,"c":null}'
     lk, _ = _lock_cpu(wheelhouse)
-    data = lk.model_dump(mode="json", exclude={"created", "omitted", "build"})  # omitted, build: only when not empty
+    data = lk.model_dump(mode="json", exclude={"created", "omitted", "build", "dockerfile_sha256"})  # each only when set
     assert lk.content_hash() == hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -212,7 +215,7 @@ def test_git_source_cannot_be_locked_here():
     path = ROOT / "skus" / "amd-mi300x-vllm.yaml"
     resolver = Replay([])
     with pytest.raises(LockError) as err:
-        lock_sku(manifest=load_manifest(path), manifest_path=path, wheelhouse=None, dockerfile_sha256=DOCKERFILE,
+        lock_sku(manifest=load_manifest(path), manifest_path=path, wheelhouse=None,
                  resolve=resolver, reachable=lambda _url: True)
     lines = err.value.lines()
     assert any("stack.engine.source" in line and "git" in line and "skupin lock amd-mi300x-vllm" in line
@@ -228,7 +231,7 @@ def test_unreachable_index_is_named():
     manifest = manifest.model_copy(update={"stack": manifest.stack.model_copy(update={"framework": rocm})})
     resolver = Replay([])
     with pytest.raises(LockError) as err:
-        lock_sku(manifest=manifest, manifest_path=H200, wheelhouse=None, dockerfile_sha256=DOCKERFILE,
+        lock_sku(manifest=manifest, manifest_path=H200, wheelhouse=None,
                  resolve=resolver, reachable=lambda url: "pytorch.org" not in url)
     (line,) = err.value.lines()
     assert line.endswith(
@@ -241,7 +244,7 @@ def test_unreachable_index_is_named():
 
 def test_wheelhouse_source_needs_a_wheelhouse():
     with pytest.raises(LockError) as err:
-        lock_sku(manifest=load_manifest(CPU), manifest_path=CPU, wheelhouse=None, dockerfile_sha256=DOCKERFILE,
+        lock_sku(manifest=load_manifest(CPU), manifest_path=CPU, wheelhouse=None,
                  resolve=Replay([]), reachable=lambda _url: True)
     (line,) = err.value.lines()
     assert "stack.framework.source" in line and "--wheelhouse" in line
@@ -254,7 +257,7 @@ def test_target_markers_are_fed_back_to_pip():
     """pip on this 3.11 host skips `python_version > "3.11"` requirements; the lock asks again for the 3.12 image."""
     recorded = _recorded("nvidia-h200-vllm")
     resolver = Replay([r["report"] for r in recorded])
-    lock = lock_sku(manifest=load_manifest(H200), manifest_path=H200, wheelhouse=None, dockerfile_sha256=DOCKERFILE,
+    lock = lock_sku(manifest=load_manifest(H200), manifest_path=H200, wheelhouse=None,
                     resolve=resolver, reachable=lambda _url: True)
     first, second = resolver.requests
     hints = set(second.requirements) - set(first.requirements)
@@ -342,24 +345,28 @@ def test_lock_status(tmp_path, wheelhouse):
     manifest_path = tmp_path / "cpu-x86_64.yaml"
     manifest_path.write_text(CPU.read_text())
     manifest = load_manifest(manifest_path)
-    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)
+    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path)
     assert state == "unlocked" and "skupin lock cpu-x86_64" in why
 
     lock, _ = _lock_cpu(wheelhouse)
     write_lock(lock, lock_path(manifest_path))
     assert read_lock(lock_path(manifest_path)) == lock
-    assert lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)[0] == "ok"
+    assert lock_status(manifest=manifest, manifest_path=manifest_path)[0] == "ok"
 
-    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256="e" * 64)
-    assert state == "stale" and "Dockerfile" in why
+    legacy = lock.model_copy(update={"dockerfile_sha256": "e" * 64})  # a template edit since: still the same set
+    write_lock(legacy, lock_path(manifest_path))
+    assert lock_status(manifest=manifest, manifest_path=manifest_path)[0] == "ok"
+    assert read_lock(lock_path(manifest_path)).content_hash() == legacy.content_hash()
+    write_lock(lock, lock_path(manifest_path))
+    assert "dockerfile_sha256" not in lock_path(manifest_path).read_text()
 
     bumped = manifest.stack.engine.model_copy(update={"version": "5.25.0"})
     newer = manifest.model_copy(update={"stack": manifest.stack.model_copy(update={"engine": bumped})})
-    state, why, _ = lock_status(manifest=newer, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)
+    state, why, _ = lock_status(manifest=newer, manifest_path=manifest_path)
     assert state == "stale" and "manifest changed" in why and "transformers==5.25.0" in why
 
     lock_path(manifest_path).write_text("{not json")
-    assert lock_status(manifest=manifest, manifest_path=manifest_path, dockerfile_sha256=DOCKERFILE)[0] == "stale"
+    assert lock_status(manifest=manifest, manifest_path=manifest_path)[0] == "stale"
     # `skupin check` reports a damaged lock as stale instead of failing on a second read
     from builder.check import check_file
 

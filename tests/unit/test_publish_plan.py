@@ -63,7 +63,8 @@ def expected(lk: Lock | None = None) -> Expected:
 
 
 def plan(v: dict, *, lk: Lock | None = None, image_id: str = IMAGE, exp: Expected | None = None):
-    return plan_publish(sku="cpu-x86_64", engine_version="5.24.0+local", lock=lk or lock(), image_id=image_id,
+    return plan_publish(sku="cpu-x86_64", engine_version="5.24.0+local", lock=lk or lock(), dockerfile_sha256="c" * 64,
+                        image_id=image_id,
                         verdict=verdict_facts(v), target=parse_target("127.0.0.1:5000"), push_tag="skupin-push-test",
                         expected=exp or expected(lk))
 
@@ -99,8 +100,11 @@ def test_attestation_tag():
 
 
 def test_plan_for_a_passing_verdict_names_the_tags():
+    import hashlib
+
     p = plan(verdict())
-    assert p.tags == (f"5.24.0_local-{lock().content_hash()[:12]}", VERIFIED_TAG)  # verified moves last
+    both = hashlib.sha256(f"{lock().content_hash()}\n{'c' * 64}".encode()).hexdigest()  # the lock and the Dockerfile
+    assert p.tags == (f"5.24.0_local-{both[:12]}", VERIFIED_TAG)  # verified moves last
     assert p.push_reference == "127.0.0.1:5000/cpu-x86_64:skupin-push-test"
 
 
