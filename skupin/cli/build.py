@@ -94,6 +94,10 @@ def cmd_render(args: argparse.Namespace) -> int:
             stored = fetch_wheels((*lock.packages().values(), *lock.build), wheelhouse=args.wheelhouse,
                                   ca_bundle=args.ca_bundle, on_event=lambda line: print(line, file=sys.stderr))
         folder = write_context(rendered=rendered, out=Path(args.out), wheels=stored)
+        if args.json:
+            out(json.dumps({"sku": stack.manifest.name, "dockerfile": str(folder / "Dockerfile"),
+                            "sha256": rendered.sha256, "files": len(rendered.files), "wheels": len(stored)}))
+            return 0
         out(f"wrote {folder / 'Dockerfile'} and {len(rendered.files)} context file(s) and {len(stored)} wheel(s); "
              f"sha256 {rendered.sha256}")
     else:
@@ -206,7 +210,8 @@ def cmd_base(args: argparse.Namespace) -> int:
 
     manifest = load_manifest(sku_path(args.sku))
     image_id = ensure_base(manifest=manifest, docker=connect(), on_event=progress_printer("plain"))
-    out(image_id)
+    out(json.dumps({"sku": manifest.name, "base": manifest.base.reference, "image_id": image_id}) if args.json
+        else image_id)
     return 0
 
 
@@ -258,6 +263,10 @@ def cmd_wheels(args: argparse.Namespace) -> int:
     store = Path(args.store) if args.store else wheel_store()
     stored = sum(1 for _ in store.glob("??/*/*"))
     removed, size = prune_store(store, keep=keep, dry_run=args.dry_run)
+    if args.json:
+        out(json.dumps({"store": str(store), "dry_run": args.dry_run, "removed": [p.name for p in removed],
+                        "bytes": size, "kept": stored - len(removed), "locks": sum(1 for p in locks if p.is_file())}))
+        return 0
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         out(f"{verb} {path.name}")
@@ -287,6 +296,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "(.skupin/wheels), checked against the lock")
     p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="with --out: CA bundle the wheel downloads trust")
     p.add_argument("--unlocked", action="store_true", help="render from the pins alone, ignoring the lock")
+    p.add_argument("--json", action="store_true", help="with --out: print what was written as JSON")
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("lock", help="resolve each layer's Python packages (uv or pip, every file hashed) into "
@@ -324,6 +334,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("base", help="make the SKU's base image locally (debootstrap + docker import) or pull it by digest")
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    p.add_argument("--json", action="store_true", help="print the SKU, its base reference and the image id as JSON")
     p.set_defaults(func=cmd_base)
 
     p = sub.add_parser(
@@ -368,4 +379,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="manifest files or folders whose locks keep their wheels (default: skus/)")
     r.add_argument("--store", metavar="DIR", help="the store (default: .skupin/wheels, or $SKUPIN_STATE/wheels)")
     r.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    r.add_argument("--json", action="store_true", help="print what was (or would be) removed and kept as JSON")
     r.set_defaults(func=cmd_wheels)

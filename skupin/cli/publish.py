@@ -135,6 +135,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = RunOptions(sku=args.sku, registry=args.registry, addr=args.addr, wheelhouse=args.wheelhouse,
                          ca_bundle=args.ca_bundle, no_cache=args.no_cache)
     summary = run_pipeline(options=options, on_event=_err)
+    if args.json:
+        error = summary.error
+        _out(json.dumps({"sku": summary.sku, "reference": summary.reference, "interrupted": summary.interrupted,
+                         "stages": [s.model_dump(mode="json") for s in summary.stages],
+                         "error": None if error is None else {"exit_code": error.exit_code, "lines": error.lines()}}))
+        return 0 if error is None else error.exit_code
     for line in summary.table():
         _out(line)
     if summary.error is not None:
@@ -164,6 +170,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
              "keys/trusted/<name>.pub")
         return 0
     keys = trusted_keys(args.key or None)
+    if args.json:
+        _out(json.dumps([{"keyid": k, "source": src} for k, (_key, src) in sorted(keys.keys.items())]))
+        return 0 if len(keys) else 1
     for keyid, (_key, source) in sorted(keys.keys.items()):
         _out(f"{keyid}  {source}")
     if not len(keys):
@@ -201,6 +210,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_keys)
     q = ksub.add_parser("list", help="the trusted public keys verify and pull use (exit 1 when there are none)")
     q.add_argument("--key", type=Path, action="append", metavar="FILE", help="list these files' keys instead")
+    q.add_argument("--json", action="store_true", help="print the key ids and their files as JSON")
     q.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("publish", help="push a gated image by digest, store its signed attestation, move its tags")
@@ -262,5 +272,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ca-bundle", type=Path, metavar="FILE",
                    help="extra CA bundle for pip (default: the host's, when TLS is intercepted)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")
+    p.add_argument("--json", action="store_true", help="print the stages' results and the verified reference as JSON")
     p.set_defaults(func=cmd_run)
 

@@ -27,6 +27,9 @@ def cmd_reference_capture(args: argparse.Namespace) -> int:
                   model_dir=Path(args.model_dir) if args.model_dir else None, engine=probe_adapter(args.engine),
                   full_logprobs=args.full_logprobs, threads=args.threads, model=args.model, command=["skupin", *sys.argv[1:]])
     meta = json.loads((out / "meta.json").read_text())  # capture() has just verified the bundle
+    if args.json:
+        print(json.dumps({"bundle": str(out), "meta": meta}))
+        return 0
     gpu = meta["gpu"]
     print(f"captured {out}: {meta['model']['name']} {meta['dtype']} batch {meta['batch_size']} on {gpu['name']} "
           f"(driver {meta['driver']}, cuda {meta['cuda']}, torch {meta['torch']}, triton {meta['triton']}, "
@@ -40,6 +43,9 @@ def cmd_reference_verify(args: argparse.Namespace) -> int:
     meta = verify(folder=Path(args.folder))
     if args.sku:
         check_fits(meta=meta, manifest=_sku_manifest(args.sku))
+    if args.json:
+        print(json.dumps({"bundle": str(args.folder), "ok": True, "meta": meta}))
+        return 0
     print(f"ok  {args.folder}: {meta['model']['name']} {meta['dtype']} on {meta['gpu']['name']} "
           f"(driver {meta['driver']}, torch {meta['torch']}, {meta['engine']['name']} {meta['engine']['version']}, "
           f"captured {meta['created']})")
@@ -53,9 +59,15 @@ def cmd_fixture_generate(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else FIXTURES / args.name
     if args.check:
         hashes = fixture.check_fixture(name=args.name, folder=out)
+        if args.json:
+            print(json.dumps({"fixture": args.name, "folder": str(out), "files": hashes, "written": False}))
+            return 0
         print(f"ok  {out}: fixture {args.name} matches its recorded sha256 ({fixture.digest_of(hashes)})")
         return 0
     hashes = fixture.generate_fixture(name=args.name, out=out)
+    if args.json:
+        print(json.dumps({"fixture": args.name, "folder": str(out), "files": hashes, "written": True}))
+        return 0
     for name, digest in sorted(hashes.items()):
         print(f"{digest}  {name}")
     print(f"wrote {out}: fixture {args.name}, digest {fixture.digest_of(hashes)} (matches the recorded sha256)")
@@ -82,10 +94,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dir", metavar="DIR", help="fixture folder (default: committed or freshly generated)")
     p.add_argument("--full-logprobs", type=int, default=4, help="prompts whose full-vocab logprobs are stored")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads for the probe (0: default)")
+    p.add_argument("--json", action="store_true", help="print the bundle's folder and meta.json as JSON")
     p.set_defaults(func=cmd_reference_capture)
     p = ref_sub.add_parser("verify", help="check a bundle's SHA256SUMS (and optionally its fit to a SKU)")
     p.add_argument("folder", metavar="DIR")
     p.add_argument("--sku", help="also check model, prompt set and dtype against this SKU's gate")
+    p.add_argument("--json", action="store_true", help="print the bundle's meta.json as JSON")
     p.set_defaults(func=cmd_reference_verify)
 
     fx = subparsers.add_parser("fixture", help="generate or check the seeded model fixtures")
@@ -94,6 +108,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="tiny-llama", choices=FIXTURE_NAMES)
     p.add_argument("--out", metavar="DIR", help="folder (default: gates/fixtures/<name>)")
     p.add_argument("--check", action="store_true", help="only check an existing folder against the recorded sha256")
+    p.add_argument("--json", action="store_true", help="print the fixture's files and their sha256 as JSON")
     p.set_defaults(func=cmd_fixture_generate)
 
 

@@ -161,3 +161,28 @@ def test_every_exit_code_is_documented_the_same_in_help_and_readme():
         assert code in help_codes, f"{name} exits {code}, which `skupin --help` does not list"
         assert code in readme_codes, f"{name} exits {code}, which the README does not list"
     assert {0, 130, 141} <= help_codes and help_codes == readme_codes
+
+
+def test_every_command_that_reports_has_json():
+    """One grammar: each leaf command takes --json, except those whose only output already is JSON."""
+    import argparse
+
+    from skupin.cli import build_parser
+
+    json_only = {"matrix", "schema", "calibrate"}  # they print JSON and nothing else
+
+    def leaves(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield prefix, parser
+            return
+        seen = set()
+        for name, child in subs[0].choices.items():
+            if id(child) in seen:  # an alias (`engine` for `docker`)
+                continue
+            seen.add(id(child))
+            yield from leaves(child, (*prefix, name))
+
+    missing = [" ".join(name) for name, parser in leaves(build_parser())
+               if name[-1] not in json_only and "--json" not in parser._option_string_actions]
+    assert missing == []
