@@ -61,7 +61,7 @@ from gates.sandbox import sandbox_spec
 from gates.serving.perf import PerfSettings
 from gates.serving.serve import serve_check
 from gates.static.integrity import inspect_image_files
-from gates.tolerance import DEFAULT_PATH, ToleranceEntry, ToleranceKey, Tolerances, load_tolerances
+from gates.tolerance import ToleranceEntry, ToleranceKey, Tolerances, catalog_tolerances, load_tolerances
 from gates.verdict import (
     CheckResult,
     GateVerdict,
@@ -640,7 +640,7 @@ def _guarded(check: Check, name: str, run: _GateRun) -> CheckResult | None:
 
 
 def gate(built: BuiltImage, docker: Docker, *, out: Path, on_event: OnEvent = _quiet,
-         tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
+         tolerances_path: Path | None = None, reference: Path | None = None, baseline: str | None = None,
          serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None) -> GateVerdict:
     """The gate stage: gate the image `build` made, for the stack it was built from (see `gate_image`).
 
@@ -652,7 +652,7 @@ def gate(built: BuiltImage, docker: Docker, *, out: Path, on_event: OnEvent = _q
 
 
 def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, on_event: OnEvent = _quiet,
-               tolerances_path: Path = DEFAULT_PATH, reference: Path | None = None, baseline: str | None = None,
+               tolerances_path: Path | None = None, reference: Path | None = None, baseline: str | None = None,
                serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None,
                display: str | None = None) -> GateVerdict:
     """Gate any local image `image` for the SKU of `stack` and write verdict.json, report.md and plot.png to `out`.
@@ -670,8 +670,9 @@ def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, o
     reap_leftovers(docker=docker, on_event=on_event)
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
         run = _GateRun(stack=stack, image=image, docker=docker, out=out, on_event=on_event,
-                       tolerances_path=tolerances_path, reference=reference, baseline=baseline, serve_perf=serve_perf,
-                       scratch=Path(scratch), wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse(),
+                       tolerances_path=tolerances_path or catalog_tolerances(), reference=reference, baseline=baseline,
+                       serve_perf=serve_perf, scratch=Path(scratch),
+                       wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse(),
                        display=display or "")
         _run_checks(run)
     return _finish(run, started=started, created=created)

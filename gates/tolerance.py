@@ -24,7 +24,24 @@ from common.model import Frozen
 from gates.bundle import bundle_sha256, float32_reference
 
 FORMAT = "skupin-tolerances/1"
-DEFAULT_PATH = Path(__file__).with_name("data") / "tolerances.yaml"
+DEFAULT_PATH = Path(__file__).with_name("data") / "tolerances.yaml"  # the entries shipped with skupin
+CATALOG_PATH = "gates/data/tolerances.yaml"  # a catalog's own entries, relative to its root
+
+
+def catalog_tolerances() -> Path:
+    """The tolerance file the gate reads: the catalog's gates/data/tolerances.yaml when it has one, else the shipped
+    one (common/paths.py: data_path). `skupin calibrate` writes the catalog's (`writable_tolerances`)."""
+    from common.paths import data_path
+
+    return data_path(CATALOG_PATH)
+
+
+def writable_tolerances() -> Path:
+    """Where `skupin calibrate` writes: the catalog's gates/data/tolerances.yaml (started from the shipped entries when
+    the catalog has none yet), never into the installed package."""
+    from common.paths import catalog
+
+    return catalog() / CATALOG_PATH
 # A threshold is a finite positive number: `.inf` would let anything pass, `.nan` compares false with everything.
 Threshold = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Measured = Annotated[float, Field(ge=0, allow_inf_nan=False)]

@@ -35,8 +35,7 @@ from common.errors import PublishError, SkupinError
 from common.model import Frozen, canonical_json
 from common.paths import data_path, find_catalog, sku_path
 from gates.bundle import bundle_sha256
-from gates.tolerance import DEFAULT_PATH as TOLERANCES_PATH
-from gates.tolerance import ToleranceKey, load_tolerances
+from gates.tolerance import ToleranceKey, catalog_tolerances, load_tolerances
 from publishing.attest import (
     PREDICATE_TYPE,
     STATEMENT_TYPE,
@@ -82,7 +81,7 @@ def expected_for(sku: str) -> Expected:
         raise PublishError(f"{manifest.name}: the committed reference bundle cannot be read ({folder}): {exc}") from exc
     key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
                        model=manifest.gate.model)
-    entry = load_tolerances(TOLERANCES_PATH).find(key)
+    entry = load_tolerances(catalog_tolerances()).find(key)
     return Expected(sku=manifest.name, lock_sha256=lock.content_hash(), bundle_sha256=bundle, tolerance_key=key.label(),
                     tolerance_sha256=tolerance_sha256(entry.model_dump(mode="json")) if entry else None,
                     catalog=str(catalog))

@@ -65,7 +65,6 @@ from gates.serving.perf import (
     run_perf,
 )
 from gates.serving.serve import RunningServer, load_prompts, running_server
-from gates.tolerance import DEFAULT_PATH
 from gates.verdict import GateVerdict
 
 OnEvent = Callable[[str], None]
@@ -172,7 +171,7 @@ def prompt_inputs(*, prompts: Sequence[dict], tokenizer, length: int, count: int
 # ---------------------------------------------------------------- the flow
 
 
-def _gate_side(*, side: ABInput, image_id: str, role: Role, docker: Docker, out: Path, tolerances_path: Path,
+def _gate_side(*, side: ABInput, image_id: str, role: Role, docker: Docker, out: Path, tolerances_path: Path | None,
                wheelhouse: Path | None, serve_perf: PerfSettings | None, on_event: OnEvent) -> tuple[GateVerdict, str, bool]:
     """(verdict, where it lies, reused?): the given verdict when it is for this image id and lock, else a fresh gate
     of the image id (a tag moved meanwhile changes nothing)."""
@@ -199,7 +198,7 @@ def _measurable(verdict: GateVerdict) -> tuple[bool, str]:
 
 
 def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Path,
-               settings: ABSettings | None = None, tolerances_path: Path = DEFAULT_PATH, wheelhouse: Path | None = None,
+               settings: ABSettings | None = None, tolerances_path: Path | None = None, wheelhouse: Path | None = None,
                gate_serve_perf: PerfSettings | None = None, on_event: OnEvent = _quiet) -> RuntimeAB:
     """Gate both sides, measure them in interleaved rounds, decide; writes ab.json, annex.md and annex.png to `out`.
 

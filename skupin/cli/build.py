@@ -65,13 +65,14 @@ def _warn_uncalibrated(manifests) -> None:
     """A warning (stderr, exit code unchanged) for each SKU whose tolerance key has no calibrated entry, and for each
     whose float32 pass lacks its bundle or its calibrated float32 entry."""
     from common.paths import data_path
-    from gates.tolerance import DEFAULT_PATH, calibration_warning, float32_pass_warning, load_tolerances
+    from gates.tolerance import calibration_warning, catalog_tolerances, float32_pass_warning, load_tolerances
 
-    tolerances = load_tolerances(DEFAULT_PATH)
+    path = catalog_tolerances()
+    tolerances = load_tolerances(path)
     for manifest in manifests:
         reference = data_path(manifest.gate.reference)
-        for warning in (calibration_warning(manifest=manifest, tolerances=tolerances, reference=reference),
-                        float32_pass_warning(manifest=manifest, tolerances=tolerances, reference=reference)):
+        for warning in (calibration_warning(manifest=manifest, tolerances=tolerances, reference=reference, path=path),
+                        float32_pass_warning(manifest=manifest, tolerances=tolerances, reference=reference, path=path)):
             if warning:
                 err(f"warning: {manifest.name}: {warning}")
 

@@ -28,13 +28,13 @@ def _default_out(kind: str, sku: str) -> Path:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from gates.gate import gate_image, image_from_build_record
-    from gates.tolerance import DEFAULT_PATH
+    from gates.tolerance import catalog_tolerances
 
     stack, docker = _stack_and_docker(args.sku)
     image = args.image or image_from_build_record(stack.manifest.name)
     folder = Path(args.out) if args.out else _default_out("gates", stack.manifest.name)
     verdict = gate_image(stack=stack, image=image, docker=docker, out=folder, on_event=err,
-                         tolerances_path=Path(args.tolerances) if args.tolerances else DEFAULT_PATH,
+                         tolerances_path=Path(args.tolerances) if args.tolerances else catalog_tolerances(),
                          reference=Path(args.reference) if args.reference else None,
                          baseline=getattr(args, "baseline", None),
                          wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
@@ -54,7 +54,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from dockerd import connect
     from gates.calibrate import DEFAULT_VARIATIONS, calibrate_image
     from gates.gate import image_from_build_record
-    from gates.tolerance import DEFAULT_PATH, load_tolerances, merge_entry, write_tolerances
+    from gates.tolerance import catalog_tolerances, load_tolerances, merge_entry, writable_tolerances, write_tolerances
 
     stack = resolve(sku_path(args.sku))
     if args.float32:  # the float32 pass's entry: the same image at float32 against the float32 bundle
@@ -68,8 +68,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     image = args.image or image_from_build_record(stack.manifest.name)
     docker = connect()
     folder = Path(args.out) if args.out else _default_out("calibrations", stack.manifest.name)
-    path = Path(args.tolerances) if args.tolerances else DEFAULT_PATH
-    tolerances = load_tolerances(path)
+    path = Path(args.tolerances) if args.tolerances else writable_tolerances()
+    tolerances = load_tolerances(path if path.is_file() else catalog_tolerances())
     entry = calibrate_image(stack=stack, image=image, docker=docker, out=folder, boots=args.boots,
                             variations=DEFAULT_VARIATIONS, margin=args.margin, on_event=err)
     merged = merge_entry(tolerances, entry, allow_looser=args.allow_looser)
@@ -132,7 +132,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     from dockerd import connect
     from gates.serving.ab import ABSettings
     from gates.serving.runtime_ab import runtime_ab, same_weights
-    from gates.tolerance import DEFAULT_PATH
+    from gates.tolerance import catalog_tolerances
 
     try:
         settings = ABSettings(runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
@@ -146,7 +146,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     name = f"{baseline.stack.manifest.name}-vs-{candidate.stack.manifest.name}"
     folder = Path(args.out) if args.out else _default_out("ab", name)
     result = runtime_ab(baseline=baseline, candidate=candidate, docker=connect(), out=folder, settings=settings,
-                        tolerances_path=Path(args.tolerances) if args.tolerances else DEFAULT_PATH,
+                        tolerances_path=Path(args.tolerances) if args.tolerances else catalog_tolerances(),
                         wheelhouse=_run_options(args.baseline, args).local_wheelhouse(), on_event=err)
     if args.json:
         out(result.model_dump_json(indent=1))

@@ -95,3 +95,15 @@ def test_the_cli_names_the_way_out_when_there_is_no_catalog(elsewhere, capsys):
     assert "fix: run it inside a catalog" in capsys.readouterr().err
     assert main(["--root", str(REPO), "render", "cpu-x86_64"]) == 0
     assert paths.find_catalog() is None  # --root lasts one command
+
+
+def test_a_catalog_calibrates_into_its_own_tolerances(elsewhere, tmp_path, monkeypatch):
+    from gates.tolerance import DEFAULT_PATH, catalog_tolerances, writable_tolerances
+
+    cat = _catalog(tmp_path / "cat")
+    monkeypatch.chdir(cat)
+    assert catalog_tolerances() == paths.PACKAGE_ROOT / "gates/data/tolerances.yaml"  # the shipped entries
+    assert writable_tolerances() == cat.resolve() / "gates/data/tolerances.yaml"  # never the installed package
+    (cat / "gates/data").mkdir(parents=True)
+    (cat / "gates/data/tolerances.yaml").write_text(DEFAULT_PATH.read_text())
+    assert catalog_tolerances() == cat.resolve() / "gates/data/tolerances.yaml"

@@ -196,7 +196,7 @@ def test_skupin_check_warns_on_stderr_and_still_exits_0(monkeypatch, capsys, tmp
 
     empty = tmp_path / "tolerances.yaml"
     write_tolerances(Tolerances(), empty)
-    monkeypatch.setattr(tolerance, "DEFAULT_PATH", empty)
+    monkeypatch.setattr(tolerance, "catalog_tolerances", lambda: empty)
     assert main(["check", str(CPU)]) == 0
     captured = capsys.readouterr()
     assert "ok  cpu-x86_64" in captured.out
