@@ -178,18 +178,30 @@ def wheels_handler(files: dict[str, list[tuple[Path, str]]], state: dict) -> typ
     by_name = {Path(path).name: path for entries in files.values() for path, _sha in entries}
 
     class Handler(_Quiet):
-        def do_GET(self) -> None:
+        def do_HEAD(self) -> None:  # uv asks before it reads a wheel's metadata by ranges
+            self.do_GET(head=True)
+
+        def do_GET(self, head: bool = False) -> None:
             state["requests"].append(self.path)
             path = self.path.split("?")[0]
             if (m := re.fullmatch(r"/simple/([a-z0-9._-]+)/", path)) and m.group(1) in files:
                 links = "".join(f'<a href="/files/{Path(f).name}#sha256={sha}">{Path(f).name}</a>\n'
                                 for f, sha in files[m.group(1)])
                 return self._send(200, f"<!DOCTYPE html><html><body>\n{links}</body></html>".encode(),
-                                  {"Content-Type": "text/html"})
+                                  {"Content-Type": "text/html"}, head)
             if (m := re.fullmatch(r"/files/([^/]+)", path)) and m.group(1) in by_name:
-                return self._send(200, Path(by_name[m.group(1)]).read_bytes(),
-                                  {"Content-Type": "application/octet-stream"})
-            self._send(404, b"not found", {"Content-Type": "text/plain"})
+                data = Path(by_name[m.group(1)]).read_bytes()
+                rng = self.headers.get("Range")
+                if rng and (r := re.fullmatch(r"bytes=(\d*)-(\d*)", rng)):
+                    if r.group(1):
+                        start, end = int(r.group(1)), int(r.group(2) or len(data) - 1)
+                    else:  # a suffix range: the last N bytes
+                        start, end = max(0, len(data) - int(r.group(2))), len(data) - 1
+                    part = data[start:end + 1]
+                    return self._send(206, part, {"Content-Range": f"bytes {start}-{start + len(part) - 1}/{len(data)}",
+                                                  "Accept-Ranges": "bytes"}, head)
+                return self._send(200, data, {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}, head)
+            self._send(404, b"not found", {"Content-Type": "text/plain"}, head)
 
     return Handler
 
