@@ -138,3 +138,26 @@ def test_apply_relocks_what_it_can_and_lists_the_rest(tmp_path, index_url):
     report = watch(paths=[a, b], index_url=index_url, apply=True, relock_fn=relock_fn)
     assert locked == ["0.27.1"] and report.relocked == ("nvidia-h200-vllm",)
     assert len(report.stale_locks) == 1 and "not reachable" in report.stale_locks[0]
+
+
+@pytest.mark.parametrize("page, why", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested 100000 levels deep"),
+    (b'{"files": [], "files": []}', "duplicate key"),
+    (b"\xff\xfe", "not valid JSON"),
+])
+def test_a_hostile_index_answer_is_one_line_and_exit_9(tmp_path, page, why):
+    """An index answering JSON nested 100,000 deep (or otherwise broken) to `watch`: one line, exit 9, no traceback."""
+    import shutil
+    import time
+
+    index = tmp_path / "index"
+    shutil.copytree(INDEX, index)
+    (index / "simple" / "vllm.json").write_bytes(page)
+    with serve_index(index) as url:
+        start = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "skupin.cli", "watch", str(H200), "--index-url", url], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        seconds = time.monotonic() - start
+    text = run.stdout + run.stderr
+    assert "Traceback" not in text and why in text, text
+    assert run.returncode == 9 and seconds < 5, (run.returncode, seconds, text)
