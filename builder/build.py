@@ -54,6 +54,10 @@ from common.paths import state_dir
 from dockerd import ContainerSpec, Docker, ImageInfo
 
 OnLine = Callable[[str], None]
+# The build argument the Dockerfile turns into the label DOCKERFILE_LABEL: the hash of the Dockerfile that built the image
+# (the image tag hashes it with the lock; publish checks an image's label before giving it a version tag).
+DOCKERFILE_ARG = "SKUPIN_DOCKERFILE_SHA256"
+DOCKERFILE_LABEL = "io.skupin.dockerfile-sha256"
 Progress = Literal["tty", "plain"]
 CA_SECRET_ID = "skupin_ca"
 LOG_TAIL_LINES = 30
@@ -391,7 +395,7 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
                      wheelhouse=wheelhouse, ca_bundle=ca_bundle),
         WriteContext(folder=(contexts or state_dir() / "contexts") / manifest.name),
         RunBuildKit(build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
-                                "SKUPIN_DOCKERFILE_SHA256": rendered.sha256},
+                                DOCKERFILE_ARG: rendered.sha256},
                     secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None,
                     export_stage=ENGINE_WHEEL_STAGE if from_source else None,
                     store=(wheel_store or default_wheel_store()) if from_source else None),

@@ -715,7 +715,7 @@ def _request(manifest: SkuManifest, *, layer: str, plans: Sequence[LayerPlan], w
         layer=layer, requirements=tuple(r for plan in plans for r in plan.requirements),
         index_url=first,
         extra_index_urls=tuple(dict.fromkeys(u for p in plans for u in p.indexes if u != first)),
-        find_links=(str(wheelhouse),) if wheelhouse is not None and any(p.wheelhouse for p in plans) else (),
+        find_links=(str(Path(wheelhouse).resolve()),) if wheelhouse is not None and any(p.wheelhouse for p in plans) else (),
         python=manifest.base.python, abis=target_abis(manifest), platforms=target_platforms(manifest),
     )
 
@@ -736,7 +736,7 @@ def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | Non
 def lock_status(*, manifest: SkuManifest, manifest_path: Path) -> tuple[LockState, str, Lock | None]:
     """("ok" | "unlocked" | "stale", why, the lock when it could be read) for the lock next to a manifest."""
     path = lock_path(manifest_path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():  # a dangling link is a broken lock (stale), not a missing one
         return "unlocked", f"no {path.name}; run `skupin lock {manifest.name}`", None
     try:
         lock = read_lock(path)

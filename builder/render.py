@@ -244,7 +244,8 @@ def render(stack: ResolvedStack) -> RenderedDockerfile:
 def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> RenderedDockerfile:
     """Render a manifest's Dockerfile; with a lock each layer installs exactly its locked set.
 
-    Without a lock this is the pins-only render whose hash a lock records (`skupin render --unlocked`).
+    Without a lock this is the pins-only render (`skupin render --unlocked`); the locked render's hash goes into the
+    image tag with the lock's (builder/lockfile.py: image_tag).
     """
     layers, files, wheels = _plan(manifest, lock)
     context = {
@@ -267,7 +268,7 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
     try:
         text = _environment().get_template(name).render(**context)
     except jinja2.TemplateError as exc:
-        raise BuildError(f"templates/{name}: cannot render: {exc}") from exc
+        raise BuildError(f"{templates_dir() / name}: cannot render: {exc}") from exc
     text = "\n".join(line.rstrip() for line in text.strip().splitlines()) + "\n"
     return RenderedDockerfile(
         sku=manifest.name,

@@ -1,7 +1,7 @@
 """uv as the lock's resolver: `uv pip compile` for the image's Python and platform, answered in pip's report shape.
 
 uv resolves for the target itself (`--python-version`, `--python-platform`: markers are evaluated for the
-image, not this host) and is 3-6x faster than pip's `--dry-run --report` here (docs/BENCHMARKS.md, "Locking").
+image, not this host); the lock took 19-24 s with it against pip's 61 s here (docs/BENCHMARKS.md, "Locking").
 It runs twice on the same inputs: once writing a PEP 751 `pylock.toml` (each package's version and its
 wheels with their sha256, already filtered to the target), once writing annotated requirements whose
 `# via` comments give the dependency graph. `run_uv` turns both into the dict `builder.lock` reads from
@@ -20,13 +20,14 @@ import tempfile
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote, unquote, urlparse
 
 from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from common.errors import LockError
+from common.untrusted import printable
 
 _PLATFORM = re.compile(r"^manylinux_(\d+)_(\d+)_(x86_64|aarch64)$")
 _PINNED = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+?)\s*(?:#\s*via\s+(.*))?$")
@@ -101,25 +102,44 @@ def _wheel_url(wheel: Mapping[str, Any], base: Path) -> str:
     return "file://" + quote(str(path if path.is_absolute() else (base / path).resolve()))
 
 
-def via_graph(annotated: str) -> dict[str, tuple[str, ...]]:
-    """package -> the packages it requires, from `uv pip compile --annotation-style line` output."""
+class Graph(NamedTuple):
+    """What the annotated run resolved: each package's version, and the packages each one requires."""
+
+    versions: dict[str, str]
+    children: dict[str, tuple[str, ...]]
+
+
+def via_graph(annotated: str) -> Graph:
+    """The dependency graph in `uv pip compile --annotation-style line` output (`name==version  # via a, b`); a
+    requirement line it cannot read is an error, never skipped (a package without edges would be dropped)."""
     children: dict[str, set[str]] = {}
+    versions: dict[str, str] = {}
     for line in annotated.splitlines():
-        m = _PINNED.match(line.strip())
-        if not m:
+        text = line.strip()
+        if not text or text.startswith("#"):
             continue
+        m = _PINNED.match(text)
+        if not m:
+            raise LockError(f"uv wrote a requirement line the lock cannot read: {printable(text, 200)}")
         child = str(canonicalize_name(m.group(1)))
+        versions[child] = m.group(2)
         children.setdefault(child, set())
         for parent in (m.group(3) or "").split(","):
             parent = parent.strip()
             if parent and not parent.startswith(("-r ", "-c ")):
                 children.setdefault(str(canonicalize_name(parent)), set()).add(child)
-    return {k: tuple(sorted(v)) for k, v in children.items()}
+    return Graph(versions=versions, children={k: tuple(sorted(v)) for k, v in children.items()})
 
 
-def report_from(pylock: Mapping[str, Any], graph: Mapping[str, tuple[str, ...]], *, tags: Sequence[Tag],
+def report_from(pylock: Mapping[str, Any], graph: Graph, *, tags: Sequence[Tag],
                 base: Path, uv_version: str, layer: str) -> dict[str, Any]:
-    """pip's --report shape (install[]: metadata, download_info) for uv's pylock and dependency graph."""
+    """pip's --report shape (install[]: metadata, download_info) for uv's pylock and dependency graph; LockError when
+    the two runs did not resolve the same set (an index that changed between them)."""
+    locked = {str(canonicalize_name(p["name"])): str(p["version"]) for p in pylock.get("packages", ())}
+    if locked != graph.versions:
+        differ = sorted(set(locked.items()) ^ set(graph.versions.items()))
+        raise LockError(f"{layer}: uv's two runs resolved different sets ({', '.join(f'{n} {v}' for n, v in differ[:6])}"
+                        f"); the index changed meanwhile: lock again")
     priority = {tag: i for i, tag in enumerate(tags)}
     install, problems = [], []
     for pkg in pylock.get("packages", ()):
@@ -136,7 +156,8 @@ def report_from(pylock: Mapping[str, Any], graph: Mapping[str, tuple[str, ...]],
         if not sha and not url.startswith("file://"):
             problems.append(f"{name} {version}: the index gave no sha256 for {url.rsplit('/', 1)[-1]}")
             continue
-        install.append({"metadata": {"name": name, "version": version, "requires_dist": list(graph.get(name, ()))},
+        install.append({"metadata": {"name": name, "version": version,
+                                     "requires_dist": list(graph.children.get(name, ()))},
                         "download_info": {"url": url, "archive_info": {"hashes": {"sha256": sha} if sha else {}}},
                         "is_direct": False})
     if problems:

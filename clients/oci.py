@@ -241,8 +241,17 @@ class RegistryClient:
 
     def get_manifest(self, repo: str, ref: str, *, accept: tuple[str, ...] = MANIFEST_TYPES) -> Manifest:
         """The manifest's exact bytes; its digest is checked against Docker-Content-Digest and a digest ref."""
+        found = self.find_manifest(repo, ref, accept=accept)
+        if found is None:
+            raise NetworkError(f"registry {self.host}: no manifest {repo}:{ref} (HTTP 404)")
+        return found
+
+    def find_manifest(self, repo: str, ref: str, *, accept: tuple[str, ...] = MANIFEST_TYPES) -> Manifest | None:
+        """`get_manifest`, or None when the registry answers 404 (no such tag or digest); NetworkError otherwise."""
         response = self._send("GET", f"/v2/{repo}/manifests/{ref}", scope=self._scope(repo),
-                              headers={"Accept": ", ".join(accept)})
+                              headers={"Accept": ", ".join(accept)}, ok=(200, 404))
+        if response.status_code == 404:
+            return None
         body = response.content
         digest = sha256_digest(body)
         claimed = response.headers.get("Docker-Content-Digest")

@@ -93,6 +93,17 @@ def state_dir() -> Path:
     return Path(cache) / "skupin"
 
 
+def ensure_state() -> Path:
+    """The state folder, made when missing; in a catalog it ignores itself for git (`.gitignore` holding `*`), so a
+    private key or a build record under it is never committed from a catalog whose own .gitignore forgot it."""
+    state = state_dir()
+    state.mkdir(parents=True, exist_ok=True)
+    ignore = state / ".gitignore"
+    if not ignore.exists() and not ignore.is_symlink():
+        ignore.write_text("# made by skupin: nothing in its state folder belongs in git\n*\n", encoding="utf-8")
+    return state
+
+
 def data_path(rel: str | Path) -> Path:
     """A catalog-relative data path (a manifest's gate.reference): the catalog's copy when it holds one, else the package's."""
     found = find_catalog()

@@ -21,7 +21,7 @@ from docker.types import Mount as _DockerMount
 
 from common.errors import BuildError, DockerError
 from dockerd.capture import OutputCapture
-from dockerd.daemon import engine_host
+from dockerd.daemon import engine_host, local_socket
 from dockerd.owners import boot_id, owner_gone, owner_labels, pid_namespace
 from dockerd.specs import (
     DEADLINE_GRACE_S,
@@ -162,7 +162,7 @@ class Docker:
     def __init__(self, client: docker.DockerClient, *, host: str, cli: str | None = None) -> None:
         self._client = client
         self.host = host  # unix:///var/run/docker.sock, tcp://..., ssh://...
-        self.socket = Path(host.removeprefix("unix://")) if host.startswith("unix://") else None
+        self.socket = local_socket(host)  # None: an engine elsewhere (the gate's bind mounts need this host's)
         self._cli = cli
         # Every container this Docker object creates carries SESSION_LABEL=<this id>, so a caller
         # can find (only) its own leftovers on an engine other people use at the same time.
@@ -544,7 +544,8 @@ class Docker:
         raise DockerError("no `docker` CLI found; fix: apt-get install docker.io (Debian's CLI does BuildKit builds)")
 
     def _cli_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
+        # the engine is named here; TLS settings and the CLI's config (registry logins) are kept
+        env = {k: v for k, v in os.environ.items() if k not in ("DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_BUILDKIT")}
         env.update(DOCKER_HOST=self.host, DOCKER_BUILDKIT="1", BUILDKIT_PROGRESS="plain")
         return env
 
@@ -649,7 +650,10 @@ def connect(*, socket: Path | None = None, timeout_s: int = 120, cli: str | None
     Docker context, /var/run/docker.sock); DockerError (with the fix) when none answers."""
     host = f"unix://{socket}" if socket is not None else engine_host()
     try:
-        client = docker.DockerClient(base_url=host, timeout=timeout_s)
+        if socket is None and os.environ.get("DOCKER_HOST"):  # docker-py reads DOCKER_TLS_VERIFY/DOCKER_CERT_PATH too
+            client = docker.from_env(timeout=timeout_s, use_ssh_client=True)
+        else:  # ssh:// through the ssh client (as the docker CLI does), not paramiko
+            client = docker.DockerClient(base_url=host, timeout=timeout_s, use_ssh_client=host.startswith("ssh://"))
         client.ping()
     except Exception as exc:
         raise DockerError(f"no Docker daemon answers at {host}: {exc}; fix: run `skupin docker up`") from exc

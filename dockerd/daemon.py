@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -17,8 +16,10 @@ from pydantic import Field
 from common.apt import apt_install
 from common.errors import DockerError
 from common.model import Frozen
+from common.untrusted import UntrustedInputError, load_json, read_regular_file
 
 DEFAULT_SOCKET = Path("/var/run/docker.sock")
+MAX_CONFIG_BYTES = 1024**2  # the docker CLI's config.json and a context's meta.json
 DEFAULT_DOCKERD_LOG = Path("/var/log/skupin-dockerd.log")
 # The dockerd this process started keeps running after it (a daemon, in its own session): its handle is kept
 # for the life of this process, so it is never collected while running (that would be a ResourceWarning).
@@ -52,16 +53,17 @@ def engine_host() -> str:
     name = os.environ.get("DOCKER_CONTEXT")
     if not name:
         try:
-            config = json.loads((config_dir / "config.json").read_bytes()[:1024**2])
-        except (OSError, ValueError, RecursionError):
+            config = load_json(read_regular_file(config_dir / "config.json", max_bytes=MAX_CONFIG_BYTES),
+                               source="docker config")
+        except UntrustedInputError:  # missing, a FIFO, huge or not JSON: no context named
             config = {}
         name = config.get("currentContext") if isinstance(config, dict) else None
     if not name or name == "default":
         return f"unix://{DEFAULT_SOCKET}"
     meta = config_dir / "contexts" / "meta" / hashlib.sha256(str(name).encode()).hexdigest() / "meta.json"
     try:
-        host = json.loads(meta.read_bytes()[:1024**2])["Endpoints"]["docker"]["Host"]
-    except (OSError, ValueError, RecursionError, KeyError, TypeError) as exc:
+        host = load_json(read_regular_file(meta, max_bytes=MAX_CONFIG_BYTES), source=str(meta))["Endpoints"]["docker"]["Host"]
+    except (UntrustedInputError, KeyError, TypeError) as exc:
         raise DockerError(f"{meta}: cannot read the endpoint of Docker context {name!r}: {exc}; fix: "
                           f"`docker context use default`, or set DOCKER_HOST") from exc
     if not isinstance(host, str) or not host:
@@ -91,7 +93,7 @@ def _server_version(socket: Path) -> str | None:
 
 def _remote_version(host: str) -> str | None:
     try:
-        client = docker.DockerClient(base_url=host, timeout=10)
+        client = docker.DockerClient(base_url=host, timeout=10, use_ssh_client=host.startswith("ssh://"))
         try:
             return str(client.version().get("Version", "unknown"))
         finally:
@@ -128,11 +130,11 @@ def ensure_dockerd(
     if socket is None:
         host = engine_host()
         socket = local_socket(host)
-        if socket is None:
-            version = _remote_version(host)
+        if socket != DEFAULT_SOCKET:  # an engine someone else runs (remote, rootless, a context): asked, never started
+            version = _server_version(socket) if socket is not None else _remote_version(host)
             if version is None:
                 raise DockerError(f"no Docker engine answers at {host} (DOCKER_HOST or the Docker context); skupin "
-                                  f"starts dockerd only on a local socket; fix: start that engine, or unset DOCKER_HOST")
+                                  f"starts dockerd only on {DEFAULT_SOCKET}; fix: start that engine, or unset DOCKER_HOST")
             on_event(f"engine {version} answers at {host}")
             return DockerdStatus(socket=host, server_version=version, action="already running")
     version = _server_version(socket)

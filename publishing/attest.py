@@ -34,7 +34,7 @@ from pydantic import Field
 
 from common.errors import PublishError
 from common.model import Frozen, canonical_json
-from common.paths import find_catalog, state_dir
+from common.paths import ensure_state, find_catalog, state_dir
 from common.untrusted import json_depth
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -297,6 +297,8 @@ def generate_keys(*, out: Path | None = None, trust_locally: bool | None = None)
     (.skupin/keys/trusted/local-<keyid12>.pub). An existing private key is never overwritten; a
     folder inside the repository other than .skupin/ is refused (private keys never go in git).
     """
+    if out is None:
+        ensure_state()  # the default folder ignores itself for git before a private key lands in it
     folder = Path(out) if out else local_keys_dir()
     if _inside_repository_unignored(folder):
         raise PublishError(f"{folder}: refusing to write a private key inside the repository; "

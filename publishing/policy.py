@@ -58,7 +58,7 @@ class Expected(Frozen):
     bundle_sha256: str | None
     tolerance_key: str | None
     tolerance_sha256: str | None = Field(description="None: the catalog has no calibrated entry for the key")
-    catalog: str | None = Field("", description="the catalog compared with; None: no catalog, nothing to compare")
+    catalog: str | None = Field(description="the catalog compared with; None: no catalog, nothing to compare")
 
 
 ExpectFor = Callable[[str], Expected]

@@ -50,7 +50,7 @@ from urllib.parse import urlparse
 
 from pydantic import Field
 
-from builder.build import BuiltImage
+from builder.build import DOCKERFILE_LABEL, BuiltImage
 from builder.lockfile import Lock, image_tag, lock_path, read_lock
 from builder.manifest import load_manifest
 from builder.render import render_manifest
@@ -299,12 +299,12 @@ def attestation_artifact(*, envelope: bytes, subject: Manifest | None) -> Artifa
 
 
 def read_attestations(*, client: RegistryClient, repository: str, digest: str) -> list[bytes]:
-    """The DSSE envelopes stored under `sha256-<hex>.att` for `digest`; PublishError when there are none."""
+    """The DSSE envelopes stored under `sha256-<hex>.att` for `digest`; PublishError when there are none,
+    NetworkError when the registry cannot be read (a registry that went away is not "not attested")."""
     tag = attestation_tag(digest)
-    try:
-        art = client.get_manifest(repository, tag, accept=(OCI_MANIFEST, DOCKER_MANIFEST))
-    except NetworkError as exc:
-        raise PublishError(f"no attestation for {digest[:19]} ({repository}:{tag}): {exc}") from exc
+    art = client.find_manifest(repository, tag, accept=(OCI_MANIFEST, DOCKER_MANIFEST))
+    if art is None:
+        raise PublishError(f"no attestation for {digest[:19]} ({repository}:{tag} does not exist)")
     try:
         body = art.json()
         layers = [d for d in body.get("layers", ()) if d.get("mediaType") == DSSE_MEDIA_TYPE]
@@ -340,7 +340,7 @@ def predicate_of(*, plan_sku: str, repository: str, image_id: str, lock: Lock, f
                            provenance=entry.get("provenance") if isinstance(entry, dict) else None)
     return VerificationPredicate(
         sku=plan_sku, repository=repository, image_id=image_id, lock_sha256=lock.content_hash(),
-        lock=lock.model_dump(mode="json"),
+        lock=lock.model_dump(mode="json", exclude={"dockerfile_sha256"} if lock.dockerfile_sha256 is None else None),
         reference=ReferencePin(sha256=str(facts.bundle_sha256 or ""), path=facts.reference_path or ""),
         tolerance=pin, decision=facts.decision, reason=facts.reason,
         checks=tuple(CheckOutcome(name=n, status=s, reason=facts.check_reasons.get(n, "")) for n, s in facts.checks.items()),
@@ -650,6 +650,11 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     ref = image or image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
                              dockerfile_sha256=dockerfile)
     info = _local_image(docker=docker, ref=ref, sku=manifest.name)
+    built_from = info.labels.get(DOCKERFILE_LABEL)
+    if built_from != dockerfile:  # its version tag names the lock and this Dockerfile: it must be what built it
+        raise PublishError(f"image {ref} was built from Dockerfile {str(built_from)[:12]} (label {DOCKERFILE_LABEL}), "
+                           f"not {dockerfile[:12]}, which the current templates render for {manifest.name}'s lock; "
+                           f"nothing was pushed; fix: skupin build {manifest.name}, then gate and publish that image")
     found = (verdict_path, None) if verdict_path else find_verdict(sku=manifest.name, image_id=info.id,
                                                                    lock_sha256=lock.content_hash())
     if found is None:

@@ -19,7 +19,7 @@ from pydantic import Field
 from clients.oci import RegistryClient, parse_image_ref
 from common.errors import NetworkError, PublishError, SkupinError
 from common.model import Frozen
-from common.untrusted import json_depth
+from common.untrusted import json_depth, printable
 from publishing.attest import TrustedKeys, VerificationPredicate, trusted_keys
 from publishing.policy import ExpectFor, PolicyResult, evaluate, expectations, expected_for, signed_predicate
 from publishing.publish import VERIFIED_TAG, RegistryTarget, read_attestations
@@ -49,7 +49,7 @@ class Verification(Frozen):
             against = "" if self.catalog else "; no catalog: not compared with a current lock, bundle or tolerance"
             return (f"verified: {self.ref} -> {self.reference} ({self.sku}, lock {str(self.lock_sha256)[:12]}, "
                     f"gate passed {self.gate_date or 'at an unknown date'}, signed by {str(self.signer)[:12]}{against})")
-        return f"NOT verified: {self.ref}: {self.reason}"
+        return f"NOT verified: {self.ref}: {printable(self.reason, 600)}"  # reasons quote what a registry said
 
 
 MAX_MANIFEST_BYTES = 4 * 1024**2  # an image manifest is a few KB
@@ -170,12 +170,12 @@ def pull_verified(*, sku: str, target: RegistryTarget, docker, expect: ExpectFor
                   trusted: TrustedKeys | list[Path] | None = None,
                   client_for: ClientFor = _default_client) -> tuple[Verification, str]:
     """Verify `<sku>:verified` for SKU `sku` and pull its digest; (verification, local image id). PublishError when
-    not verified."""
+    not verified, NetworkError when the registry cannot be reached (exit 9, as `verify`)."""
     ref = target.reference(sku, tag=VERIFIED_TAG)
     result = verify_reference(ref=ref, sku=sku, expect=expect, trusted=trusted,
                               client_for=lambda _host: client_for(target.url))
     if not result.ok or result.reference is None:
-        raise PublishError(result.line())
+        raise (NetworkError if result.unreachable else PublishError)(result.line())
     image_id = docker.pull(result.reference)
     if image_id != result.image_id:
         raise PublishError(f"pulled {result.reference} but the engine has image {image_id}, "

@@ -29,7 +29,7 @@ from builder.render import render
 from builder.stack import ResolvedStack
 from common.errors import LockError, PublishError, SkupinError
 from common.model import Frozen
-from common.paths import REGISTRY_ADDR, sku_path, state_dir
+from common.paths import REGISTRY_ADDR, ensure_state, sku_path, state_dir
 from dockerd import Docker, connect, ensure_dockerd
 from gates.gate import gate
 from gates.verdict import GateVerdict, raise_for_verdict
@@ -135,6 +135,7 @@ def run_pipeline(*, options: RunOptions, on_event: OnEvent = _quiet) -> RunSumma
     error: SkupinError | None = None
     interrupted = False
     try:
+        ensure_state()  # builds, gates, the registry and the signing key go there: it ignores itself for git
         reference = _flow(options, rows)
     except SkupinError as exc:
         error = exc

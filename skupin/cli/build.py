@@ -220,10 +220,11 @@ def cmd_build(args: argparse.Namespace) -> int:
     from builder.build import build
     from builder.check import resolve
     from builder.render import render
-    from common.paths import sku_path, state_dir
+    from common.paths import ensure_state, sku_path, state_dir
     from dockerd import connect
 
     stack = resolve(sku_path(args.sku))
+    ensure_state()
     mode: Literal["tty", "plain"] = "tty" if args.progress == "tty" or (args.progress == "auto" and sys.stderr.isatty()) \
         else "plain"
     built = build(
@@ -307,8 +308,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index-url", metavar="URL", help="a mirror used instead of PyPI")
     p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="CA bundle pip trusts (default: SSL_CERT_FILE or the system's)")
     p.add_argument("--resolver", choices=("uv", "pip"), default="uv",
-                   help="uv (default; 1.2x uv pip compile's time, docs/BENCHMARKS.md) or pip's own resolver; direct "
-                        "URL requirements always go to pip")
+                   help="uv (default; 1.67x uv pip compile's own time, pip's resolver 4.9x: docs/BENCHMARKS.md) or pip's "
+                        "own resolver; direct URL requirements always go to pip")
     p.add_argument("--json", action="store_true", help="print one JSON line per lock written")
     p.set_defaults(func=cmd_lock)
 
@@ -322,12 +323,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_schema)
 
     p = sub.add_parser("docker", aliases=["engine"],
-                       help="the Docker daemon: `docker up` starts (and if needed installs) it and removes leftovers")
+                       help="the Docker daemon: `docker up` starts it (installs it with --install-missing) and removes leftovers")
     esub = p.add_subparsers(dest="docker_command", metavar="ACTION", required=True)
     q = esub.add_parser("up", help="make sure a Docker daemon answers (never touches a running one) and remove the "
                                    "sandbox containers of dead skupin runs",
-                        description="Start (and if needed install) dockerd when nothing answers on the socket; a "
-                                    "daemon that answers is left as it is. Then remove the sandbox containers whose "
+                        description="Start dockerd when nothing answers on /var/run/docker.sock (installing Debian's "
+                                    "docker.io first only with --install-missing); a daemon that answers is left as it "
+                                    "is, and an engine named by DOCKER_HOST or a Docker context is only asked. "
+                                    "Then remove the sandbox containers whose "
                                     "owner process is gone (killed gate, lost Docker API) and say which.")
     q.add_argument("--deadline", type=float, default=60, metavar="S", help="seconds to wait for the socket (default 60)")
     q.add_argument("--json", action="store_true", help="print what was done as JSON")

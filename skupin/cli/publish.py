@@ -80,6 +80,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from common.untrusted import printable as _shown  # text from a registry: control characters escaped, bounded
     from publishing.verify import inspect_reference
 
     found = inspect_reference(ref=args.ref, trusted=args.key or None)
@@ -101,11 +102,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                  ("checks", ", ".join(f"{c.name} {c.status}" for c in p.checks))):
                 _out(f"  {label:<17}{_shown(str(value))}")
     return 0 if any(r.predicate is not None for r in found.records) else PublishError.exit_code
-
-
-def _shown(text: str) -> str:
-    """Text from a registry, printed with control characters escaped (a record cannot rewrite the terminal)."""
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -190,7 +186,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("registry", help="the default local OCI registry: up, down, status (127.0.0.1:5000)")
     rsub = p.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
-    for action, text in (("up", "start it (installs Debian's docker-registry if absent); never touches a running one"),
+    for action, text in (("up", "start it (Debian's docker-registry; --install-missing installs it); never touches a "
+                                "running one"),
                          ("down", "stop the registry skupin started (data kept)"),
                          ("status", "does it answer, and did skupin start it (exit 1 when it does not answer)")):
         q = rsub.add_parser(action, help=text)

@@ -67,9 +67,17 @@ def installed(tmp_path_factory) -> Iterator[tuple[Path, dict[str, str]]]:
     yield venv / "bin" / "skupin", env
 
 
+def _package_state(skupin: Path) -> dict[str, tuple[int, int]]:
+    """Every file of the installed package (size, mtime): nothing a command does may write into it."""
+    site = next(skupin.parent.parent.glob("lib/python3*/site-packages"))
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for name in ("builder", "gates", "common", "skupin")
+            for p in (site / name).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
 def test_a_copied_catalog_checks_renders_and_locks_offline(installed, tmp_path, honest_image, wheelhouse):
     skupin, env = installed
     before = _checkout_state()
+    package = _package_state(skupin)
     catalog = tmp_path / "catalog"
     shutil.copytree(SKUS, catalog / "skus")  # a catalog is its skus/ folder: templates and bundles ship in the wheel
     (catalog / "ops").mkdir()
@@ -104,6 +112,7 @@ def test_a_copied_catalog_checks_renders_and_locks_offline(installed, tmp_path, 
     assert same(relocked) == same(committed)  # the same files; only their URLs name the loopback index
     assert _run(skupin, "check", "cpu-x86_64", cwd=catalog, env=env).returncode == 0
     assert _checkout_state() == before  # the checkout the wheel came from was never touched
+    assert _package_state(skupin) == package  # nor the installed package
 
 
 def test_an_operator_with_no_catalog_verifies_inspects_and_pulls(installed, tmp_path, docker, registry, tiny):
@@ -139,4 +148,6 @@ def test_an_operator_with_no_catalog_verifies_inspects_and_pulls(installed, tmp_
     assert stranger.returncode == 8 and "no trusted public keys" in stranger.stdout
     gone = _run(skupin, "verify", "127.0.0.1:9/tiny-test:verified", "--key", key, cwd=empty, env=env)
     assert gone.returncode == 9, gone.stdout + gone.stderr  # the registry cannot be reached: a network error
+    gone = _run(skupin, "pull", "tiny-test", "--registry", "127.0.0.1:9", "--key", key, cwd=empty, env=env)
+    assert gone.returncode == 9, gone.stdout + gone.stderr  # pull answers the same way
     assert list(empty.iterdir()) == []  # nothing written where the operator stood

@@ -128,7 +128,7 @@ def registry(tmp_path: Path) -> Iterator[LocalRegistry]:
 def expected(lock: Lock, sku: str = SKU) -> Expected:
     """What "the repository" knows about the test SKU: this lock, the test bundle and tolerance entry."""
     return Expected(sku=sku, lock_sha256=lock.content_hash(), bundle_sha256=BUNDLE, tolerance_key=TOL_KEY,
-                    tolerance_sha256=tolerance_sha256(TOL_ENTRY))
+                    tolerance_sha256=tolerance_sha256(TOL_ENTRY), catalog="test")
 
 
 def publish(*, docker: Docker, registry: LocalRegistry, image_id: str, lock: Lock, verdict: dict,

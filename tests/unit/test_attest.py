@@ -65,7 +65,7 @@ def predicate(**changes) -> VerificationPredicate:
 
 
 EXPECTED = Expected(sku="cpu-x86_64", lock_sha256=_lock().content_hash(), bundle_sha256="d" * 64,
-                    tolerance_key="cpu-x86_64/float32/tiny-llama", tolerance_sha256=tolerance_sha256(ENTRY))
+                    tolerance_key="cpu-x86_64/float32/tiny-llama", tolerance_sha256=tolerance_sha256(ENTRY), catalog="test")
 
 
 def envelope(p: VerificationPredicate | None = None, *, digest: str = DIGEST, signer: Signer = SIGNER) -> bytes:

@@ -107,3 +107,13 @@ def test_a_catalog_calibrates_into_its_own_tolerances(elsewhere, tmp_path, monke
     (cat / "gates/data").mkdir(parents=True)
     (cat / "gates/data/tolerances.yaml").write_text(DEFAULT_PATH.read_text())
     assert catalog_tolerances() == cat.resolve() / "gates/data/tolerances.yaml"
+
+
+def test_the_state_folder_of_a_catalog_ignores_itself_before_a_key_lands_in_it(elsewhere, tmp_path, monkeypatch):
+    from publishing.attest import generate_keys
+
+    cat = _catalog(tmp_path / "cat")
+    monkeypatch.chdir(cat)
+    pair = generate_keys()
+    assert Path(pair.private).is_relative_to(cat.resolve() / ".skupin")
+    assert (cat / ".skupin" / ".gitignore").read_text().splitlines()[-1] == "*"

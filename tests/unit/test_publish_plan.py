@@ -59,7 +59,7 @@ def verdict(*, image_id: str = IMAGE, lk: Lock | None = None, decision: str = "p
 
 def expected(lk: Lock | None = None) -> Expected:
     return Expected(sku="cpu-x86_64", lock_sha256=(lk or lock()).content_hash(), bundle_sha256="d" * 64,
-                    tolerance_key=TOLERANCE["key"], tolerance_sha256=tolerance_sha256(TOL_ENTRY))
+                    tolerance_key=TOLERANCE["key"], tolerance_sha256=tolerance_sha256(TOL_ENTRY), catalog="test")
 
 
 def plan(v: dict, *, lk: Lock | None = None, image_id: str = IMAGE, exp: Expected | None = None):
@@ -201,6 +201,14 @@ class FakeRegistry:
             raise NetworkError("404")
         body, media = self.manifests[ref]
         return Manifest(media_type=media, digest="sha256:" + hashlib.sha256(body).hexdigest(), body=body)
+
+    def find_manifest(self, repo, ref, accept=()):
+        if self.down:
+            raise NetworkError("connection refused")
+        try:
+            return self.get_manifest(repo, ref, accept)
+        except NetworkError:
+            return None
 
     def get_blob(self, repo, digest):
         return self.blobs[digest]

@@ -42,7 +42,8 @@ torch==2.13.0  # via -r requirements.in
 
 def test_the_report_keeps_the_wheel_pip_would_install_and_uvs_edges(tmp_path):
     graph = via_graph(ANNOTATED)
-    assert graph["torch"] == ("aiohttp", "filelock", "nvidia-nvtx") and graph["aiohttp"] == ()
+    assert graph.children["torch"] == ("aiohttp", "filelock", "nvidia-nvtx") and graph.children["aiohttp"] == ()
+    assert graph.versions == {"aiohttp": "3.14.5", "filelock": "3.20.0", "nvidia-nvtx": "13.0.85", "torch": "2.13.0"}
     report = report_from(tomllib.loads(PYLOCK), graph, tags=TAGS, base=tmp_path, uv_version="0.13.9", layer="engine")
     assert report["resolver"] == "uv 0.13.9"
     chosen = {i["metadata"]["name"]: i["download_info"]["url"].rsplit("/", 1)[-1] for i in report["install"]}
@@ -65,7 +66,16 @@ def test_uvs_edges_drive_the_layer_closure(tmp_path):
 def test_a_package_without_a_wheel_for_the_target_is_named(tmp_path):
     only_arm = PYLOCK.replace("manylinux_2_28_x86_64", "manylinux_2_28_ppc64le")
     with pytest.raises(LockError, match="torch 2.13.0: no wheel for the target"):
-        report_from(tomllib.loads(only_arm), {}, tags=TAGS, base=tmp_path, uv_version="x", layer="framework")
+        report_from(tomllib.loads(only_arm), via_graph(ANNOTATED), tags=TAGS, base=tmp_path, uv_version="x",
+                    layer="framework")
+
+
+def test_two_runs_that_disagree_or_an_unreadable_line_are_errors_not_dropped_packages(tmp_path):
+    moved = via_graph(ANNOTATED.replace("aiohttp==3.14.5", "aiohttp==3.14.6"))
+    with pytest.raises(LockError, match="resolved different sets .*aiohttp 3.14.5, aiohttp 3.14.6"):
+        report_from(tomllib.loads(PYLOCK), moved, tags=TAGS, base=tmp_path, uv_version="x", layer="engine")
+    with pytest.raises(LockError, match="cannot read: vllm @ git"):
+        via_graph(ANNOTATED + "vllm @ git+https://example/vllm  # via -r requirements.in\n")
 
 
 def test_what_uv_is_given():
