@@ -374,7 +374,9 @@ def _check_reference(run: _GateRun) -> CheckResult:
     run.ref = ref
     gpu, engine, model = meta.get("gpu") or {}, meta.get("engine") or {}, meta.get("model") or {}
     run.reference_info = ReferenceInfo(
-        path=str(folder), sha256=ref_sha, gpu=gpu.get("name"), driver=meta.get("driver"), torch=meta.get("torch"),
+        # the manifest's relative path when it is the SKU's own bundle (no host path in verdicts and attestations)
+        path=str(folder) if run.reference else run.manifest.gate.reference, sha256=ref_sha, gpu=gpu.get("name"),
+        driver=meta.get("driver"), torch=meta.get("torch"),
         engine=f"{engine.get('name')} {engine.get('version')}", model=model.get("name"),
         model_sha256=model.get("sha256"), prompts_sha256=(meta.get("prompts") or {}).get("sha256"),
         dtype=meta.get("dtype"))
