@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from packaging.utils import canonicalize_name
 from pydantic import Field, ValidationError
@@ -74,15 +73,18 @@ class Lock(Frozen):
     tool_version: str
     created: str = Field(description="UTC time of locking; not part of the content hash")
 
+    def json_data(self) -> dict[str, Any]:
+        """The lock file's form: no legacy Dockerfile hash in a lock that has none (older tools read it too)."""
+        return self.model_dump(mode="json", exclude={"dockerfile_sha256"} if self.dockerfile_sha256 is None else None)
+
     def content_hash(self) -> str:
         """sha256 of the canonical JSON without the creation time: the same lock, the same hash."""
-        data = self.model_dump(mode="json", exclude={"created"})
+        data = self.json_data()
+        del data["created"]
         if not self.omitted:  # a lock without omissions keeps the hash it had before the field existed
             del data["omitted"]
         if not self.build:  # likewise a lock that builds nothing from source
             del data["build"]
-        if self.dockerfile_sha256 is None:  # and a lock made since the Dockerfile no longer invalidates it
-            del data["dockerfile_sha256"]
         return hashlib.sha256(canonical_json(data)).hexdigest()
 
     def packages(self) -> dict[str, LockedPackage]:
@@ -122,11 +124,8 @@ def read_lock(path: Path) -> Lock:
 
 
 def write_lock(lock: Lock, path: Path) -> None:
-    """Write a lock as stable, diff-friendly JSON (atomic replace); no legacy Dockerfile hash when it has none."""
-    data = lock.model_dump(mode="json", exclude={"dockerfile_sha256"} if lock.dockerfile_sha256 is None else None)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    """Write a lock as stable, diff-friendly JSON (atomic replace)."""
+    lock.write_json(path)
 
 
 def image_tag(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256: str, repository: str = "skupin") -> str:

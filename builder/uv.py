@@ -45,6 +45,16 @@ def uv_binary() -> str | None:
         return None
 
 
+def _installed_version() -> str:
+    """The version of the `uv` wheel that `uv_binary` runs (read from its metadata, not by running it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("uv")
+    except PackageNotFoundError:
+        return "?"
+
+
 def uv_platform(platforms: Sequence[str]) -> str | None:
     """uv's --python-platform for pip's platform tags (the first is the newest manylinux), None when it has none."""
     m = _PLATFORM.match(platforms[0]) if platforms else None
@@ -144,15 +154,14 @@ def report_from(pylock: Mapping[str, Any], graph: Graph, *, tags: Sequence[Tag],
     install, problems = [], []
     for pkg in pylock.get("packages", ()):
         name, version = str(canonicalize_name(pkg["name"])), str(pkg["version"])
-        ranked = sorted((r, i, w) for i, w in enumerate(pkg.get("wheels", ()))
-                        if (r := _rank(unquote(urlparse(_wheel_url(w, base)).path).rsplit("/", 1)[-1], priority))
-                        is not None)
+        urls = [(_wheel_url(w, base), w) for w in pkg.get("wheels", ())]
+        ranked = sorted((r, i) for i, (url, _w) in enumerate(urls)
+                        if (r := _rank(unquote(urlparse(url).path).rsplit("/", 1)[-1], priority)) is not None)
         if not ranked:
             problems.append(f"{name} {version}: no wheel for the target (locks take wheels only)")
             continue
-        wheel = ranked[0][2]
+        url, wheel = urls[ranked[0][1]]
         sha = (wheel.get("hashes") or {}).get("sha256")
-        url = _wheel_url(wheel, base)
         if not sha and not url.startswith("file://"):
             problems.append(f"{name} {version}: the index gave no sha256 for {url.rsplit('/', 1)[-1]}")
             continue
@@ -231,8 +240,6 @@ def run_uv(request, *, uv: str, ca_bundle: Path | None = None, timeout_s: float 
             graph = via_graph((work / "graph.txt").read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise LockError(f"{request.layer}: uv wrote no readable lock: {exc}") from exc
-        version = subprocess.run([uv, "--version"], capture_output=True, text=True, check=False, env=env).stdout.split()
         tags = target_tags(python=request.python, abis=request.abis, platforms=request.platforms)
-        return report_from(pylock, graph, tags=tags, base=work, uv_version=version[1] if len(version) > 1 else "?",
-                           layer=request.layer)
+        return report_from(pylock, graph, tags=tags, base=work, uv_version=_installed_version(), layer=request.layer)
 

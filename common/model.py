@@ -19,9 +19,13 @@ class Frozen(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    def json_data(self) -> dict[str, Any]:
+        """The JSON form written to files and embedded in records (a model may leave out what it has not set)."""
+        return self.model_dump(mode="json")
+
     def write_json(self, path: Path) -> Path:
-        """Write as stable, diff-friendly JSON (sorted keys, indent 2), replacing `path` atomically."""
+        """Write `json_data()` as stable, diff-friendly JSON (sorted keys, indent 2), replacing `path` atomically."""
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(self.json_data(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
         tmp.replace(path)
         return path

@@ -354,6 +354,10 @@ class Docker:
         return [TIMEOUT, f"--kill-after={KILL_AFTER_S}", f"{limit}s", *argv], None
 
     def _create(self, spec: ContainerSpec) -> docker.models.containers.Container:
+        if spec.mounts and self.socket is None:  # a bind mount names a path of the engine's host, not of this one
+            raise DockerError(f"{spec.image}: bind-mounts this host's files ({', '.join(m.target for m in spec.mounts)}) "
+                              f"but the engine at {self.host} runs elsewhere; fix: unset DOCKER_HOST or `docker context "
+                              f"use default` for the gate")
         entrypoint, command = self._argv(spec)
         kwargs: dict = dict(
             image=spec.image,

@@ -340,7 +340,7 @@ def predicate_of(*, plan_sku: str, repository: str, image_id: str, lock: Lock, f
                            provenance=entry.get("provenance") if isinstance(entry, dict) else None)
     return VerificationPredicate(
         sku=plan_sku, repository=repository, image_id=image_id, lock_sha256=lock.content_hash(),
-        lock=lock.model_dump(mode="json", exclude={"dockerfile_sha256"} if lock.dockerfile_sha256 is None else None),
+        lock=lock.json_data(),
         reference=ReferencePin(sha256=str(facts.bundle_sha256 or ""), path=facts.reference_path or ""),
         tolerance=pin, decision=facts.decision, reason=facts.reason,
         checks=tuple(CheckOutcome(name=n, status=s, reason=facts.check_reasons.get(n, "")) for n, s in facts.checks.items()),

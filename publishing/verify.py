@@ -60,7 +60,11 @@ def _default_client(host: str) -> RegistryClient:
 
 
 def _trusted(keys: TrustedKeys | list[Path] | None) -> TrustedKeys:
-    return keys if isinstance(keys, TrustedKeys) else trusted_keys(keys)
+    """The keys given, or the trusted keys found; PublishError when there are none (nothing can be verified)."""
+    found = keys if isinstance(keys, TrustedKeys) else trusted_keys(keys)
+    if not len(found):
+        raise PublishError("no trusted public keys (keys/trusted/*.pub, .skupin/keys/trusted/*.pub or --key FILE)")
+    return found
 
 
 def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = expected_for,
@@ -76,8 +80,6 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
         keys = _trusted(trusted)
     except PublishError as exc:
         return no(str(exc))
-    if not len(keys):
-        return no("no trusted public keys (keys/trusted/*.pub, .skupin/keys/trusted/*.pub or --key FILE)")
     expected = expectations(expect, asked)
     if isinstance(expected, str):
         return no(expected)
@@ -147,8 +149,6 @@ def inspect_reference(*, ref: str, trusted: TrustedKeys | list[Path] | None = No
     if not name.tag and not name.digest:
         raise PublishError(f"{ref}: give a tag or a digest (host/repo:tag)")
     keys = _trusted(trusted)
-    if not len(keys):
-        raise PublishError("no trusted public keys (keys/trusted/*.pub, .skupin/keys/trusted/*.pub or --key FILE)")
     with client_for(name.registry) as client:
         digest = client.resolve(name.repository, name.digest or name.tag or VERIFIED_TAG)
         if name.digest and digest != name.digest:

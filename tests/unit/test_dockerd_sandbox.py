@@ -191,3 +191,14 @@ def test_one_image_config_reader_says_when_the_image_is_missing() -> None:
     assert not hasattr(Docker, "_image_config")
     with pytest.raises(DockerError, match="not on this engine"):
         Docker(SimpleNamespace(api=Missing()), host="unix:///nonexistent.sock").image_config("img")
+
+
+def test_bind_mounts_are_refused_on_an_engine_that_is_not_on_this_host(tmp_path) -> None:
+    """A bind mount names a path of the engine's host: on a remote engine it would mount that host's files."""
+    from common.errors import DockerError
+    from dockerd import BindMount
+
+    remote = Docker(SimpleNamespace(api=FakeApi()), host="tcp://10.0.0.5:2376")
+    spec = ContainerSpec(image="img", command=("true",), mounts=(BindMount(source=tmp_path, target="/skupin"),))
+    with pytest.raises(DockerError, match="bind-mounts this host's files \\(/skupin\\) but the engine at tcp://10.0.0.5"):
+        remote._create(spec)
