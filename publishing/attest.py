@@ -6,6 +6,10 @@
                "subject": [{"name": <repository>, "digest": {"sha256": <image manifest digest hex>}}],
                "predicateType": "https://skupin.dev/verification/v1", "predicate": VerificationPredicate}
 
+The SBOM attestation (`bom_statement`) is the same statement with predicateType
+`https://cyclonedx.org/bom` (cosign's CycloneDX type) and the CycloneDX JSON BOM of publishing/sbom.py
+as its predicate, signed the same way by the same key.
+
 The signature is over the DSSE pre-authentication encoding, exactly as the DSSE v1 spec says:
 `"DSSEv1" SP len(type) SP type SP len(body) SP body` (lengths in ASCII decimal), hashed with SHA-256
 (what cosign does for an ECDSA P-256 key, so `cosign verify-attestation --key` can check it).
@@ -39,6 +43,7 @@ from common.untrusted import json_depth
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://skupin.dev/verification/v1"
+BOM_PREDICATE_TYPE = "https://cyclonedx.org/bom"  # cosign's predicate type for `--type cyclonedx`
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 DSSE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
 MAX_ENVELOPE_BYTES = 4 * 1024**2
@@ -107,11 +112,22 @@ def tolerance_sha256(entry: dict[str, Any]) -> str:
 
 
 def statement(*, repository: str, digest: str, predicate: VerificationPredicate) -> dict[str, Any]:
+    return _statement(repository=repository, digest=digest, predicate_type=PREDICATE_TYPE,
+                      predicate=predicate.model_dump(mode="json"))
+
+
+def bom_statement(*, repository: str, digest: str, bom: dict[str, Any]) -> dict[str, Any]:
+    """The SBOM attestation's statement: predicateType https://cyclonedx.org/bom, predicate = the CycloneDX JSON BOM
+    (what `cosign attest --type cyclonedx` writes)."""
+    return _statement(repository=repository, digest=digest, predicate_type=BOM_PREDICATE_TYPE, predicate=bom)
+
+
+def _statement(*, repository: str, digest: str, predicate_type: str, predicate: dict[str, Any]) -> dict[str, Any]:
     algo, _, hexpart = digest.partition(":")
     if algo != "sha256" or len(hexpart) != 64:
         raise PublishError(f"not a sha256 digest: {digest!r}")
     return {"_type": STATEMENT_TYPE, "subject": [{"name": repository, "digest": {"sha256": hexpart}}],
-            "predicateType": PREDICATE_TYPE, "predicate": predicate.model_dump(mode="json")}
+            "predicateType": predicate_type, "predicate": predicate}
 
 
 # ---------------------------------------------------------------- DSSE

@@ -17,6 +17,10 @@ Without a catalog (an operator who only installed skupin), steps 1-3 still apply
 comparisons with the catalog's bundle, tolerance entry and lock, which there is nothing to compare
 with: `Expected.catalog` is None and the answer says so (`verify` prints "no catalog: ...").
 
+The SBOM attestation (predicateType https://cyclonedx.org/bom, publishing/sbom.py) has its own, smaller
+policy, `evaluate_sbom`: steps 1 and 2 (same trusted keys, subject == the digest) and a valid CycloneDX
+document about that digest.
+
 `publish` runs `predicate_problems` while planning (before anything is pushed) and `evaluate` on the
 signed envelope before storing it; `verify`/`pull` run `evaluate` on what they fetch.
 """
@@ -37,6 +41,7 @@ from common.paths import data_path, find_catalog, sku_path
 from gates.bundle import bundle_sha256
 from gates.tolerance import ToleranceKey, catalog_tolerances, load_tolerances
 from publishing.attest import (
+    BOM_PREDICATE_TYPE,
     PREDICATE_TYPE,
     STATEMENT_TYPE,
     EnvelopeError,
@@ -45,6 +50,7 @@ from publishing.attest import (
     open_envelope,
     tolerance_sha256,
 )
+from publishing.sbom import BomSummary, bom_summary
 
 REQUIRED_CHECKS = ("pins", "model")
 
@@ -147,20 +153,28 @@ class PolicyResult(Frozen):
         return "; ".join(self.reasons)
 
 
-def signed_predicate(envelope: bytes, *, trusted: TrustedKeys, digest: str) -> tuple[VerificationPredicate, str]:
-    """Steps 1 and 2: (predicate, signing key id) of an envelope signed by a trusted key over a statement
-    about `digest`; PublishError (EnvelopeError) naming what failed otherwise."""
+def signed_statement(envelope: bytes, *, trusted: TrustedKeys, digest: str,
+                     predicate_type: str = PREDICATE_TYPE) -> tuple[dict[str, Any], str]:
+    """Steps 1 and 2 for any of our attestations: (statement, signing key id) of an envelope signed by a trusted key
+    over an in-toto Statement v1 of `predicate_type` about `digest`; PublishError (EnvelopeError) naming what failed."""
     statement, keyid = open_envelope(envelope, trusted)
     if statement.get("_type") != STATEMENT_TYPE:
         raise EnvelopeError(f"the signed payload is not an in-toto Statement v1 (_type {statement.get('_type')!r})")
-    if statement.get("predicateType") != PREDICATE_TYPE:
-        raise EnvelopeError(f"the statement's predicateType is {statement.get('predicateType')!r}, not {PREDICATE_TYPE}")
+    if statement.get("predicateType") != predicate_type:
+        raise EnvelopeError(f"the statement's predicateType is {statement.get('predicateType')!r}, not {predicate_type}")
     hexpart = digest.partition(":")[2]
     subjects = [s.get("digest", {}).get("sha256") for s in statement.get("subject") or () if isinstance(s, dict)
                 and isinstance(s.get("digest"), dict)]
     if hexpart not in subjects:
         shown = ", ".join(f"sha256:{str(s)[:12]}" for s in subjects) or "none"
         raise EnvelopeError(f"the attestation's subject is {shown}, not {digest[:19]} (a signature over another image)")
+    return statement, keyid
+
+
+def signed_predicate(envelope: bytes, *, trusted: TrustedKeys, digest: str) -> tuple[VerificationPredicate, str]:
+    """Steps 1 and 2: (predicate, signing key id) of an envelope signed by a trusted key over a statement
+    about `digest`; PublishError (EnvelopeError) naming what failed otherwise."""
+    statement, keyid = signed_statement(envelope, trusted=trusted, digest=digest)
     try:
         predicate = VerificationPredicate.model_validate(statement.get("predicate"))
     except ValidationError as exc:
@@ -179,6 +193,33 @@ def evaluate(envelope: bytes, *, trusted: TrustedKeys, digest: str, expected: Ex
     if image_id is not None and predicate.image_id != image_id:
         reasons.append(f"the image's config is {image_id[:19]}, the gate ran {predicate.image_id[:19]}")
     return PolicyResult(ok=not reasons, reasons=tuple(reasons), keyid=keyid, predicate=predicate)
+
+
+class SbomResult(Frozen):
+    """The policy's answer for one SBOM attestation; `bom` is the verified CycloneDX document (not in `repr`)."""
+
+    ok: bool
+    reason: str = ""
+    keyid: str | None = None
+    summary: BomSummary | None = None
+    bom: dict[str, Any] | None = Field(None, repr=False)
+
+
+def evaluate_sbom(envelope: bytes, *, trusted: TrustedKeys, digest: str) -> SbomResult:
+    """The SBOM attestation's policy: signed by a trusted key (step 1), an in-toto Statement v1 of predicateType
+    https://cyclonedx.org/bom whose subject is `digest` (step 2), a valid CycloneDX 1.6 BOM (the library's schema
+    validator) whose metadata component is that same digest. Its content is reported, not judged: the `pins` check
+    (the verification attestation) is what says the image's files are exactly its lock."""
+    try:
+        statement, keyid = signed_statement(envelope, trusted=trusted, digest=digest, predicate_type=BOM_PREDICATE_TYPE)
+        bom = statement.get("predicate")
+        summary = bom_summary(bom)
+    except PublishError as exc:
+        return SbomResult(ok=False, reason=f"the SBOM attestation: {exc}")
+    if summary.image != digest:
+        return SbomResult(ok=False, keyid=keyid, reason=f"the SBOM describes {summary.image[:19] or 'no image'}, "
+                                                        f"not {digest[:19]}")
+    return SbomResult(ok=True, keyid=keyid, summary=summary, bom=bom if isinstance(bom, dict) else None)
 
 
 def expectations(expect: ExpectFor, sku: str) -> Expected | str:

@@ -12,15 +12,19 @@ verdict file found on this host (`skupin publish`). The flow:
 2. check the registry answers (a clear error naming `skupin registry up` otherwise); hold a lock file
    per registry and repository (.skupin/locks/) so publishes from this host serialize; refuse when the
    version tag already names another image (version tags are immutable);
-3. tag the image with a temporary unique tag (`skupin-push-<random>`), push it through the
+3. read what the SBOM will list from the image's layers on the engine (publishing/sbom.py: every Python
+   distribution and Debian package; the gate's layer-index cache makes this a re-merge, not a re-read);
+   then tag the image with a temporary unique tag (`skupin-push-<random>`), push it through the
    engine (every stream chunk is checked for errors) and take the digest the registry stored;
    the local temporary tag is removed whatever happens;
 4. read the pushed manifest back by digest and check that its config digest is the gated image id,
    and that the version tag, if it exists, names exactly this digest;
 5. sign an in-toto Statement v1 about the digest (DSSE, ECDSA P-256: publishing/attest.py), run the
-   whole policy on the signed envelope (`evaluate`, exactly what `verify` runs), store it the way
-   cosign stores attestations (tag `sha256-<hex>.att`, one `application/vnd.dsse.envelope.v1+json`
-   layer, OCI 1.1 `subject` = the image where the registry accepts it) and read it back;
+   whole policy on the signed envelope (`evaluate`, exactly what `verify` runs); make the CycloneDX
+   SBOM of the digest and sign it as a second statement (predicateType https://cyclonedx.org/bom,
+   checked with `evaluate_sbom`); store both the way cosign stores attestations (tag
+   `sha256-<hex>.att`, one `application/vnd.dsse.envelope.v1+json` layer each, in one manifest put,
+   OCI 1.1 `subject` = the image where the registry accepts it) and read them back;
 6. only then move the human tags `<engine-version>-<hash12>` (over the lock and the locked Dockerfile)
    and `verified`, server-side: the registry stores the very manifest bytes of the pushed digest under each tag, so a tag names
    exactly the gated digest;
@@ -63,6 +67,7 @@ from common.untrusted import load_json, read_regular_file
 from dockerd import Docker, ImageInfo
 from gates.verdict import GateVerdict
 from publishing.attest import (
+    BOM_PREDICATE_TYPE,
     DSSE_MEDIA_TYPE,
     MAX_ENVELOPE_BYTES,
     PREDICATE_TYPE,
@@ -72,13 +77,23 @@ from publishing.attest import (
     TolerancePin,
     TrustedKeys,
     VerificationPredicate,
+    bom_statement,
     find_signer,
     statement,
     tolerance_sha256,
     trusted_keys,
 )
 from publishing.local_registry import default_registry, untag_on_disk
-from publishing.policy import REQUIRED_CHECKS, Expected, evaluate, expected_for, predicate_problems, verdict_sha256
+from publishing.policy import (
+    REQUIRED_CHECKS,
+    Expected,
+    evaluate,
+    evaluate_sbom,
+    expected_for,
+    predicate_problems,
+    verdict_sha256,
+)
+from publishing.sbom import BomSummary, ImageInventory, build_bom, image_inventory
 
 VERIFIED_TAG = "verified"
 PUSH_TAG_PREFIX = "skupin-push-"
@@ -267,40 +282,56 @@ def attestation_tag(digest: str) -> str:
 
 
 class Artifact(Frozen):
-    """The attestation as an OCI artifact: config blob, layer blob (the DSSE envelope), manifest bytes."""
+    """The attestations as an OCI artifact: config blob, layer blobs (the DSSE envelopes), manifest bytes."""
 
     config: bytes
-    layer: bytes
+    layers: tuple[bytes, ...]
     manifest: bytes
 
+    @property
+    def layer(self) -> bytes:
+        """The first layer: the verification attestation."""
+        return self.layers[0]
 
-def attestation_artifact(*, envelope: bytes, subject: Manifest | None) -> Artifact:
+
+def attestation_artifact(*, envelope: bytes, subject: Manifest | None,
+                         more: tuple[tuple[bytes, str], ...] = ()) -> Artifact:
     """An OCI image manifest laid out as cosign lays out `.att`: one layer per envelope (media type
-    application/vnd.dsse.envelope.v1+json, the cosign signature annotation, predicateType), an image config
-    whose rootfs names that layer, and the OCI 1.1 `subject` = the image (None: left out)."""
+    application/vnd.dsse.envelope.v1+json, the cosign signature annotation, predicateType), the verification
+    attestation first, then `more` ((envelope, predicate type): the SBOM), as `cosign attest` appends one layer per
+    attestation; an image config whose rootfs names those layers, and the OCI 1.1 `subject` = the image (None: left
+    out)."""
 
     def desc(media: str, data: bytes) -> dict[str, Any]:
         return {"mediaType": media, "digest": sha256_digest(data), "size": len(data)}
 
-    layer = envelope
+    typed = ((envelope, PREDICATE_TYPE), *more)
     config = canonical_json({"architecture": "", "config": {}, "created": "0001-01-01T00:00:00Z",
-                             "history": [{"created": "0001-01-01T00:00:00Z"}], "os": "",
-                             "rootfs": {"type": "layers", "diff_ids": [sha256_digest(layer)]}})
+                             "history": [{"created": "0001-01-01T00:00:00Z"} for _ in typed], "os": "",
+                             "rootfs": {"type": "layers", "diff_ids": [sha256_digest(layer) for layer, _ in typed]}})
     manifest: dict[str, Any] = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
         "config": desc(OCI_CONFIG, config),
         "layers": [{**desc(DSSE_MEDIA_TYPE, layer),
-                    "annotations": {"dev.cosignproject.cosign/signature": "", "predicateType": PREDICATE_TYPE}}],
+                    "annotations": {"dev.cosignproject.cosign/signature": "", "predicateType": kind}}
+                   for layer, kind in typed],
     }
     if subject is not None:
         manifest["subject"] = {"mediaType": subject.media_type, "digest": subject.digest, "size": len(subject.body)}
-    return Artifact(config=config, layer=layer, manifest=canonical_json(manifest))
+    return Artifact(config=config, layers=tuple(layer for layer, _ in typed), manifest=canonical_json(manifest))
 
 
 def read_attestations(*, client: RegistryClient, repository: str, digest: str) -> list[bytes]:
     """The DSSE envelopes stored under `sha256-<hex>.att` for `digest`; PublishError when there are none,
     NetworkError when the registry cannot be read (a registry that went away is not "not attested")."""
+    return [envelope for _kind, envelope in read_attestation_layers(client=client, repository=repository, digest=digest)]
+
+
+def read_attestation_layers(*, client: RegistryClient, repository: str, digest: str) -> list[tuple[str, bytes]]:
+    """(the layer's predicateType annotation, the DSSE envelope) of each attestation stored for `digest` (see
+    `read_attestations`). The annotation is not signed: it only says which policy to apply (the signed statement's
+    own predicateType must then match it)."""
     tag = attestation_tag(digest)
     art = client.find_manifest(repository, tag, accept=(OCI_MANIFEST, DOCKER_MANIFEST))
     if art is None:
@@ -319,8 +350,10 @@ def read_attestations(*, client: RegistryClient, repository: str, digest: str) -
     for layer in layers[:MAX_ENVELOPES]:
         if not isinstance(layer.get("size"), int) or layer["size"] > MAX_ENVELOPE_BYTES:
             continue
+        notes = layer.get("annotations")
+        kind = notes.get("predicateType") if isinstance(notes, dict) else None
         try:
-            out.append(client.get_blob(repository, layer["digest"]))
+            out.append((kind if isinstance(kind, str) else "", client.get_blob(repository, layer["digest"])))
         except (NetworkError, KeyError, TypeError) as exc:
             raise PublishError(f"an envelope of {repository}:{tag} cannot be read: {exc}") from exc
     if not out:
@@ -365,6 +398,7 @@ class PublishedImage(Frozen):
     attestation_tag: str
     attestation_digest: str
     keyid: str = Field(description="Key id (sha256 of the public key's DER) of the key that signed the attestation")
+    sbom: BomSummary | None = Field(None, description="The signed SBOM stored with the attestation (its counts)")
     push_s: float
     total_s: float
     leftover_tags: tuple[str, ...] = Field(default=(), description="Temporary tags the registry could not delete")
@@ -439,8 +473,11 @@ def _immutable(plan: PublishPlan, held: Manifest, *, image_id: str | None = None
 
 def publish_image(*, plan: PublishPlan, docker: Docker, client: RegistryClient, signer: Signer,
                   trusted: TrustedKeys | None = None, untag: Untag | None = None, on_event: OnEvent = _quiet,
-                  registry_hint: str = "", lock_folder: Path | None = None) -> PublishedImage:
-    """Execute a plan (see the module doc). Nothing is tagged unless every earlier step succeeded."""
+                  registry_hint: str = "", lock_folder: Path | None = None,
+                  inventory: ImageInventory | None = None) -> PublishedImage:
+    """Execute a plan (see the module doc). Nothing is tagged unless every earlier step succeeded.
+
+    `inventory`: what the SBOM lists; None (always, outside tests): read from the image's layers on the engine."""
     trusted = trusted if trusted is not None else trusted_keys()
     if signer.keyid not in trusted:
         raise PublishError(f"the signing key {signer.keyid[:12]} ({signer.path}) is not a trusted key, so nobody "
@@ -448,16 +485,20 @@ def publish_image(*, plan: PublishPlan, docker: Docker, client: RegistryClient, 
                            "its public key to keys/trusted/ (commit it) or .skupin/keys/trusted/ (this machine)")
     with publish_lock(plan, folder=lock_folder):
         return _publish_locked(plan=plan, docker=docker, client=client, signer=signer, trusted=trusted, untag=untag,
-                               on_event=on_event, registry_hint=registry_hint)
+                               on_event=on_event, registry_hint=registry_hint, inventory=inventory)
 
 
 def _publish_locked(*, plan: PublishPlan, docker: Docker, client: RegistryClient, signer: Signer,
-                    trusted: TrustedKeys, untag: Untag | None, on_event: OnEvent, registry_hint: str) -> PublishedImage:
+                    trusted: TrustedKeys, untag: Untag | None, on_event: OnEvent, registry_hint: str,
+                    inventory: ImageInventory | None) -> PublishedImage:
     start = time.monotonic()
     check_registry(client=client, target=plan.target, hint=registry_hint)
     held = _version_tag_holder(plan=plan, client=client)
     if held is not None:
         _immutable(plan, held, image_id=plan.image_id)
+    if inventory is None:
+        inventory = image_inventory(docker=docker, image_id=plan.image_id, cache=state_dir() / "cache", on_event=on_event)
+    on_event(f"SBOM: {len(inventory.python)} Python distributions, {len(inventory.debian)} Debian packages")
     on_event(f"pushing {plan.image_id[:19]} as {plan.push_reference}")
     digest = ""
     try:
@@ -478,8 +519,18 @@ def _publish_locked(*, plan: PublishPlan, docker: Docker, client: RegistryClient
         verdict = evaluate(envelope, trusted=trusted, digest=digest, expected=plan.expected, image_id=config)
         if not verdict.ok:
             raise PublishError(f"the attestation for {digest[:19]} would not verify: {verdict.reason()}; nothing was tagged")
-        att_digest = _store_attestation(plan=plan, envelope=envelope, subject=image, client=client, on_event=on_event)
-        on_event(f"stored the signed attestation {plan.repository}:{attestation_tag(digest)} (key {signer.keyid[:12]})")
+        bom = build_bom(inventory, registry=plan.target.host, repository=plan.repository, digest=digest,
+                        image_id=plan.image_id, timestamp=plan.predicate.published, lock=Lock.model_validate(plan.predicate.lock),
+                        sku=plan.sku)
+        sbom = signer.sign_statement(bom_statement(repository=plan.repository, digest=digest, bom=bom))
+        checked = evaluate_sbom(sbom, trusted=trusted, digest=digest)
+        if not checked.ok:
+            raise PublishError(f"the SBOM attestation for {digest[:19]} would not verify: {checked.reason}; "
+                               "nothing was tagged")
+        att_digest = _store_attestation(plan=plan, envelopes=((envelope, PREDICATE_TYPE), (sbom, BOM_PREDICATE_TYPE)),
+                                        subject=image, client=client, on_event=on_event)
+        on_event(f"stored the signed attestation and SBOM {plan.repository}:{attestation_tag(digest)} "
+                 f"(key {signer.keyid[:12]})")
         for tag in plan.tags:
             _move_tag(plan=plan, tag=tag, image=image, client=client)
             on_event(f"tagged {plan.target.host}/{plan.repository}:{tag} -> {digest}")
@@ -489,28 +540,31 @@ def _publish_locked(*, plan: PublishPlan, docker: Docker, client: RegistryClient
         sku=plan.sku, registry=plan.target.url, repository=plan.repository, digest=digest,
         reference=plan.target.reference(plan.sku, digest=digest), image_id=plan.image_id, lock_sha256=plan.lock_sha256,
         tags=plan.tags, attestation_tag=attestation_tag(digest), attestation_digest=att_digest, keyid=signer.keyid,
-        push_s=round(push_s, 3), total_s=round(time.monotonic() - start, 3), leftover_tags=leftover)
+        sbom=checked.summary, push_s=round(push_s, 3), total_s=round(time.monotonic() - start, 3), leftover_tags=leftover)
 
 
-def _store_attestation(*, plan: PublishPlan, envelope: bytes, subject: Manifest, client: RegistryClient,
-                       on_event: OnEvent) -> str:
-    """Store the envelope under sha256-<hex>.att with the OCI 1.1 subject; a registry that refuses the
-    subject field gets the manifest without it (the tag is how cosign and verify find it)."""
+def _store_attestation(*, plan: PublishPlan, envelopes: tuple[tuple[bytes, str], ...], subject: Manifest,
+                       client: RegistryClient, on_event: OnEvent) -> str:
+    """Store the envelopes ((envelope, predicate type), the verification attestation first) as the layers of one
+    manifest under sha256-<hex>.att with the OCI 1.1 subject; a registry that refuses the subject field gets the
+    manifest without it (the tag is how cosign and verify find it). One manifest put: both or neither."""
     tag = attestation_tag(subject.digest)
-    art = attestation_artifact(envelope=envelope, subject=subject)
+    (first, _kind), *rest = envelopes
+    art = attestation_artifact(envelope=first, subject=subject, more=tuple(rest))
     try:
         client.push_blob(plan.repository, art.config)
-        client.push_blob(plan.repository, art.layer)
+        for layer in art.layers:
+            client.push_blob(plan.repository, layer)
         try:
             stored = client.put_manifest(plan.repository, tag, art.manifest, OCI_MANIFEST)
         except NetworkError as exc:
             on_event(f"the registry refused the attestation with an OCI 1.1 subject ({exc}); storing it without")
-            art = attestation_artifact(envelope=envelope, subject=None)
+            art = attestation_artifact(envelope=first, subject=None, more=tuple(rest))
             stored = client.put_manifest(plan.repository, tag, art.manifest, OCI_MANIFEST)
     except NetworkError as exc:
         raise PublishError(f"storing the attestation {tag} failed: {exc}; no human tag was moved") from exc
-    back = read_attestations(client=client, repository=plan.repository, digest=subject.digest)
-    if back != [envelope]:
+    back = read_attestation_layers(client=client, repository=plan.repository, digest=subject.digest)
+    if back != [(kind, envelope) for envelope, kind in envelopes]:
         raise PublishError(f"the attestation read back from {tag} differs from the one stored; no human tag was moved")
     return stored
 

@@ -5,7 +5,10 @@ the one-line answer (`verified: REF -> name@sha256:... (...)` or `NOT verified: 
 exactly the policy `publish` applied before pushing: a signature from a trusted key, subject == the
 digest the reference resolves to, the SKU asked for (default: the repository's last path part), the
 gate passed with every required check, the committed reference bundle and tolerance entry, the
-current lock. `pull_verified` resolves `<sku>:verified`, verifies that digest and pulls it by
+current lock. The SBOM attestation stored next to it (publishing/sbom.py) must then pass its own policy
+(`evaluate_sbom`: a trusted key, subject == the digest, a valid CycloneDX document about it) when it is
+there; an image published before skupin stored SBOMs has none, which is said ("no SBOM") and refused
+only with `require_sbom`. `pull_verified` resolves `<sku>:verified`, verifies that digest and pulls it by
 digest (never by a tag that may have moved since).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
@@ -20,9 +24,19 @@ from clients.oci import RegistryClient, parse_image_ref
 from common.errors import NetworkError, PublishError, SkupinError
 from common.model import Frozen
 from common.untrusted import json_depth, printable
-from publishing.attest import TrustedKeys, VerificationPredicate, trusted_keys
-from publishing.policy import ExpectFor, PolicyResult, evaluate, expectations, expected_for, signed_predicate
-from publishing.publish import VERIFIED_TAG, RegistryTarget, read_attestations
+from publishing.attest import BOM_PREDICATE_TYPE, TrustedKeys, VerificationPredicate, trusted_keys
+from publishing.policy import (
+    ExpectFor,
+    PolicyResult,
+    SbomResult,
+    evaluate,
+    evaluate_sbom,
+    expectations,
+    expected_for,
+    signed_predicate,
+)
+from publishing.publish import VERIFIED_TAG, RegistryTarget, read_attestation_layers, read_attestations
+from publishing.sbom import BomSummary
 
 ClientFor = Callable[[str], RegistryClient]  # registry host -> client
 
@@ -43,12 +57,18 @@ class Verification(Frozen):
                                                   "no catalog, so signature, subject, SKU and gate only")
     unreachable: bool = Field(False, description="The registry could not be reached or answered wrongly (exit 9)")
     image_id: str | None = Field(None, exclude=True)  # the attestation's image id; not part of `verify --json`
+    sbom: BomSummary | None = Field(None, description="The verified SBOM's counts; None: no SBOM was stored")
+    sbom_signer: str | None = Field(None, description="Key id of the trusted key that signed the SBOM")
+    bom: dict[str, Any] | None = Field(None, exclude=True, repr=False)  # the verified CycloneDX document
 
     def line(self) -> str:
         if self.ok:
             against = "" if self.catalog else "; no catalog: not compared with a current lock, bundle or tolerance"
+            sbom = (f"; SBOM: {self.sbom.line()} (CycloneDX {self.sbom.spec_version}, signed by "
+                    f"{str(self.sbom_signer)[:12]})") if self.sbom else "; no SBOM"
             return (f"verified: {self.ref} -> {self.reference} ({self.sku}, lock {str(self.lock_sha256)[:12]}, "
-                    f"gate passed {self.gate_date or 'at an unknown date'}, signed by {str(self.signer)[:12]}{against})")
+                    f"gate passed {self.gate_date or 'at an unknown date'}, signed by {str(self.signer)[:12]}{against})"
+                    f"{sbom}")
         return f"NOT verified: {self.ref}: {printable(self.reason, 600)}"  # reasons quote what a registry said
 
 
@@ -69,8 +89,9 @@ def _trusted(keys: TrustedKeys | list[Path] | None) -> TrustedKeys:
 
 def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = expected_for,
                      trusted: TrustedKeys | list[Path] | None = None,
-                     client_for: ClientFor = _default_client) -> Verification:
-    """Resolve `ref` (host/repo:tag or host/repo@sha256:...) and apply the policy to its attestations."""
+                     client_for: ClientFor = _default_client, require_sbom: bool = False) -> Verification:
+    """Resolve `ref` (host/repo:tag or host/repo@sha256:...) and apply the policy to its attestations; then the SBOM's
+    policy to its SBOM attestation (none: "no SBOM", refused only with `require_sbom`)."""
     name = parse_image_ref(ref)
     no = lambda why, **kw: Verification(ok=False, ref=ref, reason=why, **kw)  # noqa: E731
     if not name.tag and not name.digest:
@@ -93,7 +114,7 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
             return no(f"the registry serves {digest} for {name.digest}")
         pinned = f"{name.registry}/{name.repository}@{digest}"
         try:
-            envelopes = read_attestations(client=client, repository=name.repository, digest=digest)
+            layers = read_attestation_layers(client=client, repository=name.repository, digest=digest)
             image = client.get_manifest(name.repository, digest)
         except (PublishError, NetworkError) as exc:
             return no(str(exc), digest=digest, reference=pinned, unreachable=isinstance(exc, NetworkError))
@@ -105,19 +126,35 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
             return no(f"the registry's manifest for {digest} is not a JSON object", digest=digest, reference=pinned)
         block = body.get("config")
         config = block.get("digest") if isinstance(block, dict) and isinstance(block.get("digest"), str) else None
+        envelopes = [env for kind, env in layers if kind != BOM_PREDICATE_TYPE]
+        if not envelopes:
+            return no(f"no verification attestation for {digest[:19]} (only an SBOM)", digest=digest, reference=pinned)
         results = [evaluate(env, trusted=keys, digest=digest, expected=expected, image_id=config) for env in envelopes]
         best = next((r for r in results if r.ok), results[0])
-        return _answer(ref=ref, pinned=pinned, digest=digest, result=best, catalog=expected.catalog)
+        sboms = [evaluate_sbom(env, trusted=keys, digest=digest) for kind, env in layers if kind == BOM_PREDICATE_TYPE]
+        return _answer(ref=ref, pinned=pinned, digest=digest, result=best, catalog=expected.catalog, sboms=sboms,
+                       require_sbom=require_sbom)
     finally:
         client.close()
 
 
-def _answer(*, ref: str, pinned: str, digest: str, result: PolicyResult, catalog: str | None) -> Verification:
+def _answer(*, ref: str, pinned: str, digest: str, result: PolicyResult, catalog: str | None,
+            sboms: list[SbomResult], require_sbom: bool) -> Verification:
     p = result.predicate
-    base = dict(ref=ref, reference=pinned, digest=digest, signer=result.keyid, catalog=catalog)
+    base: dict[str, Any] = dict(ref=ref, reference=pinned, digest=digest, signer=result.keyid, catalog=catalog)
     if p is not None:
         base.update(sku=p.sku, lock_sha256=p.lock_sha256, gate_date=p.gate_created, image_id=p.image_id)
-    return Verification(ok=result.ok, reason=result.reason(), **base)
+    if not result.ok:
+        return Verification(ok=False, reason=result.reason(), **base)
+    sbom = next((s for s in sboms if s.ok), None)
+    if sbom is not None:
+        return Verification(ok=True, sbom=sbom.summary, sbom_signer=sbom.keyid, bom=sbom.bom, **base)
+    if sboms:  # stored, but none verifies: the SBOM is refused, and so is the image
+        return Verification(ok=False, reason=sboms[0].reason, **base)
+    if require_sbom:
+        return Verification(ok=False, reason=f"no SBOM attestation is stored for {digest[:19]} (published before "
+                                             "skupin stored SBOMs, or stored without one); required here", **base)
+    return Verification(ok=True, **base)
 
 
 class Record(Frozen):
@@ -125,6 +162,8 @@ class Record(Frozen):
 
     signer: str | None = None
     predicate: VerificationPredicate | None = None
+    sbom: BomSummary | None = Field(None, description="Set for an SBOM attestation (predicateType "
+                                                      "https://cyclonedx.org/bom) a trusted key signed")
     problem: str = ""
 
 
@@ -153,9 +192,14 @@ def inspect_reference(*, ref: str, trusted: TrustedKeys | list[Path] | None = No
         digest = client.resolve(name.repository, name.digest or name.tag or VERIFIED_TAG)
         if name.digest and digest != name.digest:
             raise PublishError(f"{ref}: the registry serves {digest} for {name.digest}")
-        envelopes = read_attestations(client=client, repository=name.repository, digest=digest)
+        layers = read_attestation_layers(client=client, repository=name.repository, digest=digest)
     records = []
-    for env in envelopes:
+    for kind, env in layers:
+        if kind == BOM_PREDICATE_TYPE:
+            checked = evaluate_sbom(env, trusted=keys, digest=digest)
+            records.append(Record(signer=checked.keyid, sbom=checked.summary) if checked.ok
+                           else Record(problem=checked.reason))
+            continue
         try:
             predicate, keyid = signed_predicate(env, trusted=keys, digest=digest)
         except PublishError as exc:
@@ -168,12 +212,12 @@ def inspect_reference(*, ref: str, trusted: TrustedKeys | list[Path] | None = No
 
 def pull_verified(*, sku: str, target: RegistryTarget, docker, expect: ExpectFor = expected_for,
                   trusted: TrustedKeys | list[Path] | None = None,
-                  client_for: ClientFor = _default_client) -> tuple[Verification, str]:
+                  client_for: ClientFor = _default_client, require_sbom: bool = False) -> tuple[Verification, str]:
     """Verify `<sku>:verified` for SKU `sku` and pull its digest; (verification, local image id). PublishError when
     not verified, NetworkError when the registry cannot be reached (exit 9, as `verify`)."""
     ref = target.reference(sku, tag=VERIFIED_TAG)
     result = verify_reference(ref=ref, sku=sku, expect=expect, trusted=trusted,
-                              client_for=lambda _host: client_for(target.url))
+                              client_for=lambda _host: client_for(target.url), require_sbom=require_sbom)
     if not result.ok or result.reference is None:
         raise (NetworkError if result.unreachable else PublishError)(result.line())
     image_id = docker.pull(result.reference)

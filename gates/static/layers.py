@@ -432,7 +432,8 @@ def kept_for_checks(rel: str, size: int) -> bool:
     """The files the integrity check reads back (streamed layers keep a copy of these only)."""
     if size > MAX_KEPT_BYTES:
         return False
-    return (rel.endswith((".py", ".pyc", ".pth", ".cfg")) or rel.startswith(("var/lib/dpkg/", "etc/python")))
+    return (rel.endswith((".py", ".pyc", ".pth", ".cfg")) or rel.startswith(("var/lib/dpkg/", "etc/python"))
+            or rel in ("etc/os-release", "usr/lib/os-release"))  # the SBOM's distro (publishing/sbom.py)
 
 
 def image_view(*, docker, image: str, layers: tuple[str, ...], cache: Path, bottom: int = 0,

@@ -50,6 +50,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     for tag in published.tags:
         _out(f"  {published.registry}/{published.repository}:{tag}")
     _out(f"  attestation {published.repository}:{published.attestation_tag} (signed by key {published.keyid[:12]})")
+    if published.sbom is not None:
+        _out(f"  SBOM (CycloneDX {published.sbom.spec_version}, in the same attestation manifest): {published.sbom.line()}")
     if published.leftover_tags:
         _out(f"  note: temporary tag(s) left in the registry: {', '.join(published.leftover_tags)}")
     _out(f"published {published.reference} in {published.total_s:.1f} s (push {published.push_s:.1f} s)")
@@ -72,11 +74,16 @@ def _sku_name(sku: str | None) -> str | None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from publishing.verify import verify_reference
 
-    result = verify_reference(ref=args.ref, sku=_sku_name(args.sku), trusted=args.key or None)
+    result = verify_reference(ref=args.ref, sku=_sku_name(args.sku), trusted=args.key or None,
+                              require_sbom=args.require_sbom or args.sbom_out is not None)
     _out(json.dumps(result.model_dump(mode="json")) if args.json else result.line())
-    if result.ok:
-        return 0
-    return NetworkError.exit_code if result.unreachable else PublishError.exit_code
+    if not result.ok:
+        return NetworkError.exit_code if result.unreachable else PublishError.exit_code
+    if args.sbom_out is not None and result.bom is not None:
+        Path(args.sbom_out).write_text(json.dumps(result.bom, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if not args.json:
+            _out(f"wrote the verified SBOM to {args.sbom_out}")
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -89,7 +96,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         _out(f"{found.ref} -> {found.reference}")
         for number, record in enumerate(found.records, 1):
-            p = record.predicate
+            p, bom = record.predicate, record.sbom
+            if bom is not None:
+                _out(f"attestation {number}: SBOM signed by {record.signer}")
+                for label, value in (("format", f"CycloneDX {bom.spec_version} ({bom.tool})"),
+                                     ("serial number", bom.serial_number), ("timestamp", bom.timestamp),
+                                     ("image", bom.image), ("components", f"{bom.components}: {bom.line()}")):
+                    _out(f"  {label:<17}{_shown(str(value))}")
+                continue
             if p is None:
                 _out(f"attestation {number}: not read (not signed by a trusted key): {_shown(record.problem)}")
                 continue
@@ -112,7 +126,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
     target = parse_target(args.registry or default_registry(addr=args.addr).addr)
     result, image_id = pull_verified(sku=str(_sku_name(args.sku)), target=target, docker=connect(),
-                                     trusted=args.key or None)
+                                     trusted=args.key or None, require_sbom=args.require_sbom)
     if args.json:
         _out(json.dumps({**result.model_dump(mode="json"), "image_id": image_id}))
         return 0
@@ -229,18 +243,24 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("verify", help="operators: does REF resolve to a digest with a signed attestation that passes "
                                       "publish's policy (trusted key, this digest, this SKU, required checks, committed "
-                                      "bundle and tolerance, current lock)? exit 8 when not")
+                                      "bundle and tolerance, current lock), and a signed SBOM about that digest when one "
+                                      "is stored? exit 8 when not")
     p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
     p.add_argument("--sku", help="the SKU the image must be attested for, by name or manifest path (default: the "
                                  "repository's last path part)")
     p.add_argument("--key", type=Path, action="append", metavar="FILE",
                    help="trusted public key (PEM); repeatable; replaces the default keys/trusted/*.pub and "
                         ".skupin/keys/trusted/*.pub")
+    p.add_argument("--require-sbom", action="store_true",
+                   help="refuse an image with no SBOM attestation (default: verified, and the line says 'no SBOM')")
+    p.add_argument("--sbom-out", type=Path, metavar="FILE",
+                   help="write the verified CycloneDX SBOM (JSON) to FILE; implies --require-sbom")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("inspect", help="operators: print the signed records (attestations) stored for REF's digest: SKU, "
-                                       "gate decision and checks, lock, reference bundle, tolerance, dates; only what a "
+                                       "gate decision and checks, lock, reference bundle, tolerance, dates, and the "
+                                       "SBOM's package counts; only what a "
                                        "trusted key signed is shown; exit 8 when nothing is, 9 when the registry fails")
     p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
     p.add_argument("--key", type=Path, action="append", metavar="FILE",
@@ -256,6 +276,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key", type=Path, action="append", metavar="FILE",
                    help="trusted public key (PEM); repeatable; replaces the default keys/trusted/*.pub and "
                         ".skupin/keys/trusted/*.pub")
+    p.add_argument("--require-sbom", action="store_true", help="refuse an image with no SBOM attestation")
     p.add_argument("--json", action="store_true", help="print the verification and the local image id as JSON")
     p.set_defaults(func=cmd_pull)
 

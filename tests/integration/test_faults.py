@@ -282,7 +282,7 @@ def test_two_publishes_at_once_serialize_and_the_version_tag_never_moves(docker:
     result = verify(f"{registry.addr}/{SKU}:verified", lock)
     assert result.ok and result.digest == digest, result.line()
     with RegistryClient(registry.url) as client:
-        (envelope,) = read_attestations(client=client, repository=SKU, digest=digest)
+        envelope, _sbom = read_attestations(client=client, repository=SKU, digest=digest)
         predicate, _keyid = signed_predicate(envelope, trusted=TRUSTED, digest=digest)
         assert predicate.image_id == winner and predicate.decision == "pass"
     assert not [t for t in tags(registry) if t.startswith("skupin-push-")]

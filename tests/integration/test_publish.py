@@ -279,7 +279,7 @@ def test_end_to_end_cpu_image_gate_publish_and_verify(docker: Docker, registry: 
     with RegistryClient(target.url) as client:
         published = publish_image(plan=plan, docker=docker, client=client, signer=SIGNER, trusted=TRUSTED,
                                   untag=lambda r, t: untag_on_disk(registry=registry, repository=r, tag=t))
-        assert len(read_attestations(client=client, repository="cpu-x86_64", digest=published.digest)) == 1
+        assert len(read_attestations(client=client, repository="cpu-x86_64", digest=published.digest)) == 2
     result = verify_reference(ref=f"{registry.addr}/cpu-x86_64:verified", trusted=TRUSTED)
     assert result.ok, result.line()
     assert result.digest == published.digest
@@ -363,7 +363,7 @@ def test_every_attack_of_the_acceptance_list_is_refused(docker: Docker, registry
     published = publish(docker=docker, registry=registry, image_id=honest, lock=lock,
                         verdict=make_verdict(image_id=honest, lock=lock))
     with RegistryClient(registry.url) as client:
-        (good_env,) = read_attestations(client=client, repository=SKU, digest=published.digest)
+        good_env, _sbom = read_attestations(client=client, repository=SKU, digest=published.digest)
     from publishing.policy import signed_predicate
 
     good, _ = signed_predicate(good_env, trusted=TRUSTED, digest=published.digest)

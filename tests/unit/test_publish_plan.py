@@ -11,7 +11,7 @@ import pytest
 from builder.lockfile import Lock, LockedBase
 from clients.oci import Manifest
 from common.errors import DockerError, NetworkError, PublishError
-from publishing.attest import DSSE_MEDIA_TYPE, PREDICATE_TYPE, tolerance_sha256
+from publishing.attest import BOM_PREDICATE_TYPE, DSSE_MEDIA_TYPE, PREDICATE_TYPE, tolerance_sha256
 from publishing.local_registry import LocalRegistry, render_config
 from publishing.policy import Expected
 from publishing.publish import (
@@ -23,10 +23,12 @@ from publishing.publish import (
     parse_target,
     plan_publish,
     publish_image,
+    read_attestation_layers,
     read_attestations,
     refusals,
     verdict_facts,
 )
+from publishing.sbom import BomSummary, DebianPackage, ImageInventory, PythonDistribution
 from publishing.verify import Verification
 from skupin.pipeline import STAGES, RunSummary, StageResult
 from tests.data.threads import finishes
@@ -160,6 +162,13 @@ def test_attestation_artifact_is_laid_out_as_cosign_lays_out_att():
     assert layer["digest"] == "sha256:" + hashlib.sha256(envelope).hexdigest() and layer["size"] == len(envelope)
     assert json.loads(art.config)["rootfs"]["diff_ids"] == [layer["digest"]]
     assert "subject" not in json.loads(attestation_artifact(envelope=envelope, subject=None).manifest)
+    # a second attestation (the SBOM) is a second layer of the same manifest, as `cosign attest` appends one
+    both = attestation_artifact(envelope=envelope, subject=image, more=((b'{"sbom":1}', BOM_PREDICATE_TYPE),))
+    m2 = json.loads(both.manifest)
+    assert [la["annotations"]["predicateType"] for la in m2["layers"]] == [PREDICATE_TYPE, BOM_PREDICATE_TYPE]
+    assert both.layers == (envelope, b'{"sbom":1}') and both.layer == envelope
+    assert json.loads(both.config)["rootfs"]["diff_ids"] == [la["digest"] for la in m2["layers"]]
+    assert m2["subject"] == m["subject"]
 
 
 # ---------------------------------------------------------------- executing with fakes: order and failure
@@ -184,6 +193,10 @@ class FakeEngine:
 
 
 IMAGE_MANIFEST = _image_manifest()
+INVENTORY = ImageInventory(
+    python=(PythonDistribution(name="torch", version="2.13.0", path="venv/site-packages/torch-2.13.0.dist-info",
+                               vendored=False),),
+    debian=(DebianPackage(name="libc6", version="2.36-9", arch="amd64"),), os_version="12")
 
 
 class FakeRegistry:
@@ -236,8 +249,13 @@ class FakeRegistry:
 def test_attestation_goes_in_before_the_human_tags_and_verified_last(tmp_path):
     reg, eng = FakeRegistry(), FakeEngine()
     p = plan(verdict())
-    out = publish_image(plan=p, docker=eng, client=reg, signer=SIGNER, trusted=TRUSTED, lock_folder=tmp_path)  # type: ignore[arg-type]
+    out = publish_image(plan=p, docker=eng, client=reg, signer=SIGNER, trusted=TRUSTED, lock_folder=tmp_path,  # type: ignore[arg-type]
+                        inventory=INVENTORY)
     assert reg.log == [attestation_tag(IMAGE_MANIFEST.digest), p.version_tag, VERIFIED_TAG, "delete skupin-push-test"]
+    # one manifest put holds both: the verification attestation, then the SBOM (cosign's one layer per attestation)
+    layers = read_attestation_layers(client=reg, repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest)  # type: ignore[arg-type]
+    assert [kind for kind, _env in layers] == [PREDICATE_TYPE, BOM_PREDICATE_TYPE]
+    assert out.sbom is not None and (out.sbom.python, out.sbom.debian, out.sbom.image) == (1, 1, IMAGE_MANIFEST.digest)
     assert reg.manifests[VERIFIED_TAG][0] == IMAGE_MANIFEST.body  # the tag names exactly the pushed manifest
     assert ("untag-local", p.push_reference) in eng.calls and out.leftover_tags == ()
 
@@ -246,7 +264,8 @@ def test_attestation_goes_in_before_the_human_tags_and_verified_last(tmp_path):
 def test_a_failure_tags_nothing(fault, tmp_path):
     reg, eng = FakeRegistry(down=fault == "registry down"), FakeEngine(push_error=fault == "push")
     with pytest.raises(PublishError, match="nothing was"):
-        publish_image(plan=plan(verdict()), docker=eng, client=reg, signer=SIGNER, trusted=TRUSTED, lock_folder=tmp_path)  # type: ignore[arg-type]
+        publish_image(plan=plan(verdict()), docker=eng, client=reg, signer=SIGNER, trusted=TRUSTED, lock_folder=tmp_path,  # type: ignore[arg-type]
+                      inventory=INVENTORY)
     assert not [r for r in reg.manifests if not r.startswith("skupin-push-")]
     if fault == "push":
         assert eng.calls[-1][0] == "untag-local"
@@ -260,7 +279,8 @@ def test_a_pushed_manifest_of_another_image_is_not_tagged(tmp_path):
     other = _image_manifest(OTHER)
     reg.get_manifest = lambda repo, ref, accept=(): other  # type: ignore[method-assign]
     with pytest.raises(PublishError, match="not the gated image"):
-        publish_image(plan=plan(verdict()), docker=Wrong(), client=reg, signer=SIGNER, trusted=TRUSTED, lock_folder=tmp_path)  # type: ignore[arg-type]
+        publish_image(plan=plan(verdict()), docker=Wrong(), client=reg, signer=SIGNER, trusted=TRUSTED,  # type: ignore[arg-type]
+                      lock_folder=tmp_path, inventory=INVENTORY)
     assert reg.log == ["delete skupin-push-test"]
 
 
@@ -279,9 +299,15 @@ def test_verification_lines():
     ok = Verification(ok=True, ref="r:verified", reference=f"r@{IMAGE}", sku="s", lock_sha256="f" * 64, gate_date="D",
                       catalog="/c")
     ok = ok.model_copy(update={"signer": "a" * 64})
-    assert ok.line() == f"verified: r:verified -> r@{IMAGE} (s, lock ffffffffffff, gate passed D, signed by aaaaaaaaaaaa)"
+    assert ok.line() == (f"verified: r:verified -> r@{IMAGE} (s, lock ffffffffffff, gate passed D, signed by "
+                         "aaaaaaaaaaaa); no SBOM")
     assert ok.model_copy(update={"catalog": None}).line().endswith(
-        "aaaaaaaaaaaa; no catalog: not compared with a current lock, bundle or tolerance)")
+        "aaaaaaaaaaaa; no catalog: not compared with a current lock, bundle or tolerance); no SBOM")
+    summary = BomSummary(spec_version="1.6", serial_number="urn:uuid:x", timestamp="t", image=IMAGE, python=47,
+                         python_vendored=12, debian=98, components=157)
+    assert ok.model_copy(update={"sbom": summary, "sbom_signer": "b" * 64}).line().endswith(
+        "signed by aaaaaaaaaaaa); SBOM: 47 Python distributions (+12 vendored), 98 Debian packages (CycloneDX 1.6, "
+        "signed by bbbbbbbbbbbb)")
     assert Verification(ok=False, ref="r:x", reason="why").line() == "NOT verified: r:x: why"
 
 
@@ -387,6 +413,9 @@ def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrot
         def inspect_image(self, ref):
             return ImageInfo(id=IMAGE, tags=(), repo_digests=(), labels={}, size=1, layers=(), created="now")
 
+        def layer_dirs(self, ref):  # an image of no layers: its SBOM lists nothing
+            return ()
+
     class Registry(FakeRegistry):
         def __enter__(self):
             return self
@@ -410,7 +439,8 @@ def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrot
     out = publishing.publish(built, gated, parse_target("127.0.0.1:5000"), docker=Engine(),  # type: ignore[arg-type]
                              signer=SIGNER, trusted=TRUSTED)
     assert len(reads) == 1 and out.image_id == IMAGE and out.tags[-1] == VERIFIED_TAG and out.keyid == SIGNER.keyid
-    (envelope,) = read_attestations(client=reg, repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest)  # type: ignore[arg-type]
+    envelope, _sbom = read_attestations(client=reg, repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest)  # type: ignore[arg-type]
+    assert out.sbom is not None and (out.sbom.python, out.sbom.debian) == (0, 0)
     from publishing.policy import evaluate, verdict_sha256
 
     result = evaluate(envelope, trusted=TRUSTED, digest=IMAGE_MANIFEST.digest, expected=expected(), image_id=IMAGE)
