@@ -532,7 +532,10 @@ def _publish_locked(*, plan: PublishPlan, docker: Docker, client: RegistryClient
         on_event(f"stored the signed attestation and SBOM {plan.repository}:{attestation_tag(digest)} "
                  f"(key {signer.keyid[:12]})")
         for tag in plan.tags:
-            _move_tag(plan=plan, tag=tag, image=image, client=client)
+            if tag == plan.version_tag:
+                _claim_version_tag(plan=plan, image=image, client=client)
+            else:
+                _move_tag(plan=plan, tag=tag, image=image, client=client)
             on_event(f"tagged {plan.target.host}/{plan.repository}:{tag} -> {digest}")
     finally:
         leftover = _drop_push_tag(plan=plan, client=client, untag=untag, on_event=on_event, pushed=bool(digest))
@@ -567,6 +570,28 @@ def _store_attestation(*, plan: PublishPlan, envelopes: tuple[tuple[bytes, str],
     if back != [(kind, envelope) for envelope, kind in envelopes]:
         raise PublishError(f"the attestation read back from {tag} differs from the one stored; no human tag was moved")
     return stored
+
+
+def _claim_version_tag(*, plan: PublishPlan, image: Manifest, client: RegistryClient) -> None:
+    """Move the version tag, the tag that never moves: found free (or naming this digest) right before the put and
+    read back right after, before the `verified` tag moves. A registry cannot put a tag only if it is absent, so two
+    hosts publishing one lock at once can still both put it; the read-back makes the one overwritten fail instead of
+    both claiming it. Closing the last gap needs one publish per SKU at a time (images.yml's concurrency group) or
+    the registry's own immutable tags (docs/guide-operator.md, "Immutable version tags")."""
+    held = _version_tag_holder(plan=plan, client=client)
+    if held is not None:
+        _immutable(plan, held, digest=image.digest)
+    _move_tag(plan=plan, tag=plan.version_tag, image=image, client=client)
+    try:
+        now = client.get_manifest(plan.repository, plan.version_tag)
+    except NetworkError as exc:
+        raise PublishError(f"tagged {plan.repository}:{plan.version_tag} but cannot read it back: {exc}; "
+                           f"the {VERIFIED_TAG} tag was not moved") from exc
+    if now.digest != image.digest:
+        raise PublishError(
+            f"{plan.target.host}/{plan.repository}:{plan.version_tag} was moved to {now.digest[:19]} by another "
+            f"publish while this one tagged it; this publish claims nothing and the {VERIFIED_TAG} tag was not moved; "
+            "fix: publish one SKU from one place at a time")
 
 
 def _move_tag(*, plan: PublishPlan, tag: str, image: Manifest, client: RegistryClient) -> None:

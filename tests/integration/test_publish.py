@@ -35,6 +35,7 @@ from publishing.publish import (
     publish_image,
     read_attestations,
     verdict_facts,
+    version_tag,
 )
 from publishing.verify import Verification, pull_verified, verify_reference
 
@@ -439,3 +440,45 @@ def test_a_version_tag_never_moves_and_a_failed_publish_leaves_no_temporary_tag(
     assert not [t for t in tags(registry) if t.startswith("skupin-push-")], tags(registry)
     assert configs(registry) == {"verified": first, published.tags[0]: first}  # nothing moved
     assert not [t for t in docker.inspect_image(third).tags if "skupin-push-" in t]
+
+
+
+def test_a_publish_that_loses_the_race_for_its_version_tag_claims_nothing(docker: Docker, registry: LocalRegistry,
+                                                                          tiny: TinyImages):
+    """Another host publishing the same version tag at the same moment, its put injected at the exact point: taken
+    right after our attestation is stored, we refuse before tagging; overwritten right after our own put, the read-back
+    makes us fail. Either way the `verified` tag stays with the rival and no temporary tag is left."""
+    rival_lock = make_lock(salt="b")
+    rival_id = tiny.make("rival")
+    rival = publish(docker=docker, registry=registry, image_id=rival_id, lock=rival_lock,
+                    verdict=make_verdict(image_id=rival_id, lock=rival_lock))
+    with RegistryClient(registry.url, retries=0) as reader:
+        rival_manifest = reader.get_manifest(SKU, rival.digest)
+
+    class RivalTakesTheTag(RegistryClient):
+        """Puts the rival's manifest under `contested` right after our put of a reference `after` accepts."""
+
+        def __init__(self, contested: str, after) -> None:
+            super().__init__(parse_target(registry.addr).url, retries=0)
+            self.contested, self.after = contested, after
+
+        def put_manifest(self, repo, ref, body, media_type):
+            stored = super().put_manifest(repo, ref, body, media_type)
+            if self.after(ref):
+                super().put_manifest(repo, self.contested, rival_manifest.body, rival_manifest.media_type)
+            return stored
+
+    cases = (("e", lambda ref, vtag: ref.endswith(".att"), "already names"),
+             ("f", lambda ref, vtag: ref == vtag, "by another publish"))
+    for salt, after, message in cases:
+        lock = make_lock(salt=salt)
+        vtag = version_tag(sku=SKU, engine_version="5.24.0", lock=lock, dockerfile_sha256="c" * 64)
+        ours = tiny.make(f"ours-{salt}")
+        client = RivalTakesTheTag(vtag, lambda ref, vtag=vtag, after=after: after(ref, vtag))
+        with pytest.raises(PublishError, match=message):
+            publish(docker=docker, registry=registry, image_id=ours, lock=lock,
+                    verdict=make_verdict(image_id=ours, lock=lock), client=client)
+        held = configs(registry)
+        assert held["verified"] == rival_id and held[vtag] == rival_id, (salt, held)
+        assert ours not in held.values(), (salt, held)
+        assert not [t for t in tags(registry) if t.startswith("skupin-push-")], tags(registry)
