@@ -72,8 +72,8 @@ def test_output_files_read_lines_and_heredocs(tmp_path: Path):
 
 
 @pytest.mark.parametrize("name", ["ci.yml", "images.yml", "watch.yml"])
-def test_every_action_and_expression_of_the_workflows_is_known_to_the_replay(name):
-    """A workflow edit that uses an action or a function the replay cannot stand for fails here, not silently."""
+def test_every_action_of_the_replayed_workflows_has_a_local_equivalent(name):
+    """A workflow edit that uses an action the replay cannot stand for fails here (an unknown function fails the replay)."""
     data = yaml.safe_load((WORKFLOWS / name).read_text())
     jobs = data["jobs"]
     assert _order(jobs)  # needs form no cycle
