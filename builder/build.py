@@ -390,9 +390,10 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
     secrets = {CA_SECRET_ID: ca_bundle} if ca_bundle is not None and f"id={CA_SECRET_ID}" in rendered.text else {}
     from_source = bool(lock.sources())
     steps: list[BuildStep] = [
-        EnsureBase(manifest=manifest, bases=bases or bases_dir()),
+        # the wheels first: a missing or mismatched one refuses the build before debootstrap or a pull runs
         GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or default_wheel_store(),
                      wheelhouse=wheelhouse, ca_bundle=ca_bundle),
+        EnsureBase(manifest=manifest, bases=bases or bases_dir()),
         WriteContext(folder=(contexts or state_dir() / "contexts") / manifest.name),
         RunBuildKit(build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
                                 DOCKERFILE_ARG: rendered.sha256},

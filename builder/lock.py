@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
@@ -679,7 +679,7 @@ def lock_sku(
         say(f"resolving {' '.join(roots)} for CPython {manifest.base.python} {manifest.base.platform}")
         resolved, resolver = resolve_target(request=request, plans=plans, resolve=resolve, env=env, file=file,
                                             progress=say, omit=omit)
-        layers = assign_layers(resolved=resolved, plans=plans, env=env, omit=omit)
+        layers = home_urls(assign_layers(resolved=resolved, plans=plans, env=env, omit=omit), manifest=manifest)
         counts = ", ".join(f"{k} {len(v)}" for k, v in layers.items())
         say(f"resolved {len(resolved)} packages in {time.monotonic() - started:.1f} s ({counts})")
     if sdist_pkg is not None:
@@ -706,6 +706,18 @@ def lock_sku(
         tool_version=__version__,
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
+
+
+def home_urls(layers: dict[str, tuple[LockedPackage, ...]], *, manifest: SkuManifest
+              ) -> dict[str, tuple[LockedPackage, ...]]:
+    """A pin taken from a wheelhouse whose source names its home (`url`) records <url>/<file> as its download URL."""
+    homes = {str(canonicalize_name(p.distribution)): p.source.url for p in manifest.stack.pins().values()
+             if p.source.kind == "wheelhouse" and getattr(p.source, "url", None)}
+    if not homes:
+        return layers
+    return {layer: tuple(pkg.model_copy(update={"url": f"{str(homes[pkg.name]).rstrip('/')}/{quote(pkg.filename)}"})
+                         if pkg.source == "wheelhouse" and pkg.name in homes else pkg for pkg in pkgs)
+            for layer, pkgs in layers.items()}
 
 
 def _request(manifest: SkuManifest, *, layer: str, plans: Sequence[LayerPlan], wheelhouse: Path | None) -> PipRequest:

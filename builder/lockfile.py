@@ -74,17 +74,16 @@ class Lock(Frozen):
     created: str = Field(description="UTC time of locking; not part of the content hash")
 
     def json_data(self) -> dict[str, Any]:
-        """The lock file's form: no legacy Dockerfile hash in a lock that has none (older tools read it too)."""
-        return self.model_dump(mode="json", exclude={"dockerfile_sha256"} if self.dockerfile_sha256 is None else None)
+        """The lock file's form: no legacy Dockerfile hash in a lock that has none, no empty `build` or `omitted`
+        (older tools read it too; the content hash leaves them out the same way)."""
+        exclude = {name for name, empty in (("dockerfile_sha256", self.dockerfile_sha256 is None),
+                                           ("build", not self.build), ("omitted", not self.omitted)) if empty}
+        return self.model_dump(mode="json", exclude=exclude or None)
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON without the creation time: the same lock, the same hash."""
-        data = self.json_data()
+        data = self.json_data()  # without an empty `omitted` or `build`: a lock keeps the hash it had before them
         del data["created"]
-        if not self.omitted:  # a lock without omissions keeps the hash it had before the field existed
-            del data["omitted"]
-        if not self.build:  # likewise a lock that builds nothing from source
-            del data["build"]
         return hashlib.sha256(canonical_json(data)).hexdigest()
 
     def packages(self) -> dict[str, LockedPackage]:

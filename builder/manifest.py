@@ -110,6 +110,10 @@ class WheelhouseSource(Model):
 
     kind: Literal["wheelhouse"]
     index: Url = Field(PYPI, description="Where the rest of the layer's packages come from")
+    url: Url | None = Field(
+        None, description="The pinned wheel's own home, a folder of wheels (e.g. https://download.pytorch.org/whl/cpu): "
+        "the lock records <url>/<file name> with the file's sha256, so a builder without the wheelhouse downloads it "
+        "and refuses a file that does not hash to the lock's sha256; the wheelhouse wins when it holds the file")
 
 
 class WheelUrlSource(Model):
@@ -585,6 +589,10 @@ def manifest_digest(manifest: SkuManifest) -> str:
     data = manifest.model_dump(mode="json", include=set(BUILD_INPUTS))
     if not manifest.stack.omit:  # a manifest without omissions keeps the digest it had before the field existed
         del data["stack"]["omit"]
+    for pin in data["stack"].values():  # a wheelhouse source without a home URL keeps the digest it had before the field
+        if isinstance(pin, dict) and isinstance(pin.get("source"), dict) and pin["source"].get("kind") == "wheelhouse" \
+                and pin["source"].get("url") is None:
+            pin["source"].pop("url", None)
     if manifest.gate.weights != "full":  # the weights name the file the image's CMD serves (engines/llamacpp.py)
         data["gate"] = {"weights": manifest.gate.weights}
     return hashlib.sha256(canonical_json(data)).hexdigest()

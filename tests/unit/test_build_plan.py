@@ -40,8 +40,9 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
     lock = stack.lock
     steps = plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records",
                        wheel_store=tmp_path / "store", contexts=tmp_path / "contexts", bases=tmp_path / "bases")
-    assert [step.kind for step in steps] == ["base", "wheels", "context", "buildkit", "verify", "tag", "record"]
-    base, wheels, context, buildkit, verify, tag, record = steps
+    # the wheels come first: a missing or mismatched wheel refuses the build before debootstrap or a pull
+    assert [step.kind for step in steps] == ["wheels", "base", "context", "buildkit", "verify", "tag", "record"]
+    wheels, base, context, buildkit, verify, tag, record = steps
     assert base == EnsureBase(manifest=stack.manifest, bases=tmp_path / "bases")
     assert wheels == GatherWheels(packages=tuple(lock.packages().values()), store=tmp_path / "store",
                                   wheelhouse=tmp_path / "house")

@@ -1,0 +1,42 @@
+"""docs/guide-ci-point-releases.md says what the workflows do: their jobs, variables, secrets and the replay's mapping."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from tests.paths import REPO
+from tests.workflow_replay import ACTIONS
+
+GUIDE = (REPO / "docs" / "guide-ci-point-releases.md").read_text()
+WORKFLOWS = REPO / ".github" / "workflows"
+
+
+@pytest.mark.parametrize("name", ["ci.yml", "images.yml", "watch.yml"])
+def test_every_job_variable_and_secret_is_in_the_guide(name):
+    text = (WORKFLOWS / name).read_text()
+    data = yaml.safe_load(text)
+    for job in data["jobs"]:
+        assert f"`{job}`" in GUIDE, f"{name}: job {job} is not in the guide"
+    for kind in ("vars", "secrets"):
+        for used in set(re.findall(rf"\b{kind}\.([A-Z_]+)", text)) - {"GITHUB_TOKEN"}:
+            assert f"`{used}`" in GUIDE, f"{name}: {kind}.{used} is not in the guide"
+    assert "concurrency" in data, f"{name} has no concurrency group"
+    assert data.get("defaults", {}).get("run", {}).get("shell") == "bash"
+
+
+def test_the_replay_mapping_names_every_action_it_stands_for():
+    for action in ACTIONS:
+        assert f"`{action.rsplit('/', 1)[-1] if action.startswith('peter-evans') else action}`" in GUIDE or \
+            f"`{action.split('/', 1)[1]}`" in GUIDE, f"{action} is not in the guide's replay table"
+
+
+def test_runner_labels_in_the_guide_are_the_planners():
+    from builder.matrix import HOSTED
+
+    assert "`[self-hosted, linux, x64, build]`" in GUIDE
+    assert "`[self-hosted, linux, x64, gpu, <hardware_class>]`" in GUIDE
+    for label in HOSTED.values():
+        assert f"`{label}`" in GUIDE
