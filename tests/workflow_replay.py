@@ -17,8 +17,9 @@ workflows here"):
   workspace; setup-python -> a virtual environment made once per replay, its bin/ first on PATH; cache and
   cache/restore -> a local folder keyed the same way (restore-keys by prefix, saved after a successful job);
   upload/download-artifact -> a local artifact folder; docker/login-action -> nothing (the loopback registry
-  needs no login); create-github-app-token -> no token; create-pull-request -> a local branch and commit in
-  the source repository. An action not in the table raises ReplayError.
+  needs no login); create-github-app-token -> no token; attest (keyless Sigstore signing) -> the subject
+  digest and predicate it would sign checked and kept under attestations/; create-pull-request -> a local
+  branch and commit in the source repository. An action not in the table raises ReplayError.
 """
 
 from __future__ import annotations
@@ -558,6 +559,22 @@ class Replay:
     def no_op(self, with_: dict, **_: Any) -> str:
         return "success"
 
+    def attest(self, with_: dict, *, workspace: Path, **_: Any) -> str:
+        """Keyless signing needs GitHub's OIDC token and the public Sigstore: instead, check what the step would
+        sign (a digest subject, a JSON predicate of the stated type's shape) and keep it under attestations/."""
+        digest = str(with_.get("subject-digest") or "")
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+            raise ReplayError(f"actions/attest: subject-digest {digest!r} is not a sha256 digest")
+        predicate = json.loads((workspace / str(with_["predicate-path"])).read_text(encoding="utf-8"))
+        if not isinstance(predicate, dict) or not predicate.get("sku"):
+            raise ReplayError(f"actions/attest: {with_['predicate-path']} is not a verification predicate")
+        out = self.root / "attestations"
+        out.mkdir(exist_ok=True)
+        record = {"subject": f"{with_.get('subject-name')}@{digest}", "predicate_type": with_.get("predicate-type"),
+                  "predicate": predicate, "push_to_registry": with_.get("push-to-registry")}
+        (out / f"{digest.split(':', 1)[1]}.json").write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
+        return "success"
+
     def create_pull_request(self, with_: dict, *, workspace: Path, **_: Any) -> str:
         branch = str(with_["branch"])
         git = ["git", "-C", str(self.source)]
@@ -591,6 +608,7 @@ ACTIONS: dict[str, Callable[..., str]] = {
     "actions/download-artifact": Replay.download_artifact,
     "docker/login-action": Replay.no_op,
     "actions/create-github-app-token": Replay.no_op,
+    "actions/attest": Replay.attest,
     "peter-evans/create-pull-request": Replay.create_pull_request,
 }
 

@@ -49,3 +49,15 @@ def test_only_the_vars_context_finding_of_the_old_build_is_dropped(tmp_path):
     bad.write_text(ok.read_text().replace("vars.HOST", "varz.HOST"))
     result = _run(bad)
     assert result.returncode == 1 and 'undefined variable "varz"' in result.stdout, result.stdout + result.stderr
+
+
+def test_only_the_attestations_scope_finding_of_the_old_build_is_dropped(tmp_path):
+    """The same build predates the `attestations` permission scope; a misspelt scope still fails."""
+    ok = tmp_path / "attest.yml"
+    ok.write_text("on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n    permissions:\n      attestations: write\n"
+                  "    steps:\n      - run: echo hi\n")
+    assert _run(ok).returncode == 0, _run(ok).stdout
+    bad = tmp_path / "attestation.yml"
+    bad.write_text(ok.read_text().replace("attestations:", "attestation:"))
+    result = _run(bad)
+    assert result.returncode == 1 and 'unknown permission scope "attestation"' in result.stdout, result.stdout

@@ -151,6 +151,10 @@ def test_images_workflow_builds_gates_publishes_and_verifies_the_cpu_sku(docker,
     assert check.returncode == 0, check.stdout + check.stderr
     # the wheel store was saved under the lock's hash for the next runner
     lock_sha = plan["include"][0]["lock_sha256"]
+    # the keyless step was handed the digest and the key-signed predicate (its replay keeps what it would sign)
+    keyless = json.loads((tmp_path / "attestations" / f"{published['digest'].split(':', 1)[1]}.json").read_text())
+    assert keyless["predicate"]["sku"] == "cpu-x86_64" and keyless["predicate"]["lock_sha256"] == lock_sha
+    assert keyless["predicate_type"] == "https://skupin.dev/verification/v1"
     assert (REPO / ".skupin" / "replay-cache" / f"wheels-cpu-x86_64-{lock_sha}").is_dir()
     report(legs)
 
