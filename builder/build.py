@@ -40,8 +40,8 @@ from typing import Literal
 from packaging.utils import canonicalize_name
 from pydantic import Field
 
-from builder.base import bases_dir, ensure_base
-from builder.lockfile import Lock, LockedPackage, image_tag
+from builder.base import bases_dir, check_locked_base, ensure_base
+from builder.lockfile import Lock, LockedBase, LockedPackage, image_tag
 from builder.manifest import SkuManifest
 from builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
 from builder.sourcebuild import BuiltWheel, built_dir, export_wheel, write_built
@@ -300,6 +300,7 @@ class EnsureBase(Frozen):
     kind: Literal["base"] = "base"
     manifest: SkuManifest
     bases: Path  # the host's records of bootstrap bases (builder/base.py)
+    locked: LockedBase | None = None  # the lock's base: a bootstrapped base's layer must be the one it records
 
 
 class GatherWheels(Frozen):
@@ -390,7 +391,7 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
     secrets = {CA_SECRET_ID: ca_bundle} if ca_bundle is not None and f"id={CA_SECRET_ID}" in rendered.text else {}
     from_source = bool(lock.sources())
     steps: list[BuildStep] = [
-        EnsureBase(manifest=manifest, bases=bases or bases_dir()),
+        EnsureBase(manifest=manifest, bases=bases or bases_dir(), locked=lock.base),
         GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or default_wheel_store(),
                      wheelhouse=wheelhouse, ca_bundle=ca_bundle),
         WriteContext(folder=(contexts or state_dir() / "contexts") / manifest.name),
@@ -462,6 +463,9 @@ class _Execution:
 
 def _ensure_base(step: EnsureBase, run: _Execution) -> None:
     run.base_id = ensure_base(manifest=step.manifest, docker=run.docker, on_event=run.on_line, bases=step.bases)
+    if step.locked is not None and step.locked.kind == "bootstrap":
+        info = run.docker.inspect_image(run.base_id)
+        check_locked_base(locked=step.locked, layers=tuple(info.layers) if info else (), sku=step.manifest.name)
 
 
 def _gather_wheels(step: GatherWheels, run: _Execution) -> None:

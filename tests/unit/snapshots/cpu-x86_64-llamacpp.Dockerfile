@@ -3,7 +3,7 @@
 # driver none none | framework none none | compiler gcc 12.2.0 | engine llamacpp 0.3.36
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock cpu-x86_64-llamacpp`).
-ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
+ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:f36ed5ef9ef7
 
 # stage: engine build (llama-cpp-python 0.3.36 from its sdist; only the wheel it makes reaches the image)
 # layer: engine-build
@@ -72,7 +72,7 @@ LABEL org.opencontainers.image.title="skupin/cpu-x86_64-llamacpp" \
       org.opencontainers.image.description="x86_64 CPU, Debian 12, llama.cpp (llama-cpp-python 0.3.36 built from its sdist), GGUF weights" \
       org.opencontainers.image.vendor="skupin" \
       org.opencontainers.image.version="0.3.36" \
-      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:d1d509563e47" \
+      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:f36ed5ef9ef7" \
       io.skupin.sku="cpu-x86_64-llamacpp" \
       io.skupin.hardware-class="cpu-x86_64" \
       io.skupin.arch="x86_64" \

@@ -74,6 +74,7 @@ LABEL org.opencontainers.image.title="skupin/nvidia-h200-vllm" \
       org.opencontainers.image.vendor="skupin" \
       org.opencontainers.image.version="0.32.0" \
       org.opencontainers.image.base.name="docker.io/nvidia/cuda:13.0.2-runtime-ubuntu24.04@sha256:6a0e31b59e70890446f2c17356d6efc0d54260090a8c63d6ca7c2ad049db95d2" \
+      org.opencontainers.image.base.digest="sha256:6a0e31b59e70890446f2c17356d6efc0d54260090a8c63d6ca7c2ad049db95d2" \
       io.skupin.sku="nvidia-h200-vllm" \
       io.skupin.hardware-class="nvidia-hopper" \
       io.skupin.arch="sm_90" \
