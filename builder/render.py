@@ -7,6 +7,7 @@ import hashlib
 import re
 import shutil
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 
 import installer
@@ -292,6 +293,15 @@ def engine_build(manifest: SkuManifest, lock: Lock | None) -> dict[str, object] 
     }
 
 
+def source_date_epoch(lock: Lock) -> int:
+    """SOURCE_DATE_EPOCH of a locked image: the lock's creation time (what the installed Python files' mtimes are set
+    to, so the same lock gives the same files and bytecode headers)."""
+    try:
+        return int(datetime.strptime(lock.created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp())
+    except ValueError as exc:
+        raise BuildError(f"the lock of {lock.sku}: created {lock.created!r} is not YYYY-MM-DDTHH:MM:SSZ") from exc
+
+
 def render(stack: ResolvedStack) -> RenderedDockerfile:
     """The render stage: the stack's Dockerfile and context, from its lock when that lock is current (else the pins)."""
     rendered = render_manifest(manifest=stack.manifest, lock=stack.current_lock)
@@ -323,6 +333,7 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
         # OCI labels from the lock, never the wall clock (the same lock, the same label); the catalog's git revision
         # and source are not labels (every commit would make a new image): docs/CATALOG.md
         "created": lock.created if lock is not None else None,
+        "source_date_epoch": source_date_epoch(lock) if lock is not None else None,
         "base_digest": manifest.base.image.rsplit("@", 1)[1] if manifest.base.image else None,
         "base_diff_id": lock.base.diff_id if lock is not None else None,
     }

@@ -63,11 +63,11 @@ ENV PATH=/opt/skupin/venv/bin:$PATH \
 RUN --mount=type=bind,source=wheels/engine,target=/tmp/skupin-wheels --mount=type=bind,source=requirements/engine.txt,target=/tmp/skupin-requirements.txt \
     --mount=type=bind,source=tools,target=/tmp/skupin-tools --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode \
     python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels --keep /opt/skupin/requirements/engine.txt \
-    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode /tmp/skupin-requirements.txt
+    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode --mtime 1796131246 /tmp/skupin-requirements.txt
 RUN --mount=type=bind,from=skupin-engine-build,source=/out,target=/tmp/skupin-built --mount=type=bind,source=tools,target=/tmp/skupin-tools \
     --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode \
     python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-built/wheel --keep /opt/skupin/requirements/engine-built.txt \
-    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode /tmp/skupin-built/requirements.txt
+    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode --mtime 1796131246 /tmp/skupin-built/requirements.txt
 
 # layer: extras
 RUN apt-get update \
