@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from builder.aptlock import parse_policy, pinned_system
+from builder.aptlock import parse_policy, pinned_system, resolve_candidates
 from builder.base import check_locked_base, debootstrap_command, normalise_tree
 from builder.lock import locked_base, stale_reasons
 from builder.lockfile import LockedBase, read_lock
-from builder.manifest import Bootstrap, load_manifest
+from builder.manifest import Bootstrap, GitSource, load_manifest
 from builder.render import apt_roots, render_manifest
 from common.errors import BuildError, LockError
+from dockerd import RunResult
 
 SKUS = Path(__file__).resolve().parents[2] / "skus"
 LAYER = "sha256:" + "a" * 64
@@ -151,3 +152,78 @@ def test_a_changed_apt_pin_makes_a_resolved_lock_stale() -> None:
         "python": ("python3.11=2",), "compiler": ("g++-12=12.2.0-14+deb12u0", "libc6-dev=4")}})
     reasons = stale_reasons(manifest=manifest, lock=resolved)
     assert any("apt pins differ from the lock: g++-12=12.2.0-14+deb12u1 (compiler)" in r for r in reasons)
+
+
+def _amd(commit: str | None):
+    manifest = load_manifest(SKUS / "amd-mi300x-vllm.yaml")
+    engine = manifest.stack.engine
+    source = engine.source.model_copy(update={"commit": commit})
+    return manifest.model_copy(update={"stack": manifest.stack.model_copy(update={
+        "engine": engine.model_copy(update={"source": source})})})
+
+
+def test_a_git_source_is_cloned_and_checked_against_its_commit_or_marked_unpinned() -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    text = render_manifest(manifest=_amd(commit)).text
+    assert (" && git clone --depth 1 --branch v0.25.1 https://github.com/vllm-project/vllm /tmp/skupin-src \\\n"
+            f' && {{ test "$(git -C /tmp/skupin-src rev-parse HEAD)" = {commit} || {{ echo '
+            f'"https://github.com/vllm-project/vllm v0.25.1 is not commit {commit}" >&2; exit 1; }}; }} \\\n') in text
+    assert "UNPINNED" not in text
+    bare = render_manifest(manifest=_amd(None)).text
+    assert "# UNPINNED: https://github.com/vllm-project/vllm at v0.25.1 names no commit" in bare
+    assert "rev-parse" not in bare
+
+
+def test_a_git_commit_must_be_forty_hex() -> None:
+    with pytest.raises(ValueError):
+        GitSource(kind="git", repo="https://github.com/vllm-project/vllm", ref="v0.25.1", commit="abc123")
+
+
+def test_an_unlocked_layer_over_two_indexes_is_marked_unhashed() -> None:
+    text = render_manifest(manifest=load_manifest(SKUS / "amd-mi300x-vllm.yaml")).text
+    marks = [line for line in text.splitlines() if line.startswith("# UNHASHED:")]
+    assert marks == [f"# UNHASHED: pip picks {layer} over 2 indexes without hashes (a name on either may win); only "
+                     "a lock pins it" for layer in ("framework", "compiler")]
+    cpu = render_manifest(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"),
+                          lock=read_lock(SKUS / "cpu-x86_64.lock.json")).text
+    assert "UNHASHED" not in cpu and "UNPINNED" not in cpu
+
+
+def test_the_oci_labels_come_from_the_lock_not_the_clock() -> None:
+    manifest = load_manifest(SKUS / "cpu-x86_64.yaml")
+    lock = read_lock(SKUS / "cpu-x86_64.lock.json")
+    text = render_manifest(manifest=manifest, lock=lock).text
+    assert f'      org.opencontainers.image.created="{lock.created}" \\\n' in text
+    assert f'      io.skupin.base-diff-id="{lock.base.diff_id}" \\\n' in text
+    assert "org.opencontainers.image.base.digest" not in text  # a local import has no manifest digest
+    later = render_manifest(manifest=manifest, lock=lock.model_copy(update={"created": "2027-01-01T00:00:00Z"})).text
+    assert later != text and "--mtime 1798761600 " in later
+    gpu = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
+    gpu_text = render_manifest(manifest=gpu, lock=read_lock(SKUS / "nvidia-h200-vllm.lock.json")).text
+    assert f'org.opencontainers.image.base.digest="{gpu.base.image.rsplit("@", 1)[1]}"' in gpu_text  # type: ignore[union-attr]
+    assert "revision" not in text and "org.opencontainers.image.source" not in text
+    assert text.rstrip().splitlines()[-1].startswith('      io.skupin.dockerfile-sha256=')  # the labels come last
+
+
+class _PolicyDocker:
+    """The one adapter call resolve_candidates makes: run a container; its spec is kept."""
+
+    def __init__(self, stdout: str, exit_code: int = 0) -> None:
+        self.stdout, self.exit_code, self.specs = stdout, exit_code, []
+
+    def run(self, spec, *, deadline_s=None) -> RunResult:
+        self.specs.append(spec)
+        return RunResult(exit_code=self.exit_code, stdout_bytes=self.stdout.encode(), stderr="E: no network",
+                         timed_out=False, seconds=1.0)
+
+
+def test_candidates_are_read_in_a_container_of_the_base_with_the_names_as_arguments() -> None:
+    docker = _PolicyDocker("--- sources\ndeb http://deb.debian.org/debian bookworm main\n--- policy\n" + POLICY)
+    sources, found = resolve_candidates(docker=docker, base="skupin-base/x:1", names=("python3.11", "libc6-dev"))
+    assert sources == ("deb http://deb.debian.org/debian bookworm main",)
+    assert found["libc6-dev"] == "2.36-9+deb12u13"
+    spec = docker.specs[0]
+    assert spec.image == "skupin-base/x:1" and spec.command[-2:] == ("python3.11", "libc6-dev")
+    assert spec.network == "bridge" and spec.deadline_s
+    with pytest.raises(LockError, match="failed \\(exit 100\\): E: no network"):
+        resolve_candidates(docker=_PolicyDocker("", exit_code=100), base="b", names=("x",))
