@@ -31,6 +31,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from builder.aptlock import HostFacts
 from builder.lock import relock as lock_and_write
 from builder.manifest import Pin, SkuManifest, parse_manifest
 from clients.oci import RegistryClient, parse_image_ref
@@ -368,10 +369,11 @@ def apply_proposal(proposal: Proposal) -> tuple[Path, SkuManifest]:
 Relock = Callable[[SkuManifest, Path], None]
 
 
-def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None) -> None:
-    """Lock one SKU with builder.lock (raises LockError when its sources are unreachable)."""
+def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None, host: HostFacts | None = None) -> None:
+    """Lock one SKU with builder.lock (raises LockError when its sources are unreachable); `host`: the base's layer
+    and the apt versions (builder/aptlock.py), as `skupin lock` records them."""
 
-    lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse)
+    lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse, host=host)
 
 
 def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str | None = None,
