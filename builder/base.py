@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from builder.lockfile import LockedBase
 from builder.manifest import Bootstrap, SkuManifest
 from common.apt import apt_install
 from common.errors import BuildError, DockerError
@@ -32,6 +33,10 @@ from common.paths import state_dir
 from dockerd import Docker, ImageInfo
 
 OnEvent = Callable[[str], None]
+DEBIAN_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
+# Every mtime of a bootstrapped tree is clamped to this (bookworm's release, 2023-06-10 UTC) at import, and
+# debootstrap runs with it as SOURCE_DATE_EPOCH: a file debootstrap wrote does not carry the hour it ran.
+SOURCE_DATE_EPOCH = 1686355200
 RECORD_FORMAT: Literal["skupin-base-record/1"] = "skupin-base-record/1"
 MAX_RECORD_BYTES = 4 * 1024**2
 
@@ -109,6 +114,35 @@ def _quiet(_: str) -> None:
     return None
 
 
+def check_locked_base(*, locked: LockedBase, layers: tuple[str, ...], sku: str) -> None:
+    """BuildError unless a bootstrapped base's layers are the one layer the lock records (`base.diff_id`)."""
+    if locked.kind != "bootstrap":
+        return
+    if locked.diff_id is None:
+        raise BuildError(f"the lock of {sku} records no identity of its bootstrapped base (base.diff_id); fix: "
+                         f"skupin lock {sku} (it makes or finds the base on this host and records its layer)")
+    if layers != (locked.diff_id,):
+        found = ", ".join(layers) or "no layers"
+        raise BuildError(
+            f"the base {locked.reference} of {sku} is not the one its lock records: the lock names layer "
+            f"{locked.diff_id}, this host's base has {found} (bootstrapped on another host or day, or again); fix: "
+            f"review and commit `skupin lock {sku}` to take this host's base, or docker load the base the lock names")
+
+
+def base_diff_id(*, manifest: SkuManifest, docker: Docker, on_event: OnEvent = _quiet, bases: Path | None = None
+                 ) -> str | None:
+    """The diff id of a bootstrapped base's one layer (made or found on this host: `ensure_base`); None for a
+    registry base (its digest already names it)."""
+    if manifest.base.bootstrap is None:
+        return None
+    image_id = ensure_base(manifest=manifest, docker=docker, on_event=on_event, bases=bases)
+    info = docker.inspect_image(image_id)
+    if info is None or len(info.layers) != 1:
+        raise BuildError(f"the bootstrapped base {manifest.base.reference} ({image_id}) has "
+                         f"{len(info.layers) if info else 'no'} layers, not one; fix: docker rmi it and skupin base")
+    return info.layers[0]
+
+
 def ensure_base(*, manifest: SkuManifest, docker: Docker, on_event: OnEvent = _quiet, bases: Path | None = None) -> str:
     """Return the image id of the SKU's base, making it locally when it is missing.
 
@@ -146,24 +180,48 @@ def _ensure_debootstrap(on_event: OnEvent) -> str:
     return shutil.which("debootstrap") or "/usr/sbin/debootstrap"
 
 
-def _bootstrap(*, recipe: Bootstrap, docker: Docker, on_event: OnEvent, folder: Path) -> str:
+def _ensure_keyring(recipe: Bootstrap, on_event: OnEvent) -> Path:
+    """The recipe's keyring file; Debian's debian-archive-keyring installed first when it is the default one and missing."""
+    keyring = Path(recipe.keyring)
+    if not keyring.is_file() and recipe.keyring == DEBIAN_KEYRING:
+        apt_install("debian-archive-keyring", why=f"{keyring} not found", error=BuildError, on_event=on_event)
+    if not keyring.is_file():
+        raise BuildError(f"base.bootstrap.keyring: {keyring} is not a file; debootstrap verifies the archive's signed "
+                         "Release file with it; fix: install the keyring (Debian: debian-archive-keyring) or name one")
+    return keyring
+
+
+def debootstrap_command(recipe: Bootstrap, *, tool: str, root: Path) -> list[str]:
+    """The debootstrap command line of a recipe: signatures checked against its keyring, never skipped."""
+    cmd = [tool, f"--variant={recipe.variant}", f"--keyring={recipe.keyring}", "--force-check-gpg"]
+    if recipe.include:
+        cmd.append("--include=" + ",".join(recipe.include))
+    return [*cmd, recipe.suite, str(root), str(recipe.mirror)]
+
+
+def bootstrap_tree(recipe: Bootstrap, root: Path, *, on_event: OnEvent = _quiet) -> None:
+    """debootstrap the recipe into `root` (signatures verified) and normalise the tree (`normalise_tree`)."""
     tool = _ensure_debootstrap(on_event)
+    _ensure_keyring(recipe, on_event)
+    cmd = debootstrap_command(recipe, tool=tool, root=root)
+    on_event(f"bootstrapping {recipe.local_tag()}: {' '.join(cmd)}")
+    start = time.monotonic()
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH), "LC_ALL": "C.UTF-8", "TZ": "UTC"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+        raise BuildError(f"debootstrap of {recipe.suite} ({recipe.variant}) failed (exit {proc.returncode}):\n{tail}")
+    on_event(f"debootstrap done in {time.monotonic() - start:.1f} s")
+    normalise_tree(root)
+
+
+def _bootstrap(*, recipe: Bootstrap, docker: Docker, on_event: OnEvent, folder: Path) -> str:
     tag = recipe.local_tag()
     with tempfile.TemporaryDirectory(prefix="skupin-base-") as tmp:
         root = Path(tmp) / "rootfs"
-        cmd = [tool, f"--variant={recipe.variant}"]
-        if recipe.include:
-            cmd.append("--include=" + ",".join(recipe.include))
-        cmd += [recipe.suite, str(root), str(recipe.mirror)]
-        on_event(f"bootstrapping {tag}: {' '.join(cmd)}")
-        start = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
-            raise BuildError(f"debootstrap of {recipe.suite} ({recipe.variant}) failed (exit {proc.returncode}):\n{tail}")
-        on_event(f"debootstrap done in {time.monotonic() - start:.1f} s")
-        _clean_tree(root)
-        image_id = docker.import_rootfs(rootfs=root, reference=tag, on_event=on_event)
+        bootstrap_tree(recipe, root, on_event=on_event)
+        image_id = docker.import_rootfs(rootfs=root, reference=tag, on_event=on_event,
+                                        source_date_epoch=SOURCE_DATE_EPOCH)
     info = docker.inspect_image(tag)
     if info is None:
         raise BuildError(f"imported base {tag} but the engine does not show it")
@@ -191,11 +249,31 @@ def _recorded(*, recipe: Bootstrap, info: ImageInfo, docker: Docker, on_event: O
     return info.id
 
 
-def _clean_tree(root: Path) -> None:
-    """Drop apt's downloaded archives and lists: they are not part of the base's content."""
-    for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
+# Files of a debootstrapped tree that say when or where it was made, not what it is: dropped (emptied where a
+# package expects the file). Everything else is kept, its mtime clamped to SOURCE_DATE_EPOCH at import.
+_DROP_DIRS = ("var/cache/apt/archives", "var/lib/apt/lists", "var/log", "var/cache/debconf", "tmp", "run")
+_DROP_FILES = ("var/cache/apt/pkgcache.bin", "var/cache/apt/srcpkgcache.bin", "var/cache/ldconfig/aux-cache",
+               "var/lib/dpkg/status-old", "var/lib/dpkg/diversions-old", "var/lib/dpkg/statoverride-old",
+               "var/lib/dpkg/available-old", "etc/passwd-", "etc/group-", "etc/shadow-", "etc/gshadow-")
+_EMPTY_FILES = ("etc/machine-id", "etc/hostname", "etc/resolv.conf")
+
+
+def normalise_tree(root: Path) -> None:
+    """Drop what records the time or host of the bootstrap: apt's archives, lists and caches, logs, debconf's
+    `-old` copies, dpkg's and shadow's backups, ldconfig's aux cache; empty machine-id, hostname and resolv.conf
+    (debootstrap copies the host's; the Docker engine mounts its own in a container)."""
+    for sub in _DROP_DIRS:
         d = root / sub
-        if d.is_dir():
-            for p in d.iterdir():
-                if p.is_file() and p.name != "lock":
-                    p.unlink()
+        if not d.is_dir():
+            continue
+        for p in sorted(d.rglob("*"), reverse=True):
+            keep = sub == "var/cache/debconf" and not p.name.endswith("-old")
+            if keep or p.name == "lock" or (p.is_dir() and not p.is_symlink()):
+                continue
+            p.unlink()
+    for rel in _DROP_FILES:
+        (root / rel).unlink(missing_ok=True)
+    for rel in _EMPTY_FILES:
+        p = root / rel
+        if p.is_file() and not p.is_symlink():
+            p.write_bytes(b"")

@@ -40,8 +40,8 @@ from typing import Literal
 from packaging.utils import canonicalize_name
 from pydantic import Field
 
-from builder.base import bases_dir, ensure_base
-from builder.lockfile import Lock, LockedPackage, image_tag
+from builder.base import bases_dir, check_locked_base, ensure_base
+from builder.lockfile import Lock, LockedBase, LockedPackage, image_tag
 from builder.manifest import SkuManifest
 from builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
 from builder.sourcebuild import BuiltWheel, built_dir, export_wheel, write_built
@@ -300,6 +300,7 @@ class EnsureBase(Frozen):
     kind: Literal["base"] = "base"
     manifest: SkuManifest
     bases: Path  # the host's records of bootstrap bases (builder/base.py)
+    locked: LockedBase | None = None  # the lock's base: a bootstrapped base's layer must be the one it records
 
 
 class GatherWheels(Frozen):
@@ -393,7 +394,7 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
         # the wheels first: a missing or mismatched one refuses the build before debootstrap or a pull runs
         GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or default_wheel_store(),
                      wheelhouse=wheelhouse, ca_bundle=ca_bundle),
-        EnsureBase(manifest=manifest, bases=bases or bases_dir()),
+        EnsureBase(manifest=manifest, bases=bases or bases_dir(), locked=lock.base),
         WriteContext(folder=(contexts or state_dir() / "contexts") / manifest.name),
         RunBuildKit(build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
                                 DOCKERFILE_ARG: rendered.sha256},
@@ -463,6 +464,9 @@ class _Execution:
 
 def _ensure_base(step: EnsureBase, run: _Execution) -> None:
     run.base_id = ensure_base(manifest=step.manifest, docker=run.docker, on_event=run.on_line, bases=step.bases)
+    if step.locked is not None and step.locked.kind == "bootstrap":
+        info = run.docker.inspect_image(run.base_id)
+        check_locked_base(locked=step.locked, layers=tuple(info.layers) if info else (), sku=step.manifest.name)
 
 
 def _gather_wheels(step: GatherWheels, run: _Execution) -> None:

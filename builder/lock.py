@@ -35,8 +35,10 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from builder.aptlock import HostFacts
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
+from builder.render import BUILD_STAGE
 from builder.sdist import SdistFetcher, applicable, fetch_sdist, read_sdist
 from builder.stack import LockState
 from builder.wheels import file_sha256
@@ -494,7 +496,6 @@ def _locked(item: Resolved, url_pins: set[str]) -> LockedPackage:
                          url=item.url, source=source)
 
 
-BUILD_STAGE = "build"  # lock.system's key for the apt packages of a source-built engine's build stage
 
 
 def _system(manifest: SkuManifest) -> dict[str, tuple[str, ...]]:
@@ -628,6 +629,7 @@ def lock_sku(
     resolve: Resolver | None = None,
     reachable: Callable[[str], bool] | None = None,
     sdist: SdistFetcher | None = None,
+    host: HostFacts | None = None,
 ) -> Lock:
     """Resolve every Python layer of a SKU (pins kept exact, every file hashed, layers disjoint) into a Lock.
 
@@ -636,6 +638,8 @@ def lock_sku(
     A source-built engine (stack.engine.source kind sdist, builder/sdist.py) is locked as its sdist
     (the index's sha256), its layer as what the sdist requires to run, and `Lock.build` as the
     wheels its build-system requires, resolved on their own (they never reach the served image).
+    `host` (builder/aptlock.py: host_facts) gives the bootstrapped base's layer and every apt package's version;
+    without it the lock pins only the apt versions the manifest names.
     """
     say = progress or (lambda _msg: None)
     file = display_path(manifest_path)
@@ -697,9 +701,10 @@ def lock_sku(
         manifest_sha256=manifest_digest(manifest),
         python=manifest.base.python,
         platform=manifest.base.platform,
-        base=locked_base(manifest),
+        base=locked_base(manifest).model_copy(update={"diff_id": host.diff_id if host else None}),
         layers=layers,
-        system=_system(manifest),
+        system=host.system if host is not None else _system(manifest),
+        apt_sources=host.apt_sources if host is not None else None,
         omitted={str(canonicalize_name(o.name)): o.reason for o in manifest.stack.omit},
         build=build,
         resolver=resolver,
@@ -733,11 +738,12 @@ def _request(manifest: SkuManifest, *, layer: str, plans: Sequence[LayerPlan], w
 
 
 def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None = None, index_url: str | None = None,
-           progress: Progress | None = None, ca_bundle: Path | None = None, resolve: Resolver | None = None) -> Lock:
+           progress: Progress | None = None, ca_bundle: Path | None = None, resolve: Resolver | None = None,
+           host: HostFacts | None = None) -> Lock:
     """`lock_sku` and write the lock next to the manifest (what `skupin lock`, `skupin run` and
     `skupin watch --apply` do)."""
     lock = lock_sku(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse, index_url=index_url,
-                    progress=progress, ca_bundle=ca_bundle, resolve=resolve)
+                    progress=progress, ca_bundle=ca_bundle, resolve=resolve, host=host)
     write_lock(lock, lock_path(manifest_path))
     return lock
 
@@ -769,7 +775,7 @@ def stale_reasons(*, manifest: SkuManifest, lock: Lock) -> list[str]:
         reasons.append(f"lock is for {lock.sku}, not {manifest.name}")
     if lock.manifest_sha256 != manifest_digest(manifest):
         reasons.append("the manifest changed since the lock")
-    if lock.base != locked_base(manifest):
+    if lock.base.identity() != locked_base(manifest):
         reasons.append("the base changed since the lock")
     if (lock.python, lock.platform) != (manifest.base.python, manifest.base.platform):
         reasons.append(f"lock targets Python {lock.python} {lock.platform}, manifest {manifest.base.python} "
@@ -788,8 +794,20 @@ def stale_reasons(*, manifest: SkuManifest, lock: Lock) -> list[str]:
         reasons.append("the engine's source (a wheel or an sdist built in the image) differs from the lock")
     elif wanted_sdists and not lock.build:
         reasons.append("the lock records no wheels to build the engine's sdist with")
-    if lock.system != _system(manifest):
-        reasons.append("apt pins differ from the lock")
+    reasons += _apt_reasons(manifest, lock)
     if lock.omitted != {str(canonicalize_name(o.name)): o.reason for o in manifest.stack.omit}:
         reasons.append("stack.omit differs from the lock")
     return reasons
+
+
+def _apt_reasons(manifest: SkuManifest, lock: Lock) -> list[str]:
+    """A lock that resolved its apt versions (apt_sources) must hold each apt pin of the manifest in its layer; an
+    older one must equal the manifest's pins."""
+    if lock.apt_sources is None:
+        return ["apt pins differ from the lock"] if lock.system != _system(manifest) else []
+    moved = []
+    for layer, items in _system(manifest).items():
+        have = lock.system.get(layer, ())
+        names = {entry.partition("=")[0] for entry in have}
+        moved += [f"{item} ({layer})" for item in items if (item not in have if "=" in item else item not in names)]
+    return [f"apt pins differ from the lock: {', '.join(moved)}"] if moved else []

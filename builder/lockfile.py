@@ -43,6 +43,15 @@ class LockedBase(Frozen):
     reference: str = Field(description="image@sha256:... for registry bases; the local tag for bootstraps")
     digest: str | None = Field(None, description="sha256:... of the registry image; None for a local bootstrap")
     recipe_sha256: Sha256 | None = Field(None, description="Hash of the bootstrap recipe (bootstrap bases)")
+    diff_id: str | None = Field(
+        None, pattern=r"^sha256:[0-9a-f]{64}$",
+        description="Bootstrap bases: the diff id (sha256 of the uncompressed tar) of the base's one layer as `skupin "
+                    "lock` found it on the host that locked; a build refuses a base whose layer differs. Not a registry "
+                    "digest: a local `docker import` has no manifest, and its image id hashes the import's wall time")
+
+    def identity(self) -> LockedBase:
+        """The base as the manifest decides it (without the host-made diff id): what makes a lock stale."""
+        return self.model_copy(update={"diff_id": None})
 
 
 class Lock(Frozen):
@@ -69,15 +78,22 @@ class Lock(Frozen):
         None, description="Locks made before 2026-12-01 recorded their pins-only Dockerfile's hash, which made every "
                           "template edit a relock; kept so their content hash (and attestations) stay valid, never "
                           "compared: a lock is stale when what decides the installed set changes (builder/lock.py)")
+    apt_sources: tuple[str, ...] | None = Field(
+        None, description="The base's apt sources (deb lines) the versions in `system` were resolved from at lock time "
+                          "(apt-cache policy in a container of the base); None for a lock that pins only the manifest's "
+                          "apt versions (made before 2026-12-01)")
     resolver: str = Field(description="The resolver and its version, e.g. pip 25.3")
     tool_version: str
     created: str = Field(description="UTC time of locking; not part of the content hash")
 
     def json_data(self) -> dict[str, Any]:
-        """The lock file's form: no legacy Dockerfile hash in a lock that has none, no empty `build` or `omitted`
-        (older tools read it too; the content hash leaves them out the same way)."""
-        exclude = {name for name, empty in (("dockerfile_sha256", self.dockerfile_sha256 is None),
-                                           ("build", not self.build), ("omitted", not self.omitted)) if empty}
+        """The lock file's form: no legacy Dockerfile hash, apt sources or base diff id in a lock that has none, no
+        empty `build` or `omitted` (older tools read it too, and its content hash stays what it was)."""
+        exclude: dict[str, Any] = {name: True for name, empty in (
+            ("dockerfile_sha256", self.dockerfile_sha256 is None), ("apt_sources", self.apt_sources is None),
+            ("build", not self.build), ("omitted", not self.omitted)) if empty}
+        if self.base.diff_id is None:
+            exclude["base"] = {"diff_id"}
         return self.model_dump(mode="json", exclude=exclude or None)
 
     def content_hash(self) -> str:

@@ -54,14 +54,27 @@ class Accelerator(Model):
     count: int = Field(1, ge=1, le=64, description="Devices per node")
 
 
+GitCommit = Annotated[str, Field(pattern=r"^[0-9a-f]{40}$")]
+KeyringPath = Annotated[str, Field(pattern=r"^/[A-Za-z0-9._+/-]{1,200}\.(gpg|asc)$")]
+
+
 class Bootstrap(Model):
     """A base image made locally with debootstrap, for air-gapped builders."""
 
     tool: Literal["debootstrap"] = "debootstrap"
     suite: Name = Field(description="Debian suite, e.g. bookworm")
     variant: Literal["minbase", "buildd"] = "minbase"
-    mirror: Url = "http://deb.debian.org/debian"
+    mirror: Url = Field("http://deb.debian.org/debian", description=(
+        "The archive debootstrap reads (http is fine: its signed Release file is verified against `keyring`). "
+        "For exact versions across time, a snapshot: http://snapshot.debian.org/archive/debian/20261201T000000Z"))
     include: tuple[Name, ...] = Field((), description="Extra packages debootstrap installs")
+    keyring: KeyringPath = Field(
+        "/usr/share/keyrings/debian-archive-keyring.gpg",
+        description="The keyring debootstrap verifies the archive's Release signature with (--force-check-gpg); "
+                    "Debian's debian-archive-keyring package installs it")
+    layout: Literal["sorted-clamped/1"] = Field(
+        "sorted-clamped/1", description="How the tree becomes the base's one layer (builder/base.py): files sorted by "
+        "name, mtimes clamped to SOURCE_DATE_EPOCH, logs, caches and host files dropped; part of the recipe's hash")
 
     def recipe_sha256(self) -> str:
         """sha256 of the recipe's canonical JSON: the same recipe names the same local base."""
@@ -130,6 +143,9 @@ class GitSource(Model):
     kind: Literal["git"]
     repo: Url
     ref: GitRef
+    commit: GitCommit | None = Field(
+        None, description="The commit `ref` names (40 hex): the build clones the ref and refuses any other commit "
+                          "(a tag can be moved); without it the render marks the layer UNPINNED")
 
 
 class AptSource(Model):

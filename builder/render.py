@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import shutil
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 
 import installer
@@ -24,6 +26,7 @@ from common.paths import templates_dir
 from engines import serve_launch
 
 WHEELS_DIR = "wheels"
+BUILD_STAGE = "build"  # lock.system's key for the apt packages of a source-built engine's build stage
 # The image's Python environment (gates/static/integrity.py checks it file by file).
 VENV = "/opt/skupin/venv"
 REQUIREMENTS_DIR = "requirements"
@@ -211,6 +214,61 @@ def _plan(manifest: SkuManifest, lock: Lock | None) -> tuple[list[PipLayer], dic
     return layers, files, wheels
 
 
+_LAYER = re.compile(r"^# layer: ([a-z-]+)")
+_APT_INSTALL = re.compile(r"(apt-get\s+install\s+)([^&|;\n]*)")
+
+
+def apt_roots(dockerfile: str) -> dict[str, tuple[str, ...]]:
+    """layer -> what its RUN lines `apt-get install` (name, or name=version as written), per `# layer:` section of a
+    rendered Dockerfile; the build stage's (`# layer: engine-build`) under BUILD_STAGE."""
+    out: dict[str, list[str]] = {}
+    layer = "base"
+    for line in dockerfile.replace("\\\n", " ").splitlines():
+        if found := _LAYER.match(line):
+            layer = BUILD_STAGE if found.group(1) == "engine-build" else found.group(1)
+            continue
+        if not line.startswith("RUN "):
+            continue
+        for match in _APT_INSTALL.finditer(line):
+            for item in match.group(2).split():
+                if not item.startswith("-") and item not in out.setdefault(layer, []):
+                    out[layer].append(item)
+    return {k: tuple(v) for k, v in out.items() if v}
+
+
+def pin_apt(text: str, system: Mapping[str, tuple[str, ...]], *, sku: str) -> str:
+    """`text` with every package its RUN lines apt-install written name=version from the lock's `system` (each
+    layer's own entries, then any layer's); BuildError naming those the lock has no version of."""
+    versions: dict[str, dict[str, str]] = {
+        layer: dict(item.partition("=")[::2] for item in items) for layer, items in system.items()}
+    anywhere = {name: v for layer in versions.values() for name, v in layer.items()}
+    missing: list[str] = []
+    layer = "base"
+    out = []
+    for line in text.splitlines(keepends=True):
+        if found := _LAYER.match(line):
+            layer = BUILD_STAGE if found.group(1) == "engine-build" else found.group(1)
+
+        def pin(match: re.Match[str], layer: str = layer) -> str:
+            words = []
+            for item in match.group(2).split(" "):
+                name = item.partition("=")[0]
+                if item and not item.startswith("-") and item.rstrip("\\").strip():
+                    version = versions.get(layer, {}).get(name) or anywhere.get(name)
+                    if version is None:
+                        missing.append(f"{name} ({layer} layer)")
+                    else:
+                        item = f"{name}={version}"
+                words.append(item)
+            return match.group(1) + " ".join(words)
+
+        out.append(_APT_INSTALL.sub(pin, line))
+    if missing:
+        raise BuildError(f"the lock of {sku} records no version of the apt package(s) {', '.join(missing)} the "
+                         f"Dockerfile installs; fix: skupin lock {sku}")
+    return "".join(out)
+
+
 def engine_build(manifest: SkuManifest, lock: Lock | None) -> dict[str, object] | None:
     """What the templates need to build a source-built engine in its own stage; None for an engine from a wheel."""
     pin = manifest.stack.engine
@@ -233,6 +291,15 @@ def engine_build(manifest: SkuManifest, lock: Lock | None) -> dict[str, object] 
         "sdist_folder": SDIST_DIR, "wheels": f"{WHEELS_DIR}/{BUILD_STEP}",
         "requirements": f"{REQUIREMENTS_DIR}/{BUILD_STEP}.txt", "built_requirements": BUILT_REQUIREMENTS,
     }
+
+
+def source_date_epoch(lock: Lock) -> int:
+    """SOURCE_DATE_EPOCH of a locked image: the lock's creation time (what the installed Python files' mtimes are set
+    to, so the same lock gives the same files and bytecode headers)."""
+    try:
+        return int(datetime.strptime(lock.created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp())
+    except ValueError as exc:
+        raise BuildError(f"the lock of {lock.sku}: created {lock.created!r} is not YYYY-MM-DDTHH:MM:SSZ") from exc
 
 
 def render(stack: ResolvedStack) -> RenderedDockerfile:
@@ -263,6 +330,12 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
         "serve": serve_launch(manifest=manifest),
         "engine_build": engine_build(manifest, lock),
         "tool_version": __version__,
+        # OCI labels from the lock, never the wall clock (the same lock, the same label); the catalog's git revision
+        # and source are not labels (every commit would make a new image): docs/CATALOG.md
+        "created": lock.created if lock is not None else None,
+        "source_date_epoch": source_date_epoch(lock) if lock is not None else None,
+        "base_digest": manifest.base.image.rsplit("@", 1)[1] if manifest.base.image else None,
+        "base_diff_id": lock.base.diff_id if lock is not None else None,
     }
     name = ALL_FAMILIES[manifest.base.family].template
     try:
@@ -270,6 +343,8 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
     except jinja2.TemplateError as exc:
         raise BuildError(f"{templates_dir() / name}: cannot render: {exc}") from exc
     text = "\n".join(line.rstrip() for line in text.strip().splitlines()) + "\n"
+    if lock is not None and lock.apt_sources is not None:  # a lock that resolved every apt package's version
+        text = pin_apt(text, lock.system, sku=manifest.name)
     return RenderedDockerfile(
         sku=manifest.name,
         text=text,

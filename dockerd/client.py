@@ -317,11 +317,18 @@ class Docker:
             raise DockerError(f"pushing {reference}: the engine reported no digest; treating the push as failed")
         return digest
 
-    def import_rootfs(self, *, rootfs: Path, reference: str, on_event: OnEvent = _quiet) -> str:
-        """`tar -C rootfs -c . | docker import - reference`; returns the new image id."""
+    def import_rootfs(self, *, rootfs: Path, reference: str, on_event: OnEvent = _quiet,
+                      source_date_epoch: int | None = None) -> str:
+        """`tar -C rootfs -c . | docker import - reference`; returns the new image id.
+
+        With `source_date_epoch` the tar is the same bytes for the same tree (GNU tar: names sorted, no pax headers,
+        numeric owners, mtimes clamped to the epoch), so the layer's diff id (the tar's sha256) names the content."""
         cli = self.cli()
         on_event(f"importing {rootfs} as {reference}")
-        with subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE,
+        tar_cmd = ["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."]
+        if source_date_epoch is not None:
+            tar_cmd[1:1] = ["--sort=name", "--format=gnu", f"--mtime=@{source_date_epoch}", "--clamp-mtime"]
+        with subprocess.Popen(tar_cmd, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE) as tar:  # both pipes closed and tar waited for
             try:
                 imp = subprocess.run([cli, "import", "-", reference], stdin=tar.stdout, capture_output=True, text=True,

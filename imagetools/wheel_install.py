@@ -192,8 +192,26 @@ class Compiler:
         return counts
 
 
-def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler: Compiler | None = None) -> None:
-    """Install each wheel with pypa installer, handing each written file to `compiler`."""
+def clamp_mtimes(roots: list[Path], epoch: int) -> int:
+    """Set every file, folder and link under `roots` (and each root) newer than `epoch` to `epoch`; how many."""
+    count = 0
+    for root in roots:
+        if not os.path.lexists(root):
+            continue
+        entries = [str(root)]
+        for folder, dirs, files in os.walk(root):
+            entries += [os.path.join(folder, name) for name in dirs + files]
+        for entry in entries:
+            if os.lstat(entry).st_mtime > epoch:
+                os.utime(entry, (epoch, epoch), follow_symlinks=False)
+                count += 1
+    return count
+
+
+def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler: Compiler | None = None,
+            mtime: int | None = None) -> None:
+    """Install each wheel with pypa installer, handing each written file to `compiler` (its mtime set to `mtime`
+    first when given, so the pyc's header, which records the source's mtime, is the same in every build)."""
     from installer import install as install_wheel
     from installer.destinations import SchemeDictionaryDestination
     from installer.sources import WheelFile
@@ -201,6 +219,8 @@ def install(wheels: list[tuple[str, str, Path]], *, prefix: str | None, compiler
     class Destination(SchemeDictionaryDestination):
         def write_to_fs(self, scheme, path, stream, is_executable):
             entry = super().write_to_fs(scheme, path, stream, is_executable)
+            if mtime is not None:
+                os.utime(self._path_with_destdir(scheme, path), (mtime, mtime))
             if compiler is not None:
                 compiler.add(self._path_with_destdir(scheme, path))
             return entry
@@ -229,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=None, help="bytecode cache kept between builds (see bytecode.py)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes (default: all CPUs)")
     ap.add_argument("--prefix", default=None, help="install into this prefix instead of the running interpreter's")
+    ap.add_argument("--mtime", type=int, default=None, metavar="EPOCH",
+                    help="SOURCE_DATE_EPOCH: installed files get this mtime, and everything newer under the prefix and "
+                         "--keep is clamped to it after compiling (the same wheels, the same layer bytes)")
     args = ap.parse_args(argv)
     start = time.monotonic()
     try:
@@ -247,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     compiler = Compiler(cache=cache, jobs=jobs - 1 if jobs > 1 else 0, lazy=lazy)
     try:
         wheels = match_wheels(parse_requirements(args.requirements), args.wheels)
-        install(wheels, prefix=args.prefix, compiler=compiler)
+        install(wheels, prefix=args.prefix, compiler=compiler, mtime=args.mtime)
         installed_s = time.monotonic() - start
         counts = compiler.finish()
         if args.keep is not None:
             args.keep.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(args.requirements, args.keep)
+        if args.mtime is not None:
+            roots = [Path(args.prefix or sys.prefix)] + ([args.keep.parent] if args.keep is not None else [])
+            clamp_mtimes(roots, args.mtime)
     except StepError as exc:
         compiler.finish()
         print(f"wheel_install.py: {exc}", file=sys.stderr)

@@ -31,6 +31,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from builder.aptlock import HostFacts
 from builder.lock import relock as lock_and_write
 from builder.manifest import Pin, SkuManifest, parse_manifest
 from clients.oci import RegistryClient, parse_image_ref
@@ -368,11 +369,13 @@ def apply_proposal(proposal: Proposal) -> tuple[Path, SkuManifest]:
 Relock = Callable[[SkuManifest, Path], None]
 
 
-def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None, index_url: str | None = None) -> None:
+def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None, index_url: str | None = None,
+           host: HostFacts | None = None) -> None:
     """Lock one SKU with builder.lock (raises LockError when its sources are unreachable); `index_url` is the mirror
-    watch asked (`--index-url`), so the lock resolves against the same index that offered the release."""
+    watch asked (`--index-url`), so the lock resolves against the same index that offered the release; `host`: the
+    base's layer and the apt versions (builder/aptlock.py), as `skupin lock` records them."""
 
-    lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse, index_url=index_url)
+    lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse, index_url=index_url, host=host)
 
 
 def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str | None = None,

@@ -20,6 +20,7 @@ from typing import ParamSpec, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from builder.aptlock import host_facts
 from builder.base import ensure_base
 from builder.build import BuiltImage, build
 from builder.check import resolve
@@ -189,8 +190,10 @@ def _lock(stack: ResolvedStack, options: RunOptions, say: OnEvent) -> tuple[Reso
         return stack, f"skipped: {stack.lock_note}"
     if stack.lock_state == "stale":
         raise LockError(f"{path}: the lock is stale: {stack.lock_note}")
+    docker, _ = _docker(say)
+    host = host_facts(manifest=stack.manifest, docker=docker, on_event=say)
     lock = relock(manifest=stack.manifest, manifest_path=path, wheelhouse=options.local_wheelhouse(), progress=say,
-                  ca_bundle=options.trusted_ca())
+                  ca_bundle=options.trusted_ca(), host=host)
     return resolve(path, require_lock=True), f"wrote {lock_path(path).name} ({lock.content_hash()[:12]})"
 
 

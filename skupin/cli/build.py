@@ -199,13 +199,23 @@ def cmd_lock(args: argparse.Namespace) -> int:
     from common.paths import sku_path
 
     resolve = default_resolver(ca_bundle=args.ca_bundle or default_ca_bundle(), prefer=args.resolver)
+    docker = None
+    if args.apt == "resolve":
+        from dockerd import connect
+
+        docker = connect()
     for sku in args.skus:
         path = sku_path(sku)
         manifest = load_manifest(path)
+        say = functools.partial(_prefixed, manifest.name)
+        host = None
+        if docker is not None:
+            from builder.aptlock import host_facts
+
+            host = host_facts(manifest=manifest, docker=docker, on_event=say)
         lock = relock(
             manifest=manifest, manifest_path=path, wheelhouse=args.wheelhouse, index_url=args.index_url,
-            ca_bundle=args.ca_bundle, resolve=resolve,
-            progress=functools.partial(_prefixed, manifest.name),
+            ca_bundle=args.ca_bundle, resolve=resolve, progress=say, host=host,
         )
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
         tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
@@ -349,6 +359,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resolver", choices=("uv", "pip"), default="uv",
                    help="uv (default; 1.67x uv pip compile's own time, pip's resolver 4.9x: docs/BENCHMARKS.md) or pip's "
                         "own resolver; direct URL requirements always go to pip")
+    p.add_argument("--apt", choices=("resolve", "manifest"), default="resolve",
+                   help="resolve (default): make or find the base on the Docker engine, record a bootstrapped base's "
+                        "layer diff id and the exact version of every apt package the Dockerfile installs (apt-cache "
+                        "policy in the base); manifest: no Docker, only the manifest's apt versions (older locks' form)")
     p.add_argument("--json", action="store_true", help="print one JSON line per lock written")
     p.set_defaults(func=cmd_lock)
 

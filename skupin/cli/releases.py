@@ -16,7 +16,16 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     relock_fn = None
     if args.apply and not args.no_lock:
-        relock_fn = lambda m, p: relock(m, p, wheelhouse=args.wheelhouse, index_url=args.index_url)  # noqa: E731
+        from builder.aptlock import host_facts
+        from dockerd import connect
+
+        def relock_fn(manifest, path) -> None:  # as `skupin lock` does: the base's layer and apt versions recorded
+            docker = connect()
+            try:
+                relock(manifest, path, wheelhouse=args.wheelhouse, index_url=args.index_url,
+                       host=host_facts(manifest=manifest, docker=docker, on_event=lambda _msg: None))
+            finally:
+                docker.close()
     report = watch(paths=[Path(p) for p in args.paths], index_url=args.index_url, registry_url=args.registry_url,
                    apply=args.apply, relock_fn=relock_fn, ca_bundle=default_ca_bundle())
     if args.json:

@@ -43,7 +43,7 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
     # the wheels come first: a missing or mismatched wheel refuses the build before debootstrap or a pull
     assert [step.kind for step in steps] == ["wheels", "base", "context", "buildkit", "verify", "tag", "record"]
     wheels, base, context, buildkit, verify, tag, record = steps
-    assert base == EnsureBase(manifest=stack.manifest, bases=tmp_path / "bases")
+    assert base == EnsureBase(manifest=stack.manifest, bases=tmp_path / "bases", locked=lock.base)
     assert wheels == GatherWheels(packages=tuple(lock.packages().values()), store=tmp_path / "store",
                                   wheelhouse=tmp_path / "house")
     assert context == WriteContext(folder=tmp_path / "contexts" / "cpu-x86_64")
@@ -86,13 +86,13 @@ def test_a_render_without_a_current_lock_is_never_planned(rendered):
 class _FakeDocker:
     """The adapter calls the executor makes for base, verify and tag; every call is logged."""
 
-    def __init__(self, installed: dict[str, str]) -> None:
-        self.installed, self.calls = installed, []
+    def __init__(self, installed: dict[str, str], layers: tuple[str, ...] = ()) -> None:
+        self.installed, self.layers, self.calls = installed, layers, []
 
     def inspect_image(self, ref: str) -> ImageInfo:
         self.calls.append(("inspect", ref))
         return ImageInfo(id="sha256:" + "1" * 64, tags=(ref,), repo_digests=(), labels={"io.skupin.sku": "cpu-x86_64"},
-                         size=123, layers=(), created="now")
+                         size=123, layers=self.layers, created="now")
 
     def run(self, spec, *, deadline_s=None) -> RunResult:
         self.calls.append(("run", spec.image))
@@ -113,12 +113,12 @@ def _without_buildkit(steps):
 
 def test_the_executor_runs_the_steps_in_order_and_records_what_it_returns(rendered, tmp_path, tmp_path_factory):
     lock = rendered.stack.lock
-    docker = _FakeDocker({name: p.version for name, p in lock.packages().items()})
+    docker = _FakeDocker({name: p.version for name, p in lock.packages().items()}, layers=(lock.base.diff_id,))
     steps = _without_buildkit(plan_build(rendered, records=tmp_path, bases=tmp_path_factory.mktemp("bases")))
     built = execute_build(steps, rendered=rendered, docker=docker)  # type: ignore[arg-type]
     tag = steps[-2].tag
-    assert [call[0] for call in docker.calls] == ["inspect", "run", "tag", "inspect"]
-    assert docker.calls[2] == ("tag", "", tag) and built.image == tag and built.stack == rendered.stack
+    assert [call[0] for call in docker.calls] == ["inspect", "inspect", "run", "tag", "inspect"]
+    assert docker.calls[3] == ("tag", "", tag) and built.image == tag and built.stack == rendered.stack
     assert list(built.phases) == ["base", "verify", "tag"]
     record = json.loads((tmp_path / "cpu-x86_64.json").read_text())
     assert record == json.loads(built.model_dump_json()) and "stack" not in record  # the record leaves the stack out
@@ -127,8 +127,18 @@ def test_the_executor_runs_the_steps_in_order_and_records_what_it_returns(render
 def test_an_image_that_is_not_its_lock_is_never_tagged(rendered, tmp_path, tmp_path_factory):
     lock = rendered.stack.lock
     installed = {name: p.version for name, p in lock.packages().items()} | {"evil": "1.0"}
-    docker = _FakeDocker(installed)
+    docker = _FakeDocker(installed, layers=(lock.base.diff_id,))
     with pytest.raises(BuildError, match="(?s)does not contain its locked set .1 difference.*evil: image has 1.0"):
         execute_build(_without_buildkit(plan_build(rendered, records=tmp_path, bases=tmp_path_factory.mktemp("bases"))),
                       rendered=rendered, docker=docker)  # type: ignore[arg-type]
     assert "tag" not in [call[0] for call in docker.calls] and not list(Path(tmp_path).iterdir())
+
+
+def test_a_base_that_is_not_the_locked_one_is_refused_before_anything_is_built(rendered, tmp_path, tmp_path_factory):
+    lock = rendered.stack.lock
+    other = "sha256:" + "9" * 64
+    docker = _FakeDocker({name: p.version for name, p in lock.packages().items()}, layers=(other,))
+    with pytest.raises(BuildError, match=f"lock names layer {lock.base.diff_id}, this host's base has {other}"):
+        execute_build(_without_buildkit(plan_build(rendered, records=tmp_path, bases=tmp_path_factory.mktemp("bases"))),
+                      rendered=rendered, docker=docker)  # type: ignore[arg-type]
+    assert [call[0] for call in docker.calls] == ["inspect", "inspect"] and not list(Path(tmp_path).iterdir())

@@ -136,7 +136,7 @@ def _lock(manifest, tmp_path) -> Lock:
     return Lock(sku=manifest.name, manifest_sha256="0" * 64, python="3.11", platform="linux/amd64",
                 base=LockedBase(kind="bootstrap", reference=manifest.base.bootstrap.local_tag(), recipe_sha256="1" * 64),
                 layers={"framework": (torch, sympy), "compiler": (), "engine": (tf,), "extras": ()},
-                dockerfile_sha256="2" * 64, resolver="pip test", tool_version="0", created="now")
+                dockerfile_sha256="2" * 64, resolver="pip test", tool_version="0", created="2026-12-01T00:00:00Z")
 
 
 def test_locked_render_installs_exactly_the_locked_set(tmp_path):

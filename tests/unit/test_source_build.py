@@ -169,8 +169,8 @@ def test_the_lock_records_the_sdist_its_build_wheels_and_its_run_wheels(tmp_path
 
 
 def test_a_wheel_only_lock_keeps_its_hash_and_sdists_stay_refused_elsewhere(tmp_path: Path) -> None:
-    lock = read_lock(ROOT / "skus" / "cpu-x86_64.lock.json")
-    data = json.loads((ROOT / "skus" / "cpu-x86_64.lock.json").read_text())
+    lock = read_lock(ROOT / "skus" / "nvidia-h200-vllm.lock.json")
+    data = json.loads((ROOT / "skus" / "nvidia-h200-vllm.lock.json").read_text())
     assert "build" not in data and lock.build == () and lock.sources() == {}
     assert lock.content_hash() == Lock.model_validate(data).content_hash()
     from builder.lock import parse_report

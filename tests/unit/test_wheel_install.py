@@ -6,6 +6,7 @@ import base64
 import csv
 import hashlib
 import io
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -204,3 +205,24 @@ def test_the_rendered_tools_folder_works_alone_in_a_fresh_venv(tmp_path):
                            capture_output=True, text=True, check=True)
     assert check.stdout.strip() == "hi 0.1"
     assert (tmp_path / "venv/bin/hello").is_file()
+
+
+def test_with_mtime_two_installs_give_the_same_files_mtimes_and_bytecode(tmp_path, capsys):
+    """--mtime EPOCH: every installed file, its pyc (whose header records the source's mtime) and every folder under
+    the prefix is EPOCH, whenever the step runs; without it they carry the wall clock."""
+    wheels = tmp_path / "wheels"
+    _, sha = make_wheel(wheels, "tiny-dep", "1.0", {"tiny_dep.py": "A = 1\n", "tiny/sub/mod.py": "B = 2\n"})
+    req = _requirements(tmp_path, [f"tiny-dep==1.0 --hash=sha256:{sha}"])
+    epoch = 1764547200
+    seen = []
+    for _ in range(2):  # the same prefix (a pyc's code records its path), installed afresh
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        prefix, _ = _prefix(tmp_path / "run")
+        assert _run(tmp_path, req, wheels, prefix, "--mtime", str(epoch), "--keep", str(prefix / "req/x.txt")) == 0
+        entries = sorted(prefix.rglob("*"))
+        assert entries and all(p.lstat().st_mtime == epoch for p in entries)
+        seen.append({str(p.relative_to(prefix)): p.read_bytes() for p in entries if p.is_file()})
+    assert seen[0] == seen[1] and any(name.endswith(".pyc") for name in seen[0])
+    prefix, _ = _prefix(tmp_path / "c")
+    assert _run(tmp_path, req, wheels, prefix) == 0
+    assert all(p.stat().st_mtime > epoch for p in prefix.rglob("*.py"))

@@ -19,13 +19,14 @@ ENV PYTORCH_ROCM_ARCH=gfx942 \
 # layer: python
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates git python3.12 python3.12-venv python3.12-dev build-essential \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log \
  && python3.12 -m venv /opt/skupin/venv \
  && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/skupin/venv
 
 # layer: framework
+# UNHASHED: pip picks framework over 2 indexes without hashes (a name on either may win); only a lock pins it
 COPY requirements/framework.txt /opt/skupin/requirements/framework.txt
 RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
     --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
@@ -38,6 +39,7 @@ RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
  && rm -f /tmp/skupin-stamp
 
 # layer: compiler
+# UNHASHED: pip picks compiler over 2 indexes without hashes (a name on either may win); only a lock pins it
 COPY requirements/compiler.txt /opt/skupin/requirements/compiler.txt
 RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
     --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
@@ -50,6 +52,7 @@ RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
  && rm -f /tmp/skupin-stamp
 
 # layer: engine
+# UNPINNED: https://github.com/vllm-project/vllm at v0.25.1 names no commit (a tag can be moved): add source.commit
 RUN --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca GIT_SSL_CAINFO=/run/secrets/skupin_ca; fi \
  && git clone --depth 1 --branch v0.25.1 https://github.com/vllm-project/vllm /tmp/skupin-src \
@@ -69,6 +72,7 @@ LABEL org.opencontainers.image.title="skupin/amd-mi300x-vllm" \
       org.opencontainers.image.vendor="skupin" \
       org.opencontainers.image.version="0.25.1" \
       org.opencontainers.image.base.name="docker.io/rocm/dev-ubuntu-24.04:7.2.1-complete@sha256:3db551c4e1229aac1857ac44fcb6141bb749f41348eb572452f11279153c13c3" \
+      org.opencontainers.image.base.digest="sha256:3db551c4e1229aac1857ac44fcb6141bb749f41348eb572452f11279153c13c3" \
       io.skupin.sku="amd-mi300x-vllm" \
       io.skupin.hardware-class="amd-cdna3" \
       io.skupin.arch="gfx942" \

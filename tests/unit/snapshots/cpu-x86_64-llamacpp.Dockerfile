@@ -3,7 +3,7 @@
 # driver none none | framework none none | compiler gcc 12.2.0 | engine llamacpp 0.3.36
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock cpu-x86_64-llamacpp`).
-ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
+ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:f36ed5ef9ef7
 
 # stage: engine build (llama-cpp-python 0.3.36 from its sdist; only the wheel it makes reaches the image)
 # layer: engine-build
@@ -14,7 +14,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3.11 python3.11-venv g++-12=12.2.0-14+deb12u1 cmake=3.25.1-1 make=4.3-4.1 libc6-dev \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log \
  && python3.11 -m venv /opt/skupin/build-venv
 RUN --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca; fi \
@@ -41,7 +41,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # layer: python
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates python3.11 python3.11-venv \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log \
  && python3.11 -m venv /opt/skupin/venv \
  && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
@@ -60,7 +60,7 @@ RUN --mount=type=bind,from=skupin-engine-build,source=/out,target=/tmp/skupin-bu
 # layer: extras
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1=12.2.0-14+deb12u1 \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log
 
 # layer: labels
 ENV OMP_NUM_THREADS="1"
@@ -72,7 +72,7 @@ LABEL org.opencontainers.image.title="skupin/cpu-x86_64-llamacpp" \
       org.opencontainers.image.description="x86_64 CPU, Debian 12, llama.cpp (llama-cpp-python 0.3.36 built from its sdist), GGUF weights" \
       org.opencontainers.image.vendor="skupin" \
       org.opencontainers.image.version="0.3.36" \
-      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:d1d509563e47" \
+      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:f36ed5ef9ef7" \
       io.skupin.sku="cpu-x86_64-llamacpp" \
       io.skupin.hardware-class="cpu-x86_64" \
       io.skupin.arch="x86_64" \

@@ -2,7 +2,7 @@
 # cpu x86_64 CPU (x86_64, cpu-x86_64)
 # driver none none | framework none none | compiler gcc 12.2.0 | engine llamacpp 0.3.36
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
-ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
+ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:f36ed5ef9ef7
 
 # stage: engine build (llama-cpp-python 0.3.36 from its sdist; only the wheel it makes reaches the image)
 # layer: engine-build
@@ -12,8 +12,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     LANG=C.UTF-8 \
     PYTHONDONTWRITEBYTECODE=1
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11 python3.11-venv g++-12=12.2.0-14+deb12u1 cmake=3.25.1-1 make=4.3-4.1 libc6-dev \
- && rm -rf /var/lib/apt/lists/* \
+ && apt-get install -y --no-install-recommends python3.11=3.11.2-6+deb12u8 python3.11-venv=3.11.2-6+deb12u8 g++-12=12.2.0-14+deb12u1 cmake=3.25.1-1 make=4.3-4.1 libc6-dev=2.36-9+deb12u14 \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log \
  && python3.11 -m venv --without-pip /opt/skupin/build-venv
 RUN --mount=type=bind,source=wheels/build,target=/tmp/skupin-wheels --mount=type=bind,source=requirements/build.txt,target=/tmp/skupin-requirements.txt \
     --mount=type=bind,source=tools,target=/tmp/skupin-tools \
@@ -48,8 +48,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 # layer: python
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates python3.11 python3.11-venv \
- && rm -rf /var/lib/apt/lists/* \
+ && apt-get install -y --no-install-recommends ca-certificates=20230311+deb12u1 python3.11=3.11.2-6+deb12u8 python3.11-venv=3.11.2-6+deb12u8 \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log \
  && python3.11 -m venv --without-pip /opt/skupin/venv \
  && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
@@ -63,16 +63,16 @@ ENV PATH=/opt/skupin/venv/bin:$PATH \
 RUN --mount=type=bind,source=wheels/engine,target=/tmp/skupin-wheels --mount=type=bind,source=requirements/engine.txt,target=/tmp/skupin-requirements.txt \
     --mount=type=bind,source=tools,target=/tmp/skupin-tools --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode \
     python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels --keep /opt/skupin/requirements/engine.txt \
-    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode /tmp/skupin-requirements.txt
+    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode --mtime 1796131246 /tmp/skupin-requirements.txt
 RUN --mount=type=bind,from=skupin-engine-build,source=/out,target=/tmp/skupin-built --mount=type=bind,source=tools,target=/tmp/skupin-tools \
     --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode \
     python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-built/wheel --keep /opt/skupin/requirements/engine-built.txt \
-    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode /tmp/skupin-built/requirements.txt
+    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode --mtime 1796131246 /tmp/skupin-built/requirements.txt
 
 # layer: extras
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1=12.2.0-14+deb12u1 \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log
 
 # layer: labels
 ENV OMP_NUM_THREADS="1"
@@ -84,7 +84,9 @@ LABEL org.opencontainers.image.title="skupin/cpu-x86_64-llamacpp" \
       org.opencontainers.image.description="x86_64 CPU, Debian 12, llama.cpp (llama-cpp-python 0.3.36 built from its sdist), GGUF weights" \
       org.opencontainers.image.vendor="skupin" \
       org.opencontainers.image.version="0.3.36" \
-      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:d1d509563e47" \
+      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:f36ed5ef9ef7" \
+      io.skupin.base-diff-id="sha256:460dab1ac658df8ea07192187d09fd54fee29021507d9354fb1e9ae33e314cc8" \
+      org.opencontainers.image.created="2026-12-01T13:20:46Z" \
       io.skupin.sku="cpu-x86_64-llamacpp" \
       io.skupin.hardware-class="cpu-x86_64" \
       io.skupin.arch="x86_64" \

