@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from builder.base import base_diff_id
+from builder.base import base_diff_id, ensure_base
 from builder.manifest import SkuManifest
-from common.errors import LockError
+from common.errors import DockerError, LockError
 from common.model import Frozen
 from dockerd import ContainerSpec, Docker
 
@@ -104,9 +104,13 @@ def host_facts(*, manifest: SkuManifest, docker: Docker, on_event: OnEvent) -> H
     names = tuple(dict.fromkeys(i.partition("=")[0] for items in roots.values() for i in items))
     if not names:
         return HostFacts(diff_id=diff_id, system={})
-    if not docker.image_exists(manifest.base.reference):
-        raise LockError(f"{manifest.name}: the base {manifest.base.reference} is not on this Docker engine, so the "
-                        "versions of its apt packages cannot be read; fix: docker pull it, or lock with --apt manifest")
+    if not docker.image_exists(manifest.base.reference):  # a registry base (a bootstrapped one was made above)
+        try:
+            ensure_base(manifest=manifest, docker=docker, on_event=on_event)  # pulled by digest
+        except DockerError as exc:
+            raise LockError(f"{manifest.name}: the base {manifest.base.reference} is not on this Docker engine and "
+                            f"could not be pulled ({exc}), so the versions of its apt packages cannot be read; fix: "
+                            "docker load it here, or lock with --apt manifest") from exc
     on_event(f"resolving apt versions of {' '.join(names)} in {manifest.base.reference}")
     sources, candidates = resolve_candidates(docker=docker, base=manifest.base.reference, names=names)
     return HostFacts(diff_id=diff_id, apt_sources=sources, system=pinned_system(roots, candidates, sku=manifest.name))

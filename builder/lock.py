@@ -38,7 +38,7 @@ from packaging.version import InvalidVersion, Version
 from builder.aptlock import HostFacts
 from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
-from builder.render import BUILD_STAGE
+from builder.render import BUILD_STAGE, apt_roots, render_manifest
 from builder.sdist import SdistFetcher, applicable, fetch_sdist, read_sdist
 from builder.stack import LockState
 from builder.wheels import file_sha256
@@ -810,4 +810,14 @@ def _apt_reasons(manifest: SkuManifest, lock: Lock) -> list[str]:
         have = lock.system.get(layer, ())
         names = {entry.partition("=")[0] for entry in have}
         moved += [f"{item} ({layer})" for item in items if (item not in have if "=" in item else item not in names)]
-    return [f"apt pins differ from the lock: {', '.join(moved)}"] if moved else []
+    reasons = [f"apt pins differ from the lock: {', '.join(moved)}"] if moved else []
+    # what the templates apt-install (a template edit may add or drop a package) against what the lock has versions of
+    rendered = {item.partition("=")[0] for items in apt_roots(render_manifest(manifest=manifest).text).values()
+                for item in items}
+    locked = {entry.partition("=")[0] for items in lock.system.values() for entry in items}
+    if rendered - locked:
+        reasons.append(f"the Dockerfile apt-installs {', '.join(sorted(rendered - locked))}, which the lock has no "
+                       "version of (a template or manifest change)")
+    if locked - rendered:
+        reasons.append(f"the lock pins apt packages the Dockerfile no longer installs: {', '.join(sorted(locked - rendered))}")
+    return reasons

@@ -77,6 +77,9 @@ def unbuildable(stack: ResolvedStack, *, wheelhouse: Path | None) -> str | None:
     if stack.lock_state != "ok" or stack.lock is None:
         return f"stale lock ({stack.lock_note})"
     lock = stack.lock
+    if lock.base.kind == "bootstrap" and lock.base.diff_id is None:  # what builder/base.py: check_locked_base refuses
+        return (f"the lock records no identity of its bootstrapped base (base.diff_id); fix: skupin lock "
+                f"{stack.manifest.name} (it makes or finds the base and records its layer)")
     missing = []
     for pkg in (*lock.packages().values(), *lock.build):
         if pkg.url and pkg.url.startswith(("https://", "http://")):

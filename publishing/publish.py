@@ -447,17 +447,13 @@ def publish_lock(plan: PublishPlan, *, folder: Path | None = None):
 
 
 def _version_tag_holder(*, plan: PublishPlan, client: RegistryClient) -> Manifest | None:
-    """The manifest the plan's version tag already names in the registry (None: the tag is free)."""
+    """The manifest the plan's version tag already names in the registry (None: the registry answered 404, the tag
+    or the repository does not exist). Any other answer is an error: "cannot tell" never counts as "free"."""
     try:
-        tags = client.list_tags(plan.repository)
-    except NetworkError:
-        return None  # no repository yet
-    if plan.version_tag not in tags:
-        return None
-    try:
-        return client.get_manifest(plan.repository, plan.version_tag)
+        return client.find_manifest(plan.repository, plan.version_tag)
     except NetworkError as exc:
-        raise PublishError(f"{plan.repository}:{plan.version_tag} exists but cannot be read: {exc}; nothing was pushed") from exc
+        raise PublishError(f"cannot tell whether {plan.repository}:{plan.version_tag} is free: {exc}; "
+                           "nothing was tagged") from exc
 
 
 def _immutable(plan: PublishPlan, held: Manifest, *, image_id: str | None = None, digest: str | None = None) -> None:

@@ -482,3 +482,24 @@ def test_a_publish_that_loses_the_race_for_its_version_tag_claims_nothing(docker
         assert held["verified"] == rival_id and held[vtag] == rival_id, (salt, held)
         assert ours not in held.values(), (salt, held)
         assert not [t for t in tags(registry) if t.startswith("skupin-push-")], tags(registry)
+
+    class CannotTellAfterThePush(RegistryClient):
+        """The registry fails (HTTP 500) when the version tag is looked up again after the push."""
+
+        lookups = 0
+
+        def find_manifest(self, repo, ref, **kwargs):
+            if ref == untold_tag:
+                self.lookups += 1
+                if self.lookups > 1:
+                    raise NetworkError("registry 127.0.0.1: HTTP 500 (injected)")
+            return super().find_manifest(repo, ref, **kwargs)
+
+    lock = make_lock(salt="c")
+    untold_tag = version_tag(sku=SKU, engine_version="5.24.0", lock=lock, dockerfile_sha256="c" * 64)
+    ours = tiny.make("ours-untold")
+    with pytest.raises(PublishError, match="cannot tell whether .* is free"):
+        publish(docker=docker, registry=registry, image_id=ours, lock=lock, verdict=make_verdict(image_id=ours, lock=lock),
+                client=CannotTellAfterThePush(parse_target(registry.addr).url, retries=0))
+    held = configs(registry)
+    assert held["verified"] == rival_id and ours not in held.values(), held  # "cannot tell" never counts as "free"

@@ -292,6 +292,8 @@ def test_an_engine_point_release_rebuilds_and_publishes_only_its_sku(docker, tmp
     assert pull["branch"] == "skupin/watch/cpu-x86_64" and pull["title"] == "Point release: cpu-x86_64"
     assert sorted(pull["files"]) == ["skus/cpu-x86_64.lock.json", "skus/cpu-x86_64.yaml"]  # one SKU per pull request
     merged = git(repo, "rev-parse", "skupin/watch/cpu-x86_64")
+    git(repo, "checkout", "-q", released)
+    before = {sku: tag for sku, tag in version_tags(repo).items() if sku != "cpu-x86_64"}
     git(repo, "checkout", "-q", merged)
     assert read_lock(repo / "skus" / "cpu-x86_64.lock.json").packages()["transformers"].version == "5.24.1"
 
@@ -299,6 +301,7 @@ def test_an_engine_point_release_rebuilds_and_publishes_only_its_sku(docker, tmp
     # compatibility data does not know the release, so it cannot compute that tag, and need not)
     tags = {sku: tag for sku, tag in version_tags(repo).items() if sku != "cpu-x86_64"}
     assert {"cpu-x86_64-vllm", "cpu-x86_64-llamacpp", "nvidia-h200-vllm"} <= set(tags)
+    assert tags == before  # the bump changed no other SKU's image: their tags are the ones published before it
     for sku, tag in tags.items():
         placeholder(registry, f"skupin-org/skupin/{sku}", tag)
     images = replay((repo, merged), tmp_path / "images", python_bin, registry, keys, event="push", run_id="4343")

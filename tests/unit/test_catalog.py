@@ -90,6 +90,25 @@ def test_a_catalogs_templates_override_the_shipped_ones(elsewhere, tmp_path, mon
     assert "lock: ok" in capsys.readouterr().out
 
 
+def test_a_template_that_changes_what_apt_installs_makes_the_lock_stale(elsewhere, tmp_path, monkeypatch, capsys):
+    """The lock holds a version of every package the Dockerfile apt-installs: a template adding one (or dropping
+    one) leaves it stale (exit 4) before any build, naming the package."""
+    cat = _catalog(tmp_path / "cat")
+    shutil.copytree(paths.SHIPPED_TEMPLATES, cat / "templates")
+    base = cat / "templates" / "base.Dockerfile.j2"
+    text = base.read_text()
+    assert "install -y --no-install-recommends ca-certificates " in text
+    base.write_text(text.replace("install -y --no-install-recommends ca-certificates ",
+                                 "install -y --no-install-recommends ca-certificates curl ", 1))
+    monkeypatch.chdir(cat)
+    assert main(["check", "cpu-x86_64"]) == 4
+    assert "the Dockerfile apt-installs curl, which the lock has no version of" in capsys.readouterr().out
+    base.write_text(text.replace("install -y --no-install-recommends ca-certificates ",
+                                 "install -y --no-install-recommends ", 1))
+    assert main(["check", "cpu-x86_64"]) == 4
+    assert "the lock pins apt packages the Dockerfile no longer installs: ca-certificates" in capsys.readouterr().out
+
+
 def test_the_cli_names_the_way_out_when_there_is_no_catalog(elsewhere, capsys):
     assert main(["check"]) == 2
     assert "fix: run it inside a catalog" in capsys.readouterr().err

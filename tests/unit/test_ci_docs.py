@@ -40,3 +40,15 @@ def test_runner_labels_in_the_guide_are_the_planners():
     assert "`[self-hosted, linux, x64, gpu, <hardware_class>]`" in GUIDE
     for label in HOSTED.values():
         assert f"`{label}`" in GUIDE
+
+
+def test_no_run_step_interpolates_an_expression():
+    """`${{ }}` inside a `run:` script is pasted into the shell before it runs: every value goes through `env:`."""
+    import yaml
+
+    found = []
+    for path in sorted(WORKFLOWS.glob("*.yml")):
+        for job, spec in yaml.safe_load(path.read_text())["jobs"].items():
+            found += [(path.name, job, step.get("name")) for step in spec.get("steps", [])
+                      if "${{" in str(step.get("run", ""))]
+    assert found == []

@@ -85,6 +85,21 @@ def test_a_stale_lock_is_left_out_with_its_reason(tmp_path):
     assert "engine pin transformers==5.24.0 but the lock has none" in plan.excluded[0].reason
 
 
+def test_a_lock_without_its_bootstrapped_base_identity_is_left_out(tmp_path):
+    """A lock made with `--apt manifest` has no base.diff_id: the build would refuse it, so the matrix does."""
+    skus = tmp_path / "skus"
+    skus.mkdir()
+    for name in ("cpu-x86_64.yaml", "cpu-x86_64.lock.json"):
+        shutil.copy(SKUS / name, skus / name)
+    lock = skus / "cpu-x86_64.lock.json"
+    data = json.loads(lock.read_text())
+    assert data["base"].pop("diff_id").startswith("sha256:")
+    lock.write_text(json.dumps(data))
+    plan = plan_matrix(_stacks(skus))
+    assert plan.include == () and [e.sku for e in plan.excluded] == ["cpu-x86_64"]
+    assert plan.excluded[0].reason.startswith("the lock records no identity of its bootstrapped base (base.diff_id)")
+
+
 def test_published_version_tags_are_current_not_rebuilt():
     stacks = [s for s in _stacks() if s.manifest.name in ("cpu-x86_64", "cpu-x86_64-llamacpp")]
     asked: list[tuple[str, str]] = []

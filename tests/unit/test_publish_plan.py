@@ -277,7 +277,9 @@ def test_a_pushed_manifest_of_another_image_is_not_tagged(tmp_path):
 
     reg = FakeRegistry()
     other = _image_manifest(OTHER)
-    reg.get_manifest = lambda repo, ref, accept=(): other  # type: ignore[method-assign]
+    plain = reg.get_manifest
+    # the pushed digest reads back as another image's manifest (tags still read as they are)
+    reg.get_manifest = lambda repo, ref, accept=(): other if ref.startswith("sha256:") else plain(repo, ref, accept)  # type: ignore[method-assign]
     with pytest.raises(PublishError, match="not the gated image"):
         publish_image(plan=plan(verdict()), docker=Wrong(), client=reg, signer=SIGNER, trusted=TRUSTED,  # type: ignore[arg-type]
                       lock_folder=tmp_path, inventory=INVENTORY)
