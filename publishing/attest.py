@@ -39,6 +39,7 @@ from pydantic import Field
 from common.errors import PublishError
 from common.model import Frozen, canonical_json
 from common.paths import ensure_state, find_catalog, state_dir
+from common.revision import SourcePin
 from common.untrusted import json_depth
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -104,6 +105,8 @@ class VerificationPredicate(Frozen):
     gate_tool_version: str | None
     tool_version: str = Field(description="skupin version that published")
     published: str
+    source: SourcePin | None = Field(None, description="The catalog's git repository and commit the publish ran "
+                                     "from (OCI's image.source and image.revision, signed); absent outside git")
 
 
 def tolerance_sha256(entry: dict[str, Any]) -> str:
@@ -112,8 +115,8 @@ def tolerance_sha256(entry: dict[str, Any]) -> str:
 
 
 def statement(*, repository: str, digest: str, predicate: VerificationPredicate) -> dict[str, Any]:
-    return _statement(repository=repository, digest=digest, predicate_type=PREDICATE_TYPE,
-                      predicate=predicate.model_dump(mode="json"))
+    data = predicate.model_dump(mode="json", exclude={"source"} if predicate.source is None else None)
+    return _statement(repository=repository, digest=digest, predicate_type=PREDICATE_TYPE, predicate=data)
 
 
 def bom_statement(*, repository: str, digest: str, bom: dict[str, Any]) -> dict[str, Any]:

@@ -62,7 +62,8 @@ from clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from common import __version__
 from common.errors import BundleError, DockerError, NetworkError, PublishError
 from common.model import Frozen, canonical_json
-from common.paths import NO_CATALOG_FIX, sku_path, state_dir
+from common.paths import NO_CATALOG_FIX, catalog, sku_path, state_dir
+from common.revision import SourcePin, catalog_source
 from common.untrusted import load_json, read_regular_file
 from dockerd import Docker, ImageInfo
 from gates.verdict import GateVerdict
@@ -250,7 +251,7 @@ def version_tag(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256:
 
 def plan_publish(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256: str, image_id: str,
                  verdict: VerdictFacts, target: RegistryTarget, expected: Expected,
-                 push_tag: str | None = None) -> PublishPlan:
+                 push_tag: str | None = None, source: SourcePin | None = None) -> PublishPlan:
     """Decide the publish: PublishError listing every reason when the verdict does not allow it, or when the
     attestation it would sign would not pass the policy `verify` applies (publishing/policy.py)."""
     lock_sha = lock.content_hash()
@@ -258,7 +259,7 @@ def plan_publish(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256
         raise PublishError(f"the lock is for SKU {lock.sku}, not {sku}")
     problems = refusals(sku=sku, image_id=image_id, lock_sha256=lock_sha, verdict=verdict)
     predicate = predicate_of(plan_sku=sku, repository=target.repository(sku), image_id=image_id, lock=lock,
-                             facts=verdict, published=_now())
+                             facts=verdict, published=_now(), source=source)
     problems += [p for p in predicate_problems(predicate, expected) if p not in problems]
     if problems:
         raise PublishError(f"refusing to publish {sku} ({image_id[:19]}): " + "; ".join(problems)
@@ -362,7 +363,7 @@ def read_attestation_layers(*, client: RegistryClient, repository: str, digest: 
 
 
 def predicate_of(*, plan_sku: str, repository: str, image_id: str, lock: Lock, facts: VerdictFacts,
-                 published: str) -> VerificationPredicate:
+                 published: str, source: SourcePin | None = None) -> VerificationPredicate:
     """The predicate a publish signs: what the verdict established, pinned by hashes."""
     tol = facts.tolerance
     entry = tol.get("entry") if isinstance(tol, dict) else None
@@ -378,7 +379,7 @@ def predicate_of(*, plan_sku: str, repository: str, image_id: str, lock: Lock, f
         tolerance=pin, decision=facts.decision, reason=facts.reason,
         checks=tuple(CheckOutcome(name=n, status=s, reason=facts.check_reasons.get(n, "")) for n, s in facts.checks.items()),
         verdict_sha256=verdict_sha256(facts.document), gate_created=facts.created,
-        gate_tool_version=facts.tool_version, tool_version=__version__, published=published)
+        gate_tool_version=facts.tool_version, tool_version=__version__, published=published, source=source)
 
 
 # ---------------------------------------------------------------- executing the plan
@@ -740,7 +741,7 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     target, untag, hint = publish_target(registry, addr)
     plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
                         dockerfile_sha256=dockerfile, image_id=info.id, verdict=verdict_facts(verdict), target=target,
-                        expected=_catalog_facts(manifest.name))
+                        expected=_catalog_facts(manifest.name), source=catalog_source(catalog()))
     return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=hint,
                     on_event=on_event)
 
@@ -762,7 +763,7 @@ def publish(built: BuiltImage, verdict: GateVerdict, target: RegistryTarget, *, 
     info = _local_image(docker=docker, ref=built.image_id, sku=built.sku)
     plan = plan_publish(sku=built.sku, engine_version=built.stack.manifest.stack.engine.version, lock=lock,
                         dockerfile_sha256=built.dockerfile_sha256, image_id=info.id, verdict=facts_of(verdict),
-                        target=target, expected=_catalog_facts(built.sku))
+                        target=target, expected=_catalog_facts(built.sku), source=catalog_source(catalog()))
     return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=registry_hint,
                     on_event=on_event)
 

@@ -113,6 +113,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                  ("tolerance", f"{p.tolerance.key} {p.tolerance.entry_sha256}" if p.tolerance else "none"),
                                  ("gate", f"{p.gate_created} (skupin {p.gate_tool_version})"),
                                  ("published", f"{p.published} (skupin {p.tool_version})"),
+                                 ("source", (f"{p.source.url or '(no remote)'} @ {p.source.revision}"
+                                             + (" (uncommitted changes)" if p.source.dirty else ""))
+                                  if p.source else "not recorded (the catalog was not a git checkout)"),
                                  ("checks", ", ".join(f"{c.name} {c.status}" for c in p.checks))):
                 _out(f"  {label:<17}{_shown(str(value))}")
     return 0 if any(r.predicate is not None for r in found.records) else PublishError.exit_code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -11,9 +12,10 @@ import pytest
 from builder.lockfile import Lock, LockedBase
 from clients.oci import Manifest
 from common.errors import DockerError, NetworkError, PublishError
+from common.revision import SourcePin
 from publishing.attest import BOM_PREDICATE_TYPE, DSSE_MEDIA_TYPE, PREDICATE_TYPE, tolerance_sha256
 from publishing.local_registry import LocalRegistry, render_config
-from publishing.policy import Expected
+from publishing.policy import Expected, signed_predicate
 from publishing.publish import (
     OCI_MANIFEST,
     VERIFIED_TAG,
@@ -258,6 +260,25 @@ def test_attestation_goes_in_before_the_human_tags_and_verified_last(tmp_path):
     assert out.sbom is not None and (out.sbom.python, out.sbom.debian, out.sbom.image) == (1, 1, IMAGE_MANIFEST.digest)
     assert reg.manifests[VERIFIED_TAG][0] == IMAGE_MANIFEST.body  # the tag names exactly the pushed manifest
     assert ("untag-local", p.push_reference) in eng.calls and out.leftover_tags == ()
+
+
+def test_the_catalogs_source_is_signed_and_an_older_predicates_shape_is_kept(tmp_path):
+    """OCI's image.source and image.revision travel signed, in the predicate; without a git source the field is
+    left out, so the predicate has exactly the shape records had before it existed."""
+    source = SourcePin(url="https://github.com/acme/catalog", revision="a" * 40, dirty=False)
+    for pinned in (source, None):
+        reg = FakeRegistry()
+        p = plan_publish(sku="cpu-x86_64", engine_version="5.24.0+local", lock=lock(), dockerfile_sha256="c" * 64,
+                         image_id=IMAGE, verdict=verdict_facts(verdict()), target=parse_target("127.0.0.1:5000"),
+                         push_tag="skupin-push-test", expected=expected(), source=pinned)
+        publish_image(plan=p, docker=FakeEngine(), client=reg, signer=SIGNER, trusted=TRUSTED,  # type: ignore[arg-type]
+                      lock_folder=tmp_path, inventory=INVENTORY)
+        (kind, envelope), _sbom = read_attestation_layers(client=reg, repository="cpu-x86_64",  # type: ignore[arg-type]
+                                                          digest=IMAGE_MANIFEST.digest)
+        statement = json.loads(base64.b64decode(json.loads(envelope)["payload"]))
+        assert ("source" in statement["predicate"]) is (pinned is not None)
+        predicate, _keyid = signed_predicate(envelope, trusted=TRUSTED, digest=IMAGE_MANIFEST.digest)
+        assert predicate.source == pinned
 
 
 @pytest.mark.parametrize("fault", ["push", "registry down"])
