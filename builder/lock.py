@@ -768,8 +768,9 @@ def lock_status(*, manifest: SkuManifest, manifest_path: Path) -> tuple[LockStat
 
 def stale_reasons(*, manifest: SkuManifest, lock: Lock) -> list[str]:
     """Every way a lock no longer matches what decides the installed set (empty when it does): the manifest's build
-    inputs (manifest_digest), the base, the target, each pin, the engine's source, the apt pins, stack.omit. A
-    template edit is not among them: it changes the image (its tag hashes the locked Dockerfile), not the lock."""
+    inputs (manifest_digest), the base, the target, each pin, the engine's source, the apt pins, stack.omit, and
+    (for a lock that resolved apt versions) the set of packages the Dockerfile apt-installs. Any other template edit
+    is not among them: it changes the image (its tag hashes the locked Dockerfile), not the lock."""
     reasons: list[str] = []
     if lock.sku != manifest.name:
         reasons.append(f"lock is for {lock.sku}, not {manifest.name}")
@@ -806,9 +807,9 @@ def _apt_reasons(manifest: SkuManifest, lock: Lock) -> list[str]:
     if lock.apt_sources is None:
         return ["apt pins differ from the lock"] if lock.system != _system(manifest) else []
     moved = []
+    have = {entry for entries in lock.system.values() for entry in entries}  # by name in any layer, as pin_apt reads
+    names = {entry.partition("=")[0] for entry in have}
     for layer, items in _system(manifest).items():
-        have = lock.system.get(layer, ())
-        names = {entry.partition("=")[0] for entry in have}
         moved += [f"{item} ({layer})" for item in items if (item not in have if "=" in item else item not in names)]
     reasons = [f"apt pins differ from the lock: {', '.join(moved)}"] if moved else []
     # what the templates apt-install (a template edit may add or drop a package) against what the lock has versions of

@@ -246,9 +246,12 @@ class RegistryClient:
             raise NetworkError(f"registry {self.host}: no manifest {repo}:{ref} (HTTP 404)")
         return found
 
-    def find_manifest(self, repo: str, ref: str, *, accept: tuple[str, ...] = MANIFEST_TYPES) -> Manifest | None:
-        """`get_manifest`, or None when the registry answers 404 (no such tag or digest); NetworkError otherwise."""
-        response = self._send("GET", f"/v2/{repo}/manifests/{ref}", scope=self._scope(repo),
+    def find_manifest(self, repo: str, ref: str, *, accept: tuple[str, ...] = MANIFEST_TYPES,
+                      push: bool = False) -> Manifest | None:
+        """`get_manifest`, or None when the registry answers 404 (no such tag or digest); NetworkError otherwise.
+        `push`: ask with the push scope too, as a publisher (some registries answer 401/403, not 404, for a repository
+        that does not exist yet when the token may only pull)."""
+        response = self._send("GET", f"/v2/{repo}/manifests/{ref}", scope=self._scope(repo, push=push),
                               headers={"Accept": ", ".join(accept)}, ok=(200, 404))
         if response.status_code == 404:
             return None

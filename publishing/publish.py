@@ -451,7 +451,7 @@ def _version_tag_holder(*, plan: PublishPlan, client: RegistryClient) -> Manifes
     """The manifest the plan's version tag already names in the registry (None: the registry answered 404, the tag
     or the repository does not exist). Any other answer is an error: "cannot tell" never counts as "free"."""
     try:
-        return client.find_manifest(plan.repository, plan.version_tag)
+        return client.find_manifest(plan.repository, plan.version_tag, push=True)
     except NetworkError as exc:
         raise PublishError(f"cannot tell whether {plan.repository}:{plan.version_tag} is free: {exc}; "
                            "nothing was tagged") from exc

@@ -565,7 +565,12 @@ class Replay:
         digest = str(with_.get("subject-digest") or "")
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
             raise ReplayError(f"actions/attest: subject-digest {digest!r} is not a sha256 digest")
-        predicate = json.loads((workspace / str(with_["predicate-path"])).read_text(encoding="utf-8"))
+        if not with_.get("subject-name") or not with_.get("predicate-type") or not with_.get("predicate-path"):
+            raise ReplayError("actions/attest: subject-name, predicate-type and predicate-path are all needed")
+        try:
+            predicate = json.loads((workspace / str(with_["predicate-path"])).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ReplayError(f"actions/attest: cannot read {with_['predicate-path']}: {exc}") from exc
         if not isinstance(predicate, dict) or not predicate.get("sku"):
             raise ReplayError(f"actions/attest: {with_['predicate-path']} is not a verification predicate")
         out = self.root / "attestations"

@@ -3,6 +3,7 @@ publish -> verify, ending in a verified digest in a loopback registry (Debian's 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -19,6 +20,7 @@ import pytest
 
 from clients.oci import RegistryClient
 from publishing.local_registry import LocalRegistry, registry_down, registry_up
+from publishing.publish import read_attestation_layers
 from tests.paths import REPO
 from tests.workflow_replay import Leg, Replay
 
@@ -153,8 +155,14 @@ def test_images_workflow_builds_gates_publishes_and_verifies_the_cpu_sku(docker,
     lock_sha = plan["include"][0]["lock_sha256"]
     # the keyless step was handed the digest and the key-signed predicate (its replay keeps what it would sign)
     keyless = json.loads((tmp_path / "attestations" / f"{published['digest'].split(':', 1)[1]}.json").read_text())
-    assert keyless["predicate"]["sku"] == "cpu-x86_64" and keyless["predicate"]["lock_sha256"] == lock_sha
-    assert keyless["predicate_type"] == "https://skupin.dev/verification/v1"
+    with RegistryClient(registry.url, retries=0) as client:
+        (_kind, envelope), *_rest = read_attestation_layers(client=client, repository="skupin-org/skupin/cpu-x86_64",
+                                                            digest=published["digest"])
+    signed = json.loads(base64.b64decode(json.loads(envelope)["payload"]))
+    assert keyless["predicate"] == signed["predicate"]  # exactly what the key signed
+    assert keyless["predicate_type"] == signed["predicateType"] == "https://skupin.dev/verification/v1"
+    assert keyless["subject"] == f"{registry.addr}/skupin-org/skupin/cpu-x86_64@{published['digest']}"
+    assert keyless["predicate"]["lock_sha256"] == lock_sha
     assert (REPO / ".skupin" / "replay-cache" / f"wheels-cpu-x86_64-{lock_sha}").is_dir()
     report(legs)
 

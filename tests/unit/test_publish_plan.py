@@ -217,7 +217,7 @@ class FakeRegistry:
         body, media = self.manifests[ref]
         return Manifest(media_type=media, digest="sha256:" + hashlib.sha256(body).hexdigest(), body=body)
 
-    def find_manifest(self, repo, ref, accept=()):
+    def find_manifest(self, repo, ref, accept=(), push=False):
         if self.down:
             raise NetworkError("connection refused")
         try:
