@@ -69,16 +69,24 @@ def test_a_wheelhouse_on_the_runner_brings_a_url_less_wheel_back(tmp_path):
         "(docs/guide-ci-point-releases.md)")
 
 
-def test_a_stale_lock_is_left_out_with_its_reason(tmp_path):
+def _cpu_catalog_with_lock(tmp_path: Path, edit) -> Path:
+    """A catalog holding the CPU SKU, its lock's JSON changed by `edit` (in place)."""
     skus = tmp_path / "skus"
     skus.mkdir()
     for name in ("cpu-x86_64.yaml", "cpu-x86_64.lock.json"):
         shutil.copy(SKUS / name, skus / name)
     lock = skus / "cpu-x86_64.lock.json"
     data = json.loads(lock.read_text())
-    data["layers"]["engine"] = [p for p in data["layers"]["engine"] if p["name"] != "transformers"]
+    edit(data)
     lock.write_text(json.dumps(data))
-    plan = plan_matrix(_stacks(skus))
+    return skus
+
+
+def test_a_stale_lock_is_left_out_with_its_reason(tmp_path):
+    def drop_transformers(data: dict) -> None:
+        data["layers"]["engine"] = [p for p in data["layers"]["engine"] if p["name"] != "transformers"]
+
+    plan = plan_matrix(_stacks(_cpu_catalog_with_lock(tmp_path, drop_transformers)))
     assert plan.include == ()
     assert plan.excluded[0].sku == "cpu-x86_64"
     assert plan.excluded[0].reason.startswith("stale lock (")
@@ -87,15 +95,10 @@ def test_a_stale_lock_is_left_out_with_its_reason(tmp_path):
 
 def test_a_lock_without_its_bootstrapped_base_identity_is_left_out(tmp_path):
     """A lock made with `--apt manifest` has no base.diff_id: the build would refuse it, so the matrix does."""
-    skus = tmp_path / "skus"
-    skus.mkdir()
-    for name in ("cpu-x86_64.yaml", "cpu-x86_64.lock.json"):
-        shutil.copy(SKUS / name, skus / name)
-    lock = skus / "cpu-x86_64.lock.json"
-    data = json.loads(lock.read_text())
-    assert data["base"].pop("diff_id").startswith("sha256:")
-    lock.write_text(json.dumps(data))
-    plan = plan_matrix(_stacks(skus))
+    def drop_diff_id(data: dict) -> None:
+        assert data["base"].pop("diff_id").startswith("sha256:")
+
+    plan = plan_matrix(_stacks(_cpu_catalog_with_lock(tmp_path, drop_diff_id)))
     assert plan.include == () and [e.sku for e in plan.excluded] == ["cpu-x86_64"]
     assert plan.excluded[0].reason.startswith("the lock records no identity of its bootstrapped base (base.diff_id)")
 
