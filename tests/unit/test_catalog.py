@@ -136,3 +136,14 @@ def test_the_state_folder_of_a_catalog_ignores_itself_before_a_key_lands_in_it(e
     pair = generate_keys()
     assert Path(pair.private).is_relative_to(cat.resolve() / ".skupin")
     assert (cat / ".skupin" / ".gitignore").read_text().splitlines()[-1] == "*"
+
+
+def test_every_committed_lock_is_current_the_examples_too():
+    """`skupin check` in CI reads skus/; the example SKUs under docs/examples/ are built by the integration tests, so a
+    change that leaves their locks stale must fail here, not in a build."""
+    from builder.check import check_paths
+
+    for folder in (REPO / "skus", REPO / "docs" / "examples" / "skus"):
+        states = {r.stack.manifest.name: (r.stack.lock_state, r.stack.lock_note) for r in check_paths([folder])
+                  if r.stack is not None and r.stack.lock_state != "unlocked"}
+        assert states and all(state == "ok" for state, _note in states.values()), states
