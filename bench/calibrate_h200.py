@@ -4,9 +4,9 @@ Runs on the reference machine through the `run` tool (torch + transformers + num
 
     PYTHONPATH=$PWD python3 bench/calibrate_h200.py --out $OUT [--boots 1,2] [--models tiny-moe,deep-llama]
 
-Everything runs in-process with the probe's own code (imagetools/probe.py through
+Everything runs in-process with the probe's own code (skupin/imagetools/probe/ through
 bench/detection/runs.py: the transformers loading, the kernel battery, the teacher-forced Collector)
-and is measured against the H200 references with the gate's own gates/compare.py. References:
+and is measured against the H200 references with the gate's own gates/judge/compare.py. References:
 the committed bundles gates/references/<model>/h200-{bfloat16,float32} (tiny-llama, tiny-moe, deep-llama),
 and for llama-1k (8 decoder layers, 14 MB per reference: not committed) a capture made by boot 1
 (batch 8, sdpa, as the bundles were) in --refs, re-captured by the first boot of a later device call
@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import runs, swaps  # noqa: E402
-from gates.tensorio import read_safetensors  # noqa: E402
-from imagetools import probe  # noqa: E402
+from skupin.gates.refdata.tensorio import read_safetensors  # noqa: E402
+from skupin.imagetools import probe  # noqa: E402
 
 HW = "nvidia-hopper"
 MODELS = ("tiny-llama", "tiny-moe", "deep-llama", "llama-1k")
@@ -82,7 +82,7 @@ def fixture_dir(model: str, fixtures: Path) -> Path:
         return ROOT / "gates/fixtures" / model
     folder = fixtures / model
     if not (folder / "SHA256SUMS").is_file():
-        from gates.fixture import generate_fixture
+        from skupin.gates.refdata.fixture import generate_fixture
 
         log(f"generating the {model} fixture")
         generate_fixture(name=model, out=folder)

@@ -9,9 +9,9 @@ bench/calibrate_h200.py from the H200. Per dtype (bfloat16, float32):
 1. calibration: the "calibration" split (boots 1 and 2 x batch 1/2/4/8/16/64 x sdpa/eager) ->
    `gates.calibrate.derive_entry_from_measurements` (the code `skupin calibrate` runs after its
    containers: margin 4, dtype floors, Clopper-Pearson honest rate), against the committed bundle's
-   sha256, merged with `gates.tolerance.merge_entry` (other classes' entries untouched) and written;
+   sha256, merged with `gates.judge.tolerance.merge_entry` (other classes' entries untouched) and written;
 2. judgement: every "heldout" run (boots 3 and 4, batch 1/2/3/4/7/8/16/32/64 x sdpa/eager) and every
-   "swap" run decided with the gate's own rules (`gates.verdict.kernel_hard_failures`,
+   "swap" run decided with the gate's own rules (`gates.judge.verdict.kernel_hard_failures`,
    `judge_kernels`, `judge_model`: bench/detection/analysis.decide) on all 64 prompts (what the gate
    does) and on disjoint 8-prompt blocks; also without the hidden states (engines whose probe
    adapter returns none lose 1 - cos) and with no entry at all (what an uncalibrated gate can say).
@@ -32,10 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import analysis  # noqa: E402
-from gates.bundle import bundle_sha256  # noqa: E402
-from gates.calibrate import Measurement, derive_entry_from_measurements  # noqa: E402
-from gates.compare import ModelStatistics  # noqa: E402
-from gates.tolerance import (  # noqa: E402
+from skupin.gates.calibrate import Measurement, derive_entry_from_measurements  # noqa: E402
+from skupin.gates.judge.compare import ModelStatistics  # noqa: E402
+from skupin.gates.judge.tolerance import (  # noqa: E402
     DEFAULT_PATH,
     ToleranceEntry,
     ToleranceKey,
@@ -43,7 +42,8 @@ from gates.tolerance import (  # noqa: E402
     merge_entry,
     write_tolerances,
 )
-from gates.verdict import hard_bound_failures, kernel_hard_failures  # noqa: E402
+from skupin.gates.judge.verdict import hard_bound_failures, kernel_hard_failures  # noqa: E402
+from skupin.gates.refdata.bundle import bundle_sha256  # noqa: E402
 
 RESULTS = ROOT / "bench/results/calibration"
 HW, MARGIN = "nvidia-hopper", 4.0
@@ -53,6 +53,7 @@ COMMITTED = ("tiny-llama", "tiny-moe", "deep-llama")
 DTYPES = ("bfloat16", "float32")
 DATE = {"tiny-llama": "2026-12-01T03:23:23+00:00", "tiny-moe": "2026-12-01T06:57:22+00:00",
         "deep-llama": "2026-12-01T06:57:22+00:00", "llama-1k": "2026-12-01T06:24:29+00:00"}
+# The provenance text of the committed entries (captured before the probe moved under skupin/): kept as recorded.
 IMAGE = ("in-process on the H200 (no Docker there): imagetools/probe.py's transformers path via "
          "bench/calibrate_h200.py, transformers {transformers}, torch {torch}")
 # Swap classes of the acceptance list (issue 18) -> the swaps of bench/detection/swaps.py in each, and the rate the

@@ -26,8 +26,8 @@ IN_PROCESS = """
 import sys, time
 t0 = time.perf_counter()
 from pathlib import Path
-from builder.manifest import parse_manifest
-from builder.compat import check_compat, load_compat
+from skupin.builder.catalog.manifest import parse_manifest
+from skupin.builder.catalog.compat import check_compat, load_compat
 load_compat()
 t1 = time.perf_counter()
 bad = 0
@@ -76,8 +76,8 @@ def time_fresh_process(folder: Path) -> dict[str, float]:
 def time_warm(folder: Path) -> float:
     """Checking only, imports and the compat data already loaded (best of 3)."""
     sys.path.insert(0, str(ROOT))
-    from builder.compat import check_compat, load_compat
-    from builder.manifest import parse_manifest
+    from skupin.builder.catalog.compat import check_compat, load_compat
+    from skupin.builder.catalog.manifest import parse_manifest
 
     load_compat()
     best = float("inf")

@@ -4,7 +4,7 @@
 Run from the repository root:  python bench/hostile_bench.py [--out bench/results/hostile.json]
 Times (best of 3) `common.untrusted.json_depth` on 1 MB inputs built to defeat a backtracking string scan (a quote
 followed by escaped quotes: 0.9 s at 10 KB and 12.6 s at 40 KB before it became one pass) and on 16 MB of brackets,
-and `gates.static.layers.merge` of a layer with 15,000 whiteouts over one of 200,000 paths (one scan of the merged
+and `skupin.imageview.layers.merge` of a layer with 15,000 whiteouts over one of 200,000 paths (one scan of the merged
 map per whiteout took minutes before it filtered once per layer). The unit tests check the results on the same
 inputs; the speed targets live here.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.untrusted import json_depth  # noqa: E402
-from gates.static.layers import Entry, LayerIndex, merge  # noqa: E402
+from skupin.common.untrusted import json_depth  # noqa: E402
+from skupin.imageview.layers import Entry, LayerIndex, merge  # noqa: E402
 
 DEPTH_TARGET_S = 1.0
 MERGE_TARGET_S = 2.0

@@ -43,9 +43,9 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from builder.lock import _request, plan_layers
-    from builder.manifest import load_manifest
-    from builder.uv import uv_binary, uv_platform
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.builder.lock import _request, plan_layers
+    from skupin.builder.uv import uv_binary, uv_platform
 
     uv = uv_binary()
     if uv is None:

@@ -34,13 +34,13 @@ from pathlib import Path
 import yaml
 from packaging.utils import canonicalize_name
 
-from builder.base import ensure_base
-from builder.build import build
-from builder.check import resolve
-from builder.lockfile import Lock, lock_path, read_lock, write_lock
-from builder.manifest import load_manifest
-from builder.render import render
-from dockerd import connect, ensure_dockerd
+from skupin.builder.base import ensure_base
+from skupin.builder.build import build
+from skupin.builder.catalog.lockfile import Lock, lock_path, read_lock, write_lock
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.builder.check import resolve
+from skupin.builder.render import render
+from skupin.dockerd import connect, ensure_dockerd
 
 REPO = Path(__file__).resolve().parents[1]
 SKU = REPO / "skus" / "cpu-x86_64.yaml"
@@ -75,7 +75,7 @@ def settle(say) -> dict[str, float | None]:
 
 
 def _lock_for(manifest_path: Path, *, wheelhouse: Path | None, ca_bundle: Path | None) -> Lock:
-    from builder.lock import lock_sku
+    from skupin.builder.lock import lock_sku
 
     return lock_sku(manifest=load_manifest(manifest_path), manifest_path=manifest_path, wheelhouse=wheelhouse,
                     ca_bundle=ca_bundle)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from builder.base import base_diff_id, ensure_base
-from builder.manifest import SkuManifest
-from common.errors import DockerError, LockError
-from common.model import Frozen
-from dockerd import ContainerSpec, Docker
+from skupin.builder.base import base_diff_id, ensure_base
+from skupin.builder.catalog.manifest import SkuManifest
+from skupin.common.errors import DockerError, LockError
+from skupin.common.model import Frozen
+from skupin.dockerd import ContainerSpec, Docker
 
 _POLICY_NAME = re.compile(r"^([a-z0-9][a-z0-9.+-]*)(?::[a-z0-9]+)?:$")
 _CANDIDATE = re.compile(r"^\s+Candidate:\s+(\S+)$")
@@ -97,7 +97,7 @@ def resolve_candidates(*, docker: Docker, base: str, names: tuple[str, ...]) -> 
 
 def host_facts(*, manifest: SkuManifest, docker: Docker, on_event: OnEvent) -> HostFacts:
     """The bootstrapped base's layer (the base made or found here) and every apt package of the render pinned."""
-    from builder.render import apt_roots, render_manifest  # the pins-only render: what the Dockerfile apt-installs
+    from skupin.builder.render import apt_roots, render_manifest  # the pins-only render: what the Dockerfile apt-installs
 
     diff_id = base_diff_id(manifest=manifest, docker=docker, on_event=on_event)
     roots = apt_roots(render_manifest(manifest=manifest).text)

@@ -24,13 +24,13 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from builder.lockfile import LockedBase
-from builder.manifest import Bootstrap, SkuManifest
-from common.apt import apt_install
-from common.errors import BuildError, DockerError
-from common.model import Frozen
-from common.paths import state_dir
-from dockerd import Docker, ImageInfo
+from skupin.builder.catalog.lockfile import LockedBase
+from skupin.builder.catalog.manifest import Bootstrap, SkuManifest
+from skupin.common.apt import apt_install
+from skupin.common.errors import BuildError, DockerError
+from skupin.common.model import Frozen
+from skupin.common.paths import state_dir
+from skupin.dockerd import Docker, ImageInfo
 
 OnEvent = Callable[[str], None]
 DEBIAN_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"

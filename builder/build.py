@@ -17,7 +17,7 @@ steps in order:
    durations and cache hits, mapping each step to the `# layer: NAME` comment above its instruction;
 5. `VerifyInstalled`: ask the image's own Python (in a sandboxed container) for its installed
    distributions and fail unless they equal the lock;
-6. `TagImage`: only then tag the content-addressed tag (`builder.lockfile.image_tag`);
+6. `TagImage`: only then tag the content-addressed tag (`builder.catalog.lockfile.image_tag`);
 7. `WriteRecord`: write the build record (`.skupin/builds/<sku>.json`).
 A failure at any step raises BuildError naming the layer with the tail of its log; no tag is made.
 """
@@ -40,18 +40,18 @@ from typing import Literal
 from packaging.utils import canonicalize_name
 from pydantic import Field
 
-from builder.base import bases_dir, check_locked_base, ensure_base
-from builder.lockfile import Lock, LockedBase, LockedPackage, image_tag
-from builder.manifest import SkuManifest
-from builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
-from builder.sourcebuild import BuiltWheel, built_dir, export_wheel, write_built
-from builder.stack import ResolvedStack
-from builder.wheels import fetch_wheels
-from builder.wheels import wheel_store as default_wheel_store
-from common.errors import BuildError, DockerError, LockError
-from common.model import Frozen
-from common.paths import state_dir
-from dockerd import ContainerSpec, Docker, ImageInfo
+from skupin.builder.base import bases_dir, check_locked_base, ensure_base
+from skupin.builder.catalog.lockfile import Lock, LockedBase, LockedPackage, sku_image_tag
+from skupin.builder.catalog.manifest import SkuManifest
+from skupin.builder.catalog.stack import ResolvedStack
+from skupin.builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
+from skupin.builder.sourcebuild import BuiltWheel, built_dir, export_wheel, write_built
+from skupin.builder.wheels import fetch_wheels
+from skupin.builder.wheels import wheel_store as default_wheel_store
+from skupin.common.errors import BuildError, DockerError, LockError
+from skupin.common.model import Frozen
+from skupin.common.paths import state_dir
+from skupin.dockerd import ContainerSpec, Docker, ImageInfo
 
 OnLine = Callable[[str], None]
 # The build argument the Dockerfile turns into the label DOCKERFILE_LABEL: the hash of the Dockerfile that built the image
@@ -402,8 +402,7 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
                     export_stage=ENGINE_WHEEL_STAGE if from_source else None,
                     store=(wheel_store or default_wheel_store()) if from_source else None),
         VerifyInstalled(locked=locked_versions(lock)),
-        TagImage(tag=image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
-                               dockerfile_sha256=rendered.sha256)),
+        TagImage(tag=sku_image_tag(manifest, lock=lock, dockerfile_sha256=rendered.sha256)),
     ]
     if from_source:
         steps.append(RecordBuiltWheel(folder=built or built_dir()))

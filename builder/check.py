@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from builder.compat import check_compat
-from builder.lock import lock_status
-from builder.lockfile import Lock
-from builder.manifest import SkuManifest, display_path, parse_manifest
-from builder.stack import LockState, ResolvedStack
-from common.errors import CompatError, LockError, ManifestError, Problem
-from common.model import Frozen
-from common.paths import manifest_files
+from skupin.builder.catalog.compat import check_compat
+from skupin.builder.catalog.lockfile import Lock
+from skupin.builder.catalog.manifest import SkuManifest, display_path, parse_manifest
+from skupin.builder.catalog.stack import LockState, ResolvedStack
+from skupin.builder.lock import lock_status
+from skupin.common.errors import CompatError, LockError, ManifestError, Problem
+from skupin.common.model import Frozen
+from skupin.common.paths import manifest_files
 
 __all__ = ["ResolvedStack", "SkuReport", "check_file", "check_paths", "raise_for", "resolve"]
 

@@ -1,6 +1,6 @@
 """The image config a rendered Dockerfile gives, computed from its text and its base's config, without a daemon.
 
-The gate's `pins` check (gates/static/integrity.py) compares an image's config with this: the
+The gate's `pins` check (gates/integrity/static.py) compares an image's config with this: the
 environment as a whole (every variable, PATH included), the working folder, the user, the shell,
 the entrypoint and command, the exposed ports, volumes, ONBUILD triggers, stop signal and health
 check. The text is skupin's own render (builder/render.py), so this reads only the instructions the
@@ -16,8 +16,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from common.errors import BuildError
-from common.model import Frozen
+from skupin.common.errors import BuildError
+from skupin.common.model import Frozen
 
 # What BuildKit puts in an image's config when its base sets no PATH (dockerfile2llb: "make sure PATH is always set").
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

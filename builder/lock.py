@@ -35,16 +35,16 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from builder.aptlock import HostFacts
-from builder.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
-from builder.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
-from builder.render import BUILD_STAGE, apt_roots, render_manifest
-from builder.sdist import SdistFetcher, applicable, fetch_sdist, read_sdist
-from builder.stack import LockState
-from builder.wheels import file_sha256
-from common import __version__
-from common.errors import LockError, Problem
-from common.model import Frozen
+from skupin.builder.aptlock import HostFacts
+from skupin.builder.catalog.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
+from skupin.builder.catalog.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
+from skupin.builder.catalog.stack import LockState
+from skupin.builder.render import BUILD_STAGE, apt_roots, render_manifest
+from skupin.builder.sdist import SdistFetcher, applicable, fetch_sdist, read_sdist
+from skupin.builder.wheels import file_sha256
+from skupin.common import __version__
+from skupin.common.errors import LockError, Problem
+from skupin.common.model import Frozen
 
 DEFAULT_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # glibc of each base distribution: the highest manylinux tag its wheels may carry.
@@ -568,7 +568,7 @@ def _resolver_label(report: Mapping) -> str:
 
 def default_resolver(*, ca_bundle: Path | None, prefer: str = "uv") -> Resolver:
     """uv (`prefer="uv"`) when its wheel is installed and the request suits it (builder/uv.py: usable), else pip."""
-    from builder.uv import run_uv, usable, uv_binary
+    from skupin.builder.uv import run_uv, usable, uv_binary
 
     uv = uv_binary() if prefer == "uv" else None
 

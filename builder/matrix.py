@@ -20,9 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from builder.stack import ResolvedStack
-from common.model import Frozen
+from skupin.builder.catalog.families import ALL_FAMILIES
+from skupin.builder.catalog.stack import ResolvedStack
+from skupin.common.model import Frozen
+
+if TYPE_CHECKING:
+    from skupin.builder.catalog.manifest import SkuManifest
 
 HOSTED = {"linux/amd64": "ubuntu-latest", "linux/arm64": "ubuntu-24.04-arm"}
 ARCH = {"linux/amd64": "x64", "linux/arm64": "arm64"}
@@ -58,14 +63,15 @@ def hosted(platform: str) -> bool:
     return platform in HOSTED
 
 
-def runner_labels(manifest) -> dict[str, list[str]]:
+def runner_labels(manifest: SkuManifest) -> dict[str, list[str]]:
     """runs-on labels of the build and the gate job of one SKU."""
     platform = manifest.base.platform
     arch = ARCH.get(platform, platform.rsplit("/", 1)[-1])
-    if manifest.accelerator.vendor == "cpu" and hosted(platform):
+    accelerated = ALL_FAMILIES[manifest.base.family].accelerated
+    if not accelerated and hosted(platform):
         return {"build": [HOSTED[platform]], "gate": [HOSTED[platform]]}
     build = ["self-hosted", "linux", arch, "build"]
-    if manifest.accelerator.vendor == "cpu":
+    if not accelerated:
         return {"build": build, "gate": ["self-hosted", "linux", arch, "docker"]}
     return {"build": build, "gate": ["self-hosted", "linux", arch, "gpu", manifest.accelerator.hardware_class]}
 

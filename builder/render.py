@@ -1,4 +1,4 @@
-"""Render a SKU's Dockerfile and its build-context files from templates (common/paths.py: templates_dir), without Docker."""
+"""Render a SKU's Dockerfile and its build-context files from templates (skupin.common.paths.templates_dir), without Docker."""
 
 from __future__ import annotations
 
@@ -14,20 +14,20 @@ import installer
 import jinja2
 from packaging.utils import canonicalize_name
 
-import imagetools
-from builder.families import ALL_FAMILIES
-from builder.lockfile import PY_LAYERS, Lock, LockedPackage
-from builder.manifest import GitSource, Pin, SdistSource, SkuManifest
-from builder.stack import ResolvedStack
-from common import __version__
-from common.errors import BuildError
-from common.model import Frozen
-from common.paths import templates_dir
-from engines import serve_launch
+from skupin import imagetools
+from skupin.builder.catalog.families import ALL_FAMILIES
+from skupin.builder.catalog.lockfile import PY_LAYERS, Lock, LockedPackage
+from skupin.builder.catalog.manifest import GitSource, Pin, SdistSource, SkuManifest
+from skupin.builder.catalog.stack import ResolvedStack
+from skupin.common import __version__
+from skupin.common.errors import BuildError
+from skupin.common.model import Frozen
+from skupin.common.paths import templates_dir
+from skupin.engines import serve_launch
 
 WHEELS_DIR = "wheels"
 BUILD_STAGE = "build"  # lock.system's key for the apt packages of a source-built engine's build stage
-# The image's Python environment (gates/static/integrity.py checks it file by file).
+# The image's Python environment (gates/integrity/static.py checks it file by file).
 VENV = "/opt/skupin/venv"
 REQUIREMENTS_DIR = "requirements"
 # Python files whose bytecode a pip step does not compile at build time (a regex for grep -P
@@ -312,7 +312,7 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
     """Render a manifest's Dockerfile; with a lock each layer installs exactly its locked set.
 
     Without a lock this is the pins-only render (`skupin render --unlocked`); the locked render's hash goes into the
-    image tag with the lock's (builder/lockfile.py: image_tag).
+    image tag with the lock's (builder/catalog/lockfile.py: image_tag).
     """
     layers, files, wheels = _plan(manifest, lock)
     context = {

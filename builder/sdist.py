@@ -21,12 +21,12 @@ from packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvir
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
-from builder.lockfile import LockedPackage
-from builder.manifest import Pin
-from builder.wheels import fetch_wheels
-from clients.pypi import IndexClient
-from common.errors import LockError, NetworkError
-from common.model import Frozen
+from skupin.builder.catalog.lockfile import LockedPackage
+from skupin.builder.catalog.manifest import Pin
+from skupin.builder.wheels import fetch_wheels
+from skupin.clients.pypi import IndexClient
+from skupin.common.errors import LockError, NetworkError
+from skupin.common.model import Frozen
 
 MAX_MEMBER_BYTES = 1 << 20
 SDIST_SUFFIX = ".tar.gz"

@@ -4,7 +4,7 @@ The lock cannot hash a wheel that does not exist before the build. So `skupin bu
 build stage's wheel (the stage that holds nothing else, builder/render.py ENGINE_WHEEL_STAGE) right
 after BuildKit made the image, puts it into the wheel store (content-addressed) and writes
 `.skupin/built/<lock sha256>.json`: which sdist it was built from and the wheel's file name and
-sha256. The gate's pins check (gates/static/integrity.py) then verifies every file the image's
+sha256. The gate's pins check (gates/integrity/static.py) then verifies every file the image's
 venv holds for that distribution against this wheel, from the host's store, exactly as it does for
 locked wheels: what the gate trusts is what this host's builder recorded, never what the image
 says about itself. A wheel of another build of the same lock (compilers are not bit-reproducible
@@ -21,12 +21,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from builder.grammar import Sha256
-from builder.lockfile import Lock, LockedPackage
-from builder.wheels import file_sha256, store_path, wheel_store
-from common.errors import BuildError
-from common.model import Frozen
-from common.paths import state_dir
+from skupin.builder.catalog.grammar import Sha256
+from skupin.builder.catalog.lockfile import Lock, LockedPackage
+from skupin.builder.wheels import file_sha256, store_path, wheel_store
+from skupin.common.errors import BuildError
+from skupin.common.model import Frozen
+from skupin.common.paths import state_dir
 
 
 def built_dir() -> Path:

@@ -20,14 +20,14 @@ import tempfile
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import quote, unquote, urlparse
 
 from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
-from common.errors import LockError
-from common.untrusted import printable
+from skupin.common.errors import LockError
+from skupin.common.untrusted import printable
 
 _PLATFORM = re.compile(r"^manylinux_(\d+)_(\d+)_(x86_64|aarch64)$")
 _PINNED = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+?)\s*(?:#\s*via\s+(.*))?$")
@@ -183,7 +183,30 @@ def _explain(layer: str, output: str) -> str:
     return f"{layer}: uv could not resolve:\n{tail}"
 
 
-def _command(request, *, uv: str, platform: str, work: Path) -> list[str]:
+class UvRequest(Protocol):
+    """What uv is asked: a `builder.lock.PipRequest` (by its shape: builder/lock.py imports this module)."""
+
+    @property
+    def layer(self) -> str: ...
+    @property
+    def requirements(self) -> tuple[str, ...]: ...
+    @property
+    def constraints(self) -> tuple[str, ...]: ...
+    @property
+    def index_url(self) -> str: ...
+    @property
+    def extra_index_urls(self) -> tuple[str, ...]: ...
+    @property
+    def find_links(self) -> tuple[str, ...]: ...
+    @property
+    def python(self) -> str: ...
+    @property
+    def abis(self) -> tuple[str, ...]: ...
+    @property
+    def platforms(self) -> tuple[str, ...]: ...
+
+
+def _command(request: UvRequest, *, uv: str, platform: str, work: Path) -> list[str]:
     """`uv pip compile` of the request's requirements (and constraints, written into `work`) for the target."""
     reqs = work / "requirements.in"
     reqs.write_text("\n".join(request.requirements) + "\n", encoding="utf-8")
@@ -201,7 +224,7 @@ def _command(request, *, uv: str, platform: str, work: Path) -> list[str]:
     return cmd
 
 
-def run_uv(request, *, uv: str, ca_bundle: Path | None = None, timeout_s: float = 1800.0,
+def run_uv(request: UvRequest, *, uv: str, ca_bundle: Path | None = None, timeout_s: float = 1800.0,
            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Resolve one `builder.lock.PipRequest` with uv; pip's report shape (see the module doc). LockError on failure."""
     import os

@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from builder.lockfile import LockedPackage
-from clients.transport import Transport
-from common.errors import BuildError, NetworkError
-from common.paths import state_dir
+from skupin.builder.catalog.lockfile import LockedPackage
+from skupin.clients.transport import Transport
+from skupin.common.errors import BuildError, NetworkError
+from skupin.common.paths import state_dir
 
 
 def wheel_store() -> Path:
@@ -145,7 +145,7 @@ def _download_all(pkgs: list[LockedPackage], *, store: Path, ca_bundle: Path | N
         raise NetworkError("could not fetch every locked wheel (nothing was built):\n  " + "\n  ".join(errors))
 
 
-def _download(http, pkg: LockedPackage, store: Path) -> tuple[int, float]:
+def _download(http: Transport, pkg: LockedPackage, store: Path) -> tuple[int, float]:
     """Stream one wheel into the store (retried like every request); kept only with the lock's sha256."""
     assert pkg.url is not None
     url = pkg.url.split("#")[0]
@@ -158,7 +158,7 @@ def _download(http, pkg: LockedPackage, store: Path) -> tuple[int, float]:
         raise NetworkError(f"{pkg.filename}: {exc}") from exc
     try:
         if sha != pkg.sha256:
-            from clients.transport import safe_url as _safe
+            from skupin.clients.transport import safe_url as _safe
 
             raise BuildError(f"{pkg.filename}: downloaded from {_safe(url)} with sha256 {sha}, but the lock says "
                              f"{pkg.sha256}; the index now serves another file: check the mirror, or relock")

@@ -7,6 +7,12 @@ kernel op) and multiply it by a stated margin; a dtype floor keeps a bit-identic
 from turning one rounding difference into a failure. The honest per-prompt exceedance rate the
 binomial test assumes is the one-sided 95% Clopper-Pearson upper bound of the exceedances observed
 in calibration (0 by construction), never below 0.5%.
+
+A first calibration sets a whole class's thresholds, so `calibrate_image` refuses poison before it derives anything
+(issue 30): an image that fails the static `pins` check (its files are not its lock), a SKU whose gate runs quantized
+weights (calibration comes from full-precision weights only), honest runs that break a hard bound (which needs no
+calibration), and, for a SKU with a float32 pass, an image that fails that pass. Each refusal raises before an entry
+exists, so nothing is written.
 """
 
 from __future__ import annotations
@@ -17,32 +23,54 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common import __version__
-from common.errors import DockerError, GateCouldNotRun
-from engines import engine_distributions
-from gates.bundle import model_folder
-from gates.compare import DECISION_STATS, KernelResult, ModelStatistics, kernel_errors, model_statistics
-from gates.gate import load_reference, probe_in_container, read_probe_outputs, reap_leftovers, resolve_image
-from gates.tolerance import ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
-from gates.verdict import clopper_pearson_upper
+from skupin.builder.catalog.families import ALL_FAMILIES
+from skupin.builder.render import render
+from skupin.common import __version__
+from skupin.common.errors import BundleError, DockerError, GateCouldNotRun, GateFailed, ManifestError, SkupinError
+from skupin.common.paths import state_dir
+from skupin.engines import engine_distributions, engine_float32
+from skupin.gates.gate import (
+    default_wheelhouse,
+    load_reference,
+    probe_in_container,
+    read_probe_outputs,
+    reap_leftovers,
+    resolve_image,
+)
+from skupin.gates.integrity.static import inspect_image_files
+from skupin.gates.judge.compare import (
+    DECISION_STATS,
+    STATISTICS,
+    CompareError,
+    KernelResult,
+    ModelStatistics,
+    kernel_errors,
+    model_statistics,
+)
+from skupin.gates.judge.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey, Tolerances
+from skupin.gates.judge.verdict import (
+    clopper_pearson_upper,
+    hard_bound_failures,
+    judge_model,
+    judge_pins,
+    kernel_hard_failures,
+)
+from skupin.gates.refdata.bundle import float32_manifest, model_folder
+from skupin.imagetools.probe import host_driver
+
+if TYPE_CHECKING:
+    from skupin.builder.catalog.manifest import SkuManifest
+    from skupin.builder.catalog.stack import ResolvedStack
+    from skupin.dockerd import Docker
 
 DEFAULT_MARGIN = 4.0
 MIN_HONEST_RATE = 0.005
 ALPHA = 1e-3
-# Smallest thresholds per compute dtype: about one rounding step of that dtype on the statistic.
-# bfloat16: 4 x what one bf16 rounding difference gives on tiny-llama (H200 eager vs sdpa attention, and
-# CPU bf16 vs H200 bf16, both ~ kl 9e-8, 1-cos 2.5e-5, logprob L2 0.0125, max |delta| 0.012; measured by
-# bench/detection). The earlier floors (kl 1e-9, 1-cos 1e-6, 1e-2) rejected every honest eager-attention
-# H200 run when the calibration runs were bit-identical to the reference (docs/BENCHMARKS.md, Detection power).
-MODEL_FLOORS: dict[str, dict[str, float]] = {
-    "float32": {"kl": 1e-13, "one_minus_cos": 1e-12, "logprob_l2": 1e-5, "max_abs": 1e-5},
-    "bfloat16": {"kl": 2e-7, "one_minus_cos": 5e-5, "logprob_l2": 2.5e-2, "max_abs": 2.5e-2},
-    "float16": {"kl": 1e-11, "one_minus_cos": 1e-8, "logprob_l2": 2e-3, "max_abs": 2e-3},
-}
+# The smallest model thresholds per compute dtype are each statistic's floors (gates/judge/compare.py: STATISTICS).
 KERNEL_FLOORS = {"float32": 2.0**-22, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 # The default variations: (batch size, threads), each in a fresh container.
 DEFAULT_VARIATIONS: tuple[tuple[int, int], ...] = ((8, 1), (1, 1), (8, 2), (1, 2))
@@ -82,24 +110,34 @@ def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bo
 
 def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], reference_sha256: str,
                  runs: list[HonestRun], margin: float, image: str, date: str | None = None,
-                 kernels: bool = True) -> ToleranceEntry:
+                 kernels: bool = True, hard: HardBounds | None = None) -> ToleranceEntry:
     """The tolerance entry of `key` from honest runs (see the module docstring for the method); without `kernels`
-    it has no kernel thresholds (merge_entry then keeps the class's)."""
+    it has no kernel thresholds (merge_entry then keeps the class's). With `hard`, a run that breaks a hard bound is
+    refused (`refuse_hard_bounds`)."""
     if len(runs) < 2:
         raise GateCouldNotRun("calibration needs at least two honest runs")
     return derive_entry_from_measurements(key=key, measurements=[measure_run(reference=reference, run=r,
                                                                              kernels=kernels) for r in runs],
-                                          reference_sha256=reference_sha256, margin=margin, image=image, date=date)
+                                          reference_sha256=reference_sha256, margin=margin, image=image, date=date,
+                                          hard=hard)
 
 
 def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Measurement], reference_sha256: str,
-                                   margin: float, image: str, date: str | None = None) -> ToleranceEntry:
-    """The tolerance entry of `key` from already measured honest runs (what `derive_entry` does after comparing)."""
+                                   margin: float, image: str, date: str | None = None,
+                                   hard: HardBounds | None = None) -> ToleranceEntry:
+    """The tolerance entry of `key` from already measured honest runs (what `derive_entry` does after comparing);
+    with `hard` (what `skupin calibrate` passes: the tolerance file's hard bounds), GateFailed when a run breaks one."""
     if len(measurements) < 2:
         raise GateCouldNotRun("calibration needs at least two honest runs")
+    if hard is not None:
+        refuse_hard_bounds(measurements, hard=hard, dtype=key.dtype)
     if margin <= 1:
         raise GateCouldNotRun(f"margin {margin} must be > 1")
-    floors = MODEL_FLOORS[key.dtype]
+    unfloored = [s for s in DECISION_STATS if key.dtype not in STATISTICS[s].floors]
+    if unfloored:
+        raise GateCouldNotRun(f"no calibration floor at {key.dtype} for {', '.join(unfloored)} "
+                              f"(gates/judge/compare.py: STATISTICS)")
+    floors = {s: STATISTICS[s].floors[key.dtype] for s in DECISION_STATS}
     per_prompt_max: dict[str, float] = {}
     mean_max: dict[str, float] = {}
     kernel_max: dict[str, float] = {}
@@ -124,6 +162,12 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
     per_prompt = {s: max(margin * v, floors[s]) for s, v in per_prompt_max.items()}
     mean = {s: max(margin * v, floors[s]) for s, v in mean_max.items()}
     kernels = {op: max(margin * v, KERNEL_FLOORS[op_dtype(op)]) for op, v in sorted(kernel_max.items())}
+    if not collected:
+        raise GateCouldNotRun("no decision statistic was available in the honest runs")
+    # A decision statistic no honest run could compute (its probe output missing on a side) gets no threshold: the
+    # entry says why, and the gate reports that reason instead of skipping it unseen.
+    omitted = {s: f"not available in the honest runs ({STATISTICS[s].why_unavailable})"
+               for s in DECISION_STATS if s not in collected}
     total = sum(v.size for v in collected[next(iter(collected))])
     exceed = max(int(sum((v > per_prompt[s]).sum() for v in vals)) for s, vals in collected.items())
     honest_rate = max(clopper_pearson_upper(exceed, total), MIN_HONEST_RATE)
@@ -143,7 +187,8 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
                     **{f"kernels.{op}": v for op, v in kernel_max.items()}},
     )
     return ToleranceEntry(key=key, kernels=kernels,
-                          model=ModelThresholds(per_prompt=per_prompt, mean=mean, honest_rate=honest_rate, alpha=ALPHA),
+                          model=ModelThresholds(per_prompt=per_prompt, mean=mean, honest_rate=honest_rate, alpha=ALPHA,
+                                                omitted=omitted),
                           provenance=provenance)
 
 
@@ -164,15 +209,104 @@ def _versions(env: dict[str, Any]) -> dict[str, str]:
 # ---------------------------------------------------------------- orchestration
 
 
-def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
+def refuse_quantized(manifest: SkuManifest) -> None:
+    """ManifestError unless the SKU's gate runs full-precision weights: the tolerance key does not name the weights,
+    so an entry from quantized weights would set the thresholds of every full-precision SKU of the class."""
+    if manifest.gate.weights != "full":
+        raise ManifestError(f"{manifest.name}: gate.weights is {manifest.gate.weights}: calibration comes only from "
+                            "full-precision weights (the tolerance key does not name the weights, so this entry would "
+                            f"set the thresholds of the whole class); calibrate a SKU of {ToleranceKey.of(manifest).label()} "
+                            "whose gate.weights is full")
+
+
+def refuse_unpinned(*, stack: ResolvedStack, image_id: str, docker: Docker, wheelhouse: Path | None = None,
+                    on_event: Callable[[str], None] = lambda _: None) -> None:
+    """The gate's static `pins` check on the image to calibrate from: GateFailed (exit 10) naming its first finding
+    when its files are not its lock, GateCouldNotRun (exit 11) when it cannot be established here."""
+    manifest, lock = stack.manifest, stack.current_lock
+    if lock is None:
+        raise GateCouldNotRun(f"calibration refused: {manifest.name} has no current lock, so the image's files cannot "
+                              f"be checked against one; fix: skupin lock {manifest.name}")
+    on_event(f"pins: checking the files of {image_id[:19]} against lock {lock.content_hash()[:12]} before calibrating")
+    try:
+        report = inspect_image_files(docker=docker, image_id=image_id, lock=lock, state=state_dir(),
+                                     dockerfile=render(stack).text, wheelhouse=wheelhouse or default_wheelhouse(),
+                                     on_event=on_event)
+    except SkupinError as exc:
+        raise GateCouldNotRun(f"calibration refused: the image's files could not be checked: {exc}") from exc
+    gpu_host = ALL_FAMILIES[manifest.base.family].accelerated
+    result = judge_pins(report=report, manifest=manifest, host_driver=host_driver() if gpu_host else None,
+                        gpu_host=gpu_host)
+    if result.status == "fail":
+        raise GateFailed(f"calibration refused: pins failed: {result.reason}")
+    if result.status != "pass":
+        raise GateCouldNotRun(f"calibration refused: pins could not check the image: {result.reason}")
+
+
+def refuse_hard_bounds(measurements: list[Measurement], *, hard: HardBounds, dtype: str) -> None:
+    """GateFailed when an honest run breaks a bound that needs no calibration (non-finite outputs, mean KL, top-1
+    agreement, float32's mean logprob L2, a float32 elementwise kernel): such a run is not honest, whatever it claims."""
+    for run in measurements:
+        broken = [*hard_bound_failures(run.stats, hard, dtype=dtype),
+                  *kernel_hard_failures(results=run.kernels, hard=hard)]
+        if broken:
+            more = f" (+{len(broken) - 1} more)" if len(broken) > 1 else ""
+            raise GateFailed(f"calibration refused: honest run {run.label} breaks a hard bound: {broken[0]}{more}")
+
+
+def refuse_float32_failure(*, manifest: SkuManifest, image_id: str, docker: Docker, out: Path, model_dir: Path | None,
+                           scratch: Path, tolerances: Tolerances, on_event: Callable[[str], None] = lambda _: None) -> None:
+    """For a SKU with a float32 pass (it serves another dtype on an engine with FLOAT32): the gate's float32 pass on
+    the image (the probe at float32 against the float32 bundle: hard bounds, and the class's float32 entry when one is
+    calibrated for that bundle). GateFailed when it fails, GateCouldNotRun when it cannot run."""
+    if manifest.gate.dtype == "float32" or not engine_float32(manifest.stack.engine.name):
+        return
+    try:
+        m32 = float32_manifest(manifest)
+        _, ref, ref_sha = load_reference(manifest=m32)
+    except BundleError as exc:
+        raise GateCouldNotRun(f"calibration refused: the float32 pass cannot run: no float32 bundle to compare with: "
+                              f"{exc}") from exc
+    m32 = m32.model_copy(update={"gate": m32.gate.model_copy(
+        update={"checks": tuple(c for c in m32.gate.checks if c != "kernels")})})
+    on_event("float32: the probe at float32 against the float32 bundle before calibrating")
+    probe = probe_in_container(manifest=m32, image=image_id, docker=docker, out=Path(out) / "probe-float32",
+                               model_dir=model_dir or model_folder(manifest=manifest, scratch=scratch))
+    model = (probe.report.get("checks") or {}).get("model") if isinstance(probe.report.get("checks"), dict) else None
+    if probe.error or probe.report.get("status") != "ok" or (isinstance(model, dict) and model.get("status") != "ok"):
+        raise GateCouldNotRun(f"calibration refused: the float32 probe failed: {probe.error or probe.report.get('checks')}")
+    key = ToleranceKey.of(manifest, float32=True)
+    entry = tolerances.find(key)
+    if entry is not None and entry.provenance.reference_sha256 != ref_sha:
+        entry = None  # calibrated against another bundle: the hard bounds alone, as the gate does
+    try:
+        stats = model_statistics(ref, probe.tensors)
+    except CompareError as exc:
+        raise GateCouldNotRun(f"calibration refused: the float32 pass could not compare: {exc}") from exc
+    result, _, _ = judge_model(stats=stats, entry=entry, hard=tolerances.hard_bounds, dtype="float32",
+                               why=f"no calibrated entry for {key.label()}", name="float32")
+    if result.status == "fail":
+        raise GateFailed(f"calibration refused: the float32 pass failed: {result.reason}")
+    if result.status == "error":
+        raise GateCouldNotRun(f"calibration refused: the float32 pass could not judge the image: {result.reason}")
+
+
+def calibrate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, boots: int = 2,
                     variations: tuple[tuple[int, int], ...] = DEFAULT_VARIATIONS, margin: float = DEFAULT_MARGIN,
-                    on_event: Callable[[str], None] = lambda _: None) -> ToleranceEntry:
-    """Run the honest image `boots` x `variations` times in the gate's sandbox and derive the entry."""
+                    on_event: Callable[[str], None] = lambda _: None, tolerances: Tolerances | None = None,
+                    pinned: ResolvedStack | None = None, wheelhouse: Path | None = None) -> ToleranceEntry:
+    """Run the honest image `boots` x `variations` times in the gate's sandbox and derive the entry, after refusing
+    poison (the module docstring): the image is checked by `pins` against `pinned` (the SKU's own resolved stack; by
+    default `stack`, which for `--float32` is the SKU's float32 copy), the runs against `tolerances`' hard bounds (the
+    defaults without it) and, where the SKU has one, the float32 pass is run first."""
 
     manifest = stack.manifest
+    refuse_quantized(manifest)
+    tolerances = tolerances or Tolerances()
     reap_leftovers(docker=docker, on_event=on_event)
     meta, reference, ref_sha = load_reference(manifest=manifest)
     image_id = resolve_image(docker=docker, image=image).id
+    refuse_unpinned(stack=pinned or stack, image_id=image_id, docker=docker, wheelhouse=wheelhouse, on_event=on_event)
     runs: list[HonestRun] = []
     # The fixture is resolved (and checked, or generated) once, at the first run that needs it, for every run.
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
@@ -190,16 +324,23 @@ def calibrate_image(*, stack, image: str, docker, out: Path, boots: int = 2,
                                                   batch=batch, threads=threads, label=label, model_dir=model_dir)
                 else:
                     on_event(f"honest run: {label}: reusing the finished run in {run_out}")
+                assert tensors is not None  # read with its report, or run just now
                 runs.append(HonestRun(label=label, tensors=tensors, env=report.get("env", {})))
-    key = ToleranceKey(hardware_class=manifest.accelerator.hardware_class, dtype=manifest.gate.dtype,
-                       model=manifest.gate.model)
-    entry = derive_entry(key=key, reference=reference, reference_sha256=ref_sha, runs=runs, margin=margin,
-                         image=image_id, kernels="kernels" in manifest.gate.checks)
+        if len(runs) < 2:
+            raise GateCouldNotRun("calibration needs at least two honest runs")
+        kernels = "kernels" in manifest.gate.checks
+        measurements = [measure_run(reference=reference, run=r, kernels=kernels) for r in runs]
+        refuse_hard_bounds(measurements, hard=tolerances.hard_bounds, dtype=manifest.gate.dtype)
+        refuse_float32_failure(manifest=manifest, image_id=image_id, docker=docker, out=out, model_dir=model_dir,
+                               scratch=Path(scratch), tolerances=tolerances, on_event=on_event)
+    key = ToleranceKey.of(manifest)
+    entry = derive_entry_from_measurements(key=key, measurements=measurements, reference_sha256=ref_sha, margin=margin,
+                                           image=image_id, hard=tolerances.hard_bounds)
     (Path(out) / "entry.json").write_text(json.dumps(entry.model_dump(mode="json"), indent=1) + "\n")
     return entry
 
 
-def _reuse(run_out: Path, image_id: str):
+def _reuse(run_out: Path, image_id: str) -> tuple[dict[str, Any] | None, dict[str, np.ndarray] | None]:
     """(probe.json, tensors) of a finished honest run of the same image in `run_out` (resume), else (None, None)."""
 
     marker = run_out / "image-id"
@@ -212,7 +353,8 @@ def _reuse(run_out: Path, image_id: str):
     return (report, tensors) if report.get("status") == "ok" else (None, None)
 
 
-def _honest_run(*, manifest, image: str, docker, out: Path, batch: int, threads: int, label: str, model_dir: Path):
+def _honest_run(*, manifest: SkuManifest, image: str, docker: Docker, out: Path, batch: int, threads: int, label: str,
+                model_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """One honest probe container (retried once when the engine fails underneath it)."""
 
     for attempt in (1, 2):

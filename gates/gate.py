@@ -2,20 +2,23 @@
 
 Stage function: ``gate(built, docker, *, out, on_event) -> GateVerdict`` for an image built here;
 ``gate_image(*, stack, image, docker, out, on_event)`` is the same gate for any local image. The probe
-(imagetools/probe.py) and the model fixture are mounted read-only into the image under test; nothing
-the container can write is mounted. The container has no network, no capabilities,
+(skupin/imagetools/probe/: skupin_probe.py and its engine adapters) and the model fixture are mounted read-only into
+the image under test; nothing the container can write is mounted. The container has no network, no capabilities,
 no-new-privileges, a read-only root with a tmpfs /tmp, private IPC, the SKU's memory limit, a CPU
 and a pid limit, an output cap and an in-container deadline, and is always removed (also at the
 deadline, on a crash, Ctrl-C or when skupin itself is killed: the Docker adapter guarantees it).
 The probe prints its outputs as one frame on stdout (``--out -``); the host parses it strictly
-(gates/probe_output.py) and writes the raw outputs and the container's log into the host-only
+(gates/refdata/probe_output.py) and writes the raw outputs and the container's log into the host-only
 folder OUT/probe/. Nothing is unpickled.
 Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
-the image runs: its files are its lock, gates/static/integrity.py), boot, kernels, model, float32
+the image runs: its files are its lock, gates/integrity/static.py), boot, kernels, model, float32
 (a SKU serving bf16 is probed again at float32 against the float32 bundle), serve
 (gates/serving/serve.py: the engine's own server; `baseline` adds an interleaved A/B). Each check
-returns its CheckResult; the driver records it and stops at the first that did not pass (an exception a
-check did not expect is recorded as its error result, so every run ends in a verdict).
+is a GateCheck of the registry `CHECKS`: it takes the GateInputs and the typed outcomes of the earlier checks it
+needs (ReferenceResult, ToleranceResult, PinsResult, BootResult) and returns its own (its CheckResult and what
+later checks and the verdict take); the driver records each result and stops at the first that did not pass (an
+exception a check did not expect is recorded as its error result, so every run ends in a verdict), and `_finish`
+assembles the verdict from the outcomes.
 """
 
 from __future__ import annotations
@@ -30,39 +33,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from builder.build import BuiltImage
-from builder.lockfile import Lock
-from builder.manifest import SkuManifest
-from builder.render import VENV, render
-from builder.stack import ResolvedStack
-from common import __version__
-from common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
-from common.paths import data_path, state_dir
-from common.untrusted import open_folder, printable, write_new_file
-from dockerd import BindMount, Docker, ImageInfo, RunResult
-from engines import MODEL_MOUNT, engine_float32, engine_outputs, probe_adapter
-from gates.bundle import (
-    PROBE,
-    bundle_sha256,
-    float32_manifest,
-    float32_reference,
-    load_bundle,
-    model_folder,
-    probe_args,
-)
-from gates.compare import CompareError, kernel_errors, model_statistics
-from gates.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
-from gates.report import write_report
-from gates.sandbox import sandbox_spec
-from gates.serving.perf import PerfSettings
-from gates.serving.serve import serve_check
-from gates.static.integrity import inspect_image_files
-from gates.tolerance import ToleranceEntry, ToleranceKey, Tolerances, catalog_tolerances, load_tolerances
-from gates.verdict import (
+from skupin.builder.build import BuiltImage
+from skupin.builder.catalog.families import ALL_FAMILIES
+from skupin.builder.catalog.lockfile import Lock
+from skupin.builder.catalog.manifest import SkuManifest
+from skupin.builder.catalog.stack import ResolvedStack
+from skupin.builder.render import VENV, render
+from skupin.common import __version__
+from skupin.common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
+from skupin.common.paths import data_path, state_dir
+from skupin.common.untrusted import open_folder, printable, write_new_file
+from skupin.dockerd import BindMount, ContainerSpec, Docker, ImageInfo, RunResult
+from skupin.engines import MODEL_MOUNT, engine_float32, engine_outputs, probe_adapter
+from skupin.gates.integrity.static import inspect_image_files
+from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics
+from skupin.gates.judge.tolerance import ToleranceEntry, ToleranceKey, Tolerances, catalog_tolerances, load_tolerances
+from skupin.gates.judge.verdict import (
     CheckResult,
     GateVerdict,
     PromptResult,
@@ -77,10 +67,26 @@ from gates.verdict import (
     kernels_uncalibrated,
     serve_uncalibrated,
 )
-from imagetools.probe import host_driver
+from skupin.gates.refdata.bundle import (
+    PROBE,
+    bundle_sha256,
+    float32_manifest,
+    float32_reference,
+    load_bundle,
+    model_folder,
+    probe_args,
+)
+from skupin.gates.refdata.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
+from skupin.gates.report import write_report
+from skupin.gates.sandbox import sandbox_spec
+from skupin.gates.serving.perf import PerfSettings
+from skupin.gates.serving.serve import serve_check
+from skupin.imagetools.probe import host_driver
 
 OnEvent = Callable[[str], None]
-PROBE_MOUNT = "/skupin/probe.py"
+# The probe's folder (skupin/imagetools/probe/, bind-mounted read-only: its entry script's sys.path[0]) and that script.
+PROBE_DIR_MOUNT = "/skupin"
+PROBE_MOUNT = f"{PROBE_DIR_MOUNT}/{PROBE.name}"
 # The probe's interpreter, by absolute path (the venv's link to the interpreter `pins` checked): never found through
 # the image's PATH.
 PROBE_PYTHON = f"{VENV}/bin/python3"
@@ -112,7 +118,7 @@ class ProbeRun:
 
 
 def reference_folder(*, manifest: SkuManifest, folder: Path | None = None) -> Path:
-    """The reference bundle folder: `folder` when given, else the SKU's gate.reference (common/paths.py: data_path)."""
+    """The reference bundle folder: `folder` when given, else the SKU's gate.reference (skupin/common/paths.py: data_path)."""
     return Path(folder) if folder else data_path(manifest.gate.reference)
 
 
@@ -160,7 +166,7 @@ def run_label(out: Path) -> str:
 
 
 def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path, batch_size: int | None = None,
-               threads: int = 0):
+               threads: int = 0) -> ContainerSpec:
     """The sandboxed container that runs the probe on `image` (see the module docstring); `out` only names the run
     (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted."""
 
@@ -172,7 +178,7 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=(PROBE_PYTHON,), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,
-        mounts=(BindMount(source=PROBE.resolve(), target=PROBE_MOUNT, read_only=True),
+        mounts=(BindMount(source=PROBE.parent.resolve(), target=PROBE_DIR_MOUNT, read_only=True),
                 BindMount(source=model_dir.resolve(), target=MODEL_MOUNT, read_only=True)),
         labels={"io.skupin.role": "gate-probe", "io.skupin.sku": manifest.name, RUN_LABEL: run_label(out)},
         max_stdout_bytes=MAX_FRAME_BYTES,
@@ -191,7 +197,7 @@ def probe_in_container(*, manifest: SkuManifest, image: str, docker: Docker, out
 
     `out` is a host-only folder (the container never sees it): the raw probe.json and tensors.safetensors of a
     well-formed frame and container.log (exit status, stdout/stderr head and tail) are written there, each file
-    created exclusively. `model_dir` is the folder from gates.bundle.model_folder (a gate or
+    created exclusively. `model_dir` is the folder from gates.refdata.bundle.model_folder (a gate or
     calibration run resolves it once); without it the SKU's fixture is resolved and checked here, for this probe only.
     """
     out_fd = _host_folder(Path(out))
@@ -297,18 +303,21 @@ def _probe_check_error(report: dict[str, Any], name: str) -> str:
     return str(check.get("error") or f"the probe reported {name} as {check.get('status', 'missing')}")[:800]
 
 
-def _skip_rest(checks: list[CheckResult], names: tuple[str, ...], why: str) -> None:
-    done = {c.name for c in checks}
-    checks.extend(CheckResult(name=n, status="skipped", reason=why) for n in names if n not in done)
-
-
 @dataclass
-class _GateRun:
-    """One gate run: its inputs, the results recorded so far, and what the passed checks computed for the next.
+class Stopwatch:
+    """The run's timings (verdict.json's `timings`): each check adds the spans it measured, in the order measured.
 
-    A check returns its CheckResult; the driver (`_run_checks`) records it and runs the next check only
-    when it passed or was skipped, so a check reads only what the checks before it filled in.
-    """
+    Like `on_event`, a sink the checks write to, never read: what a check gives a later one is its outcome."""
+
+    spans: dict[str, float] = field(default_factory=dict)
+
+    def time(self, name: str, since: float) -> None:
+        self.spans[name] = round(time.monotonic() - since, 3)
+
+
+@dataclass(frozen=True)
+class GateInputs:
+    """What one gate run is asked: the stack, the image, where it writes and how it may run. Every check takes it."""
 
     stack: ResolvedStack
     image: str  # what is gated: resolved once by pins, its id used from then on
@@ -322,21 +331,7 @@ class _GateRun:
     scratch: Path  # one fixture folder for the whole run (boot resolves it, serve reuses it)
     wheelhouse: Path | None = None
     display: str = ""  # the name reports show for `image` when not `image` itself (the build's tag for its id)
-    checks: list[CheckResult] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    image_id: str = ""  # filled by pins
-    image_lock_label: str | None = None
-    reference_info: ReferenceInfo | None = None  # filled by reference, with `ref`
-    ref: dict[str, np.ndarray] = field(default_factory=dict)
-    tolerances: Tolerances = field(default_factory=Tolerances)  # filled by the tolerance lookup, with the next three
-    entry: ToleranceEntry | None = None
-    tol_problem: str = ""
-    tolerance_info: ToleranceInfo | None = None
-    probe: ProbeRun = field(default_factory=ProbeRun)  # filled by boot, with `probe_summary` and `model_dir`
-    probe_summary: dict[str, Any] = field(default_factory=dict)
-    model_dir: Path | None = None
-    decisions: tuple[StatDecision, ...] = ()  # filled by model, with `prompts`
-    prompts: tuple[PromptResult, ...] = ()
+    clock: Stopwatch = field(default_factory=Stopwatch)
 
     @property
     def manifest(self) -> SkuManifest:
@@ -354,61 +349,151 @@ class _GateRun:
     def wanted(self, check: str) -> bool:
         return check in self.manifest.gate.checks
 
-    def record(self, result: CheckResult) -> None:
-        """Record a check's result and say it."""
-        self.checks.append(result)
-        self.on_event(f"{result.name}: {result.status}: {result.reason}")
 
-    def time(self, name: str, since: float) -> None:
-        self.timings[name] = round(time.monotonic() - since, 3)
+# What each check returns: its CheckResult and what later checks (and the verdict) take of it. A check returns its
+# outcome also when it did not pass, with what it had established (pins: the image's id; boot: the probe's summary).
 
 
-def _check_reference(run: _GateRun) -> CheckResult:
+class Outcome(Protocol):
+    """What every check returns: its CheckResult (None for the tolerance lookup, which records none)."""
+
+    @property
+    def check(self) -> CheckResult | None: ...
+
+
+@dataclass(frozen=True)
+class Judged:
+    """The outcome of a check that gives later checks nothing but its CheckResult (kernels, float32, serve, a skip)."""
+
+    check: CheckResult
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """reference: the verified bundle's facts (verdict.json's `reference`) and its tensors."""
+
+    check: CheckResult
+    info: ReferenceInfo | None = None
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToleranceResult:
+    """The tolerance lookup: the tolerance file, the SKU's calibrated entry or why there is none, and verdict.json's
+    `tolerance`. No CheckResult: a missing entry is not fatal (every check then runs its calibration-free part)."""
+
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    entry: ToleranceEntry | None = None
+    problem: str = ""  # why `entry` is None ('' with an entry)
+    info: ToleranceInfo | None = None
+    check: CheckResult | None = None
+
+
+@dataclass(frozen=True)
+class PinsResult:
+    """pins: the id of the image that is gated from then on, and its io.skupin.lock-sha256 label."""
+
+    check: CheckResult
+    image_id: str = ""
+    lock_label: str | None = None
+
+
+@dataclass(frozen=True)
+class BootResult:
+    """boot: the probe's run, its summary (verdict.json's `probe`) and the model fixture folder later probes reuse."""
+
+    check: CheckResult
+    probe: ProbeRun = field(default_factory=ProbeRun)
+    summary: dict[str, Any] = field(default_factory=dict)
+    model_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class ModelResult:
+    """model: the decision of each statistic and each prompt's result (verdict.json's `model_decision`, `prompts`)."""
+
+    check: CheckResult
+    decisions: tuple[StatDecision, ...] = ()
+    prompts: tuple[PromptResult, ...] = ()
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Results:
+    """The outcomes of the checks run so far, in order; a check takes an earlier one's by its type (each type but
+    Judged is returned by one check only)."""
+
+    outcomes: tuple[Outcome, ...] = ()
+
+    def then(self, outcome: Outcome) -> Results:
+        return Results((*self.outcomes, outcome))
+
+    def get(self, kind: type[T]) -> T | None:
+        return next((o for o in self.outcomes if isinstance(o, kind)), None)
+
+    def need(self, kind: type[T]) -> T:
+        found = self.get(kind)
+        if found is None:
+            raise LookupError(f"no {kind.__name__}: the check that gives it has not run (gates/gate.py: CHECKS order)")
+        return found
+
+    @property
+    def checks(self) -> tuple[CheckResult, ...]:
+        """The recorded CheckResults, in order."""
+        return tuple(o.check for o in self.outcomes if o.check is not None)
+
+
+def _check_reference(inputs: GateInputs) -> ReferenceResult:
     """The bundle's hashes, then its fit to the SKU (model, prompt set, dtype)."""
     t0 = time.monotonic()
-    folder = reference_folder(manifest=run.manifest, folder=run.reference)
+    m = inputs.manifest
+    folder = reference_folder(manifest=m, folder=inputs.reference)
     try:
-        meta, ref, ref_sha = load_reference(manifest=run.manifest, folder=folder)
+        meta, ref, ref_sha = load_reference(manifest=m, folder=folder)
     except BundleError as exc:
-        return CheckResult(name="reference", status="error", reason=str(exc))
-    run.ref = ref
+        return ReferenceResult(CheckResult(name="reference", status="error", reason=str(exc)))
     gpu, engine, model = meta.get("gpu") or {}, meta.get("engine") or {}, meta.get("model") or {}
-    run.reference_info = ReferenceInfo(
+    info = ReferenceInfo(
         # the manifest's relative path when it is the SKU's own bundle (no host path in verdicts and attestations)
-        path=str(folder) if run.reference else run.manifest.gate.reference, sha256=ref_sha, gpu=gpu.get("name"),
+        path=str(folder) if inputs.reference else m.gate.reference, sha256=ref_sha, gpu=gpu.get("name"),
         driver=meta.get("driver"), torch=meta.get("torch"),
         engine=f"{engine.get('name')} {engine.get('version')}", model=model.get("name"),
         model_sha256=model.get("sha256"), prompts_sha256=(meta.get("prompts") or {}).get("sha256"),
         dtype=meta.get("dtype"))
-    run.time("reference_s", t0)
-    return CheckResult(name="reference", status="pass",
-                       reason=f"bundle {ref_sha[:12]} verified: {model.get('name')} {meta.get('dtype')} "
-                              f"on {gpu.get('name')}")
+    inputs.clock.time("reference_s", t0)
+    return ReferenceResult(CheckResult(name="reference", status="pass",
+                                       reason=f"bundle {ref_sha[:12]} verified: {model.get('name')} {meta.get('dtype')} "
+                                              f"on {gpu.get('name')}"),
+                           info=info, tensors=ref)
 
 
-def _entry_for(run: _GateRun, key: ToleranceKey, ref_sha: str, *, calibrate: str) -> tuple[ToleranceEntry | None, str]:
-    """The calibrated entry of `key` measured against the bundle `ref_sha`, or None and why there is none (with the
-    `calibrate` command that fixes it)."""
-    entry = run.tolerances.find(key)
+def _entry_for(tolerances: Tolerances, path: Path, key: ToleranceKey, ref_sha: str, *, calibrate: str
+               ) -> tuple[ToleranceEntry | None, str]:
+    """The calibrated entry of `key` in `tolerances` (read from `path`) measured against the bundle `ref_sha`, or None
+    and why there is none (with the `calibrate` command that fixes it)."""
+    entry = tolerances.find(key)
     if entry is None:
-        return None, f"no calibrated tolerance for {key.label()} in {run.tolerances_path}; fix: {calibrate} on that hardware"
+        return None, f"no calibrated tolerance for {key.label()} in {path}; fix: {calibrate} on that hardware"
     if entry.provenance.reference_sha256 != ref_sha:
         return None, (f"the tolerance of {key.label()} was calibrated against bundle "
                       f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; fix: {calibrate}")
     return entry, ""
 
 
-def _find_tolerance(run: _GateRun) -> None:
+def _find_tolerance(inputs: GateInputs, reference: ReferenceResult) -> ToleranceResult:
     """The calibrated entry of the SKU's class x dtype x model; a missing one (or one of another bundle) is not fatal:
     every check then runs what it can without calibration and the run ends `uncalibrated`, never pass."""
-    run.tolerances = load_tolerances(run.tolerances_path)
-    m = run.manifest
-    key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype=m.gate.dtype, model=m.gate.model)
-    ref_sha = run.reference_info.sha256 if run.reference_info is not None else ""
-    run.entry, run.tol_problem = _entry_for(run, key, ref_sha, calibrate=f"skupin calibrate {m.name}")
-    run.tolerance_info = ToleranceInfo(key=key.label(), source=str(run.tolerances_path),
-                                       entry=run.entry.model_dump(mode="json") if run.entry else None,
-                                       hard_bounds=run.tolerances.hard_bounds.model_dump())
+    tolerances = load_tolerances(inputs.tolerances_path)
+    m = inputs.manifest
+    key = ToleranceKey.of(m)
+    ref_sha = reference.info.sha256 if reference.info is not None else ""
+    entry, problem = _entry_for(tolerances, inputs.tolerances_path, key, ref_sha, calibrate=f"skupin calibrate {m.name}")
+    info = ToleranceInfo(key=key.label(), source=str(inputs.tolerances_path),
+                         entry=entry.model_dump(mode="json") if entry else None,
+                         hard_bounds=tolerances.hard_bounds.model_dump())
+    return ToleranceResult(tolerances=tolerances, entry=entry, problem=problem, info=info)
 
 
 def _summarise_probe(probe: ProbeRun) -> dict[str, Any]:
@@ -423,150 +508,168 @@ def _summarise_probe(probe: ProbeRun) -> dict[str, Any]:
                        for k, v in (report.get("checks") or {}).items()}}
 
 
-def _check_boot(run: _GateRun) -> CheckResult:
+def _check_boot(inputs: GateInputs, pins: PinsResult) -> BootResult:
     """Run the probe once in the sandbox: the image starts and reports its environment."""
     t0 = time.monotonic()
     try:
-        run.on_event(f"booting {run.shown} ({run.image_id[:19]}) with the probe "
-                     f"(deadline {run.manifest.gate.deadline_s} s)")
-        run.model_dir = model_folder(manifest=run.manifest, scratch=run.scratch)
-        probe = probe_in_container(manifest=run.manifest, image=run.image_id, docker=run.docker,
-                                   out=run.out / "probe", model_dir=run.model_dir)
+        inputs.on_event(f"booting {inputs.shown} ({pins.image_id[:19]}) with the probe "
+                        f"(deadline {inputs.manifest.gate.deadline_s} s)")
+        model_dir = model_folder(manifest=inputs.manifest, scratch=inputs.scratch)
+        probe = probe_in_container(manifest=inputs.manifest, image=pins.image_id, docker=inputs.docker,
+                                   out=inputs.out / "probe", model_dir=model_dir)
     except (GateCouldNotRun, DockerError, BundleError) as exc:
-        return CheckResult(name="boot", status="error", reason=str(exc))
-    run.probe = probe
-    run.time("probe_container_s", t0)
-    run.probe_summary = _summarise_probe(probe)
+        return BootResult(CheckResult(name="boot", status="error", reason=str(exc)))
+    inputs.clock.time("probe_container_s", t0)
+    summary = _summarise_probe(probe)
     env_problem = _probe_check_error(probe.report, "env")
     if probe.error or env_problem:
-        return CheckResult(name="boot", status="error",
-                           reason=probe.error or f"the probe could not read the environment: {env_problem}",
-                           details={"logs_tail": probe.logs_tail[-2000:]})
-    env = probe.report.get("env") or {}
-    return CheckResult(name="boot", status="pass",
-                       reason=f"the image booted and the probe ran in {probe.seconds:.1f} s (python "
-                              f"{env.get('python')}, torch {env.get('torch')}, device {probe.report.get('device')})")
+        result = CheckResult(name="boot", status="error",
+                             reason=probe.error or f"the probe could not read the environment: {env_problem}",
+                             details={"logs_tail": probe.logs_tail[-2000:]})
+    else:
+        env = probe.report.get("env") or {}
+        result = CheckResult(name="boot", status="pass",
+                             reason=f"the image booted and the probe ran in {probe.seconds:.1f} s (python "
+                                    f"{env.get('python')}, torch {env.get('torch')}, device {probe.report.get('device')})")
+    return BootResult(result, probe=probe, summary=summary, model_dir=model_dir)
 
 
-def _check_pins(run: _GateRun) -> CheckResult:
-    """Before anything runs: the image's files are exactly its lock, read from its layers (gates/static/integrity.py);
-    on a GPU host the host's driver is in the pinned series (read on the host, not from inside the image)."""
-
+def _check_pins(inputs: GateInputs) -> PinsResult:
+    """Before anything runs: the image's files are exactly its lock, read from its layers (gates/integrity/static.py);
+    on a GPU host the host's driver is in the pinned series (read on the host, not from inside the image). What it
+    learned of the image (its id, its lock label) is in its outcome however the check of its files ends."""
     t0 = time.monotonic()
-    m, lock = run.manifest, run.lock
     try:
-        info = resolve_image(docker=run.docker, image=run.image)
+        info = resolve_image(docker=inputs.docker, image=inputs.image)
     except (GateCouldNotRun, DockerError) as exc:
-        return CheckResult(name="pins", status="error", reason=str(exc))
-    run.image_id = info.id
-    run.image_lock_label = (info.labels or {}).get("io.skupin.lock-sha256")
+        return PinsResult(CheckResult(name="pins", status="error", reason=str(exc)))
+    try:
+        result = _check_pinned_files(inputs, info, since=t0)
+    except Exception as exc:  # as _guarded would, keeping the image's id
+        result = _internal_error("pins", exc)
+    return PinsResult(result, image_id=info.id, lock_label=(info.labels or {}).get("io.skupin.lock-sha256"))
+
+
+def _check_pinned_files(inputs: GateInputs, info: ImageInfo, *, since: float) -> CheckResult:
+    """The pins check of the resolved image `info`: its files against the lock, the host's driver (`pins_s` counts
+    from `since`, the check's start)."""
+    m, lock = inputs.manifest, inputs.lock
     if lock is None:
         return CheckResult(name="pins", status="error",
                            reason=f"{m.name} has no current lock, so the image's files cannot be checked against one; "
                                   f"fix: skupin lock {m.name}")
-    run.on_event(f"pins: checking the files of {run.shown} ({info.id[:19]}) against lock {lock.content_hash()[:12]}")
+    inputs.on_event(f"pins: checking the files of {inputs.shown} ({info.id[:19]}) against lock "
+                    f"{lock.content_hash()[:12]}")
     try:
-        dockerfile = render(run.stack).text  # what the image's config must be (builder/imageconfig.py)
-        report = inspect_image_files(docker=run.docker, image_id=info.id, lock=lock, state=state_dir(),
-                                     dockerfile=dockerfile, wheelhouse=run.wheelhouse, on_event=run.on_event)
+        dockerfile = render(inputs.stack).text  # what the image's config must be (builder/imageconfig.py)
+        report = inspect_image_files(docker=inputs.docker, image_id=info.id, lock=lock, state=state_dir(),
+                                     dockerfile=dockerfile, wheelhouse=inputs.wheelhouse, on_event=inputs.on_event)
     except SkupinError as exc:
         return CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}")
-    run.time("pins_s", t0)
-    gpu_host = m.accelerator.vendor != "cpu"
+    inputs.clock.time("pins_s", since)
+    gpu_host = ALL_FAMILIES[m.base.family].accelerated
     return judge_pins(report=report, manifest=m, host_driver=host_driver() if gpu_host else None, gpu_host=gpu_host)
 
 
-def _check_kernels(run: _GateRun) -> CheckResult:
+def _check_kernels(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, boot: BootResult
+                   ) -> Judged:
     """Hard bounds first (no calibration), then every op against its calibrated tolerance."""
     t0 = time.monotonic()
-    results = kernel_errors(run.ref, run.probe.tensors)
-    hard = kernel_hard_failures(results=results, hard=run.tolerances.hard_bounds)
+    results = kernel_errors(reference.tensors, boot.probe.tensors)
+    hard = kernel_hard_failures(results=results, hard=tolerance.tolerances.hard_bounds)
     if hard:
         more = f" (+{len(hard) - 1} more)" if len(hard) > 1 else ""
-        return CheckResult(name="kernels", status="fail", reason=hard[0] + more, details={"hard_bounds": hard})
-    if run.entry is None:  # no calibrated entry: the hard bounds were all that could run (docs/GATE.md)
-        problem = _probe_check_error(run.probe.report, "kernels")
+        return Judged(CheckResult(name="kernels", status="fail", reason=hard[0] + more, details={"hard_bounds": hard}))
+    if tolerance.entry is None:  # no calibrated entry: the hard bounds were all that could run (docs/GATE.md)
+        problem = _probe_check_error(boot.probe.report, "kernels")
         if problem:
-            return CheckResult(name="kernels", status="error", reason=f"the probe's kernel battery failed: {problem}")
-        return kernels_uncalibrated(results=results, why=run.tol_problem)
-    result = judge_kernels(results=results, entry=run.entry)
-    problem = _probe_check_error(run.probe.report, "kernels")
+            return Judged(CheckResult(name="kernels", status="error",
+                                      reason=f"the probe's kernel battery failed: {problem}"))
+        return Judged(kernels_uncalibrated(results=results, why=tolerance.problem))
+    result = judge_kernels(results=results, entry=tolerance.entry)
+    problem = _probe_check_error(boot.probe.report, "kernels")
     if problem and result.status == "pass":
         result = CheckResult(name="kernels", status="error", reason=f"the probe's kernel battery failed: {problem}")
-    run.time("kernels_s", t0)
-    return result
+    inputs.clock.time("kernels_s", t0)
+    return Judged(result)
 
 
-def _check_model(run: _GateRun) -> CheckResult:
+def _check_model(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, boot: BootResult
+                 ) -> ModelResult:
     """Teacher-forced statistics per prompt against the reference: hard bounds, binomial tests, means."""
     t0 = time.monotonic()
-    problem = _probe_check_error(run.probe.report, "model")
+    ref, probe = reference.tensors, boot.probe
+    problem = _probe_check_error(probe.report, "model")
     if problem:
-        return CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}")
-    engine = run.manifest.stack.engine.name
+        return ModelResult(CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}"))
+    engine = inputs.manifest.stack.engine.name
     missing = sorted(f"model.{name}" for name in engine_outputs(engine)
-                     if f"model.{name}" in run.ref and f"model.{name}" not in run.probe.tensors)
+                     if f"model.{name}" in ref and f"model.{name}" not in probe.tensors)
     if missing:
-        return CheckResult(name="model", status="fail",
-                           reason=f"the candidate returned no {', '.join(missing)}, which the {engine} engine provides: "
-                                  "a statistic would be lost, so the model check fails instead of skipping it")
+        return ModelResult(CheckResult(
+            name="model", status="fail",
+            reason=f"the candidate returned no {', '.join(missing)}, which the {engine} engine provides: "
+                   "a statistic would be lost, so the model check fails instead of skipping it"))
     try:
-        stats = model_statistics(run.ref, run.probe.tensors)
+        stats = model_statistics(ref, probe.tensors)
     except CompareError as exc:
-        return CheckResult(name="model", status="error", reason=str(exc))
-    result, run.decisions, run.prompts = judge_model(stats=stats, entry=run.entry, hard=run.tolerances.hard_bounds,
-                                                     dtype=run.manifest.gate.dtype, why=run.tol_problem)
-    result = result.model_copy(update={"details": {**result.details, "engine_path": engine_path(run.probe.report)}})
-    run.time("model_s", t0)
-    return result
+        return ModelResult(CheckResult(name="model", status="error", reason=str(exc)))
+    result, decisions, prompts = judge_model(stats=stats, entry=tolerance.entry, hard=tolerance.tolerances.hard_bounds,
+                                             dtype=inputs.manifest.gate.dtype, why=tolerance.problem)
+    result = result.model_copy(update={"details": {**result.details, "engine_path": engine_path(probe.report)}})
+    inputs.clock.time("model_s", t0)
+    return ModelResult(result, decisions=decisions, prompts=prompts)
 
 
-def _check_float32(run: _GateRun) -> CheckResult:
+def _check_float32(inputs: GateInputs, pins: PinsResult, tolerance: ToleranceResult, boot: BootResult) -> Judged:
     """The float32 pass of a SKU that serves another dtype: the probe again, the fixture at float32, against the float32
     bundle beside the SKU's reference. A kernel wrong by 1% (an attention scale, a narrower accumulation) moves bf16
     outputs by less than one bf16 rounding, so the serving-dtype check cannot see it; at float32 it stands 10^2-10^5
     above the noise. Judged with the class's float32 entry when calibrated, else by the hard bounds alone (float32's
     mean logprob L2 bound among them), which ends the run `uncalibrated` at best."""
-    m = run.manifest
+    m = inputs.manifest
     if m.gate.dtype == "float32":
-        return CheckResult(name="float32", status="skipped",
-                           reason="the SKU serves float32: its model check was the float32 pass")
+        return Judged(CheckResult(name="float32", status="skipped",
+                                  reason="the SKU serves float32: its model check was the float32 pass"))
     engine = m.stack.engine.name
     if not engine_float32(engine):
-        return CheckResult(name="float32", status="skipped",
-                           reason=f"the {engine} engine has no float32 path the gate runs (engines/{engine}.py: FLOAT32)")
+        return Judged(CheckResult(
+            name="float32", status="skipped",
+            reason=f"the {engine} engine has no float32 path the gate runs (skupin/engines/{engine}.py: FLOAT32)"))
     t0 = time.monotonic()
     try:
-        folder = float32_reference(reference_folder(manifest=m, folder=run.reference), dtype=m.gate.dtype)
+        folder = float32_reference(reference_folder(manifest=m, folder=inputs.reference), dtype=m.gate.dtype)
         m32 = float32_manifest(m)
         _, ref, ref_sha = load_reference(manifest=m32, folder=folder)
         # the model check only: the kernel battery is the same at any model dtype and ran in the boot's probe
         m32 = m32.model_copy(update={"gate": m32.gate.model_copy(
             update={"checks": tuple(c for c in m32.gate.checks if c != "kernels")})})
     except BundleError as exc:
-        return CheckResult(name="float32", status="error", reason=f"no float32 bundle to compare with: {exc}")
-    run.on_event(f"float32: booting {run.shown} again with the probe at float32 (against {folder})")
+        return Judged(CheckResult(name="float32", status="error", reason=f"no float32 bundle to compare with: {exc}"))
+    inputs.on_event(f"float32: booting {inputs.shown} again with the probe at float32 (against {folder})")
     try:
-        probe = probe_in_container(manifest=m32, image=run.image_id, docker=run.docker, out=run.out / "probe-float32",
-                                   model_dir=run.model_dir)
+        probe = probe_in_container(manifest=m32, image=pins.image_id, docker=inputs.docker,
+                                   out=inputs.out / "probe-float32", model_dir=boot.model_dir)
     except (GateCouldNotRun, DockerError, BundleError) as exc:
-        return CheckResult(name="float32", status="error", reason=str(exc))
-    run.time("float32_s", t0)
+        return Judged(CheckResult(name="float32", status="error", reason=str(exc)))
+    inputs.clock.time("float32_s", t0)
     problem = probe.error or _probe_check_error(probe.report, "model")
     if problem:
-        return CheckResult(name="float32", status="error", reason=f"the float32 probe failed: {problem}",
-                           details={"logs_tail": probe.logs_tail[-2000:]})
+        return Judged(CheckResult(name="float32", status="error", reason=f"the float32 probe failed: {problem}",
+                                  details={"logs_tail": probe.logs_tail[-2000:]}))
     try:
         stats = model_statistics(ref, probe.tensors)
     except CompareError as exc:
-        return CheckResult(name="float32", status="error", reason=str(exc))
-    key = ToleranceKey(hardware_class=m.accelerator.hardware_class, dtype="float32", model=m.gate.model)
-    entry, why = _entry_for(run, key, ref_sha, calibrate=f"skupin calibrate {m.name} --float32")
-    result, _, _ = judge_model(stats=stats, entry=entry, hard=run.tolerances.hard_bounds, dtype="float32", why=why,
+        return Judged(CheckResult(name="float32", status="error", reason=str(exc)))
+    key = ToleranceKey.of(m, float32=True)
+    entry, why = _entry_for(tolerance.tolerances, inputs.tolerances_path, key, ref_sha,
+                            calibrate=f"skupin calibrate {m.name} --float32")
+    result, _, _ = judge_model(stats=stats, entry=entry, hard=tolerance.tolerances.hard_bounds, dtype="float32", why=why,
                                name="float32")
-    return result.model_copy(update={"details": {**result.details, "reference": str(folder), "reference_sha256": ref_sha,
-                                                 "tolerance_key": key.label(), "calibrated": entry is not None,
-                                                 "probe_seconds": probe.seconds}})
+    return Judged(result.model_copy(update={"details": {
+        **result.details, "reference": str(folder), "reference_sha256": ref_sha, "tolerance_key": key.label(),
+        "tolerance_entry": entry.model_dump(mode="json") if entry is not None else None,  # attested (publish)
+        "calibrated": entry is not None, "probe_seconds": probe.seconds}}))
 
 
 ENGINE_PATH_KEYS = ("engine", "engine_distribution", "engine_version", "hidden_states", "logprobs", "greedy")
@@ -581,61 +684,101 @@ def engine_path(report: dict[str, Any]) -> dict[str, str]:
     return {key: printable(str(model[key]), 200) for key in ENGINE_PATH_KEYS if model.get(key) is not None}
 
 
-def _check_serve(run: _GateRun) -> CheckResult:
+def _check_serve(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, pins: PinsResult,
+                 boot: BootResult) -> Judged:
     """The engine's own server: greedy completions vs the reference, speed (gates/serving/serve.py)."""
 
-    if run.entry is None:  # its thresholds are calibrated: nothing of it can judge without them
-        return serve_uncalibrated(run.tol_problem)
+    if tolerance.entry is None:  # its thresholds are calibrated: nothing of it can judge without them
+        return Judged(serve_uncalibrated(tolerance.problem))
     t0 = time.monotonic()
-    run.on_event("serve: booting the engine's server in the sandbox")
-    result: CheckResult = serve_check(manifest=run.manifest, image=run.image_id, docker=run.docker, ref=run.ref,
-                                      entry=run.entry, baseline=run.baseline, model_dir=run.model_dir,
-                                      perf=run.serve_perf, on_event=run.on_event)
-    run.time("serve_s", t0)
-    return result
+    inputs.on_event("serve: booting the engine's server in the sandbox")
+    result: CheckResult = serve_check(manifest=inputs.manifest, image=pins.image_id, docker=inputs.docker,
+                                      ref=reference.tensors, entry=tolerance.entry, baseline=inputs.baseline,
+                                      model_dir=boot.model_dir, perf=inputs.serve_perf, on_event=inputs.on_event)
+    inputs.clock.time("serve_s", t0)
+    return Judged(result)
 
 
-Check = Callable[[_GateRun], CheckResult | None]
-# (check, the name of the result it returns or "" for none, the gate.checks entry it needs or None for always):
-# a check whose entry is not in the SKU's gate.checks is recorded as skipped and not run.
-CHECKS: tuple[tuple[Check, str, str | None], ...] = (
-    (_check_reference, "reference", None),
-    (_find_tolerance, "", None),
-    (_check_pins, "pins", None),
-    (_check_boot, "boot", None),
-    (_check_kernels, "kernels", "kernels"),
-    (_check_model, "model", "model"),
-    (_check_float32, "float32", "model"),
-    (_check_serve, "serve", "serve"),
+# ---------------------------------------------------------------- the registry and its driver
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    """One check of the registry.
+
+    `name` is the CheckResult it records ('' for the tolerance lookup, which records none); `run` takes the
+    GateInputs and then, in `needs`' order, the outcomes of earlier checks it needs (by type), and returns its own
+    outcome; `enabled_by` is the gate.checks entry it needs (None: it always runs; a check whose entry is not in the
+    SKU's gate.checks is recorded as skipped and not run). tests/unit/test_gate_model.py holds `needs` to `run`'s
+    parameters and to what earlier checks return.
+    """
+
+    name: str
+    run: Callable[..., Outcome]
+    needs: tuple[type[Any], ...] = ()
+    enabled_by: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The name its internal error is recorded under: its own, or its function's."""
+        return self.name or self.run.__name__.strip("_")
+
+    def __call__(self, inputs: GateInputs, results: Results) -> Outcome:
+        return self.run(inputs, *(results.need(kind) for kind in self.needs))
+
+
+# Cheapest first; the first that neither passed nor was skipped ends the run (`_run_checks`).
+CHECKS: tuple[GateCheck, ...] = (
+    GateCheck("reference", _check_reference),
+    GateCheck("", _find_tolerance, needs=(ReferenceResult,)),
+    GateCheck("pins", _check_pins),
+    GateCheck("boot", _check_boot, needs=(PinsResult,)),
+    GateCheck("kernels", _check_kernels, needs=(ReferenceResult, ToleranceResult, BootResult), enabled_by="kernels"),
+    GateCheck("model", _check_model, needs=(ReferenceResult, ToleranceResult, BootResult), enabled_by="model"),
+    GateCheck("float32", _check_float32, needs=(PinsResult, ToleranceResult, BootResult), enabled_by="model"),
+    GateCheck("serve", _check_serve, needs=(ReferenceResult, ToleranceResult, PinsResult, BootResult),
+              enabled_by="serve"),
 )
-CHECK_NAMES = tuple(name for _, name, _ in CHECKS if name)
+CHECK_NAMES = tuple(check.name for check in CHECKS if check.name)
 
 
-def _run_checks(run: _GateRun) -> None:
+def _run_checks(inputs: GateInputs) -> Results:
     """Run the checks in order, recording each result; the first that neither passed nor was skipped ends the run
     (`uncalibrated` goes on: with no calibrated entry every check still runs its calibration-free part)."""
-    for check, name, needs in CHECKS:
-        if needs is not None and not run.wanted(needs):
-            result: CheckResult | None = CheckResult(name=name, status="skipped",
-                                                     reason=f"{needs} is not in the SKU's gate.checks")
+    results = Results()
+    for check in CHECKS:
+        if check.enabled_by is not None and not inputs.wanted(check.enabled_by):
+            outcome: Outcome = Judged(CheckResult(name=check.name, status="skipped",
+                                                  reason=f"{check.enabled_by} is not in the SKU's gate.checks"))
         else:
-            result = _guarded(check, name, run)
+            outcome = _guarded(check, inputs, results)
+        results = results.then(outcome)
+        result = outcome.check
         if result is None:
             continue
-        run.record(result)
+        inputs.on_event(f"{result.name}: {result.status}: {result.reason}")
         if result.status not in ("pass", "skipped", "uncalibrated"):
-            return
+            break
+    return results
 
 
-def _guarded(check: Check, name: str, run: _GateRun) -> CheckResult | None:
-    """The check's result; an exception it did not expect is an error result of that check (the run still ends
+def _guarded(check: GateCheck, inputs: GateInputs, results: Results) -> Outcome:
+    """The check's outcome; an exception it did not expect is an error result of that check (the run still ends
     in a verdict). KeyboardInterrupt and SystemExit pass."""
     try:
-        return check(run)
+        return check(inputs, results)
     except Exception as exc:  # a crafted image must never turn a gate run into a traceback
-        label = name or check.__name__.strip("_")
-        return CheckResult(name=label, status="error",
-                           reason=f"internal error in the {label} check: {type(exc).__name__}: {printable(str(exc), 800)}")
+        return Judged(_internal_error(check.label, exc))
+
+
+def _internal_error(label: str, exc: Exception) -> CheckResult:
+    return CheckResult(name=label, status="error",
+                       reason=f"internal error in the {label} check: {type(exc).__name__}: {printable(str(exc), 800)}")
+
+
+def _skip_rest(checks: tuple[CheckResult, ...], names: tuple[str, ...], why: str) -> tuple[CheckResult, ...]:
+    done = {c.name for c in checks}
+    return (*checks, *(CheckResult(name=n, status="skipped", reason=why) for n in names if n not in done))
 
 
 # ---------------------------------------------------------------- the stage
@@ -671,31 +814,36 @@ def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, o
     out.mkdir(parents=True, exist_ok=True)
     reap_leftovers(docker=docker, on_event=on_event)
     with tempfile.TemporaryDirectory(prefix="skupin-fixture-") as scratch:
-        run = _GateRun(stack=stack, image=image, docker=docker, out=out, on_event=on_event,
-                       tolerances_path=tolerances_path or catalog_tolerances(), reference=reference, baseline=baseline,
-                       serve_perf=serve_perf, scratch=Path(scratch),
-                       wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse(),
-                       display=display or "")
-        _run_checks(run)
-    return _finish(run, started=started, created=created)
+        inputs = GateInputs(stack=stack, image=image, docker=docker, out=out, on_event=on_event,
+                            tolerances_path=tolerances_path or catalog_tolerances(), reference=reference,
+                            baseline=baseline, serve_perf=serve_perf, scratch=Path(scratch),
+                            wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse(),
+                            display=display or "")
+        results = _run_checks(inputs)
+    return _finish(inputs, results, started=started, created=created)
 
 
-def _finish(run: _GateRun, *, started: float, created: str) -> GateVerdict:
-    """Skip what did not run, decide, and write verdict.json, report.md and plot.png."""
+def _finish(inputs: GateInputs, results: Results, *, started: float, created: str) -> GateVerdict:
+    """The one place the verdict is assembled from the checks' outcomes: skip what did not run, decide, and write
+    verdict.json, report.md and plot.png."""
 
-    _skip_rest(run.checks, CHECK_NAMES, "not evaluated: an earlier check did not pass")
-    decision, reason = decide(tuple(run.checks))
-    run.timings["total_s"] = round(time.monotonic() - started, 3)
-    lock = run.lock
+    checks = _skip_rest(results.checks, CHECK_NAMES, "not evaluated: an earlier check did not pass")
+    decision, reason = decide(checks)
+    timings = {**inputs.clock.spans, "total_s": round(time.monotonic() - started, 3)}
+    pins, reference = results.get(PinsResult), results.get(ReferenceResult)
+    tolerance, boot, model = results.get(ToleranceResult), results.get(BootResult), results.get(ModelResult)
+    lock = inputs.lock
     verdict = GateVerdict(
-        sku=run.manifest.name, hardware_class=run.manifest.accelerator.hardware_class, image=run.shown,
-        image_id=run.image_id or None, lock_hash=lock.content_hash() if lock else None,
-        image_lock_label=run.image_lock_label, reference=run.reference_info, tolerance=run.tolerance_info,
-        checks=tuple(run.checks), model_decision=run.decisions, prompts=run.prompts, decision=decision, reason=reason,
-        calibration_free={c.name: str(c.details.get("calibration_free", "")) for c in run.checks
+        sku=inputs.manifest.name, hardware_class=inputs.manifest.accelerator.hardware_class, image=inputs.shown,
+        image_id=(pins.image_id if pins else "") or None, lock_hash=lock.content_hash() if lock else None,
+        image_lock_label=pins.lock_label if pins else None, reference=reference.info if reference else None,
+        tolerance=tolerance.info if tolerance else None, checks=checks,
+        model_decision=model.decisions if model else (), prompts=model.prompts if model else (), decision=decision,
+        reason=reason,
+        calibration_free={c.name: str(c.details.get("calibration_free", "")) for c in checks
                           if c.status == "uncalibrated"},
-        timings=run.timings, probe=run.probe_summary, tool_version=__version__, created=created)
+        timings=timings, probe=boot.summary if boot else {}, tool_version=__version__, created=created)
     t0 = time.monotonic()
-    write_report(verdict=verdict, out=run.out)
-    run.on_event(f"verdict: {decision}: {reason} (report {run.out / 'report.md'}; {time.monotonic() - t0:.1f} s)")
+    write_report(verdict=verdict, out=inputs.out)
+    inputs.on_event(f"verdict: {decision}: {reason} (report {inputs.out / 'report.md'}; {time.monotonic() - t0:.1f} s)")
     return verdict

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from gates.compare import DECISION_STATS
-from gates.verdict import GateVerdict
+from skupin.gates.judge.compare import DECISION_STATS
+from skupin.gates.judge.verdict import CheckResult, GateVerdict
 
 STAT_TITLES = {
     "kl": "mean KL(ref || cand), top-k + tail",
@@ -39,7 +39,7 @@ def write_report(*, verdict: GateVerdict, out: Path) -> dict[str, Path]:
     serve = verdict.check("serve")
     # the serve check's section and its A/B plot (gates/serving/ab.py); an uncalibrated serve check did not run
     if serve and serve.details and serve.status != "uncalibrated":
-        from gates.serving.ab import plot_serve, serve_markdown
+        from skupin.gates.serving.ab import plot_serve, serve_markdown
 
         paths["serve_plot"] = out / "serve.png"
         drew = plot_serve(serve.details, paths["serve_plot"])
@@ -52,7 +52,7 @@ def write_report(*, verdict: GateVerdict, out: Path) -> dict[str, Path]:
     return paths
 
 
-def _pins_section(pins) -> list[str]:
+def _pins_section(pins: CheckResult | None) -> list[str]:
     """What the static check accounted for, and each file that is not the lock (docs/GATE.md, Static integrity)."""
     if pins is None or not pins.details.get("counts"):
         return []
@@ -79,7 +79,7 @@ def _pins_section(pins) -> list[str]:
     return lines
 
 
-def _engine_path_lines(model) -> list[str]:
+def _engine_path_lines(model: CheckResult | None) -> list[str]:
     """Which engine computed the model check's numbers, as the probe reported it."""
     path = (model.details.get("engine_path") or {}) if model is not None else {}
     if not path:

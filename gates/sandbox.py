@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from builder.manifest import SkuManifest
-from dockerd import BindMount, ContainerSpec
+from skupin.builder.catalog.manifest import SkuManifest
+from skupin.dockerd import BindMount, ContainerSpec
 
 # Environment every probe container gets (the SKU's runtime env is applied on top, --threads below).
 SANDBOX_ENV = {
@@ -14,6 +14,9 @@ SANDBOX_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": "/tmp/triton",
     "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor", "MPLCONFIGDIR": "/tmp/mpl",
 }
+# The tmpfs every sandboxed container gets (the root is read-only): what the image holds there the gate never sees, so
+# `pins` (gates/integrity/static.py) requires it to be empty.
+SANDBOX_TMPFS = {"/tmp": "rw,exec,size=1g"}
 
 
 def sandbox_cpus(manifest: SkuManifest, host_cpus: int | None = None) -> float:
@@ -36,7 +39,7 @@ def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ..
     caps = {"max_stdout_bytes": max_stdout_bytes} if max_stdout_bytes is not None else {}
     return ContainerSpec(
         image=image, entrypoint=entrypoint, command=command, env={**SANDBOX_ENV, **runtime.env, **(env or {})},
-        network="none", read_only=True, tmpfs={"/tmp": "rw,exec,size=1g"}, mem_limit=manifest.gate.memory,
+        network="none", read_only=True, tmpfs=dict(SANDBOX_TMPFS), mem_limit=manifest.gate.memory,
         pids_limit=1024, shm_size=runtime.shm_size, ipc="private",
         cap_drop=("ALL",), security_opt=("no-new-privileges",), mounts=mounts,
         devices=tuple(runtime.devices), group_add=tuple(runtime.group_add), gpus=runtime.gpus == "all",

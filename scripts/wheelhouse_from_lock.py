@@ -6,7 +6,7 @@
 For watch.yml on a GitHub-hosted runner: `skupin watch --apply` relocks a SKU whose torch comes from a
 wheelhouse, and resolving needs the file. pip downloads each file (`pip download --no-deps --require-hashes`)
 and refuses one that does not hash to the lock's sha256; a wheel the lock records no URL for exits 1,
-naming it. The standard library and pip only (skupin's own HTTP lives in clients/).
+naming it. The standard library and pip only (skupin's own HTTP lives in skupin/clients/).
 """
 
 from __future__ import annotations

@@ -20,23 +20,30 @@ from typing import ParamSpec, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from builder.aptlock import host_facts
-from builder.base import ensure_base
-from builder.build import BuiltImage, build
-from builder.check import resolve
-from builder.lock import default_ca_bundle, relock
-from builder.lockfile import lock_path
-from builder.render import render
-from builder.stack import ResolvedStack
-from common.errors import LockError, PublishError, SkupinError
-from common.model import Frozen
-from common.paths import REGISTRY_ADDR, ensure_state, sku_path, state_dir
-from dockerd import Docker, connect, ensure_dockerd
-from gates.gate import gate
-from gates.verdict import GateVerdict, raise_for_verdict
-from publishing.local_registry import default_registry, registry_up
-from publishing.publish import PublishedImage, parse_target, publish, publish_target
-from publishing.verify import verified_image_id, verify_reference
+from skupin.builder.aptlock import host_facts
+from skupin.builder.base import ensure_base
+from skupin.builder.build import BuiltImage, build
+from skupin.builder.catalog.lockfile import lock_path
+from skupin.builder.catalog.stack import ResolvedStack
+from skupin.builder.check import resolve
+from skupin.builder.lock import default_ca_bundle, relock
+from skupin.builder.render import render
+from skupin.common.errors import LockError, PublishError, SkupinError
+from skupin.common.model import Frozen
+from skupin.common.paths import REGISTRY_ADDR, ensure_state, sku_path, state_dir
+from skupin.dockerd import Docker, connect, ensure_dockerd
+from skupin.gates.gate import gate
+from skupin.gates.judge.verdict import GateVerdict, raise_for_verdict
+from skupin.publishing.attest import find_signer
+from skupin.publishing.local_registry import default_registry, registry_up
+from skupin.publishing.publish import (
+    PublishedImage,
+    parse_target,
+    publish,
+    publish_target,
+    write_verdict_envelope,
+)
+from skupin.publishing.verify import verified_image_id, verify_reference
 
 OnEvent = Callable[[str], None]
 STAGES = ("check", "lock", "docker", "base", "build", "gate", "registry", "publish", "verify")
@@ -157,9 +164,9 @@ def _flow(options: RunOptions, rows: _Rows) -> str:
     docker = rows.stage("docker", _docker, say)
     rows.stage("base", _base, stack, docker, say)
     built = rows.stage("build", _build, stack, docker, options, say)
-    verdict = rows.stage("gate", _gate, built, docker, options, say)
+    verdict, envelope = rows.stage("gate", _gate, built, docker, options, say)
     rows.stage("registry", _registry, options, say)
-    published = rows.stage("publish", _publish, built, verdict, docker, options, say)
+    published = rows.stage("publish", _publish, built, verdict, envelope, docker, options, say)
     return rows.stage("verify", _verify, published, say)
 
 
@@ -214,15 +221,20 @@ def _build(stack: ResolvedStack, docker: Docker, options: RunOptions, say: OnEve
     return built, f"{built.image} ({built.image_id[:19]}; {cached}/{len(built.layers)} layers cached)"
 
 
-def _gate(built: BuiltImage, docker: Docker, options: RunOptions, say: OnEvent) -> tuple[GateVerdict, str]:
+def _gate(built: BuiltImage, docker: Docker, options: RunOptions,
+          say: OnEvent) -> tuple[tuple[GateVerdict, bytes], str]:
+    """Gate the build; the verdict and the envelope this host's key signed over it (verdict.dsse.json beside
+    verdict.json: what binds the verdict to this gate run for publish)."""
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = state_dir() / "gates" / built.sku / stamp
+    signer = find_signer(create=True, on_event=say)  # before the gate: a broken key is the first thing to fix
     baseline = _verified_baseline(built, docker, options)
     if baseline:
         say(f"serve A/B baseline: the currently verified image {baseline[:19]}")
     verdict = gate(built, docker, out=out, on_event=say, baseline=baseline, wheelhouse=options.local_wheelhouse())
+    envelope = write_verdict_envelope(out, verdict, signer)
     raise_for_verdict(verdict)
-    return verdict, f"{verdict.decision}: {verdict.reason[:100]} ({out / 'report.md'})"
+    return (verdict, envelope.read_bytes()), f"{verdict.decision}: {verdict.reason[:100]} ({out / 'report.md'})"
 
 
 def _verified_baseline(built: BuiltImage, docker: Docker, options: RunOptions) -> str | None:
@@ -241,10 +253,11 @@ def _registry(options: RunOptions, say: OnEvent) -> tuple[None, str]:
     return None, f"{status.url}: {status.action}"
 
 
-def _publish(built: BuiltImage, verdict: GateVerdict, docker: Docker, options: RunOptions,
+def _publish(built: BuiltImage, verdict: GateVerdict, envelope: bytes, docker: Docker, options: RunOptions,
              say: OnEvent) -> tuple[PublishedImage, str]:
     target, untag, hint = publish_target(options.registry, options.addr)  # after `registry up`: it knows the local one
-    published = publish(built, verdict, target, docker=docker, untag=untag, registry_hint=hint, on_event=say)
+    published = publish(built, verdict, target, docker=docker, untag=untag, registry_hint=hint, on_event=say,
+                        verdict_envelope=envelope)
     return published, f"{published.reference} (push {published.push_s:.1f} s)"
 
 

@@ -1,14 +1,14 @@
 """Turn measured runs into detection power: calibrate on one split, decide on the held-out split, count with CIs.
 
 Input: run records (bench/detection/runs.py), one per honest or swapped run, holding per prompt
-every statistic of gates/compare.py and every kernel op's error against the reference.
+every statistic of gates/judge/compare.py and every kernel op's error against the reference.
 
 - `split`: the calibration set is what `skupin calibrate` runs (honest, boot 1, sdpa attention,
   batch 8 and 1, every thread count of that boot); everything else honest is held out (batch
   2/4/16/64, eager attention, the second boot). Swaps are never used for calibration.
 - `calibrate`: gates.calibrate.derive_entry_from_measurements on the calibration runs (the
   project's own method: margin x largest honest value, dtype floors, Clopper-Pearson honest rate).
-- `decide`: the gate's own rules (gates.verdict.judge_kernels, then judge_model with the hard
+- `decide`: the gate's own rules (gates.judge.verdict.judge_kernels, then judge_model with the hard
   bounds) on a subset of a run's prompts.
 - `evaluate`: every held-out run cut into disjoint blocks of N prompts (a seeded permutation per
   run), one gate decision per block; counts of rejected/caught with two-sided 95% Clopper-Pearson
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gates.calibrate import Measurement, derive_entry_from_measurements
-from gates.compare import ALL_STATS, DECISION_STATS, KernelResult, ModelStatistics
-from gates.tolerance import HardBounds, ToleranceEntry, ToleranceKey
-from gates.verdict import judge_kernels, judge_model, kernel_hard_failures
+from skupin.gates.calibrate import Measurement, derive_entry_from_measurements
+from skupin.gates.judge.compare import ALL_STATS, DECISION_STATS, KernelResult, ModelStatistics
+from skupin.gates.judge.tolerance import HardBounds, ToleranceEntry, ToleranceKey
+from skupin.gates.judge.verdict import judge_kernels, judge_model, kernel_hard_failures
 
 CALIBRATION_BATCHES = (1, 8)
 DEFAULT_HARD = HardBounds()  # the gate's own calibration-free bounds
@@ -49,7 +49,7 @@ def key_of(record: dict) -> tuple[str, str, str]:
 
 
 def to_stats(record: dict) -> ModelStatistics:
-    """The record's per-prompt statistics as gates.compare.ModelStatistics."""
+    """The record's per-prompt statistics as gates.judge.compare.ModelStatistics."""
     per_prompt = {s: np.array([np.nan if v is None else v for v in record["stats"][s]], dtype=np.float64) for s in ALL_STATS}
     return ModelStatistics(per_prompt=per_prompt, available=tuple(record["available"]),
                            nonfinite=tuple(record.get("nonfinite", ())))

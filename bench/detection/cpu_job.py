@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import runs  # noqa: E402
-from gates.tensorio import read_safetensors  # noqa: E402
+from skupin.gates.refdata.tensorio import read_safetensors  # noqa: E402
 
 HW = "cpu-x86_64"
 FULL = {"tiny-llama": 4, "llama-1k": 2}
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             folder = args.llama_dir
             if not (folder / "model.safetensors").is_file():
-                from gates.fixture import generate_fixture
+                from skupin.gates.refdata.fixture import generate_fixture
 
                 generate_fixture(name="llama-1k", out=folder)
             ref, _ = read_safetensors(args.llama_ref)

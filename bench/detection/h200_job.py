@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import runs  # noqa: E402
-from gates.tensorio import read_safetensors  # noqa: E402
-from imagetools import probe  # noqa: E402
+from skupin.gates.refdata.tensorio import read_safetensors  # noqa: E402
+from skupin.imagetools import probe  # noqa: E402
 
 HW = "nvidia-hopper"
 BATCHES = (1, 2, 4, 8, 16, 64)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.refs.mkdir(parents=True, exist_ok=True)
     if args.boot == 1:
-        from gates.fixture import generate_fixture
+        from skupin.gates.refdata.fixture import generate_fixture
 
         if not (args.fixture / "model.safetensors").is_file():
             log("generating the llama-1k fixture")

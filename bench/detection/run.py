@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 
 from bench.detection import analysis as A  # noqa: E402
 from bench.detection.swaps import DESCRIPTIONS, SWAPS  # noqa: E402
-from gates.compare import DECISION_STATS  # noqa: E402
-from gates.tolerance import ToleranceKey  # noqa: E402
+from skupin.gates.judge.compare import DECISION_STATS  # noqa: E402
+from skupin.gates.judge.tolerance import ToleranceKey  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
 RAW = RESULTS / "detection"

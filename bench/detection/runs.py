@@ -1,11 +1,12 @@
 """Run the probe's kernel battery and teacher-forced model check in-process (honest or swapped) and measure each run.
 
 Used both on this CPU and on the NVIDIA H200 (which has torch, transformers and numpy but no
-pydantic): it imports imagetools/probe.py (the probe the gate mounts into images), gates/compare.py and
-gates/tensorio.py only. Each run loads the fixture with transformers exactly as the probe's
+pydantic): it imports the probe (skupin/imagetools/probe/, the folder the gate mounts into images: its shared
+machinery and its transformers adapter), gates/judge/compare.py and
+gates/refdata/tensorio.py only. Each run loads the fixture with transformers exactly as the probe's
 transformers adapter does, applies a swap (bench/detection/swaps.py), runs the kernel battery and
 the teacher-forced forward passes through the probe's own Collector, and is compared with the
-reference tensors by gates.compare. A run becomes one JSON record: what ran, and per prompt every
+reference tensors by gates.judge.compare. A run becomes one JSON record: what ran, and per prompt every
 statistic the gate uses, plus every kernel op's error. Greedy decoding is skipped (the gate's
 statistics do not use it).
 """
@@ -19,8 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.detection import swaps
-from gates.compare import ALL_STATS, kernel_errors, model_statistics
-from imagetools import probe
+from skupin.gates.judge.compare import ALL_STATS, kernel_errors, model_statistics
+from skupin.imagetools import probe
+from skupin.imagetools.probe import skupin_probe_transformers as adapter
 
 TOP_K = 20
 
@@ -35,7 +37,7 @@ def load_model(model_dir: Path, *, dtype: str, attn: str, device: str):
     """The fixture loaded as the probe's transformers adapter loads it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=probe._torch_dtype(dtype), attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=adapter.torch_dtype(dtype), attn_implementation=attn)
     return model.to(device).eval()
 
 
@@ -45,12 +47,12 @@ def teacher_forced(model, ids: list[list[int]], *, batch: int, device: str, full
 
     col = probe.Collector(TOP_K, full)
     with torch.inference_mode():
-        probe.teacher_forced_transformers(model, ids, batch_size=batch, device=device, col=col)
+        adapter.teacher_forced(model, ids, batch_size=batch, device=device, col=col)
     return {**col.tensors(), **probe.prompt_tensors(ids, lambda v: torch.tensor(v, dtype=torch.int32))}
 
 
 def to_numpy(tensors: dict) -> dict[str, np.ndarray]:
-    """torch tensors -> numpy (bfloat16/float16 widened to float32, as gates.tensorio reads them)."""
+    """torch tensors -> numpy (bfloat16/float16 widened to float32, as gates.refdata.tensorio reads them)."""
     import torch
 
     out = {}

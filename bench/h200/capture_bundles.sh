@@ -30,7 +30,7 @@ python3 - <<'PY'
 import os, numpy as np
 from pathlib import Path
 from bench.detection import runs
-from gates.tensorio import read_safetensors
+from skupin.gates.refdata.tensorio import read_safetensors
 for m in os.environ.get("CAPTURE", "tiny-moe deep-llama").split():
     folder = Path(f"/tmp/skupin-fixtures/{m}")
     ids = runs.load_ids(folder / "prompts.json")

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from common.model import Frozen
+from skupin.clients.openai import Completion, ServeClient
+from skupin.common.model import Frozen
 
 
 class PerfSettings(Frozen):
@@ -115,7 +116,7 @@ def cost_summary(*, perf: PerfResult, hourly_usd: float | None, utilisation: flo
                                                                  tok_s=head.aggregate_tok_s))
 
 
-def sample_of(completion, max_tokens: int | None = None) -> Sample | None:
+def sample_of(completion: Completion, max_tokens: int | None = None) -> Sample | None:
     """A Sample from a serve.Completion; None when nothing was streamed. The output tokens are the server's own count
     (usage.completion_tokens, else the streamed pieces), never more than the `max_tokens` the request asked for: a
     server that claims more cannot inflate its tok/s."""
@@ -171,7 +172,7 @@ def merge_perf(results: Sequence[PerfResult]) -> PerfResult:
     return PerfResult(settings=settings, levels=tuple(levels), wall_s=sum(r.wall_s for r in results))
 
 
-def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int, max_tokens: int,
+def measure_level(*, client: ServeClient, prompts: Sequence[str | list[int]], concurrency: int, requests: int, max_tokens: int,
                   on_completion: Callable[[int, Any], None] | None = None,
                   prompt_tokens: Sequence[int] | None = None) -> tuple[list[Sample], float]:
     """`requests` completions shared by `concurrency` closed-loop users; (samples, wall seconds). `on_completion`
@@ -180,7 +181,7 @@ def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int,
     jobs = iter([(i % len(prompts), prompts[i % len(prompts)]) for i in range(requests)])
     lock = threading.Lock()
 
-    def user(http) -> list[Sample]:
+    def user(http: Any) -> list[Sample]:  # the worker's HTTP client (skupin/clients/openai.py)
         mine: list[Sample] = []
         while True:
             with lock:
@@ -203,7 +204,7 @@ def measure_level(*, client, prompts: Sequence, concurrency: int, requests: int,
     return samples, time.perf_counter() - start
 
 
-def run_perf(*, client, prompts: Sequence, settings: PerfSettings,
+def run_perf(*, client: ServeClient, prompts: Sequence[str | list[int]], settings: PerfSettings,
              on_completion: Callable[[int, Any], None] | None = None,
              prompt_tokens: Sequence[int] | None = None) -> PerfResult:
     """Warm up, then measure every concurrency level `repetitions` times (see the module docstring)."""

@@ -9,7 +9,7 @@ in-process equivalent of `nsenter -t PID -n`), so every socket they open lives i
 container's namespace and reaches its 127.0.0.1. Nothing is published, no bridge or internal
 network is created, and the client is this repository's own code, not the image's.
 
-Then, over the OpenAI-compatible API (clients/openai.py, streaming /v1/completions): wait for readiness with a
+Then, over the OpenAI-compatible API (skupin/clients/openai.py, streaming /v1/completions): wait for readiness with a
 deadline (/health and /v1/models), request greedy continuations (temperature 0, max_tokens = the
 reference continuation length) of the reference prompts and compare them token by token with the
 reference's `model.greedy_ids` (``compare_greedy``). A divergence at step t is accepted only when
@@ -32,25 +32,32 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from pydantic import Field
 
-from builder.manifest import ServeGate, SkuManifest
-from clients.openai import Completion, ServeClient, exchange_errors, wait_ready
-from common.errors import DockerError, GateCouldNotRun, SkupinError
-from common.model import Frozen
-from dockerd import BindMount
-from engines import ALL_ENGINES, MODEL_MOUNT, SERVE_PORT, ServerLaunch, serve_launch
-from gates.bundle import model_folder
-from gates.fixture import load_prompts
-from gates.sandbox import sandbox_spec
-from gates.serving.ab import interleaved_ab
-from gates.serving.perf import PerfSettings, cost_summary, run_perf
-from gates.verdict import CheckResult, binomial_sf
+from skupin.builder.catalog.manifest import ServeGate, SkuManifest
+from skupin.clients.openai import Completion, ServeClient, exchange_errors, wait_ready
+from skupin.common.errors import DockerError, GateCouldNotRun, SkupinError
+from skupin.common.model import Frozen
+from skupin.dockerd import BindMount, ContainerSpec, Docker
+from skupin.engines import ALL_ENGINES, MODEL_MOUNT, SERVE_PORT, ServerLaunch, serve_launch
+from skupin.gates.judge.tolerance import ToleranceEntry
+from skupin.gates.judge.verdict import CheckResult, binomial_sf
+from skupin.gates.refdata.bundle import model_folder
+from skupin.gates.refdata.fixture import load_prompts
+from skupin.gates.sandbox import sandbox_spec
+from skupin.gates.serving.ab import interleaved_ab
+from skupin.gates.serving.perf import PerfSettings, cost_summary, run_perf
 
 OnEvent = Callable[[str], None]
+
+
+class Decoder(Protocol):
+    """What the comparison needs of a tokenizer (tokenizers.Tokenizer): token ids back to text."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 NOT_PROVIDED = "not provided by engine"
 
 
@@ -62,7 +69,7 @@ def _quiet(_: str) -> None:
 
 
 def launch_command(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: str = MODEL_MOUNT) -> ServerLaunch:
-    """The image's own server command (engines/<engine>.py: its Dockerfile CMD), or GateCouldNotRun."""
+    """The image's own server command (skupin/engines/<engine>.py: its Dockerfile CMD), or GateCouldNotRun."""
     launch = serve_launch(manifest=manifest, port=port, model_dir=model_dir)
     if launch is None:
         raise GateCouldNotRun(f"{manifest.name}: no serve launch command for engine {manifest.stack.engine.name!r} "
@@ -70,8 +77,9 @@ def launch_command(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: 
     return launch
 
 
-def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: ServerLaunch, role: str = "gate-serve"):
-    """The sandboxed server container (gates.gate.sandbox_spec): no network, no capabilities, read-only root and
+def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: ServerLaunch, role: str = "gate-serve"
+                ) -> ContainerSpec:
+    """The sandboxed server container (gates.sandbox.sandbox_spec): no network, no capabilities, read-only root and
     model, the SKU's limits."""
 
     return sandbox_spec(
@@ -97,7 +105,7 @@ class PromptServe(Frozen):
     logprob_max_abs: float | None = Field(None, description="max |cand - ref| logprob over the matching steps")
 
 
-def near_tie_threshold(entry) -> tuple[float, str]:
+def near_tie_threshold(entry: ToleranceEntry | None) -> tuple[float, str]:
     """(threshold, provenance): 2 x the calibrated per-prompt max |logprob delta| of the tolerance entry.
 
     A divergence flips top-1 and top-2, which needs their logprob difference to change sign; honest
@@ -111,7 +119,7 @@ def near_tie_threshold(entry) -> tuple[float, str]:
                    f"(calibrated {entry.provenance.date}, {entry.provenance.runs} honest runs)")
 
 
-def reference_pieces(*, tokenizer, ids: Sequence[int], prompt_ids: Sequence[int]) -> list[tuple[str, ...]]:
+def reference_pieces(*, tokenizer: Decoder, ids: Sequence[int], prompt_ids: Sequence[int]) -> list[tuple[str, ...]]:
     """Per step, the text(s) a server may stream for token ids[t]: incremental decode of the continuation, and in context."""
     out: list[tuple[str, ...]] = []
     for t in range(len(ids)):
@@ -153,7 +161,8 @@ def _first_divergence(*, completion: Completion, ref_ids: Sequence[int], pieces:
 
 
 def compare_greedy(*, completions: Sequence[Completion], ref: dict[str, np.ndarray], prompts: Sequence[dict],
-                   tokenizer, threshold: float, indices: Sequence[int], eos_id: int | None = None) -> tuple[PromptServe, ...]:
+                   tokenizer: Decoder, threshold: float, indices: Sequence[int], eos_id: int | None = None
+                   ) -> tuple[PromptServe, ...]:
     """Each completion vs the reference's greedy continuation of the same prompt (see the module docstring)."""
     results = []
     for index, completion in zip(indices, completions, strict=True):
@@ -223,7 +232,7 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(*, manifest: SkuManifest, image: str, docker, model_dir: Path, deadline_s: float,
+def running_server(*, manifest: SkuManifest, image: str, docker: Docker, model_dir: Path, deadline_s: float,
                    workers: int = 4, role: str = "gate-serve") -> Iterator[RunningServer]:
     """Boot the image's server in the sandbox and wait until it is ready; the container is always removed.
 
@@ -267,12 +276,13 @@ def greedy_completions(*, server: RunningServer, prompts: Sequence[dict], indice
     return out
 
 
-def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.ndarray], entry,
-                baseline: str | None = None, model_dir: Path | None = None, perf=None, ab_rounds: int = 3,
-                ready_deadline_s: float = 180.0, on_event: OnEvent = _quiet):
+def serve_check(*, manifest: SkuManifest, image: str, docker: Docker, ref: dict[str, np.ndarray],
+                entry: ToleranceEntry | None, baseline: str | None = None, model_dir: Path | None = None,
+                perf: PerfSettings | None = None, ab_rounds: int = 3, ready_deadline_s: float = 180.0,
+                on_event: OnEvent = _quiet) -> CheckResult:
     """Run the serve check of `image` (optionally A/B against `baseline`): a CheckResult named 'serve'.
 
-    `model_dir` is the model folder from gates.bundle.model_folder (the gate resolves it once);
+    `model_dir` is the model folder from gates.refdata.bundle.model_folder (the gate resolves it once);
     without it the SKU's fixture is resolved and checked here.
     """
 
@@ -284,6 +294,7 @@ def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.
         threshold, provenance = near_tie_threshold(entry)
     except GateCouldNotRun as exc:
         return CheckResult(name="serve", status="error", reason=str(exc))
+    assert entry is not None  # near_tie_threshold refuses None
     with contextlib.ExitStack() as scope:
         folder = model_dir
         if folder is None:
@@ -308,8 +319,10 @@ def serve_check(*, manifest: SkuManifest, image: str, docker, ref: dict[str, np.
             return CheckResult(name="serve", status="error", reason=f"the serve check could not run: {exc}"[:1500])
 
 
-def _serve(*, manifest, image, docker, ref, entry, baseline, folder, prompt_set, perf, settings, threshold, provenance,
-           ab_rounds, ready_deadline_s, on_event, started):
+def _serve(*, manifest: SkuManifest, image: str, docker: Docker, ref: dict[str, np.ndarray], entry: ToleranceEntry,
+           baseline: str | None, folder: Path, prompt_set: dict[str, Any], perf: PerfSettings, settings: ServeGate,
+           threshold: float, provenance: str, ab_rounds: int, ready_deadline_s: float, on_event: OnEvent,
+           started: float) -> CheckResult:
     from tokenizers import Tokenizer
 
 

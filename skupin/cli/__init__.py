@@ -18,14 +18,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING, NoReturn
 
-from common import __version__
-from common.errors import SkupinError
+from skupin.common import __version__
+from skupin.common.errors import SkupinError
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 EPILOG = """\
 the flow:  check -> lock -> render -> build -> gate -> publish
-exit codes: 0 ok, 2 bad input (manifest or arguments), 3 incompatible pins, 4 lock, 5 build, 6 docker,
-            7 reference bundle, 8 publish, 9 network/index, 10 gate failed, 11 gate could not run,
+exit codes: 0 ok, 1 a file could not be read or written, 2 bad input (manifest or arguments),
+            3 incompatible pins, 4 lock, 5 build, 6 docker, 7 reference bundle, 8 publish, 9 network/index,
+            10 gate failed, 11 gate could not run,
             14 gate uncalibrated (never a pass); skupin ab: 0 promote, 12 hold, 13 reject;
             130 interrupted, 141 the output pipe closed
 the catalog:  the folder holding skus/ (found from the current folder upwards, or --root / $SKUPIN_ROOT);
@@ -68,7 +73,7 @@ def _sigterm_as_interrupt() -> None:
     """A cancelled CI job sends SIGTERM: unwind like Ctrl-C so builds and containers are cleaned up."""
     import signal
 
-    def handler(_signum, _frame):
+    def handler(_signum: int, _frame: FrameType | None) -> NoReturn:
         raise KeyboardInterrupt
 
     try:
@@ -83,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     _sigterm_as_interrupt()
     try:
         if args.root is not None:
-            from common.paths import use_root
+            from skupin.common.paths import use_root
 
             use_root(args.root)
         if args.install_missing:
-            from common.apt import allow_installs
+            from skupin.common.apt import allow_installs
 
             allow_installs()
         return int(args.func(args))
@@ -103,12 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`skupin matrix | head -3`): stop quietly, as `ls | head` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush cannot raise
         return 141
+    except OSError as exc:  # a file this host could not read or write (a full disk, a folder's permissions): one line
+        if args.traceback:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return SkupinError.exit_code
     finally:
         if args.root is not None:  # main() may be called again in this process (tests): discovery is the default
-            from common.paths import use_root
+            from skupin.common.paths import use_root
 
             use_root(None)
         if args.install_missing:
-            from common.apt import allow_installs
+            from skupin.common.apt import allow_installs
 
             allow_installs(False)

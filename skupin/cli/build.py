@@ -7,18 +7,25 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from common.errors import SkupinError
 from skupin.cli.output import err, out, progress_printer
+from skupin.common.errors import SkupinError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from skupin.builder.catalog.manifest import SkuManifest
+    from skupin.builder.catalog.stack import ResolvedStack
+    from skupin.builder.check import SkuReport
 
 # ------------------------------------------------------------------ check / render / matrix / schema
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Every problem of every manifest at once; exit 2 (manifest), 3 (compatibility) or 4 (a stale lock), else 0."""
-    from builder.check import check_paths, raise_for
-    from common.errors import LockError
+    from skupin.builder.check import check_paths, raise_for
+    from skupin.common.errors import LockError
 
     reports = check_paths([Path(p) for p in args.paths], with_lock=not args.no_lock)
     if not reports:
@@ -53,7 +60,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     return code
 
 
-def _check_json(report) -> dict:
+def _check_json(report: SkuReport) -> dict:
     stack = report.stack
     return {"file": report.file, "sku": stack.manifest.name if stack else None,
             "lock": stack.lock_state if stack else None, "lock_note": stack.lock_note if stack else "",
@@ -61,11 +68,11 @@ def _check_json(report) -> dict:
                          for p in report.manifest_problems + report.compat_problems]}
 
 
-def _warn_uncalibrated(manifests) -> None:
+def _warn_uncalibrated(manifests: Iterable[SkuManifest]) -> None:
     """A warning (stderr, exit code unchanged) for each SKU whose tolerance key has no calibrated entry, and for each
     whose float32 pass lacks its bundle or its calibrated float32 entry."""
-    from common.paths import data_path
-    from gates.tolerance import calibration_warning, catalog_tolerances, float32_pass_warning, load_tolerances
+    from skupin.common.paths import data_path
+    from skupin.gates.judge.tolerance import calibration_warning, catalog_tolerances, float32_pass_warning, load_tolerances
 
     path = catalog_tolerances()
     tolerances = load_tolerances(path)
@@ -78,9 +85,9 @@ def _warn_uncalibrated(manifests) -> None:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from builder.check import resolve
-    from builder.render import render, render_manifest, write_context
-    from common.paths import sku_path
+    from skupin.builder.check import resolve
+    from skupin.builder.render import render, render_manifest, write_context
+    from skupin.common.paths import sku_path
 
     if args.out:
         _writable_folder(Path(args.out))
@@ -90,7 +97,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     if args.out:
         stored = {}
         if lock is not None:  # a locked context holds each step's wheels: `docker build DIR` needs no network
-            from builder.wheels import fetch_wheels
+            from skupin.builder.wheels import fetch_wheels
 
             stored = fetch_wheels((*lock.packages().values(), *lock.build), wheelhouse=args.wheelhouse,
                                   ca_bundle=args.ca_bundle, on_event=lambda line: print(line, file=sys.stderr))
@@ -109,7 +116,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def _writable_folder(path: Path) -> None:
     """--out must be a folder (made when missing) this user can write, outside /proc, /sys and /dev: checked before
     anything is rendered or fetched, so a bad target costs nothing."""
-    from common.errors import UsageError
+    from skupin.common.errors import UsageError
 
     resolved = path.resolve()
     if any(resolved.is_relative_to(system) for system in ("/proc", "/sys", "/dev")):
@@ -124,8 +131,8 @@ def _writable_folder(path: Path) -> None:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from builder.check import check_paths, raise_for
-    from builder.matrix import plan_matrix, summary_markdown
+    from skupin.builder.check import check_paths, raise_for
+    from skupin.builder.matrix import plan_matrix, summary_markdown
 
     reports = check_paths([Path(p) for p in args.paths])
     raise_for(reports)
@@ -148,25 +155,38 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
-def _published_probe(registry: str):
-    """(version_tag(stack), published(sku, tag)) against REGISTRY: a tag the registry holds is published."""
-    from builder.render import render
-    from clients.oci import RegistryClient
-    from common.errors import NetworkError
-    from publishing.publish import parse_target, version_tag
+def _published_probe(registry: str) -> tuple[Callable[[ResolvedStack], str], Callable[[str, str], bool]]:
+    """(version_tag(stack), published(sku, tag)) against REGISTRY: a version tag is published only when the registry
+    holds it and its digest carries a verification attestation a trusted key signed for that SKU and lock. Anyone who
+    may push can put something under the next tag (it can be computed from the repository): such a squatted tag is
+    not published, so the SKU is built, gated and published over it (publish replaces it, saying so)."""
+    from skupin.builder.render import render
+    from skupin.clients.oci import RegistryClient
+    from skupin.common.errors import NetworkError
+    from skupin.publishing.attest import trusted_keys
+    from skupin.publishing.publish import attested_for, parse_target, version_tag
 
     target = parse_target(registry)
     client = RegistryClient(target.url)
+    trusted = trusted_keys()
+    locks: dict[tuple[str, str], str] = {}  # (sku, version tag) -> the lock hash it was computed from
 
-    def tag_of(stack) -> str:
+    def tag_of(stack: ResolvedStack) -> str:
         rendered = render(stack)
         assert stack.lock is not None
-        return version_tag(sku=stack.manifest.name, engine_version=stack.manifest.stack.engine.version,
-                           lock=stack.lock, dockerfile_sha256=rendered.sha256)
+        tag = version_tag(sku=stack.manifest.name, engine_version=stack.manifest.stack.engine.version,
+                          lock=stack.lock, dockerfile_sha256=rendered.sha256)
+        locks[(stack.manifest.name, tag)] = stack.lock.content_hash()
+        return tag
 
     def published(sku: str, tag: str) -> bool:
+        repository = target.repository(sku)
         try:
-            return client.find_manifest(target.repository(sku), tag) is not None
+            held = client.find_manifest(repository, tag)
+            if held is None or (sku, tag) not in locks:
+                return False
+            return attested_for(client=client, repository=repository, held=held, sku=sku,
+                                lock_sha256=locks[(sku, tag)], trusted=trusted)
         except NetworkError as exc:
             raise NetworkError(f"--skip-published {registry}: cannot ask for {sku}:{tag}: {exc}") from exc
 
@@ -174,11 +194,11 @@ def _published_probe(registry: str):
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from builder.manifest import manifest_schema
+    from skupin.builder.catalog.manifest import manifest_schema
 
     text = json.dumps(manifest_schema(), indent=2, sort_keys=True) + "\n"
     if args.write:
-        from common.paths import skus_dir
+        from skupin.common.paths import skus_dir
 
         (skus_dir() / "schema.json").write_text(text, encoding="utf-8")
         out(f"wrote {skus_dir() / 'schema.json'}")
@@ -192,16 +212,16 @@ def _prefixed(name: str, line: str) -> None:
 
 
 def cmd_lock(args: argparse.Namespace) -> int:
-    from builder.lock import default_ca_bundle, default_resolver, relock
-    from builder.lockfile import image_tag, lock_path
-    from builder.manifest import load_manifest
-    from builder.render import render_manifest
-    from common.paths import sku_path
+    from skupin.builder.catalog.lockfile import lock_path, sku_image_tag
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.builder.lock import default_ca_bundle, default_resolver, relock
+    from skupin.builder.render import render_manifest
+    from skupin.common.paths import sku_path
 
     resolve = default_resolver(ca_bundle=args.ca_bundle or default_ca_bundle(), prefer=args.resolver)
     docker = None
     if args.apt == "resolve":
-        from dockerd import connect
+        from skupin.dockerd import connect
 
         docker = connect()
     for sku in args.skus:
@@ -210,7 +230,7 @@ def cmd_lock(args: argparse.Namespace) -> int:
         say = functools.partial(_prefixed, manifest.name)
         host = None
         if docker is not None:
-            from builder.aptlock import host_facts
+            from skupin.builder.aptlock import host_facts
 
             host = host_facts(manifest=manifest, docker=docker, on_event=say)
         lock = relock(
@@ -218,8 +238,7 @@ def cmd_lock(args: argparse.Namespace) -> int:
             ca_bundle=args.ca_bundle, resolve=resolve, progress=say, host=host,
         )
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
-        tag = image_tag(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
-                        dockerfile_sha256=render_manifest(manifest=manifest, lock=lock).sha256)
+        tag = sku_image_tag(manifest, lock=lock, dockerfile_sha256=render_manifest(manifest=manifest, lock=lock).sha256)
         if args.json:
             out(json.dumps({"sku": manifest.name, "lock": str(lock_path(path)), "lock_sha256": lock.content_hash(),
                             "packages": len(lock.packages()), "layers": {k: len(v) for k, v in lock.layers.items()},
@@ -233,7 +252,7 @@ def cmd_lock(args: argparse.Namespace) -> int:
 
 
 def cmd_docker_up(args: argparse.Namespace) -> int:
-    from dockerd import connect, ensure_dockerd
+    from skupin.dockerd import connect, ensure_dockerd
 
     status = ensure_dockerd(deadline_s=args.deadline, on_event=progress_printer("plain"))
     docker = connect()
@@ -253,10 +272,10 @@ def cmd_docker_up(args: argparse.Namespace) -> int:
 
 
 def cmd_base(args: argparse.Namespace) -> int:
-    from builder.base import ensure_base
-    from builder.manifest import load_manifest
-    from common.paths import sku_path
-    from dockerd import connect
+    from skupin.builder.base import ensure_base
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.common.paths import sku_path
+    from skupin.dockerd import connect
 
     manifest = load_manifest(sku_path(args.sku))
     image_id = ensure_base(manifest=manifest, docker=connect(), on_event=progress_printer("plain"))
@@ -266,11 +285,11 @@ def cmd_base(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from builder.build import build
-    from builder.check import resolve
-    from builder.render import render
-    from common.paths import ensure_state, sku_path, state_dir
-    from dockerd import connect
+    from skupin.builder.build import build
+    from skupin.builder.check import resolve
+    from skupin.builder.render import render
+    from skupin.common.paths import ensure_state, sku_path, state_dir
+    from skupin.dockerd import connect
 
     stack = resolve(sku_path(args.sku))
     ensure_state()
@@ -297,10 +316,10 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_wheels(args: argparse.Namespace) -> int:
     """`skupin wheels prune`: drop stored wheels that no lock under the given paths names."""
-    from builder.lockfile import lock_path, read_lock
-    from builder.sourcebuild import read_built
-    from builder.wheels import prune_store, wheel_store
-    from common.paths import manifest_files
+    from skupin.builder.catalog.lockfile import lock_path, read_lock
+    from skupin.builder.sourcebuild import read_built
+    from skupin.builder.wheels import prune_store, wheel_store
+    from skupin.common.paths import manifest_files
 
     keep: set[str] = set()
     locks = [lock_path(m) for m in manifest_files([Path(p) for p in args.paths])]
@@ -373,7 +392,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wheelhouse", metavar="DIR", help="a wheelhouse the runners have (default: none, as on GitHub-hosted "
                                                       "runners): wheels locked without a URL are found there")
     p.add_argument("--skip-published", metavar="REGISTRY",
-                   help="leave out (as `current`) every SKU whose version tag REGISTRY already holds")
+                   help="leave out (as `current`) every SKU whose version tag REGISTRY already holds with an "
+                        "attestation a trusted key signed for that SKU and lock (an unattested tag is squatted: rebuilt)")
     p.add_argument("--github-output", metavar="FILE", help="append matrix=<strategy JSON> and count=N (for $GITHUB_OUTPUT)")
     p.add_argument("--summary", metavar="FILE", help="append the plan as a Markdown table (for $GITHUB_STEP_SUMMARY)")
     p.set_defaults(func=cmd_matrix)
@@ -408,9 +428,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--wheelhouse or downloaded, each checked against the lock's sha256), render the SKU's "
         "Dockerfile from its lock and build it with BuildKit, one step per pin after its locked "
         "dependencies, so a point release rebuilds only its own step and those above. Each step "
-        "binds exactly its wheels and installs them with imagetools/wheel_install.py (hashes checked "
+        "binds exactly its wheels and installs them with skupin/imagetools/wheel_install.py (hashes checked "
         "again, pypa installer, no resolver, no network), compiling each Python file as it is "
-        "written with imagetools/bytecode.py (unchanged files' code comes from a BuildKit cache "
+        "written with skupin/imagetools/bytecode.py (unchanged files' code comes from a BuildKit cache "
         "mount). The build context is kept in .skupin/contexts/<sku> (locked while a build uses it) so BuildKit "
         "re-sends only what changed. After the build the "
         "image's own Python must report exactly the locked set; only then is the image "

@@ -6,31 +6,42 @@ import argparse
 import datetime as _dt
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from skupin.cli.output import err, out
 
+if TYPE_CHECKING:
+    from skupin.ab.runtime import ABInput
+    from skupin.builder.catalog.stack import ResolvedStack
+    from skupin.dockerd import Docker
+    from skupin.pipeline import RunOptions
 
-def _stack_and_docker(sku: str):
-    from builder.check import resolve
-    from common.paths import sku_path
-    from dockerd import connect
+
+def _stack_and_docker(sku: str) -> tuple[ResolvedStack, Docker]:
+    from skupin.builder.check import resolve
+    from skupin.common.paths import sku_path
+    from skupin.dockerd import connect
 
     stack = resolve(sku_path(sku))
     return stack, connect()
 
 
 def _default_out(kind: str, sku: str) -> Path:
-    from common.paths import state_dir
+    from skupin.common.paths import state_dir
 
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     return state_dir() / kind / sku / stamp
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from gates.gate import gate_image, image_from_build_record
-    from gates.tolerance import catalog_tolerances
+    from skupin.gates.gate import gate_image, image_from_build_record
+    from skupin.gates.judge.tolerance import catalog_tolerances
+    from skupin.publishing.attest import find_signer
+    from skupin.publishing.publish import write_verdict_envelope
 
     stack, docker = _stack_and_docker(args.sku)
+    # the key that binds the verdict to this gate run, found (or made, on a fresh machine) before anything runs
+    signer = find_signer(getattr(args, "signing_key", None), create=True, on_event=err)
     image = args.image or image_from_build_record(stack.manifest.name)
     folder = Path(args.out) if args.out else _default_out("gates", stack.manifest.name)
     verdict = gate_image(stack=stack, image=image, docker=docker, out=folder, on_event=err,
@@ -38,6 +49,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
                          reference=Path(args.reference) if args.reference else None,
                          baseline=getattr(args, "baseline", None),
                          wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
+    envelope = write_verdict_envelope(folder, verdict, signer)
+    err(f"verdict signed by this host's key {signer.keyid[:12]}: {envelope}")
     if args.json:
         out(verdict.model_dump_json(indent=1))
     else:
@@ -49,17 +62,25 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from builder.check import resolve
-    from common.paths import sku_path
-    from dockerd import connect
-    from gates.calibrate import DEFAULT_VARIATIONS, calibrate_image
-    from gates.gate import image_from_build_record
-    from gates.tolerance import catalog_tolerances, load_tolerances, merge_entry, writable_tolerances, write_tolerances
+    from skupin.builder.check import resolve
+    from skupin.common.paths import sku_path
+    from skupin.dockerd import connect
+    from skupin.gates.calibrate import DEFAULT_VARIATIONS, calibrate_image, refuse_quantized
+    from skupin.gates.gate import image_from_build_record
+    from skupin.gates.judge.tolerance import (
+        catalog_tolerances,
+        load_tolerances,
+        merge_entry,
+        writable_tolerances,
+        write_tolerances,
+    )
 
     stack = resolve(sku_path(args.sku))
+    refuse_quantized(stack.manifest)  # before anything runs: calibration comes from full-precision weights only
+    pinned = stack  # the image's files are checked against the SKU's own lock and render, --float32 or not
     if args.float32:  # the float32 pass's entry: the same image at float32 against the float32 bundle
-        from common.errors import ManifestError
-        from gates.bundle import float32_manifest
+        from skupin.common.errors import ManifestError
+        from skupin.gates.refdata.bundle import float32_manifest
 
         if stack.manifest.gate.dtype == "float32":
             raise ManifestError(f"{stack.manifest.name} serves float32: its gate has no separate float32 pass; "
@@ -70,8 +91,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     folder = Path(args.out) if args.out else _default_out("calibrations", stack.manifest.name)
     path = Path(args.tolerances) if args.tolerances else writable_tolerances()
     tolerances = load_tolerances(path if path.is_file() else catalog_tolerances())
+    # refuses (nothing written) an image that fails pins, quantized weights, runs that break a hard bound or the
+    # float32 pass (gates/calibrate.py)
+    wheelhouse = getattr(args, "wheelhouse", None)
     entry = calibrate_image(stack=stack, image=image, docker=docker, out=folder, boots=args.boots,
-                            variations=DEFAULT_VARIATIONS, margin=args.margin, on_event=err)
+                            variations=DEFAULT_VARIATIONS, margin=args.margin, on_event=err, tolerances=tolerances,
+                            pinned=pinned, wheelhouse=Path(wheelhouse) if wheelhouse else None)
     merged = merge_entry(tolerances, entry, allow_looser=args.allow_looser)
     if not args.dry_run:
         write_tolerances(merged, path)
@@ -102,12 +127,12 @@ def _positive(text: str) -> int:
     return value
 
 
-def _ab_side(sku: str, image: str | None, args: argparse.Namespace):
+def _ab_side(sku: str, image: str | None, args: argparse.Namespace) -> ABInput:
     """(stack, image) of one side: the given image with the SKU's current stack, else the SKU built (cached) here."""
-    from builder.check import resolve
-    from common.paths import sku_path
-    from dockerd import ensure_dockerd
-    from gates.serving.runtime_ab import ABInput
+    from skupin.ab.runtime import ABInput
+    from skupin.builder.check import resolve
+    from skupin.common.paths import sku_path
+    from skupin.dockerd import ensure_dockerd
     from skupin.pipeline import build_sku
 
     if image:
@@ -117,7 +142,7 @@ def _ab_side(sku: str, image: str | None, args: argparse.Namespace):
     return ABInput(stack=stack, image=built.image)
 
 
-def _run_options(sku: str, args: argparse.Namespace):
+def _run_options(sku: str, args: argparse.Namespace) -> RunOptions:
     from skupin.pipeline import RunOptions
 
     return RunOptions(sku=sku, wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
@@ -126,13 +151,13 @@ def _run_options(sku: str, args: argparse.Namespace):
 def cmd_ab(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from builder.check import resolve
-    from common.errors import ManifestError
-    from common.paths import sku_path
-    from dockerd import connect
-    from gates.serving.ab import ABSettings
-    from gates.serving.runtime_ab import runtime_ab, same_weights
-    from gates.tolerance import catalog_tolerances
+    from skupin.ab.decision import ABSettings
+    from skupin.ab.runtime import runtime_ab, same_weights
+    from skupin.builder.check import resolve
+    from skupin.common.errors import ManifestError
+    from skupin.common.paths import sku_path
+    from skupin.dockerd import connect
+    from skupin.gates.judge.tolerance import catalog_tolerances
 
     try:
         settings = ABSettings(runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
@@ -172,7 +197,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--image", metavar="REF", help="image to gate (default: the SKU's build record); any local image works")
     p.add_argument("--json", action="store_true", help="print the verdict JSON on stdout (progress goes to stderr)")
-    p.add_argument("--out", metavar="DIR", help="where verdict.json, report.md, plot.png go (default .skupin/gates/SKU/TIME)")
+    p.add_argument("--out", metavar="DIR", help="where verdict.json, verdict.dsse.json (the verdict signed with this "
+                                            "host's key), report.md, plot.png go (default .skupin/gates/SKU/TIME)")
+    p.add_argument("--signing-key", metavar="FILE", type=Path,
+                   help="the key that signs the verdict (default $SKUPIN_SIGNING_KEY, else .skupin/keys/signing.key, "
+                        "made and trusted here when missing); publish accepts only a verdict a trusted key signed")
     p.add_argument("--reference", metavar="DIR", help="reference bundle (default: the SKU's gate.reference)")
     p.add_argument("--tolerances", metavar="FILE", help="tolerance file (default gates/data/tolerances.yaml)")
     p.add_argument("--baseline", metavar="REF", help="serve check: A/B the server's speed against this image "

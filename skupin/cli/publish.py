@@ -5,22 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from common.errors import NetworkError, PublishError
 from skupin.cli.output import err as _err
 from skupin.cli.output import out as _out
+from skupin.common.errors import NetworkError, PublishError
+
+if TYPE_CHECKING:
+    from skupin.publishing.local_registry import LocalRegistry
 
 # ---------------------------------------------------------------- registry
 
 
-def _local(args: argparse.Namespace):
-    from publishing.local_registry import default_registry
+def _local(args: argparse.Namespace) -> LocalRegistry:
+    from skupin.publishing.local_registry import default_registry
 
     return default_registry(addr=args.addr)
 
 
 def cmd_registry(args: argparse.Namespace) -> int:
-    from publishing.local_registry import registry_down, registry_status, registry_up
+    from skupin.publishing.local_registry import registry_down, registry_status, registry_up
 
     reg = _local(args)
     if args.registry_command == "up":
@@ -39,8 +43,8 @@ def cmd_registry(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from dockerd import connect
-    from publishing.publish import publish_sku
+    from skupin.dockerd import connect
+    from skupin.publishing.publish import publish_sku
 
     published = publish_sku(sku=args.sku, registry=args.registry, addr=args.addr, verdict_path=args.verdict,
                             image=args.image, docker=connect(), signing_key=args.signing_key, on_event=_err)
@@ -65,36 +69,40 @@ def _sku_name(sku: str | None) -> str | None:
     """The SKU an operator names: a name as given (no catalog needed), or a manifest path read for its `name`."""
     if sku is None or not (sku.endswith((".yaml", ".yml")) or "/" in sku):
         return sku
-    from builder.manifest import load_manifest
-    from common.paths import sku_path
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.common.paths import sku_path
 
     return load_manifest(sku_path(sku)).name
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from publishing.verify import verify_reference
+    from skupin.common.files import writable_file, write_atomic
+    from skupin.publishing.verify import verify_reference
 
+    if args.sbom_out is not None:
+        writable_file(args.sbom_out, flag="--sbom-out")  # before asking any registry
     result = verify_reference(ref=args.ref, sku=_sku_name(args.sku), trusted=args.key or None,
                               require_sbom=args.require_sbom or args.sbom_out is not None)
-    _out(json.dumps(result.model_dump(mode="json")) if args.json else result.line())
+    _out(json.dumps(result.model_dump(mode="json")) if args.json else f"{result.line()}\n{result.trust_line()}")
     if not result.ok:
         return NetworkError.exit_code if result.unreachable else PublishError.exit_code
     if args.sbom_out is not None and result.bom is not None:
-        Path(args.sbom_out).write_text(json.dumps(result.bom, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_atomic(args.sbom_out, json.dumps(result.bom, indent=2, sort_keys=True) + "\n")
         if not args.json:
             _out(f"wrote the verified SBOM to {args.sbom_out}")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from common.untrusted import printable as _shown  # text from a registry: control characters escaped, bounded
-    from publishing.verify import inspect_reference
+    from skupin.common.untrusted import printable as _shown  # text from a registry: control characters escaped, bounded
+    from skupin.publishing.verify import inspect_reference
 
     found = inspect_reference(ref=args.ref, trusted=args.key or None)
     if args.json:
         _out(json.dumps(found.model_dump(mode="json"), indent=2, sort_keys=True))
     else:
         _out(f"{found.ref} -> {found.reference}")
+        _out(f"trust anchors: {_shown('; '.join(found.trust) or 'none', 2000)}")
         for number, record in enumerate(found.records, 1):
             p, bom = record.predicate, record.sbom
             if bom is not None:
@@ -122,10 +130,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from dockerd import connect
-    from publishing.local_registry import default_registry
-    from publishing.publish import parse_target
-    from publishing.verify import pull_verified
+    from skupin.dockerd import connect
+    from skupin.publishing.local_registry import default_registry
+    from skupin.publishing.publish import parse_target
+    from skupin.publishing.verify import pull_verified
 
     target = parse_target(args.registry or default_registry(addr=args.addr).addr)
     result, image_id = pull_verified(sku=str(_sku_name(args.sku)), target=target, docker=connect(),
@@ -134,6 +142,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         _out(json.dumps({**result.model_dump(mode="json"), "image_id": image_id}))
         return 0
     _out(result.line())
+    _out(result.trust_line())
     _out(f"image id {image_id}")
     _out(str(result.reference))
     return 0
@@ -168,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from publishing.attest import generate_keys, trusted_keys
+    from skupin.publishing.attest import generate_keys, trusted_keys
 
     if args.keys_command == "generate":
         pair = generate_keys(out=args.out)
@@ -199,7 +208,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """`registry`, `keys`, `publish`, `verify`, `inspect`, `pull`, `run`."""
-    from common.paths import REGISTRY_ADDR as DEFAULT_ADDR
+    from skupin.common.paths import REGISTRY_ADDR as DEFAULT_ADDR
 
     p = sub.add_parser("registry", help="the default local OCI registry: up, down, status (127.0.0.1:5000)")
     rsub = p.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
@@ -247,7 +256,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="operators: does REF resolve to a digest with a signed attestation that passes "
                                       "publish's policy (trusted key, this digest, this SKU, required checks, committed "
                                       "bundle and tolerance, current lock), and a signed SBOM about that digest when one "
-                                      "is stored? exit 8 when not")
+                                      "is stored? exit 8 when not. A catalog found by walking up from here counts "
+                                      "only when you (or root) own it and no one else can write it (--root names one "
+                                      "you trust); the answer lists the trust anchors it used")
     p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
     p.add_argument("--sku", help="the SKU the image must be attested for, by name or manifest path (default: the "
                                  "repository's last path part)")

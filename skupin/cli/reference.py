@@ -6,21 +6,25 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from common.errors import SkupinError
-from engines import ALL_ENGINES, DEFAULT_ENGINE, probe_adapter
+from skupin.common.errors import SkupinError
+from skupin.engines import ALL_ENGINES, DEFAULT_ENGINE, probe_adapter
+
+if TYPE_CHECKING:
+    from skupin.builder.catalog.manifest import SkuManifest
 
 
-def _sku_manifest(sku: str):
+def _sku_manifest(sku: str) -> SkuManifest:
     """Load a SKU given by name (skus/<name>.yaml) or by path; ManifestError (with a hint) when there is none."""
-    from builder.manifest import load_manifest
-    from common.paths import sku_path
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.common.paths import sku_path
 
     return load_manifest(sku_path(sku))
 
 
 def cmd_reference_capture(args: argparse.Namespace) -> int:
-    from gates.bundle import capture
+    from skupin.gates.refdata.bundle import capture
 
     manifest = _sku_manifest(args.sku)
     out = capture(manifest=manifest, out=Path(args.out), dtype=args.dtype, batch_size=args.batch_size,
@@ -38,7 +42,7 @@ def cmd_reference_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_reference_verify(args: argparse.Namespace) -> int:
-    from gates.bundle import check_fits, verify
+    from skupin.gates.refdata.bundle import check_fits, verify
 
     meta = verify(folder=Path(args.folder))
     if args.sku:
@@ -53,8 +57,8 @@ def cmd_reference_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_fixture_generate(args: argparse.Namespace) -> int:
-    from gates import fixture
-    from gates.bundle import FIXTURES
+    from skupin.gates.refdata import fixture
+    from skupin.gates.refdata.bundle import FIXTURES
 
     out = Path(args.out) if args.out else FIXTURES / args.name
     if args.check:
@@ -74,7 +78,7 @@ def cmd_fixture_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# The fixtures of gates.fixture.SPECS, named here so that building the CLI does not import numpy
+# The fixtures of gates.refdata.fixture.SPECS, named here so that building the CLI does not import numpy
 # (tests/unit/test_fixture.py checks the two agree).
 FIXTURE_NAMES = ("deep-llama", "llama-1k", "tiny-llama", "tiny-moe")
 

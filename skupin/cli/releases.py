@@ -5,21 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from common.paths import PYPI_SIMPLE
 from skupin.cli.output import out
+from skupin.common.paths import PYPI_SIMPLE
+
+if TYPE_CHECKING:
+    from skupin.builder.catalog.manifest import SkuManifest
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from builder.lock import default_ca_bundle
-    from releases.watch import markdown, relock, text_report, watch
+    from skupin.builder.lock import default_ca_bundle
+    from skupin.releases.watch import markdown, relock, text_report, watch
 
     relock_fn = None
     if args.apply and not args.no_lock:
-        from builder.aptlock import host_facts
-        from dockerd import connect
+        from skupin.builder.aptlock import host_facts
+        from skupin.dockerd import connect
 
-        def relock_fn(manifest, path) -> None:  # as `skupin lock` does: the base's layer and apt versions recorded
+        def relock_fn(manifest: SkuManifest,
+                      path: Path) -> None:  # as `skupin lock` does: the base's layer and apt versions recorded
             docker = connect()
             try:
                 relock(manifest, path, wheelhouse=args.wheelhouse, index_url=args.index_url,
@@ -38,9 +43,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    from builder.compat import COMPAT_PATH
-    from builder.lock import default_ca_bundle
-    from releases.compat_refresh import refresh
+    from skupin.builder.catalog.compat import COMPAT_PATH
+    from skupin.builder.lock import default_ca_bundle
+    from skupin.releases.compat_refresh import refresh
 
     compat = Path(args.compat) if args.compat else COMPAT_PATH
     report = refresh(index_url=args.index_url, out=Path(args.out) if args.out else compat, compat_path=compat,

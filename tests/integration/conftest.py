@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import DockerError
-from dockerd import DEFAULT_SOCKET, SESSION_LABEL, Docker, connect
+from skupin.common.errors import DockerError
+from skupin.dockerd import DEFAULT_SOCKET, SESSION_LABEL, Docker, connect
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
@@ -69,7 +69,7 @@ def host_ca_bundle() -> Path | None:
 @pytest.fixture(scope="session")
 def stack():
     """The CPU SKU checked and locked (its committed lock)."""
-    from builder.check import resolve
+    from skupin.builder.check import resolve
 
     return resolve(CPU_SKU, require_lock=True)
 
@@ -78,19 +78,19 @@ def _built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
     """A SKU's image: the one `skupin build` recorded when it still exists for the same lock, else built now."""
     import json
 
-    from common.paths import state_dir
+    from skupin.common.paths import state_dir
 
     record = state_dir() / "builds" / f"{stack.manifest.name}.json"
     if record.is_file():
         data = json.loads(record.read_text())
-        from builder.sourcebuild import read_built
+        from skupin.builder.sourcebuild import read_built
 
         # an engine built from its sdist also needs this host's record of the wheel it built (for `pins`)
         built = not stack.lock.sources() or read_built(stack.lock) is not None
         if data.get("lock_sha256") == stack.lock.content_hash() and docker.image_exists(data["image_id"]) and built:
             return data["image_id"]
-    from builder.build import build
-    from builder.render import render
+    from skupin.builder.build import build
+    from skupin.builder.render import render
 
     built = build(render(stack), docker, wheelhouse=wheelhouse, ca_bundle=ca_bundle)
     return built.image_id
@@ -105,7 +105,7 @@ def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
 @pytest.fixture(scope="session")
 def vllm_stack():
     """The vLLM CPU SKU checked and locked (its committed lock)."""
-    from builder.check import resolve
+    from skupin.builder.check import resolve
 
     return resolve(VLLM_SKU, require_lock=True)
 
@@ -119,7 +119,7 @@ def vllm_image(docker: Docker, vllm_stack, wheelhouse, host_ca_bundle) -> str:
 @pytest.fixture(scope="session")
 def llamacpp_stack():
     """The llama.cpp CPU SKU (its engine built from the sdist) checked and locked (its committed lock)."""
-    from builder.check import resolve
+    from skupin.builder.check import resolve
 
     return resolve(LLAMACPP_SKU, require_lock=True)
 
@@ -134,7 +134,7 @@ def llamacpp_image(docker: Docker, llamacpp_stack, wheelhouse, host_ca_bundle) -
 @pytest.fixture(scope="session")
 def llamacpp_q8_stack():
     """The example SKU that serves a Q8_0 GGUF of the fixture with the same llama.cpp image otherwise."""
-    from builder.check import resolve
+    from skupin.builder.check import resolve
 
     return resolve(LLAMACPP_Q8_SKU, require_lock=True)
 

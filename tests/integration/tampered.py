@@ -18,8 +18,8 @@ import hashlib
 import shutil
 from pathlib import Path
 
-from builder.lockfile import Lock, LockedPackage
-from builder.render import _tools
+from skupin.builder.catalog.lockfile import Lock, LockedPackage
+from skupin.builder.render import _tools
 from tests.data.wheels import make_wheel
 
 DERIVED = Path(__file__).with_name("derived")

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import Docker
-from gates.gate import gate_image
-from gates.serving.ab import ABSettings, RuntimeAB
-from gates.serving.perf import PerfSettings
-from gates.serving.runtime_ab import ABInput, runtime_ab
-from gates.verdict import GateVerdict
+from skupin.ab.decision import ABSettings, RuntimeAB
+from skupin.ab.runtime import ABInput, runtime_ab
+from skupin.dockerd import Docker
+from skupin.gates.gate import gate_image
+from skupin.gates.judge.verdict import GateVerdict
+from skupin.gates.serving.perf import PerfSettings
 
 pytestmark = pytest.mark.integration
 

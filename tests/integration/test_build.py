@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from builder.build import BuiltImage, build
-from builder.check import resolve
-from builder.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
-from builder.manifest import load_manifest
-from builder.render import render, render_manifest
-from builder.wheels import store_path, wheel_store
-from common.errors import BuildError
-from dockerd import ContainerSpec, Docker
+from skupin.builder.build import BuiltImage, build
+from skupin.builder.catalog.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.builder.check import resolve
+from skupin.builder.render import render, render_manifest
+from skupin.builder.wheels import store_path, wheel_store
+from skupin.common.errors import BuildError
+from skupin.dockerd import ContainerSpec, Docker
 
 from .conftest import CPU_SKU
 
@@ -40,7 +40,7 @@ def sku_dir(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path | None, h
     if committed.is_file():
         shutil.copy(committed, lock_path(folder / CPU_SKU.name))
     else:
-        from builder.lock import lock_sku
+        from skupin.builder.lock import lock_sku
 
         manifest = load_manifest(folder / CPU_SKU.name)
         lock = lock_sku(manifest=manifest, manifest_path=folder / CPU_SKU.name, wheelhouse=wheelhouse,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from builder.base import ensure_base
-from builder.manifest import Base, load_manifest
-from common.errors import DockerError
-from dockerd import BindMount, ContainerSpec, Docker, ensure_dockerd
+from skupin.builder.base import ensure_base
+from skupin.builder.catalog.manifest import Base, load_manifest
+from skupin.common.errors import DockerError
+from skupin.dockerd import BindMount, ContainerSpec, Docker, ensure_dockerd
 
 from .conftest import CPU_SKU
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from clients.oci import RegistryClient
-from common.errors import PublishError
-from dockerd import Docker
-from publishing.local_registry import LocalRegistry, registry_down, registry_up
-from publishing.policy import signed_predicate
-from publishing.publish import read_attestations
+from skupin.clients.oci import RegistryClient
+from skupin.common.errors import PublishError
+from skupin.dockerd import Docker
+from skupin.publishing.local_registry import LocalRegistry, registry_down, registry_up
+from skupin.publishing.policy import signed_predicate
+from skupin.publishing.publish import read_attestations
 from tests.integration.test_publish import (
     SKU,
     TRUSTED,
@@ -173,8 +173,8 @@ def test_push_error_mid_stream_tags_nothing(docker: Docker, registry: LocalRegis
 CHILD = r"""
 import sys, time
 from pathlib import Path
-from dockerd import ContainerSpec, connect
-from publishing.local_registry import LocalRegistry
+from skupin.dockerd import ContainerSpec, connect
+from skupin.publishing.local_registry import LocalRegistry
 from tests.integration.test_publish import make_lock, make_verdict, publish
 mode, addr, folder, image_id, url = sys.argv[1:6]
 docker = connect()
@@ -249,7 +249,7 @@ def test_two_publishes_at_once_serialize_and_the_version_tag_never_moves(docker:
     """Two different images of one lock, published at once, three rounds: publishes from this host serialize (a lock
     file); the first to take the version tag keeps it, every publish of the other image is refused (immutable
     version tag), re-publishing the winner is fine, and no temporary tag is left."""
-    from dockerd import connect
+    from skupin.dockerd import connect
 
     lock = make_lock()
     images = [tiny.make("race-a"), tiny.make("race-b")]

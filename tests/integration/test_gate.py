@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import Docker
-from gates.gate import RUN_LABEL, gate_image, run_label
+from skupin.dockerd import Docker
+from skupin.gates.gate import RUN_LABEL, gate_image, run_label
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +128,7 @@ def test_an_uncalibrated_class_runs_the_calibration_free_checks_and_ends_uncalib
         stack, honest_image: str, docker: Docker, tmp_path: Path) -> None:
     """No entry for the SKU's key: pins, boot and the hard bounds run on the real image; the decision is
     `uncalibrated` (exit 14), neither pass nor could-not-run (issue 18)."""
-    from gates.tolerance import Tolerances, write_tolerances
+    from skupin.gates.judge.tolerance import Tolerances, write_tolerances
 
     empty = tmp_path / "tolerances.yaml"
     write_tolerances(Tolerances(), empty)
@@ -153,7 +153,7 @@ def _served_in_bfloat16(stack):
 def _with_command_of(stack, image: str, docker: Docker, folder: Path) -> Iterator[str]:
     """`image` with the default command the rendered Dockerfile of `stack` gives (which carries the serving dtype, and
     which `pins` compares with the image's), built FROM it by tag; removed afterwards."""
-    from builder.render import render
+    from skupin.builder.render import render
 
     command = next(line for line in render(stack).text.splitlines() if line.startswith("CMD "))
     base = f"skupin-test/command-base:{uuid.uuid4().hex[:12]}"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, Docker
-from gates.gate import gate_image
+from skupin.dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, Docker
+from skupin.gates.gate import gate_image
 
 pytestmark = pytest.mark.integration
 
@@ -116,6 +116,6 @@ def _owner(docker: Docker, cid: str) -> int | None:
 
 
 def _manifest_sha(path: Path) -> str:
-    from builder.manifest import load_manifest, manifest_digest
+    from skupin.builder.catalog.manifest import load_manifest, manifest_digest
 
     return manifest_digest(load_manifest(path))

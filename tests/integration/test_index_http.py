@@ -1,4 +1,4 @@
-"""clients/pypi.py, clients/oci.py and `compat refresh` against real HTTP servers on loopback (recorded PyPI metadata,
+"""skupin.clients.pypi, .oci and `compat refresh` against real HTTP servers on loopback (recorded PyPI metadata,
 a small registry)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from builder.compat import CompatData
-from clients.oci import RegistryClient, docker_credentials, parse_image_ref
-from clients.pypi import IndexClient
-from common.errors import NetworkError
-from releases.compat_refresh import refresh
+from skupin.builder.catalog.compat import CompatData
+from skupin.clients.oci import RegistryClient, docker_credentials, parse_image_ref
+from skupin.clients.pypi import IndexClient
+from skupin.common.errors import NetworkError
+from skupin.releases.compat_refresh import refresh
 from tests.data.index.server import serve_index, serve_registry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,9 +188,9 @@ def test_parse_image_ref():
 def test_the_lock_finds_a_source_built_engines_sdist_with_the_indexs_sha256(index_url):
     """builder/sdist.find_sdist over PEP 691: the one .tar.gz of the release, its URL made absolute, the index's sha256
     (the recorded llama-cpp-python page; the 76 MB file itself is not recorded)."""
-    from builder.manifest import load_manifest
-    from builder.sdist import find_sdist
-    from common.errors import LockError
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.builder.sdist import find_sdist
+    from skupin.common.errors import LockError
 
     pin = load_manifest(REPO / "skus" / "cpu-x86_64-llamacpp.yaml").stack.engine
     pkg = find_sdist(pin, index_url)

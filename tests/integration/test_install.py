@@ -14,14 +14,15 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from packaging.utils import canonicalize_name
 
-from builder.lockfile import read_lock
-from builder.wheels import store_path, wheel_store
+from skupin.builder.catalog.lockfile import read_lock
+from skupin.builder.wheels import store_path, wheel_store
 from tests.data.index.server import serve_wheels
 from tests.integration.test_publish import SIGNER, make_lock, make_verdict, publish, registry, tiny  # noqa: F401
 from tests.paths import REPO, SKUS
@@ -47,20 +48,30 @@ def installed(tmp_path_factory) -> Iterator[tuple[Path, dict[str, str]]]:
     tmp = tmp_path_factory.mktemp("install")
     src = tmp / "src"
     src.mkdir()
-    keep = ("pyproject.toml", "README.md", "builder", "gates", "engines", "publishing", "releases", "clients",
-            "dockerd", "imagetools", "common", "skupin")
-    for name in keep:
-        (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, src / name)
+    keep = ("pyproject.toml", "README.md", "builder", "gates", "templates", "skupin")
+    for name in keep:  # skupin/{builder,gates,templates} stay links, as in a clone
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, symlinks=True)
+        else:
+            shutil.copy(REPO / name, src / name)
     for junk in src.rglob("__pycache__"):
         shutil.rmtree(junk)
     built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", tmp / "dist", src, cwd=tmp)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (tmp / "dist").glob("skupin-*.whl")
+    with zipfile.ZipFile(wheel) as whl:  # one import package: nothing else lands in site-packages
+        tops = {name.split("/")[0] for name in whl.namelist() if not name.split("/")[0].endswith(".dist-info")}
+        assert tops == {"skupin"}, tops
+        names = set(whl.namelist())
+    assert {"skupin/templates/base.Dockerfile.j2", "skupin/builder/data/compat.yaml", "skupin/gates/data/tolerances.yaml",
+            "skupin/imagetools/probe/skupin_probe.py", "skupin/imagetools/probe/skupin_probe_vllm.py"} <= names
     venv = tmp / "venv"
     assert _run("python3", "-m", "venv", venv, cwd=tmp).returncode == 0
     pip = _run(venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", wheel, cwd=tmp)
     assert pip.returncode == 0, pip.stderr[-3000:]
-    where = _run(venv / "bin" / "python", "-c", "import builder, gates; print(builder.__file__, gates.__file__)", cwd=tmp)
+    code = "import skupin.builder, skupin.gates as g; print(skupin.builder.__file__, g.__file__)"
+    where = _run(venv / "bin" / "python", "-c", code,
+                 cwd=tmp)
     assert "site-packages" in where.stdout and str(REPO) not in where.stdout, where.stdout  # not this checkout
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKUPIN_") and k != "PYTHONPATH"}
     env.update(XDG_CACHE_HOME=str(tmp / "cache"))
@@ -70,7 +81,7 @@ def installed(tmp_path_factory) -> Iterator[tuple[Path, dict[str, str]]]:
 def _package_state(skupin: Path) -> dict[str, tuple[int, int]]:
     """Every file of the installed package (size, mtime): nothing a command does may write into it."""
     site = next(skupin.parent.parent.glob("lib/python3*/site-packages"))
-    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for name in ("builder", "gates", "common", "skupin")
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for name in ("skupin",)
             for p in (site / name).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
 
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from builder.render import render
-from common.paths import state_dir
-from dockerd import ContainerSpec, Docker
-from gates.gate import gate_image
-from gates.static.integrity import inspect_image_files
-from gates.static.layers import image_view
+from skupin.builder.render import render
+from skupin.common.paths import state_dir
+from skupin.dockerd import ContainerSpec, Docker
+from skupin.gates.gate import gate_image
+from skupin.gates.integrity.static import inspect_image_files
+from skupin.imageview.layers import image_view
 
 pytestmark = pytest.mark.integration
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from builder.render import render
-from builder.sourcebuild import read_built
-from common.paths import state_dir
-from dockerd import ContainerSpec, Docker
-from gates.static.integrity import inspect_image_files
+from skupin.builder.render import render
+from skupin.builder.sourcebuild import read_built
+from skupin.common.paths import state_dir
+from skupin.dockerd import ContainerSpec, Docker
+from skupin.gates.integrity.static import inspect_image_files
 
 pytestmark = pytest.mark.integration
 SITE = "/opt/skupin/venv/lib/python3.11/site-packages"
@@ -53,7 +53,7 @@ def test_a_q8_0_gguf_of_the_same_fixture_fails_the_model_check(llamacpp_q8_image
                                                                docker: Docker, wheelhouse, tmp_path: Path) -> None:
     """Same image and engine, the server and the probe load the Q8_0 GGUF: a different model version, caught by the
     numbers (pins and boot pass)."""
-    from gates.gate import gate_image
+    from skupin.gates.gate import gate_image
 
     verdict = gate_image(stack=llamacpp_q8_stack, image=llamacpp_q8_image, docker=docker, out=tmp_path,
                          wheelhouse=wheelhouse)

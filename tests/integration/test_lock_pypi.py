@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from packaging.utils import canonicalize_name
 
-from builder.lock import lock_sku, tcp_reachable
-from builder.lockfile import PY_LAYERS, image_tag
-from builder.manifest import load_manifest
+from skupin.builder.catalog.lockfile import PY_LAYERS, image_tag
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.builder.lock import lock_sku, tcp_reachable
 
 pytestmark = pytest.mark.integration
 

@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from builder.lockfile import Lock, LockedBase
-from builder.render import render
-from clients.oci import RegistryClient
-from common.errors import NetworkError, PublishError
-from dockerd import Docker
-from publishing.attest import Signer, TrustedKeys, tolerance_sha256
-from publishing.local_registry import LocalRegistry, registry_down, registry_status, registry_up, untag_on_disk
-from publishing.policy import Expected
-from publishing.publish import (
+from skupin.builder.catalog.lockfile import Lock, LockedBase
+from skupin.builder.render import render
+from skupin.clients.oci import RegistryClient
+from skupin.common.errors import NetworkError, PublishError
+from skupin.dockerd import Docker
+from skupin.publishing.attest import Signer, TrustedKeys, tolerance_sha256
+from skupin.publishing.local_registry import LocalRegistry, registry_down, registry_status, registry_up, untag_on_disk
+from skupin.publishing.policy import Expected
+from skupin.publishing.publish import (
     PublishedImage,
     attestation_tag,
     parse_target,
@@ -37,7 +37,7 @@ from publishing.publish import (
     verdict_facts,
     version_tag,
 )
-from publishing.verify import Verification, pull_verified, verify_reference
+from skupin.publishing.verify import Verification, pull_verified, verify_reference
 
 pytestmark = pytest.mark.integration
 SKU = "tiny-test"
@@ -66,8 +66,8 @@ def make_lock(sku: str = SKU, salt: str = "a") -> Lock:
 
 
 def make_verdict(*, image_id: str, lock: Lock, decision: str = "pass", sku: str = SKU) -> dict:
-    """A verdict JSON for `image_id`, valid for gates.verdict.GateVerdict."""
-    from gates.verdict import GateVerdict
+    """A verdict JSON for `image_id`, valid for gates.judge.verdict.GateVerdict."""
+    from skupin.gates.judge.verdict import GateVerdict
 
     status = "pass" if decision == "pass" else "fail"
     checks = [{"name": n, "status": "pass", "reason": "ok"} for n in ("reference", "boot", "pins", "kernels")]
@@ -217,7 +217,7 @@ def test_publish_verify_pull(docker: Docker, registry: LocalRegistry, tiny: Tiny
 
 def test_verified_image_id_is_the_serve_baseline_even_under_a_newer_lock(docker: Docker, registry: LocalRegistry,
                                                                         tiny: TinyImages):
-    from publishing.verify import verified_image_id
+    from skupin.publishing.verify import verified_image_id
 
     target = parse_target(registry.addr)
     assert verified_image_id(sku=SKU, target=target, trusted=TRUSTED) is None  # nothing verified yet
@@ -265,8 +265,8 @@ def test_refused_verdicts_push_nothing(docker: Docker, registry: LocalRegistry, 
 def test_end_to_end_cpu_image_gate_publish_and_verify(docker: Docker, registry: LocalRegistry, stack, honest_image,
                                                       tmp_path: Path):
     """The real CPU image, gated by the real gate, published with that verdict, verified by an operator."""
-    from gates.gate import gate_image
-    from publishing.policy import expected_for
+    from skupin.gates.gate import gate_image
+    from skupin.publishing.policy import expected_for
 
     verdict_obj = gate_image(stack=stack, image=honest_image, docker=docker, out=tmp_path / "gate")
     assert verdict_obj.decision == "pass", verdict_obj.reason
@@ -292,7 +292,7 @@ def test_end_to_end_cpu_image_gate_publish_and_verify(docker: Docker, registry: 
 
 def _store_envelope(registry: LocalRegistry, digest: str, envelope: bytes, repo: str = SKU) -> None:
     """Write an attestation for `digest` as anyone with write access could (cosign's .att layout)."""
-    from publishing.publish import OCI_MANIFEST, attestation_artifact
+    from skupin.publishing.publish import OCI_MANIFEST, attestation_artifact
 
     art = attestation_artifact(envelope=envelope, subject=None)
     with RegistryClient(registry.url, retries=0) as client:
@@ -318,7 +318,7 @@ def test_the_forged_record_of_the_issue_fails_verify_and_pull(docker: Docker, re
     import subprocess
     import sys
 
-    from publishing.publish import OCI_MANIFEST
+    from skupin.publishing.publish import OCI_MANIFEST
 
     rogue = tiny.make("unrelated")
     repo = "cpu-x86_64"  # a real SKU, so the commands use the committed lock, bundle and tolerances
@@ -356,8 +356,8 @@ def test_every_attack_of_the_acceptance_list_is_refused(docker: Docker, registry
     reason; the honest path verifies."""
     import base64
 
-    from common.model import canonical_json
-    from publishing.attest import CheckOutcome, statement
+    from skupin.common.model import canonical_json
+    from skupin.publishing.attest import CheckOutcome, statement
 
     lock = make_lock()
     honest = tiny.make("honest")
@@ -365,7 +365,7 @@ def test_every_attack_of_the_acceptance_list_is_refused(docker: Docker, registry
                         verdict=make_verdict(image_id=honest, lock=lock))
     with RegistryClient(registry.url) as client:
         good_env, _sbom = read_attestations(client=client, repository=SKU, digest=published.digest)
-    from publishing.policy import signed_predicate
+    from skupin.publishing.policy import signed_predicate
 
     good, _ = signed_predicate(good_env, trusted=TRUSTED, digest=published.digest)
     new = tiny.make("new")
@@ -447,13 +447,8 @@ def test_a_publish_that_loses_the_race_for_its_version_tag_claims_nothing(docker
                                                                           tiny: TinyImages):
     """Another host publishing the same version tag at the same moment, its put injected at the exact point: taken
     right after our attestation is stored, we refuse before tagging; overwritten right after our own put, the read-back
-    makes us fail. Either way the `verified` tag stays with the rival and no temporary tag is left."""
-    rival_lock = make_lock(salt="b")
-    rival_id = tiny.make("rival")
-    rival = publish(docker=docker, registry=registry, image_id=rival_id, lock=rival_lock,
-                    verdict=make_verdict(image_id=rival_id, lock=rival_lock))
-    with RegistryClient(registry.url, retries=0) as reader:
-        rival_manifest = reader.get_manifest(SKU, rival.digest)
+    makes us fail. Either way the `verified` tag stays with the rival and no temporary tag is left. The rival is a real
+    publish of the same lock (its digest attested for it: a tag without that would be squatted, and replaced)."""
 
     class RivalTakesTheTag(RegistryClient):
         """Puts the rival's manifest under `contested` right after our put of a reference `after` accepts."""
@@ -473,6 +468,12 @@ def test_a_publish_that_loses_the_race_for_its_version_tag_claims_nothing(docker
     for salt, after, message in cases:
         lock = make_lock(salt=salt)
         vtag = version_tag(sku=SKU, engine_version="5.24.0", lock=lock, dockerfile_sha256="c" * 64)
+        rival_id = tiny.make(f"rival-{salt}")  # the other host's publish: attested, its version tag put at `after`
+        rival = publish(docker=docker, registry=registry, image_id=rival_id, lock=lock,
+                        verdict=make_verdict(image_id=rival_id, lock=lock))
+        untag_on_disk(registry=registry, repository=SKU, tag=vtag)
+        with RegistryClient(registry.url, retries=0) as reader:
+            rival_manifest = reader.get_manifest(SKU, rival.digest)
         ours = tiny.make(f"ours-{salt}")
         client = RivalTakesTheTag(vtag, lambda ref, vtag=vtag, after=after: after(ref, vtag))
         with pytest.raises(PublishError, match=message):

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from builder.manifest import load_manifest
-from dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, SESSION_LABEL, Docker
-from gates.gate import RUN_LABEL, load_reference, probe_in_container, run_label
-from gates.probe_output import MAX_FRAME_BYTES
-from gates.serving.serve import serve_check
-from gates.tolerance import ToleranceKey, load_tolerances
-from imagetools.probe import FRAME_MAGIC
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, SESSION_LABEL, Docker
+from skupin.gates.gate import RUN_LABEL, load_reference, probe_in_container, run_label
+from skupin.gates.judge.tolerance import ToleranceKey, load_tolerances
+from skupin.gates.refdata.probe_output import MAX_FRAME_BYTES
+from skupin.gates.serving.serve import serve_check
+from skupin.imagetools.probe import FRAME_MAGIC
 from tests.integration.conftest import derived_images
 
 pytestmark = pytest.mark.integration
@@ -84,9 +84,9 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 RUNNER = r"""
 import json, sys, time
 from pathlib import Path
-from dockerd import connect
-from builder.manifest import load_manifest
-from gates.gate import probe_in_container
+from skupin.dockerd import connect
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.gates.gate import probe_in_container
 
 def kib(key):
     return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
@@ -219,7 +219,7 @@ def test_reap_orphans_removes_the_leftover_of_a_killed_gate_at_once(derive, dock
 
 SLEEPER = """
 import sys, time
-from dockerd import ContainerSpec, connect
+from skupin.dockerd import ContainerSpec, connect
 with connect().container(ContainerSpec(image=sys.argv[1], entrypoint=("sleep", "600"), labels={"io.skupin.test": sys.argv[2]})):
     print("UP", flush=True)
     time.sleep(600)

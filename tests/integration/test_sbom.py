@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from clients.oci import RegistryClient
-from common.errors import PublishError
-from common.model import canonical_json
-from dockerd import Docker
-from publishing.attest import BOM_PREDICATE_TYPE, PREDICATE_TYPE, Signer, bom_statement, tolerance_sha256
-from publishing.local_registry import LocalRegistry, untag_on_disk
-from publishing.policy import Expected
-from publishing.publish import (
+from skupin.clients.oci import RegistryClient
+from skupin.common.errors import PublishError
+from skupin.common.model import canonical_json
+from skupin.dockerd import Docker
+from skupin.publishing.attest import BOM_PREDICATE_TYPE, PREDICATE_TYPE, Signer, bom_statement, tolerance_sha256
+from skupin.publishing.local_registry import LocalRegistry, untag_on_disk
+from skupin.publishing.policy import Expected
+from skupin.publishing.publish import (
     OCI_MANIFEST,
     attestation_artifact,
     attestation_tag,
@@ -36,7 +36,7 @@ from publishing.publish import (
     read_attestation_layers,
     verdict_facts,
 )
-from publishing.verify import pull_verified, verify_reference
+from skupin.publishing.verify import pull_verified, verify_reference
 from tests.integration.test_publish import (
     BUNDLE,
     REPO,

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from builder.manifest import ServeGate
-from dockerd import Docker
-from gates.gate import gate_image, load_reference
-from gates.serving.perf import PerfSettings
-from gates.serving.serve import NOT_PROVIDED, serve_check
-from gates.tolerance import ToleranceKey, load_tolerances
+from skupin.builder.catalog.manifest import ServeGate
+from skupin.dockerd import Docker
+from skupin.gates.gate import gate_image, load_reference
+from skupin.gates.judge.tolerance import ToleranceKey, load_tolerances
+from skupin.gates.serving.perf import PerfSettings
+from skupin.gates.serving.serve import NOT_PROVIDED, serve_check
 from tests.integration.conftest import derived_images
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dockerd import Docker
-from gates.gate import RUN_LABEL, gate_image, run_label
+from skupin.dockerd import Docker
+from skupin.gates.gate import RUN_LABEL, gate_image, run_label
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.manifest import load_manifest
-from releases.watch import markdown, watch
-from releases.yamledit import set_scalars
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.releases.watch import markdown, watch
+from skupin.releases.yamledit import set_scalars
 from tests.data.index.server import serve_index, serve_registry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_base_image_point_release_from_registry(tmp_path, index_url):
     path.write_text(src.read_text(encoding="utf-8"), encoding="utf-8")
     store: dict = {}
     with serve_registry(store) as reg_url:
-        from clients.oci import RegistryClient
+        from skupin.clients.oci import RegistryClient
 
         with RegistryClient(reg_url) as reg:
             digests = {}
@@ -123,7 +123,7 @@ def test_base_image_point_release_from_registry(tmp_path, index_url):
 
 
 def test_apply_relocks_what_it_can_and_lists_the_rest(tmp_path, index_url):
-    from common.errors import LockError
+    from skupin.common.errors import LockError
 
     a = _sku(tmp_path / "a", **{"stack.engine.version": "0.27.0"})
     b = _sku(tmp_path / "b", **{"stack.engine.version": "0.14.0", "stack.framework.version": "2.9.1",

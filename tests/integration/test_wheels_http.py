@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.lockfile import LockedPackage
-from builder.wheels import fetch_wheels, store_path
-from common.errors import NetworkError
+from skupin.builder.catalog.lockfile import LockedPackage
+from skupin.builder.wheels import fetch_wheels, store_path
+from skupin.common.errors import NetworkError
 from tests.data.index.server import serve_index
 
 pytestmark = pytest.mark.integration

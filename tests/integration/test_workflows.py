@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from clients.oci import RegistryClient
-from publishing.local_registry import LocalRegistry, registry_down, registry_up
-from publishing.publish import read_attestation_layers
+from skupin.clients.oci import RegistryClient
+from skupin.publishing.local_registry import LocalRegistry, registry_down, registry_up
+from skupin.publishing.publish import read_attestation_layers
 from tests.paths import REPO
 from tests.workflow_replay import Leg, Replay
 
@@ -49,7 +49,10 @@ def source(tmp_path_factory) -> tuple[Path, str]:
                             capture_output=True, check=True).stdout.decode().split("\0")
     for rel in filter(None, listed):
         src = REPO / rel
-        if src.is_file():
+        if src.is_symlink():  # skupin/{builder,gates,templates}: links in git, as in a clone
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).symlink_to(os.readlink(src))
+        elif src.is_file():
             (repo / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, repo / rel)
     git(repo, "init", "-q")
@@ -220,23 +223,43 @@ def json_index(root: Path, wheels: dict[str, list[Path]]) -> Path:
     return root
 
 
-def placeholder(registry: LocalRegistry, repository: str, tag: str) -> None:
-    """A tiny image under `tag`: the registry already holds that version tag (published before the release)."""
+def placeholder(registry: LocalRegistry, repository: str, tag: str, *, sku: str, lock_sha256: str,
+                signing_key: str) -> None:
+    """A tiny image under `tag`: the registry already holds that version tag (published before the release), with an
+    attestation the trusted key signed for that SKU and lock (an unattested tag is squatted, not published)."""
+    from skupin.clients.oci import Manifest
+    from skupin.publishing.attest import ReferencePin, VerificationPredicate, load_signer, statement
+    from skupin.publishing.publish import OCI_MANIFEST, attestation_artifact, attestation_tag
+
     with RegistryClient(registry.url, retries=0) as client:
         config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}}).encode()
         digest = client.push_blob(repository, config)
         body = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
                            "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
                                       "size": len(config), "digest": digest}, "layers": []}).encode()
-        client.put_manifest(repository, tag, body, "application/vnd.docker.distribution.manifest.v2+json")
+        stored = client.put_manifest(repository, tag, body, "application/vnd.docker.distribution.manifest.v2+json")
+        predicate = VerificationPredicate(
+            sku=sku, repository=repository, image_id=digest, lock_sha256=lock_sha256, lock={},
+            reference=ReferencePin(sha256="0" * 64), tolerance=None, decision="pass", reason="placeholder", checks=(),
+            verdict_sha256="0" * 64, gate_created=None, gate_tool_version=None, tool_version="0", published="2026-01-01")
+        key = Path(registry.folder) / "placeholder.key"
+        key.write_text(signing_key)
+        key.chmod(0o600)
+        envelope = load_signer(key).sign_statement(statement(repository=repository, digest=stored, predicate=predicate))
+        art = attestation_artifact(envelope=envelope, subject=Manifest(
+            media_type="application/vnd.docker.distribution.manifest.v2+json", digest=stored, body=body))
+        client.push_blob(repository, art.config)
+        for layer in art.layers:
+            client.push_blob(repository, layer)
+        client.put_manifest(repository, attestation_tag(stored), art.manifest, OCI_MANIFEST)
 
 
 def version_tags(catalog: Path) -> dict[str, str]:
     """Every locked SKU's current version tag in `catalog`."""
-    from builder.check import check_paths
-    from builder.render import render
-    from common.paths import use_root
-    from publishing.publish import version_tag
+    from skupin.builder.check import check_paths
+    from skupin.builder.render import render
+    from skupin.common.paths import use_root
+    from skupin.publishing.publish import version_tag
 
     use_root(catalog)
     try:
@@ -260,8 +283,8 @@ def contextlib_stack() -> Iterator[contextlib.ExitStack]:
 
 def test_an_engine_point_release_rebuilds_and_publishes_only_its_sku(docker, tmp_path, source, python_bin, registry,
                                                                       keys, contextlib_stack):
-    from builder.lockfile import read_lock
-    from builder.wheels import fetch_wheels, store_path
+    from skupin.builder.catalog.lockfile import read_lock
+    from skupin.builder.wheels import fetch_wheels, store_path
     from tests.data.index.server import serve_index
 
     wheelhouse = Path(os.environ.get("SKUPIN_WHEELHOUSE", "/opt/wheels"))
@@ -311,7 +334,8 @@ def test_an_engine_point_release_rebuilds_and_publishes_only_its_sku(docker, tmp
     assert {"cpu-x86_64-vllm", "cpu-x86_64-llamacpp", "nvidia-h200-vllm"} <= set(tags)
     assert tags == before  # the bump changed no other SKU's image: their tags are the ones published before it
     for sku, tag in tags.items():
-        placeholder(registry, f"skupin-org/skupin/{sku}", tag)
+        placeholder(registry, f"skupin-org/skupin/{sku}", tag, sku=sku, signing_key=keys[0],
+                    lock_sha256=read_lock(repo / "skus" / f"{sku}.lock.json").content_hash())
     images = replay((repo, merged), tmp_path / "images", python_bin, registry, keys, event="push", run_id="4343")
     legs = images.run(WORKFLOWS / "images.yml")
     plan = json.loads(legs_of(legs, "matrix")[""].outputs["matrix"])

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from builder.lockfile import Lock, LockedBase
-from common.errors import GateCouldNotRun, PublishError
-from common.model import canonical_json
-from publishing import attest
-from publishing.attest import (
+from skupin.builder.catalog.lockfile import Lock, LockedBase
+from skupin.common.errors import GateCouldNotRun, PublishError
+from skupin.common.model import canonical_json
+from skupin.publishing import attest
+from skupin.publishing.attest import (
     PAYLOAD_TYPE,
     PREDICATE_TYPE,
     STATEMENT_TYPE,
@@ -32,7 +32,7 @@ from publishing.attest import (
     statement,
     tolerance_sha256,
 )
-from publishing.policy import Expected, evaluate, expected_for
+from skupin.publishing.policy import Expected, evaluate, expected_for
 from tests.paths import REPO
 
 SIGNER = Signer(ec.generate_private_key(ec.SECP256R1()))
@@ -261,7 +261,7 @@ def test_find_signer_says_how_to_make_a_key_and_run_makes_one(tmp_path: Path, mo
 def test_a_tolerance_file_with_a_non_finite_or_non_positive_threshold_is_refused(tmp_path: Path, value: float):
     import yaml
 
-    from gates.tolerance import DEFAULT_PATH, load_tolerances
+    from skupin.gates.judge.tolerance import DEFAULT_PATH, load_tolerances
 
     data = yaml.safe_load(DEFAULT_PATH.read_text(encoding="utf-8"))
     op = next(iter(data["entries"][0]["kernels"]))

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from builder.base import base_record_path, ensure_base, read_base_record, record_base
-from builder.lockfile import Lock, LockedBase
-from builder.manifest import load_manifest
-from common.errors import BuildError
-from dockerd import ImageInfo
-from gates.static.integrity import locked_base_layers
+from skupin.builder.base import base_record_path, ensure_base, read_base_record, record_base
+from skupin.builder.catalog.lockfile import Lock, LockedBase
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.common.errors import BuildError
+from skupin.dockerd import ImageInfo
+from skupin.gates.integrity.static import locked_base_layers
 from tests.paths import SKUS
 
 MANIFEST = load_manifest(SKUS / "cpu-x86_64.yaml")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from builder.build import layer_timings, parse_progress
-from builder.render import RenderedDockerfile, write_context
+from skupin.builder.build import layer_timings, parse_progress
+from skupin.builder.render import RenderedDockerfile, write_context
 
 DATA = Path(__file__).parent / "data"
 

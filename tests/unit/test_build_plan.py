@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.build import (
+from skupin.builder.build import (
     CA_SECRET_ID,
     EnsureBase,
     GatherWheels,
@@ -19,11 +19,11 @@ from builder.build import (
     execute_build,
     plan_build,
 )
-from builder.check import resolve
-from builder.lockfile import image_tag
-from builder.render import render, render_manifest
-from common.errors import BuildError, LockError
-from dockerd import ImageInfo, RunResult
+from skupin.builder.catalog.lockfile import image_tag
+from skupin.builder.check import resolve
+from skupin.builder.render import render, render_manifest
+from skupin.common.errors import BuildError, LockError
+from skupin.dockerd import ImageInfo, RunResult
 from tests.paths import SKUS
 
 CPU = SKUS / "cpu-x86_64.yaml"

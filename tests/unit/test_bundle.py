@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.manifest import load_manifest
-from common.errors import BundleError
-from gates import bundle, fixture
-from gates.tensorio import (
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.common.errors import BundleError
+from skupin.gates.refdata import bundle, fixture
+from skupin.gates.refdata.tensorio import (
     bf16_round,
     decode_safetensors,
     encode_safetensors,
@@ -195,7 +195,8 @@ def test_capture_writes_a_bundle_that_verifies_and_fits(tmp_path, monkeypatch):
     assert meta["gpu"]["name"] == "Fake GPU" and meta["driver"] == "1.2" and meta["batch_size"] == 4
     assert meta["dtype"] == "float32" and meta["command"] == ["skupin", "x"]
     assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "meta.json", "probe.json", "tensors.safetensors"]
-    assert meta["probe_command"][:2] == [Path(sys.executable).name, "imagetools/probe.py"] and "OUT" in meta["probe_command"]
+    assert meta["probe_command"][:2] == [Path(sys.executable).name, "skupin/imagetools/probe/skupin_probe.py"]
+    assert "OUT" in meta["probe_command"]
     with pytest.raises(BundleError, match="not empty"):
         bundle.capture(manifest=cpu, out=out)
 

@@ -1,4 +1,4 @@
-"""imagetools/bytecode.py: the in-build bytecode compiler (new files only, lazy paths, a code cache)."""
+"""skupin/imagetools/bytecode.py: the in-build bytecode compiler (new files only, lazy paths, a code cache)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from imagetools import bytecode
+from skupin.imagetools import bytecode
 
 LAZY = r"/site-packages/transformers/models/(?!auto/)[^/]+/"
 

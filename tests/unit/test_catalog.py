@@ -1,4 +1,4 @@
-"""common/paths.py: which catalog a command acts on (--root, SKUPIN_ROOT, the nearest folder holding skus/), and
+"""skupin/common/paths.py: which catalog a command acts on (--root, SKUPIN_ROOT, the nearest folder holding skus/), and
 where shipped data is read from; never another checkout (issue 20)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from common import paths
-from common.errors import ManifestError
 from skupin.cli import main
+from skupin.common import paths
+from skupin.common.errors import ManifestError
 from tests.paths import REPO
 
 
@@ -117,7 +117,7 @@ def test_the_cli_names_the_way_out_when_there_is_no_catalog(elsewhere, capsys):
 
 
 def test_a_catalog_calibrates_into_its_own_tolerances(elsewhere, tmp_path, monkeypatch):
-    from gates.tolerance import DEFAULT_PATH, catalog_tolerances, writable_tolerances
+    from skupin.gates.judge.tolerance import DEFAULT_PATH, catalog_tolerances, writable_tolerances
 
     cat = _catalog(tmp_path / "cat")
     monkeypatch.chdir(cat)
@@ -129,7 +129,7 @@ def test_a_catalog_calibrates_into_its_own_tolerances(elsewhere, tmp_path, monke
 
 
 def test_the_state_folder_of_a_catalog_ignores_itself_before_a_key_lands_in_it(elsewhere, tmp_path, monkeypatch):
-    from publishing.attest import generate_keys
+    from skupin.publishing.attest import generate_keys
 
     cat = _catalog(tmp_path / "cat")
     monkeypatch.chdir(cat)
@@ -141,7 +141,7 @@ def test_the_state_folder_of_a_catalog_ignores_itself_before_a_key_lands_in_it(e
 def test_every_committed_lock_is_current_the_examples_too():
     """`skupin check` in CI reads skus/; the example SKUs under docs/examples/ are built by the integration tests, so a
     change that leaves their locks stale must fail here, not in a build."""
-    from builder.check import check_paths
+    from skupin.builder.check import check_paths
 
     for folder in (REPO / "skus", REPO / "docs" / "examples" / "skus"):
         states = {r.stack.manifest.name: (r.stack.lock_state, r.stack.lock_note) for r in check_paths([folder])

@@ -34,7 +34,7 @@ def test_the_replay_mapping_names_every_action_it_stands_for():
 
 
 def test_runner_labels_in_the_guide_are_the_planners():
-    from builder.matrix import HOSTED
+    from skupin.builder.matrix import HOSTED
 
     assert "`[self-hosted, linux, x64, build]`" in GUIDE
     assert "`[self-hosted, linux, x64, gpu, <hardware_class>]`" in GUIDE

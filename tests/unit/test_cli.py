@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.manifest import manifest_schema
+from skupin.builder.catalog.manifest import manifest_schema
 from skupin.cli import main
 from tests.paths import SKUS
 
@@ -104,9 +104,9 @@ def test_building_the_cli_does_not_import_the_stages():
 
     code = (
         "import sys; from skupin.cli import build_parser; build_parser(); "
-        "print(sorted(m for m in ('releases.watch', 'releases.compat_refresh', 'clients.pypi', 'clients.oci', "
-        "'clients.transport', 'publishing.local_registry', "
-        "'builder.manifest', 'pydantic', 'packaging') if m in sys.modules))"
+        "print(sorted(m for m in ('skupin.releases.watch', 'skupin.releases.compat_refresh', 'skupin.clients.pypi', "
+        "'skupin.clients.oci', 'skupin.clients.transport', 'skupin.publishing.local_registry', "
+        "'skupin.builder.catalog.manifest', 'pydantic', 'packaging') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -148,7 +148,7 @@ def test_every_exit_code_is_documented_the_same_in_help_and_readme():
     """The exit codes the errors carry are the ones `skupin --help` and the README list, each meaning one thing."""
     import re
 
-    import common.errors as errors
+    import skupin.common.errors as errors
     from skupin.cli import EPILOG
     from tests.paths import REPO
 

@@ -1,11 +1,11 @@
-"""gates/compare.py on synthetic probe tensors: statistics grow with the perturbation, ids are matched, NaN is seen."""
+"""gates/judge/compare.py on synthetic probe tensors: statistics grow with the perturbation, ids are matched, NaN is seen."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gates.compare import CompareError, kernel_errors, model_statistics, nonfinite_tensors
+from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics, nonfinite_tensors
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

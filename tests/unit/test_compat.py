@@ -8,8 +8,8 @@ import pytest
 from packaging.version import Version
 from pydantic import ValidationError
 
-from builder.compat import CompatData, check_compat, load_compat
-from builder.manifest import SkuManifest, load_manifest
+from skupin.builder.catalog.compat import CompatData, check_compat, load_compat
+from skupin.builder.catalog.manifest import SkuManifest, load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 SKUS = ROOT / "skus"

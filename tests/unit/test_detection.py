@@ -9,7 +9,7 @@ import pytest
 
 from bench.detection import analysis as A
 from bench.detection import swaps
-from gates.tolerance import ToleranceKey
+from skupin.gates.judge.tolerance import ToleranceKey
 
 STATS = ("kl", "one_minus_cos", "logprob_l2", "max_abs", "kl_full", "top1_agree")
 OPS = ("matmul.bfloat16", "silu.float32")

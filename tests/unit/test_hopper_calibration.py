@@ -9,9 +9,9 @@ import pytest
 
 from bench import calibrate_h200_derive as D
 from bench.detection import analysis as A
-from gates.bundle import bundle_sha256
-from gates.tolerance import ToleranceKey, load_tolerances, lookup
-from gates.verdict import binomial_sf, clopper_pearson_upper
+from skupin.gates.judge.tolerance import ToleranceKey, load_tolerances, lookup
+from skupin.gates.judge.verdict import binomial_sf, clopper_pearson_upper
+from skupin.gates.refdata.bundle import bundle_sha256
 from tests.paths import REPO
 
 RECORDS = D.RESULTS / "h200-calib-records.jsonl"

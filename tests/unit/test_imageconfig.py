@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from builder.check import resolve
-from builder.imageconfig import DEFAULT_PATH, DockerfileConfigError, ImageConfig, apt_installs, config_of, instructions
-from builder.render import VENV, render, render_manifest
+from skupin.builder.check import resolve
+from skupin.builder.imageconfig import DEFAULT_PATH, DockerfileConfigError, ImageConfig, apt_installs, config_of, instructions
+from skupin.builder.render import VENV, render, render_manifest
 from tests.paths import SKUS
 
 # The CPU image's config as the engine reported it after a real build (docker inspect .Config, less its labels).

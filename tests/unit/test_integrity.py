@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import io
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from builder.imageconfig import ImageConfig
-from builder.lockfile import Lock, LockedBase, LockedPackage
-from gates.static.debian import DpkgRecords, parse_alternatives, parse_md5sums, parse_status, relations
-from gates.static.integrity import Finding, ImageLayout, _HashingDestination, check_integrity, upstream_version
-from gates.static.layers import Entry, FileView
+from skupin.builder.catalog.lockfile import Lock, LockedBase, LockedPackage
+from skupin.builder.imageconfig import ImageConfig
+from skupin.gates.integrity.static import Finding, ImageLayout, _HashingDestination, check_integrity, upstream_version
+from skupin.imageview.debian import DpkgRecords, parse_alternatives, parse_md5sums, parse_status, relations
+from skupin.imageview.layers import Entry, FileView, LayerIndex, merge, scan_layer_tar
 from tests.data.wheels import make_wheel
 
 LAYOUT = ImageLayout()
@@ -372,7 +374,7 @@ def test_an_unowned_link_that_may_lead_to_code_fails(honest, link, target, words
     image.add("opt/app/real", b"\x7fELF not executable", mode=0o644)
     image.link(link, target)
     report = _check(image, lock, wheels)
-    mine = [f for f in report.findings if f.path == link]
+    mine = [f for f in report.findings if f.path == link and f.kind != "sandbox"]  # /skupin: also a sandbox mount
     assert mine and words in mine[0].detail, [f.line() for f in report.findings]
 
 
@@ -479,7 +481,7 @@ def test_a_debian_link_above_the_base_must_lead_into_the_image(honest) -> None:
 
 
 def test_the_layout_knows_where_the_gate_mounts_its_probe() -> None:
-    from gates.gate import PROBE_MOUNT, PROBE_PYTHON
+    from skupin.gates.gate import PROBE_MOUNT, PROBE_PYTHON
 
     assert PROBE_MOUNT.rpartition("/")[0].strip("/") == LAYOUT.probe_dir and LAYOUT.probe_dir in LAYOUT.python_paths()
     assert PROBE_PYTHON == f"/{LAYOUT.venv}/bin/python3"
@@ -536,7 +538,7 @@ def test_alternatives_records_parse() -> None:
 
 
 def test_a_virtual_dependency_is_met_by_a_trusted_provider_before_one_only_the_image_names() -> None:
-    from gates.static.debian import declared_packages
+    from skupin.imageview.debian import declared_packages
 
     def entry(name: str, extra: str = "") -> str:
         return f"Package: {name}\nStatus: install ok installed\nArchitecture: amd64\nVersion: 1\n{extra}\n"
@@ -620,3 +622,160 @@ def test_a_marker_the_gate_cannot_evaluate_is_a_finding_not_a_crash(honest, tmp_
                        requires=("tiny; dependency_groups == 'x'",))
     report = _check(image, lock, wheels)
     assert [f.kind for f in report.findings] == ["requirement"] and "cannot be evaluated" in report.findings[0].detail
+
+
+# ---------------------------------------------------------------- issue 30: archives are code; what the sandbox hides
+
+
+def _zip(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return buf.getvalue()
+
+
+PAYLOAD = _zip({"torch/__init__.py": b"import os; os.environ['SKUPIN_HIJACKED'] = '1'\n"})
+
+
+@pytest.mark.parametrize("path", ["opt/app/payload.zip", "srv/lib.egg", "var/cache/torch-9-py3-none-any.whl",
+                                  "usr/local/share/app.pyz"])
+def test_an_unowned_importable_archive_anywhere_fails_like_an_unowned_module(honest, path) -> None:
+    """A zip Python can be pointed at (PYTHONPATH, a .pth, sys.path.insert) is code, not data, whatever folder it is in."""
+    image, lock, wheels = honest
+    image.add(path, PAYLOAD)
+    report = _check(image, lock, wheels)
+    mine = [f for f in report.findings if f.path == path]
+    assert mine and mine[0].kind == "executable" and "importable archive" in mine[0].detail, report.findings
+
+
+def test_a_link_named_as_an_archive_is_code_too(honest) -> None:
+    image, lock, wheels = honest
+    image.link("opt/app/payload.zip", "/etc/ssl/certs/ISRG.pem")
+    assert "opt/app/payload.zip" in _kinds(_check(image, lock, wheels))["unaccounted"]
+
+
+def test_a_zip_without_an_archive_name_in_a_python_path_is_named_as_an_archive(honest) -> None:
+    image, lock, wheels = honest
+    image.add(f"{SITE}/payload.dat", PAYLOAD)
+    report = _check(image, lock, wheels)
+    mine = [f for f in report.findings if f.path == f"{SITE}/payload.dat"]
+    assert mine and mine[0].kind == "unaccounted" and "importable archive (zip) in a Python path" in mine[0].detail
+
+
+@pytest.mark.parametrize("line", ["/srv/payload", "../../../../../../srv/payload"])
+def test_what_a_locked_pth_adds_to_sys_path_is_a_python_path(honest, tmp_path: Path, line) -> None:
+    """A .pth line names a folder or an archive for sys.path: an unowned zip there is code, even without a zip name."""
+    image, lock, wheels = honest
+    lock = _with_wheel(tmp_path, image, lock, wheels, name="pather", version="1.0",
+                       files={"pather.pth": f"# a comment\nimport os\n{line}\n".encode()})
+    assert _check(image, lock, wheels, labels={"io.skupin.lock-sha256": lock.content_hash()}).ok
+    image.add("srv/payload", PAYLOAD)  # data outside every path, had the .pth not named it
+    report = _check(image, lock, wheels, labels={"io.skupin.lock-sha256": lock.content_hash()})
+    mine = [f for f in report.findings if f.path == "srv/payload"]
+    assert mine and "importable archive (zip) in a path a .pth adds to sys.path" in mine[0].detail, report.findings
+    image.files.pop("srv/payload")
+    image.add("srv/payload/torch/__init__.py", b"evil = 1\n")  # a folder it names: its modules must be accounted too
+    report = _check(image, lock, wheels, labels={"io.skupin.lock-sha256": lock.content_hash()})
+    assert "srv/payload/torch/__init__.py" in _kinds(report)["unaccounted"]
+
+
+def test_owned_archives_pass(honest, tmp_path: Path) -> None:
+    """A locked wheel's own zip (package data) and a Debian-owned wheel (python3-pip-whl) are accounted bytes."""
+    image, lock, wheels = honest
+    lock = _with_wheel(tmp_path, image, lock, wheels, name="zipper", version="1.0",
+                       files={"zipper/__init__.py": b"", "zipper/data.zip": PAYLOAD, "zipper/tool.pyz": PAYLOAD})
+    _fabricated(image, "python3-pip-whl", {"usr/share/python-wheels/pip-23.0.1-py3-none-any.whl": PAYLOAD})
+    labels = {"io.skupin.lock-sha256": lock.content_hash()}
+    report = _check(image, lock, wheels, labels=labels, roots=("python3.11", "python3-pip-whl"))
+    assert report.ok, [f.line() for f in report.findings]
+    image.add(f"{SITE}/zipper/data.zip", _zip({"torch/__init__.py": b"other = 1\n"}))  # the wheel's archive, changed
+    report = _check(image, lock, wheels, labels=labels, roots=("python3.11", "python3-pip-whl"))
+    assert [(f.kind, f.path) for f in report.findings] == [("wheel", f"{SITE}/zipper/data.zip")]
+
+
+@pytest.mark.parametrize("path, kind, layer", [
+    ("tmp/payload.zip", "file", 1), ("tmp/deep/hook.py", "file", 1), ("tmp/.X0-lock", "file", 0),
+    ("model/config.json", "file", 1), ("skupin/torch.py", "file", 1), ("tmp/lib", "link", 1), ("model", "link", 1),
+])
+def test_anything_where_the_sandbox_mounts_over_the_image_fails(honest, path, kind, layer) -> None:
+    """The gate runs with a tmpfs on /tmp and its model and probe folders mounted: what the image keeps there a plain
+    `docker run` sees and the gate never does (even from the base)."""
+    image, lock, wheels = honest
+    if kind == "link":
+        image.link(path, "/etc/ssl/certs/ISRG.pem", layer=layer)
+    else:
+        image.add(path, b"# present in production only\n", layer=layer)
+    report = _check(image, lock, wheels)
+    mine = [f for f in report.findings if f.kind == "sandbox"]
+    assert [f.path for f in mine] == [path], [f.line() for f in report.findings]
+    assert "the gate's sandbox mounts" in mine[0].detail and "production would see it, the gate would not" in mine[0].detail
+    assert mine[0].detail.startswith(f"a {kind} under /{path.split('/')[0]}: ")
+
+
+def test_empty_folders_where_the_sandbox_mounts_pass(honest) -> None:
+    image, lock, wheels = honest
+    view = image.view()
+    for folder in ("tmp", "tmp/skupin-wheels", "model", "skupin"):  # Debian's empty /tmp; BuildKit's mount points
+        view.entries[folder] = Entry("d", 0o1777, 0, 0, layer=1)
+    report = check_integrity(view=view, base_view=view.bottom_view(1), config=CONFIG,
+                             labels={"io.skupin.lock-sha256": lock.content_hash()}, lock=lock, expected=EXPECTED,
+                             apt_roots=("python3.11",), wheels=wheels, base_layers=1, host=None,
+                             verify_bytecode=Verifier())
+    assert report.ok, [f.line() for f in report.findings]
+
+
+def test_a_file_under_tmp_from_a_real_layer_tar_fails_unless_a_later_layer_removes_it(honest) -> None:
+    """Layer tars as an engine exports them: a file a later layer whites out is gone in production too."""
+    image, lock, wheels = honest
+    honest_view = image.view()
+    lower = LayerIndex("sha256:0", entries=dict(honest_view.bottom or {}))
+    upper = LayerIndex("sha256:1", entries={p: e for p, e in honest_view.entries.items() if e.layer == 1 or e.kind == "d"})
+
+    def _tar(members: dict[str, bytes]) -> io.BytesIO:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.addfile(_folder("tmp"))
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        buf.seek(0)
+        return buf
+
+    def _folder(name: str) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        info.type = tarfile.DIRTYPE
+        return info
+
+    planted = scan_layer_tar(_tar({"tmp/skupin/hook.pth": b"import evil\n", "tmp/payload.zip": PAYLOAD}),
+                             diff_id="sha256:2")
+    removed = scan_layer_tar(_tar({"tmp/.wh.payload.zip": b"", "tmp/.wh.skupin": b""}), diff_id="sha256:3")
+
+    def check(layers: list[LayerIndex]):
+        view = FileView(entries=merge(layers), layers=tuple(x.diff_id for x in layers), read=honest_view.read,
+                        bottom=merge(layers[:1]))
+        return check_integrity(view=view, base_view=view.bottom_view(1), config=CONFIG,
+                               labels={"io.skupin.lock-sha256": lock.content_hash()}, lock=lock, expected=EXPECTED,
+                               apt_roots=("python3.11",), wheels=wheels, base_layers=1, host=None,
+                               verify_bytecode=Verifier())
+
+    report = check([lower, upper, planted])
+    assert sorted(f.path for f in report.findings if f.kind == "sandbox") == ["tmp/payload.zip", "tmp/skupin/hook.pth"]
+    report = check([lower, upper, planted, removed])
+    assert report.ok, [f.line() for f in report.findings]
+
+
+def test_the_layout_covers_every_mount_and_tmpfs_of_the_gates_sandbox(tmp_path: Path) -> None:
+    """The folders `pins` requires empty are exactly where the probe's and the server's containers mount over the image."""
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.common.paths import sku_path
+    from skupin.gates.gate import probe_spec
+    from skupin.gates.serving.serve import launch_command, server_spec
+
+    manifest = load_manifest(sku_path("cpu-x86_64"))
+    probe = probe_spec(manifest=manifest, image="sha256:x", out=tmp_path, model_dir=tmp_path)
+    server = server_spec(manifest=manifest, image="sha256:x", model_dir=tmp_path, launch=launch_command(manifest=manifest))
+    targets = {m.target for spec in (probe, server) for m in spec.mounts} | set(probe.tmpfs) | set(server.tmpfs)
+    assert {t.strip("/") for t in targets} <= set(LAYOUT.sandbox_mounts())
+    assert {"tmp", "model", "skupin"} == set(LAYOUT.sandbox_mounts())

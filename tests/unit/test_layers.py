@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from common.untrusted import UntrustedInputError
-from gates.static.layers import Entry, FileView, LayerIndex, merge, open_in_layer, scan_layer_dir, scan_layer_tar
+from skupin.common.untrusted import UntrustedInputError
+from skupin.imageview.layers import Entry, FileView, LayerIndex, merge, open_in_layer, scan_layer_dir, scan_layer_tar
 from tests.data.threads import finishes
 
 
@@ -111,7 +111,7 @@ def test_a_folder_layer_with_more_folders_than_open_files_is_indexed(tmp_path: P
 
 
 def test_a_folder_layer_nested_too_deep_is_refused(tmp_path: Path) -> None:
-    from gates.static.layers import MAX_DEPTH
+    from skupin.imageview.layers import MAX_DEPTH
 
     root = tmp_path / "layer"
     deep = root.joinpath(*["d"] * (MAX_DEPTH + 1))
@@ -125,7 +125,7 @@ def test_a_folder_layer_nested_too_deep_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("data", [b"not a tar archive" * 40, _tar([("a/b.py", b"x" * 2000)]).getvalue()[:1024]])
 def test_a_broken_layer_tar_is_untrusted_input_not_a_traceback(data: bytes) -> None:
-    from gates.static.layers import iter_saved_layers
+    from skupin.imageview.layers import iter_saved_layers
 
     with pytest.raises(UntrustedInputError, match="tar"):
         scan_layer_tar(io.BytesIO(data), diff_id="sha256:broken")
@@ -206,7 +206,7 @@ def test_merge_takes_linear_time_in_whiteouts() -> None:
 
 
 def test_two_gates_caching_one_layer_do_not_share_a_temporary_file(tmp_path: Path, monkeypatch) -> None:
-    from gates.static import layers
+    from skupin.imageview import layers
 
     layer = scan_layer_tar(_tar([("a/b.py", b"1")]), diff_id="sha256:" + "c" * 64)
     seen: list[str] = []

@@ -11,7 +11,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from builder.lock import (
+from skupin.builder.catalog.lockfile import PY_LAYERS, lock_path, read_lock, write_lock
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.builder.lock import (
     PipRequest,
     Resolved,
     closure,
@@ -22,10 +24,8 @@ from builder.lock import (
     target_environment,
     target_platforms,
 )
-from builder.lockfile import PY_LAYERS, lock_path, read_lock, write_lock
-from builder.manifest import load_manifest
-from common.errors import LockError
-from common.model import canonical_json
+from skupin.common.errors import LockError
+from skupin.common.model import canonical_json
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -371,7 +371,7 @@ def test_lock_status(tmp_path, wheelhouse):
     lock_path(manifest_path).write_text("{not json")
     assert lock_status(manifest=manifest, manifest_path=manifest_path)[0] == "stale"
     # `skupin check` reports a damaged lock as stale instead of failing on a second read
-    from builder.check import check_file
+    from skupin.builder.check import check_file
 
     report = check_file(manifest_path)
     assert report.stack is not None and report.stack.lock_state == "stale" and report.stack.lock is None
@@ -379,7 +379,7 @@ def test_lock_status(tmp_path, wheelhouse):
 
 
 def test_pip_failures_are_explained(tmp_path):
-    from builder.lock import _explain_failure, run_pip
+    from skupin.builder.lock import _explain_failure, run_pip
 
     request = PipRequest(layer="engine", requirements=("foo==1.0",), index_url="https://pypi.org/simple",
                          python="3.12", abis=("cp312",), platforms=("manylinux_2_39_x86_64",))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.transport import server_json
 from skupin.cli import main
+from skupin.clients.transport import server_json
 from tests.paths import REPO, SKUS
 
 CPU = "cpu-x86_64"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.check import check_paths
-from builder.lockfile import lock_path, read_lock
-from builder.matrix import plan_matrix, runner_labels, summary_markdown
+from skupin.builder.catalog.lockfile import lock_path, read_lock
+from skupin.builder.check import check_paths
+from skupin.builder.matrix import plan_matrix, runner_labels, summary_markdown
 from skupin.cli import main
 from tests.paths import SKUS
 
@@ -157,9 +157,9 @@ def test_a_wheelhouse_wheel_with_a_home_url_is_downloaded_and_must_match_the_loc
     (and leaves nothing in the store); the wheelhouse wins when it holds the file."""
     import hashlib
 
-    from builder.lockfile import LockedPackage
-    from builder.wheels import fetch_wheels, store_path
-    from common.errors import BuildError, NetworkError
+    from skupin.builder.catalog.lockfile import LockedPackage
+    from skupin.builder.wheels import fetch_wheels, store_path
+    from skupin.common.errors import BuildError, NetworkError
     from tests.data.index.server import serve_wheels
 
     name = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"

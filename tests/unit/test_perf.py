@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from gates.serving.ab import ab_from_runs, interleaved_ab, plot_serve, serve_markdown
-from gates.serving.perf import (
+from skupin.gates.serving.ab import ab_from_runs, interleaved_ab, plot_serve, serve_markdown
+from skupin.gates.serving.perf import (
     PerfResult,
     PerfSettings,
     Sample,
@@ -21,7 +21,7 @@ from gates.serving.perf import (
     run_perf,
     summarize_level,
 )
-from gates.serving.serve import ServeClient
+from skupin.gates.serving.serve import ServeClient
 
 
 def level(c: int, tok_s: float, *, reps: int = 3, ttft: float = 0.01):

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from builder.aptlock import parse_policy, pinned_system, resolve_candidates
-from builder.base import check_locked_base, debootstrap_command, normalise_tree
-from builder.lock import locked_base, stale_reasons
-from builder.lockfile import LockedBase, read_lock
-from builder.manifest import Bootstrap, GitSource, load_manifest
-from builder.render import apt_roots, render_manifest
-from common.errors import BuildError, LockError
-from dockerd import RunResult
+from skupin.builder.aptlock import parse_policy, pinned_system, resolve_candidates
+from skupin.builder.base import check_locked_base, debootstrap_command, normalise_tree
+from skupin.builder.catalog.lockfile import LockedBase, read_lock
+from skupin.builder.catalog.manifest import Bootstrap, GitSource, load_manifest
+from skupin.builder.lock import locked_base, stale_reasons
+from skupin.builder.render import apt_roots, render_manifest
+from skupin.common.errors import BuildError, LockError
+from skupin.dockerd import RunResult
 
 SKUS = Path(__file__).resolve().parents[2] / "skus"
 LAYER = "sha256:" + "a" * 64

@@ -1,4 +1,5 @@
-"""The probe: standalone imports, its stdlib safetensors writer read back by tensorio, its CLI on this CPU."""
+"""The probe: standalone imports, its adapter registry, its stdlib safetensors writer read back by tensorio, its CLI on
+this CPU, each engine's adapter against a fake engine."""
 
 from __future__ import annotations
 
@@ -13,39 +14,119 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gates.tensorio import read_dtypes, read_safetensors
+from skupin.gates.refdata.tensorio import read_dtypes, read_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = REPO / "imagetools" / "probe.py"
+PROBE_DIR = REPO / "skupin" / "imagetools" / "probe"
+PROBE = PROBE_DIR / "skupin_probe.py"  # the entry script the gate runs; the adapters are its siblings
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"
 BUNDLE = REPO / "gates" / "references" / "tiny-llama" / "h200-float32"
 # numpy: only the llama.cpp adapter's path (llama-cpp-python requires it; its image has no torch)
 ALLOWED_TOP = {"torch", "transformers", "vllm", "sglang", "llama_cpp", "numpy", "__future__"} | set(sys.stdlib_module_names)
 
 
+def _type_checking_blocks(tree: ast.Module) -> list[ast.If]:
+    return [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+
+
 def _imports(source: str) -> set[str]:
+    """Top-level names of every import that runs (a relative import shows as "." + its module); imports only for
+    mypy (under `if TYPE_CHECKING:`) are left out: in an image they never run."""
+    tree = ast.parse(source)
+    typing_only = {id(n) for block in _type_checking_blocks(tree) for n in ast.walk(block)}
     names = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            names.add((node.module or "").split(".")[0])
+            names.add("." * node.level + (node.module or "").split(".")[0])
     return names
 
 
-def test_probe_needs_only_stdlib_torch_and_engines_and_never_pickles():
-    source = PROBE.read_text()
+def _probe_files() -> list[Path]:
+    """The probe's modules as the gate mounts them: every .py file of its folder but __init__.py, which only skupin's
+    own process imports."""
+    return sorted(p for p in PROBE_DIR.glob("*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("path", _probe_files(), ids=lambda p: p.name)
+def test_probe_needs_only_stdlib_torch_and_engines_and_never_pickles(path: Path) -> None:
+    source = path.read_text()
     assert _imports(source) <= ALLOWED_TOP, _imports(source) - ALLOWED_TOP
-    assert not {"pickle", "safetensors", "gates", "builder"} & _imports(source)
+    assert not {"pickle", "safetensors", "gates", "builder", "skupin"} & _imports(source)
     for banned in ("torch.load", "torch.save", "pickle.", "perturb", "weights_only"):
         assert banned not in source
+    for block in _type_checking_blocks(ast.parse(source)):  # mypy's view of the siblings: relative, one level
+        for node in ast.walk(block):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                assert isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "skupin_probe", \
+                    ast.unparse(node)
+
+
+def test_the_probe_is_its_folder_and_every_module_is_named_for_it() -> None:
+    """The gate mounts the whole folder (sys.path[0] of the script): every module name starts with skupin_probe, which
+    no package of an image has, and every adapter module is registered and the other way round."""
+    names = {p.stem for p in _probe_files()}
+    assert all(n == "skupin_probe" or n.startswith("skupin_probe_") for n in names), names
+    registry = _probe_module_static("ADAPTERS")
+    assert names == {"skupin_probe", *registry.values()}
+    assert all(module == f"skupin_probe_{engine}" for engine, module in registry.items())
+
+
+def _probe_module_static(name: str) -> dict:
+    for node in ast.parse(PROBE.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{PROBE} has no {name}")
+
+
+@pytest.mark.parametrize("engine", sorted(_probe_module_static("ADAPTERS")))
+def test_each_adapter_module_has_the_interface(engine: str) -> None:
+    import inspect
+
+    from skupin.imagetools.probe import load_adapter, skupin_probe
+
+    adapter = load_adapter(engine)
+    assert isinstance(adapter.NEEDS_TORCH, bool)
+    params = list(inspect.signature(adapter.run).parameters)
+    assert params == list(inspect.signature(skupin_probe.Adapter.run).parameters)[1:]  # without self
+    assert (engine == "llamacpp") == (not adapter.NEEDS_TORCH)  # the one image without torch
+
+
+def test_run_as_a_script_the_probe_loads_its_adapters_from_its_own_folder(monkeypatch, tmp_path) -> None:
+    """Outside the package (the script in an image) an adapter is loaded from the file beside the probe: a module of
+    the same name on sys.path, or already imported, is not used."""
+    import importlib.util
+
+    (tmp_path / "skupin_probe_vllm.py").write_text("raise SystemExit('the image shadowed the probe')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("skupin_probe_vllm", "skupin_probe_sglang"):  # also undone after the test: the loader registers its own
+        monkeypatch.setitem(sys.modules, name, type(sys)(name))
+    spec = importlib.util.spec_from_file_location("skupin_probe", PROBE)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert not script.__package__
+    for engine in ("vllm", "sglang"):
+        adapter = script.load_adapter(engine)
+        assert Path(adapter.__file__) == PROBE_DIR / f"skupin_probe_{engine}.py" and callable(adapter.run)
+
+
+def test_cpu_threads_is_omp_num_threads_when_set(monkeypatch) -> None:
+    from skupin.imagetools.probe import skupin_probe
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert skupin_probe._cpu_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "x")
+    assert skupin_probe._cpu_threads() >= 1
 
 
 def _probe_module():
     pytest.importorskip("torch")
-    from imagetools import probe
+    from skupin.imagetools.probe import skupin_probe
 
-    return probe
+    return skupin_probe
 
 
 def test_probe_writer_round_trips_through_tensorio(tmp_path):
@@ -134,6 +215,13 @@ def test_probe_on_this_cpu_matches_the_h200_bundle_shapes(tmp_path):
     assert np.array_equal(ours["model.input_ids"], ref["model.input_ids"])
     assert np.array_equal(ours["kernels.int4.dequant"], ref["kernels.int4.dequant"])  # exact arithmetic
     assert report["checks"]["model"]["hidden_states"].startswith("decoder last_hidden_state")
+    # and the numbers: float32 on this CPU is the H200's to rounding, so the committed bundles, captured by the
+    # single-file probe before its split into adapter modules, still describe what this probe computes
+    from skupin.gates.judge.compare import model_statistics
+
+    stats = model_statistics(ref, ours)
+    assert stats.per_prompt["max_abs"].max() < 1e-5 and stats.per_prompt["one_minus_cos"].max() < 1e-10
+    assert stats.per_prompt["top1_agree"].min() == 1.0
 
 
 def test_ragged_prompts_left_padded_in_batches_give_each_prompt_its_unpadded_numbers(tmp_path):
@@ -142,8 +230,8 @@ def test_ragged_prompts_left_padded_in_batches_give_each_prompt_its_unpadded_num
     greedy ids match too (ragged batches decode one prompt at a time)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from gates.compare import model_statistics
-    from gates.fixture import generate_fixture
+    from skupin.gates.judge.compare import model_statistics
+    from skupin.gates.refdata.fixture import generate_fixture
 
     model = tmp_path / "deep-llama"
     generate_fixture(name="deep-llama", out=model)
@@ -245,13 +333,14 @@ def _run_fake_sglang(monkeypatch, fake_cls=_FakeSGLang):
     monkeypatch.setattr(sys.modules["sglang"], "Engine", make, raising=False)
     ids = [[3, 7, 1, 30, 12, 5], [9, 9, 2, 31, 0, 4], [1, 2, 3, 4, 5, 6]]
     opts = {"dtype": "bfloat16", "batch_size": 2, "top_k": 4, "attn": "sdpa", "full_logprobs": 2, "new_tokens": 3,
-            "vocab": _FakeSGLang.V}
-    return probe, ids, opts, probe.run_sglang("/model", ids, opts, "cuda"), engines_seen
+            "vocab": _FakeSGLang.V, "cpu_threads": 1}
+    tensors, info = probe.run_adapter("sglang", "/model", ids, opts, "cuda")
+    return probe, ids, opts, {"tensors": tensors, "info": info}, engines_seen
 
 
 def test_sglang_adapter_reads_the_0_5_23_layout_into_the_common_tensors(monkeypatch):
     torch = pytest.importorskip("torch")
-    from engines import sglang
+    from skupin.engines import sglang
 
     _, ids, opts, result, (engine,) = _run_fake_sglang(monkeypatch)
     t = result["tensors"]
@@ -355,12 +444,12 @@ def _run_fake_llamacpp(monkeypatch, tmp_path):
             col.add("hidden", np.asarray([fake.hidden(prompt[: t + 1]) for t in range(len(prompt))], dtype=np.float32))
         return "fake hidden"
 
-    monkeypatch.setattr(probe, "_llamacpp_hidden", hidden)
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(probe.load_adapter("llamacpp"), "_hidden", hidden)
     ids = [[3, 7, 1, 30, 12, 5], [9, 9, 2, 31, 0, 4], [1, 2, 3, 4, 5, 6]]
     opts = {"dtype": "float32", "batch_size": 2, "top_k": 4, "attn": "sdpa", "full_logprobs": 2, "new_tokens": 3,
-            "vocab": fake.V}
-    return probe, fake, ids, opts, probe.run_llamacpp(str(tmp_path), ids, opts, "cpu")
+            "vocab": fake.V, "cpu_threads": 3}
+    tensors, info = probe.run_adapter("llamacpp", str(tmp_path), ids, opts, "cpu")
+    return probe, fake, ids, opts, {"tensors": tensors, "info": info}
 
 
 def _log_softmax64(x):
@@ -369,7 +458,7 @@ def _log_softmax64(x):
 
 
 def test_llamacpp_adapter_stores_llama_cpps_logits_in_the_common_layout(monkeypatch, tmp_path):
-    from engines import llamacpp
+    from skupin.engines import llamacpp
 
     probe, fake, ids, opts, result = _run_fake_llamacpp(monkeypatch, tmp_path)
     t = result["tensors"]
@@ -402,13 +491,14 @@ def test_llamacpp_adapter_stores_llama_cpps_logits_in_the_common_layout(monkeypa
 
 
 def test_llamacpp_adapter_needs_exactly_one_gguf(monkeypatch, tmp_path):
-    probe = _probe_module()
+    from skupin.imagetools.probe import skupin_probe_llamacpp as adapter
+
     with pytest.raises(RuntimeError, match="holds 0 GGUF files"):
-        probe._gguf_file(str(tmp_path))
+        adapter._gguf_file(str(tmp_path))
     (tmp_path / "a.gguf").write_bytes(b"")
     (tmp_path / "b.gguf").write_bytes(b"")
     with pytest.raises(RuntimeError, match="holds 2 GGUF files"):
-        probe._gguf_file(str(tmp_path))
+        adapter._gguf_file(str(tmp_path))
 
 
 def test_probe_runs_llamacpp_without_torch(tmp_path):
@@ -427,8 +517,8 @@ def test_probe_runs_llamacpp_without_torch(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(fake_dir)}
     # the fake has no embeddings context: the hidden-state pass is replaced
-    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import imagetools.probe as p; "
-            "p._llamacpp_hidden = lambda *a: 'none'; sys.exit(p.main(sys.argv[1:]))")
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import skupin.imagetools.probe.skupin_probe as p; "
+            "p.load_adapter('llamacpp')._hidden = lambda *a: 'none'; sys.exit(p.main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", code, "--model", str(model), "--prompts", str(model / "prompts.json"),
                            "--out", str(out), "--engine", "llamacpp", "--top-k", "3", "--full-logprobs", "1"],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
@@ -458,3 +548,23 @@ def test_collector_pads_every_position_kind_to_the_longest_prompt_even_when_full
     assert out["model.target_logprob"].shape == (2, 5) and out["model.hidden"].shape == (2, 6, 4)
     assert out["model.logprobs_full"].shape == (1, 5, 8)  # T - 1 positions, not the first prompt's 2
     assert out["model.logprobs_full"][0, 2:].sum() == 0 and out["model.target_logprob"][0, 2:].sum() == 0
+
+
+def test_the_probe_hash_is_over_every_module_of_its_folder(tmp_path):
+    """meta.json's probe_sha256 (docs/REFERENCES.md, "The probe's hash"): sha256sum's listing of the folder's *.py
+    files, hashed; any module's bytes change it, compiled caches do not."""
+    from skupin.gates.refdata.bundle import PROBE, probe_sha256
+
+    assert PROBE == PROBE_DIR / "skupin_probe.py"
+    listing = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(PROBE_DIR.glob("*.py")))
+    assert probe_sha256() == hashlib.sha256(listing.encode()).hexdigest()
+    copy = tmp_path / "probe"
+    copy.mkdir()
+    for p in PROBE_DIR.glob("*.py"):
+        (copy / p.name).write_bytes(p.read_bytes())
+    (copy / "__pycache__").mkdir()
+    (copy / "__pycache__" / "skupin_probe.cpython-311.pyc").write_bytes(b"cache")
+    assert probe_sha256(copy) == probe_sha256()
+    with (copy / "skupin_probe_vllm.py").open("a") as fh:
+        fh.write("\n")
+    assert probe_sha256(copy) != probe_sha256()

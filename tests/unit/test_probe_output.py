@@ -11,17 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.manifest import load_manifest
-from common.errors import BundleError
-from dockerd import RunResult
-from gates.gate import MODEL_MOUNT, PROBE_MOUNT, _host_folder, _probe_run, probe_spec
-from gates.probe_output import decode_outputs, read_output_folder, split_frame
-from gates.sandbox import sandbox_cpus
-from gates.tensorio import encode_safetensors
-from imagetools.probe import FORMAT, FRAME_MAGIC
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.common.errors import BundleError
+from skupin.dockerd import RunResult
+from skupin.gates.gate import MODEL_MOUNT, PROBE_DIR_MOUNT, PROBE_MOUNT, _host_folder, _probe_run, probe_spec
+from skupin.gates.refdata.probe_output import decode_outputs, read_output_folder, split_frame
+from skupin.gates.refdata.tensorio import encode_safetensors
+from skupin.gates.sandbox import sandbox_cpus
+from skupin.imagetools.probe import ADAPTERS, FORMAT, FRAME_MAGIC
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = REPO / "imagetools" / "probe.py"
+PROBE_DIR = REPO / "skupin" / "imagetools" / "probe"
 FIXTURE = REPO / "gates" / "fixtures" / "tiny-llama"
 REPORT = {"format": FORMAT, "status": "ok", "checks": {"env": {"status": "ok"}}, "env": {"python": "3.11.2"}}
 TENSORS = {"kernels.x": np.arange(6, dtype=np.float32).reshape(2, 3)}
@@ -118,7 +118,8 @@ def test_the_output_folder_is_read_without_following_links(tmp_path: Path) -> No
 
 def test_the_probe_prints_exactly_one_frame_and_whatever_else_is_printed_goes_to_stderr() -> None:
     pytest.importorskip("torch")
-    code = ("import sys; sys.argv = ['probe.py', '--out', '-', '--checks', 'env']; import imagetools.probe as p; "
+    code = ("import sys; sys.argv = ['skupin_probe.py', '--out', '-', '--checks', 'env']; "
+            "import skupin.imagetools.probe.skupin_probe as p; "
             "real = p.pick_device; p.pick_device = lambda n: (print('noise from a library'), real(n))[1]; "
             "sys.exit(p.main())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=600, cwd=REPO, check=False,
@@ -198,11 +199,20 @@ def test_the_probe_container_gets_no_writable_mount_and_prints_its_outputs(tmp_p
     m = manifest("cpu-x86_64")
     spec = probe_spec(manifest=m, image="img", out=tmp_path / "probe", model_dir=FIXTURE)
     assert all(mount.read_only for mount in spec.mounts)
-    assert {mount.target for mount in spec.mounts} == {PROBE_MOUNT, MODEL_MOUNT}
+    assert {mount.target for mount in spec.mounts} == {PROBE_DIR_MOUNT, MODEL_MOUNT}
+    assert spec.command[0] == PROBE_MOUNT == f"{PROBE_DIR_MOUNT}/skupin_probe.py"
     assert spec.entrypoint == ("/opt/skupin/venv/bin/python3",)  # by absolute path, never through the image's PATH
     assert spec.command[spec.command.index("--out") + 1] == "-"
     assert spec.read_only and spec.network == "none" and spec.deadline_s == m.gate.deadline_s
     assert spec.max_stdout_bytes == 256 * 1024**2 and spec.cpus is not None and spec.cpus >= 1
+
+
+def test_the_probe_container_gets_the_probes_whole_folder(tmp_path: Path) -> None:
+    """The probe is several modules: the folder is mounted (read-only) and holds the entry script and every adapter."""
+    spec = probe_spec(manifest=manifest("cpu-x86_64"), image="img", out=tmp_path / "probe", model_dir=FIXTURE)
+    (mount,) = (m for m in spec.mounts if m.target == PROBE_DIR_MOUNT)
+    assert Path(mount.source) == PROBE_DIR.resolve()
+    assert {p.name for p in Path(mount.source).glob("*.py")} >= {"skupin_probe.py", *(f"{m}.py" for m in ADAPTERS.values())}
 
 
 def test_the_probe_runs_the_kernel_battery_only_where_the_gate_checks_kernels(tmp_path: Path) -> None:
@@ -233,7 +243,7 @@ def test_cpus_default_to_all_but_half_a_cpu_and_never_exceed_the_host() -> None:
 def test_a_host_that_cannot_write_the_outputs_gets_a_boot_error_not_a_traceback(tmp_path: Path, monkeypatch) -> None:
     import errno
 
-    import gates.gate as gate
+    import skupin.gates.gate as gate
 
     def full_disk(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -6,17 +6,19 @@ import base64
 import hashlib
 import json
 import os
+from typing import Any
 
 import pytest
 
-from builder.lockfile import Lock, LockedBase
-from clients.oci import Manifest
-from common.errors import DockerError, NetworkError, PublishError
-from common.revision import SourcePin
-from publishing.attest import BOM_PREDICATE_TYPE, DSSE_MEDIA_TYPE, PREDICATE_TYPE, tolerance_sha256
-from publishing.local_registry import LocalRegistry, render_config
-from publishing.policy import Expected, signed_predicate
-from publishing.publish import (
+from skupin.builder.catalog.lockfile import Lock, LockedBase
+from skupin.clients.oci import Manifest
+from skupin.common.errors import DockerError, NetworkError, PublishError
+from skupin.common.revision import SourcePin
+from skupin.pipeline import STAGES, RunSummary, StageResult
+from skupin.publishing.attest import BOM_PREDICATE_TYPE, DSSE_MEDIA_TYPE, PREDICATE_TYPE, tolerance_sha256
+from skupin.publishing.local_registry import LocalRegistry, render_config
+from skupin.publishing.policy import Expected, signed_predicate
+from skupin.publishing.publish import (
     OCI_MANIFEST,
     VERIFIED_TAG,
     attestation_artifact,
@@ -30,9 +32,8 @@ from publishing.publish import (
     refusals,
     verdict_facts,
 )
-from publishing.sbom import BomSummary, DebianPackage, ImageInventory, PythonDistribution
-from publishing.verify import Verification
-from skupin.pipeline import STAGES, RunSummary, StageResult
+from skupin.publishing.sbom import BomSummary, DebianPackage, ImageInventory, PythonDistribution
+from skupin.publishing.verify import Verification
 from tests.data.threads import finishes
 from tests.unit.test_attest import SIGNER, TRUSTED
 
@@ -392,8 +393,8 @@ def test_find_verdict_skips_fifos_links_and_nested_json_and_returns_quickly(tmp_
 
 
 def test_an_unreadable_verdict_is_refused_with_the_reason(tmp_path):
-    from common.errors import PublishError
-    from publishing.publish import _read_verdict
+    from skupin.common.errors import PublishError
+    from skupin.publishing.publish import _read_verdict
 
     deep = tmp_path / "verdict.json"
     deep.write_text("[" * 200_000 + "]" * 200_000)
@@ -422,19 +423,33 @@ def test_run_summary_table():
     assert "FAILED" in failed[-1]
 
 
-def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrote(monkeypatch, tmp_path):
-    """publish(built, verdict, target): the verdict object is turned into facts once; the attestation pins its JSON."""
-    import publishing.publish as publishing
-    from builder.build import BuiltImage
-    from builder.manifest import load_manifest
-    from builder.stack import ResolvedStack
-    from dockerd import ImageInfo
-    from gates.verdict import GateVerdict
+def built_cpu_image() -> tuple[Any, Any]:
+    """(BuiltImage, GateVerdict) of the CPU SKU at `lock()`, image IMAGE, Dockerfile "c" * 64: what publish() takes."""
+    from skupin.builder.build import BuiltImage
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.builder.catalog.stack import ResolvedStack
+    from skupin.gates.judge.verdict import GateVerdict
     from tests.paths import SKUS
 
+    stack = ResolvedStack(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"), manifest_path=SKUS / "cpu-x86_64.yaml",
+                          lock=lock(), lock_state="ok")
+    built = BuiltImage(sku="cpu-x86_64", image="skupin/cpu-x86_64:x", image_id=IMAGE, tags=(), labels={}, base_id="b",
+                       lock_sha256=lock().content_hash(), dockerfile_sha256="c" * 64, layers=(), steps=(), cache_hits=0,
+                       total_s=1.0, size_bytes=1, installed={}, created="now", stack=stack)
+    gated = GateVerdict.model_validate({**verdict(), "hardware_class": "cpu-x86_64", "image": built.image,
+                                        "timings": {"total_s": 1.0}, "tool_version": "0.1.0"})
+    return built, gated
+
+
+def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrote(monkeypatch, tmp_path):
+    """publish(built, verdict, target): the verdict object is turned into facts once; the attestation pins its JSON."""
+    import skupin.publishing.publish as publishing
+    from skupin.dockerd import ImageInfo
+
     class Engine(FakeEngine):
-        def inspect_image(self, ref):
-            return ImageInfo(id=IMAGE, tags=(), repo_digests=(), labels={}, size=1, layers=(), created="now")
+        def inspect_image(self, ref):  # built by skupin: its labels name the lock and the Dockerfile
+            return ImageInfo(id=IMAGE, tags=(), repo_digests=(), size=1, layers=(), created="now",
+                             labels={publishing.LOCK_LABEL: lock().content_hash(), "io.skupin.dockerfile-sha256": "c" * 64})
 
         def layer_dirs(self, ref):  # an image of no layers: its SBOM lists nothing
             return ()
@@ -446,13 +461,7 @@ def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrot
         def __exit__(self, *_exc):
             return None
 
-    stack = ResolvedStack(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"), manifest_path=SKUS / "cpu-x86_64.yaml",
-                          lock=lock(), lock_state="ok")
-    built = BuiltImage(sku="cpu-x86_64", image="skupin/cpu-x86_64:x", image_id=IMAGE, tags=(), labels={}, base_id="b",
-                       lock_sha256=lock().content_hash(), dockerfile_sha256="c" * 64, layers=(), steps=(), cache_hits=0,
-                       total_s=1.0, size_bytes=1, installed={}, created="now", stack=stack)
-    gated = GateVerdict.model_validate({**verdict(), "hardware_class": "cpu-x86_64", "image": built.image,
-                                        "timings": {"total_s": 1.0}, "tool_version": "0.1.0"})
+    built, gated = built_cpu_image()
     reg, reads = Registry(), []
     monkeypatch.setattr(publishing, "RegistryClient", lambda _url: reg)
     real = publishing.verdict_facts
@@ -460,11 +469,11 @@ def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrot
     monkeypatch.setattr(publishing, "expected_for", lambda _sku: expected())
     monkeypatch.setenv("SKUPIN_STATE", str(tmp_path))
     out = publishing.publish(built, gated, parse_target("127.0.0.1:5000"), docker=Engine(),  # type: ignore[arg-type]
-                             signer=SIGNER, trusted=TRUSTED)
+                             signer=SIGNER, trusted=TRUSTED, verdict_envelope=publishing.sign_verdict(gated, SIGNER))
     assert len(reads) == 1 and out.image_id == IMAGE and out.tags[-1] == VERIFIED_TAG and out.keyid == SIGNER.keyid
     envelope, _sbom = read_attestations(client=reg, repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest)  # type: ignore[arg-type]
     assert out.sbom is not None and (out.sbom.python, out.sbom.debian) == (0, 0)
-    from publishing.policy import evaluate, verdict_sha256
+    from skupin.publishing.policy import evaluate, verdict_sha256
 
     result = evaluate(envelope, trusted=TRUSTED, digest=IMAGE_MANIFEST.digest, expected=expected(), image_id=IMAGE)
     assert result.ok, result.reasons

@@ -1,6 +1,6 @@
 """The bytecode verifier: genuine bytecode passes, bytecode holding other code fails, hostile bytes never crash the host.
 
-Runs the real tool (imagetools/pyc_verify.py) in this interpreter and in sandboxed worker processes of it.
+Runs the real tool (skupin/imagetools/pyc_verify.py) in this interpreter and in sandboxed worker processes of it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gates.static import bytecode as pyc_check
-from gates.static.layers import Entry, FileView
-from imagetools.pyc_verify import verify
+from skupin.gates.integrity import bytecode as pyc_check
+from skupin.imagetools.pyc_verify import verify
+from skupin.imageview.layers import Entry, FileView
 from tests.data.threads import finishes
 
 SOURCE = b"def f(x):\n    return x + 1\n\nclass C:\n    def g(self):\n        return [i * 2 for i in range(3)]\n"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from builder.lockfile import Lock, LockedBase, LockedPackage
-from builder.manifest import load_manifest
-from builder.render import render_manifest, write_context
-from common.errors import BuildError
+from skupin.builder.catalog.lockfile import Lock, LockedBase, LockedPackage
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.builder.render import render_manifest, write_context
+from skupin.common.errors import BuildError
 from tests.paths import REPO, SKUS
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -29,7 +29,7 @@ def _ids(paths):
 def test_snapshot(path):
     """The rendered (pins-only) Dockerfile equals the committed snapshot (UPDATE_SNAPSHOTS=1 rewrites)."""
     # The tools' hash is checked by test_dockerfile_names_the_tools_it_mounts, so an edit to
-    # imagetools/bytecode.py or imagetools/wheel_install.py does not rewrite every snapshot.
+    # skupin/imagetools/bytecode.py or skupin/imagetools/wheel_install.py does not rewrite every snapshot.
     text = re.sub(r"(; tools sha256 )[0-9a-f]{16}$", r"\1<tools>", render_manifest(manifest=load_manifest(path)).text, flags=re.M)
     snap = SNAPSHOTS / f"{path.stem}.Dockerfile"
     if os.environ.get("UPDATE_SNAPSHOTS") == "1":
@@ -45,7 +45,7 @@ def test_dockerfile_names_the_tools_it_mounts(tmp_path):
 
     import installer
 
-    from builder.render import BYTECODE_TOOL, INSTALL_TOOL
+    from skupin.builder.render import BYTECODE_TOOL, INSTALL_TOOL
 
     manifest = _cpu()
     for rendered in (render_manifest(manifest=manifest), render_manifest(manifest=manifest, lock=_lock(manifest, tmp_path))):
@@ -176,11 +176,11 @@ def test_locked_render_installs_exactly_the_locked_set(tmp_path):
 def test_a_locked_image_has_no_pip_and_serves_by_default(tmp_path):
     import json
 
-    from engines import serve_launch
+    from skupin.engines import serve_launch
 
     manifest = _cpu()
     text = render_manifest(manifest=manifest, lock=_lock(manifest, tmp_path)).text
-    # Only locked wheels in the venv (gates/static/integrity.py accounts for every file): no pip, no activate scripts.
+    # Only locked wheels in the venv (gates/integrity/static.py accounts for every file): no pip, no activate scripts.
     assert " -m venv --without-pip /opt/skupin/venv \\\n && rm -f /opt/skupin/venv/bin/activate* " in text
     cmd = next(line for line in text.splitlines() if line.startswith("CMD "))
     assert json.loads(cmd[4:]) == list(serve_launch(manifest=manifest).argv)
@@ -214,8 +214,8 @@ def test_write_context_links_each_steps_wheels_and_refuses_missing(tmp_path):
 
 def test_render_stage_uses_the_stacks_lock_only_while_it_is_current(tmp_path):
     """`render(stack)` is `render_manifest` with the stack's current lock, and carries the stack for the build."""
-    from builder.render import render
-    from builder.stack import ResolvedStack
+    from skupin.builder.catalog.stack import ResolvedStack
+    from skupin.builder.render import render
 
     manifest = _cpu()
     lock = _lock(manifest, tmp_path)

@@ -1,4 +1,4 @@
-"""The catalog's git source signed into the attestation (common/revision.py)."""
+"""The catalog's git source signed into the attestation (skupin/common/revision.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.revision import catalog_source, public_url
+from skupin.common.revision import catalog_source, public_url
 
 
 def _git(root: Path, *args: str) -> str:

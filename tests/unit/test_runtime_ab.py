@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from builder.check import resolve
-from common.paths import sku_path
-from gates.serving.ab import ABSettings, ABSide, LengthAB, RuntimeAB, ab_from_runs, decide, kpi, noise_floor, round_ratios
-from gates.serving.annex import annex_markdown, write_annex
-from gates.serving.perf import PerfResult, PerfSettings, Sample, cost_summary, summarize_level
-from gates.serving.runtime_ab import NotTheSameWeights, check_lengths, prompt_ids_of_length, same_weights
+from skupin.ab.annex import annex_markdown, write_annex
+from skupin.ab.decision import ABSettings, ABSide, LengthAB, RuntimeAB, decide, kpi, noise_floor, round_ratios
+from skupin.ab.runtime import NotTheSameWeights, check_lengths, prompt_ids_of_length, same_weights
+from skupin.builder.check import resolve
 from skupin.cli import main
+from skupin.common.paths import sku_path
+from skupin.gates.serving.ab import ab_from_runs
+from skupin.gates.serving.perf import PerfResult, PerfSettings, Sample, cost_summary, summarize_level
 
 
 def perf(decode_tok_s: float, prefill_tok_s: float = 3200.0, levels=(1, 2)) -> PerfResult:

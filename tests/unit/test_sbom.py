@@ -1,4 +1,4 @@
-"""The SBOM (publishing/sbom.py) and its signed statement: read from a small synthetic layer set (tar layers indexed
+"""The SBOM (skupin/publishing/sbom.py) and its signed statement: read from a small synthetic layer set (tar layers indexed
 and merged exactly as the gate indexes an image's layers), written with cyclonedx-python-lib and validated against the
 CycloneDX 1.6 schema by that library's validator; then signed, opened and judged by `evaluate_sbom`. No Docker, no
 network."""
@@ -15,13 +15,13 @@ import pytest
 from cyclonedx.schema import SchemaVersion
 from cyclonedx.validation.json import JsonStrictValidator
 
-from builder.lockfile import Lock, LockedBase, LockedPackage
-from common.errors import PublishError
-from common.model import canonical_json
-from gates.static.layers import BlobStore, FileView, kept_for_checks, merge, scan_layer_tar
-from publishing.attest import BOM_PREDICATE_TYPE, PAYLOAD_TYPE, STATEMENT_TYPE, bom_statement
-from publishing.policy import evaluate_sbom
-from publishing.sbom import (
+from skupin.builder.catalog.lockfile import Lock, LockedBase, LockedPackage
+from skupin.common.errors import PublishError
+from skupin.common.model import canonical_json
+from skupin.imageview.layers import BlobStore, FileView, kept_for_checks, merge, scan_layer_tar
+from skupin.publishing.attest import BOM_PREDICATE_TYPE, PAYLOAD_TYPE, STATEMENT_TYPE, bom_statement
+from skupin.publishing.policy import evaluate_sbom
+from skupin.publishing.sbom import (
     DebianPackage,
     ImageInventory,
     PythonDistribution,

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from builder.manifest import load_manifest
-from clients.openai import MAX_LINE_BYTES, StreamError, bounded_lines, parse_stream
-from common.errors import GateCouldNotRun
-from gates.serving.serve import (
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.clients.openai import MAX_LINE_BYTES, StreamError, bounded_lines, parse_stream
+from skupin.common.errors import GateCouldNotRun
+from skupin.gates.serving.serve import (
     NOT_PROVIDED,
     Completion,
     ServeClient,
@@ -336,7 +336,7 @@ def test_token_ids_from_the_engine_are_compared_directly_with_logprobs(tok, prom
 
 
 def test_judge_reports_missing_logprobs_and_counts(tok, prompts) -> None:
-    from gates.serving.serve import PromptServe
+    from skupin.gates.serving.serve import PromptServe
 
     results = [PromptServe(index=0, status="match", compared_by="pieces"),
                PromptServe(index=1, status="near_tie", step=3, margin=1e-6, compared_by="pieces")]
@@ -360,7 +360,7 @@ def test_near_tie_threshold_is_twice_the_calibrated_max_abs() -> None:
 
 
 def test_the_honest_reference_decodes_to_one_piece_per_token(tok, prompts) -> None:
-    from gates.tensorio import read_safetensors
+    from skupin.gates.refdata.tensorio import read_safetensors
 
     ref, _ = read_safetensors(REPO / "gates" / "references" / "tiny-llama" / "h200-float32" / "tensors.safetensors")
     for i in range(4):
@@ -372,7 +372,7 @@ def test_the_honest_reference_decodes_to_one_piece_per_token(tok, prompts) -> No
 @pytest.mark.parametrize("error", [httpx.ConnectError("connection refused"), httpx.RemoteProtocolError("peer closed"),
                                    StreamError("the response passed 9 bytes")])
 def test_a_failed_exchange_with_the_server_is_a_serve_failure_not_a_traceback(monkeypatch, error) -> None:
-    from gates.serving import serve
+    from skupin.gates.serving import serve
 
     def broken(**_kwargs):
         raise error

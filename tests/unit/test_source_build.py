@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from builder.lock import BUILD_STAGE, PipRequest, lock_sku, lock_status
-from builder.lockfile import Lock, LockedPackage, read_lock
-from builder.manifest import load_manifest, parse_manifest
-from builder.render import ENGINE_BUILD_STAGE, ENGINE_WHEEL_STAGE, render_manifest
-from builder.sdist import applicable, read_sdist
-from builder.sourcebuild import BuiltWheel, export_wheel, read_built, write_built
-from builder.wheels import store_path
-from common.errors import BuildError, LockError
-from gates.static.integrity import built_wheels
+from skupin.builder.catalog.lockfile import Lock, LockedPackage, read_lock
+from skupin.builder.catalog.manifest import load_manifest, parse_manifest
+from skupin.builder.lock import BUILD_STAGE, PipRequest, lock_sku, lock_status
+from skupin.builder.render import ENGINE_BUILD_STAGE, ENGINE_WHEEL_STAGE, render_manifest
+from skupin.builder.sdist import applicable, read_sdist
+from skupin.builder.sourcebuild import BuiltWheel, export_wheel, read_built, write_built
+from skupin.builder.wheels import store_path
+from skupin.common.errors import BuildError, LockError
+from skupin.gates.integrity.static import built_wheels
 from tests.data.wheels import make_wheel
 from tests.unit.test_integrity import Image, _check, _installed, honest  # noqa: F401 - honest is a fixture
 
@@ -173,7 +173,7 @@ def test_a_wheel_only_lock_keeps_its_hash_and_sdists_stay_refused_elsewhere(tmp_
     data = json.loads((ROOT / "skus" / "nvidia-h200-vllm.lock.json").read_text())
     assert "build" not in data and lock.build == () and lock.sources() == {}
     assert lock.content_hash() == Lock.model_validate(data).content_hash()
-    from builder.lock import parse_report
+    from skupin.builder.lock import parse_report
     report = {"install": [{"metadata": {"name": "x", "version": "1"},
                            "download_info": {"url": "https://files.example/x-1.tar.gz",
                                              "archive_info": {"hashes": {"sha256": "0" * 64}}}}]}
@@ -209,7 +209,7 @@ def test_the_locked_render_builds_the_sdist_offline_in_its_own_stage() -> None:
     image = rendered.text.rsplit("\nFROM ${SKUPIN_BASE}\n", 1)[1]
     assert "g++-12" not in image and "cmake" not in image and sdist.filename not in image
     assert f"--mount=type=bind,from={ENGINE_BUILD_STAGE},source=/out,target=/tmp/skupin-built" in image
-    from builder.imageconfig import apt_installs
+    from skupin.builder.imageconfig import apt_installs
     assert apt_installs(rendered.text) == ("ca-certificates", "python3.11", "python3.11-venv", "libgomp1")
 
 
@@ -291,9 +291,9 @@ def test_a_built_wheel_record_is_frozen_json(tmp_path: Path) -> None:
 
 
 def test_the_build_plan_gathers_the_build_wheels_and_records_the_built_wheel(tmp_path: Path) -> None:
-    from builder.build import GatherWheels, RecordBuiltWheel, RunBuildKit, plan_build
-    from builder.check import resolve
-    from builder.render import render
+    from skupin.builder.build import GatherWheels, RecordBuiltWheel, RunBuildKit, plan_build
+    from skupin.builder.check import resolve
+    from skupin.builder.render import render
 
     rendered = render(resolve(SKU, require_lock=True))
     lock = rendered.stack.current_lock

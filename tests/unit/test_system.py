@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from common import apt
-from common.errors import DockerError, PublishError
-from dockerd import DEFAULT_SOCKET, engine_host
-from dockerd.daemon import local_socket
+from skupin.common import apt
+from skupin.common.errors import DockerError, PublishError
+from skupin.dockerd import DEFAULT_SOCKET, engine_host
+from skupin.dockerd.daemon import local_socket
 
 
 @pytest.fixture

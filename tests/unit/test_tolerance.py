@@ -1,15 +1,17 @@
-"""gates/tolerance.py and gates/calibrate.py: entries per class, provenance, never loosening another class."""
+"""gates/judge/tolerance.py and gates/calibrate.py: entries per class, provenance, never loosening another class."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import numpy as np
 import pytest
 
-from common.errors import GateCouldNotRun
-from gates.bundle import bundle_sha256
-from gates.calibrate import HonestRun, derive_entry
-from gates.compare import kernel_errors, model_statistics
-from gates.tolerance import (
+from skupin.common.errors import GateCouldNotRun
+from skupin.gates.calibrate import HonestRun, derive_entry
+from skupin.gates.judge.compare import kernel_errors, model_statistics
+from skupin.gates.judge.tolerance import (
     DEFAULT_PATH,
     ToleranceKey,
     Tolerances,
@@ -19,6 +21,7 @@ from gates.tolerance import (
     merge_entry,
     write_tolerances,
 )
+from skupin.gates.refdata.bundle import bundle_sha256
 from tests.paths import REPO
 from tests.unit.test_compare import candidate, probe_tensors, synthetic
 
@@ -140,7 +143,7 @@ def test_every_engine_shipped_on_a_class_fits_inside_the_class_entry(path) -> No
     (gates/data/evidence/, `skupin calibrate SKU --dry-run`) must lie within that class's committed bounds."""
     import json
 
-    from gates.tolerance import ToleranceEntry
+    from skupin.gates.judge.tolerance import ToleranceEntry
 
     evidence = ToleranceEntry.model_validate({k: v for k, v in json.loads(path.read_text()).items()})
     entry = lookup(load_tolerances(), evidence.key)
@@ -152,3 +155,46 @@ def test_every_engine_shipped_on_a_class_fits_inside_the_class_entry(path) -> No
     over = {name: (value, bounds[name]) for name, value in honest.items() if value > bounds[name]}
     assert not over, f"{path.name}: honest values over the class entry's bounds: {over}"
     assert evidence.provenance.runs >= 4 and evidence.provenance.reference_sha256 == entry.provenance.reference_sha256
+
+
+def test_a_yaml_alias_bomb_in_the_tolerance_file_is_refused_before_it_expands(tmp_path):
+    # issue 30: ~550 bytes of nested aliases expand to billions of nodes under yaml.safe_load
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    path = tmp_path / "tolerances.yaml"
+    path.write_text("format: skupin-tolerances/1\n" + "\n".join(lines) + "\nentries: []\n")
+    assert len(path.read_bytes()) < 700
+    with pytest.raises(GateCouldNotRun, match="anchors and aliases"):
+        load_tolerances(path)
+
+
+def test_the_tolerance_file_is_read_as_a_regular_file_only(tmp_path):
+    real = tmp_path / "real.yaml"
+    write_tolerances(merge_entry(Tolerances(), _entry()), real)
+    link = tmp_path / "tolerances.yaml"
+    link.symlink_to(real)
+    with pytest.raises(GateCouldNotRun, match="regular file"):
+        load_tolerances(link)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(GateCouldNotRun, match="regular file"):
+        load_tolerances(fifo)  # refused at once, never blocks
+    assert load_tolerances(tmp_path / "absent.yaml") == Tolerances()
+
+
+def test_the_shipped_tolerance_file_uses_no_anchors_and_loads():
+    text = DEFAULT_PATH.read_text(encoding="utf-8")
+    assert not re.search(r"(^|[\s\[{,:-])[&*][A-Za-z0-9_]", text, flags=re.M)
+    assert load_tolerances(DEFAULT_PATH).entries
+
+
+def test_writing_the_tolerance_file_uses_a_unique_temporary_and_leaves_none(tmp_path, monkeypatch):
+    path = tmp_path / "tolerances.yaml"
+    squatted = path.with_suffix(".tmp")  # the old fixed temporary name: a link planted there is never written through
+    target = tmp_path / "elsewhere"
+    squatted.symlink_to(target)
+    tolerances = merge_entry(Tolerances(), _entry())
+    write_tolerances(tolerances, path)
+    assert load_tolerances(path) == tolerances
+    assert not target.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tolerances.tmp", "tolerances.yaml"]

@@ -5,19 +5,19 @@ it; `skupin check` warns (issue 18)."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import gates.gate as gate
-from builder.manifest import load_manifest
-from builder.stack import ResolvedStack
-from common.errors import GateCouldNotRun, GateFailed, GateUncalibrated, PublishError
-from gates.compare import KernelResult
-from gates.gate import ProbeRun, _GateRun
-from gates.tensorio import read_safetensors
-from gates.tolerance import (
+import skupin.gates.gate as gate
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.builder.catalog.stack import ResolvedStack
+from skupin.common.errors import GateCouldNotRun, GateFailed, GateUncalibrated, PublishError
+from skupin.gates.gate import BootResult, GateCheck, GateInputs, PinsResult, ProbeRun, ReferenceResult, ToleranceResult
+from skupin.gates.judge.compare import KernelResult
+from skupin.gates.judge.tolerance import (
     DEFAULT_PATH,
     HardBounds,
     Tolerances,
@@ -26,7 +26,7 @@ from gates.tolerance import (
     load_tolerances,
     write_tolerances,
 )
-from gates.verdict import (
+from skupin.gates.judge.verdict import (
     CALIBRATION_FREE,
     CheckResult,
     decide,
@@ -34,7 +34,8 @@ from gates.verdict import (
     raise_for_verdict,
     serve_uncalibrated,
 )
-from publishing.publish import refusals, verdict_facts
+from skupin.gates.refdata.tensorio import read_safetensors
+from skupin.publishing.publish import refusals, verdict_facts
 from tests.paths import REPO, SKUS
 
 BUNDLE = REPO / "gates/references/tiny-llama/h200-float32"
@@ -59,34 +60,46 @@ def bundle_sha() -> str:
     return hashlib.sha256((BUNDLE / "SHA256SUMS").read_bytes()).hexdigest()
 
 
-def gate_run(tmp_path: Path, reference: dict, candidate: dict, *, tolerances: Tolerances, sha: str | None = None):
+@dataclass
+class Run:
+    """A gate run whose reference, pins and boot passed (no Docker): its inputs, the reference and the probe."""
+
+    inputs: GateInputs
+    ref: dict
+    reference_info: gate.ReferenceInfo
+    probe: ProbeRun
+
+
+def gate_run(tmp_path: Path, reference: dict, candidate: dict, *, tolerances: Tolerances, sha: str | None = None) -> Run:
     """A gate run of the CPU SKU whose reference, pins and boot passed (no Docker), with `candidate` as the probe's
     outputs and `tolerances` as the tolerance file; the real tolerance lookup, kernels, model and serve checks run."""
     path = tmp_path / "tolerances.yaml"
     write_tolerances(tolerances, path)
     manifest = load_manifest(CPU)
-    run = _GateRun(stack=ResolvedStack(manifest=manifest, manifest_path=CPU), image="img", docker=None,  # type: ignore[arg-type]
-                   out=tmp_path / "out", on_event=lambda _: None, tolerances_path=path, reference=None, baseline=None,
-                   serve_perf=None, scratch=tmp_path)
-    run.ref = reference
-    run.reference_info = gate.ReferenceInfo(path=str(BUNDLE), sha256=sha or bundle_sha(), dtype="float32")
-    run.probe = ProbeRun(report={"checks": {"kernels": {"status": "ok"}, "model": {"status": "ok"}}},
-                         tensors=candidate)
-    return run
+    inputs = GateInputs(stack=ResolvedStack(manifest=manifest, manifest_path=CPU), image="img", docker=None,  # type: ignore[arg-type]
+                        out=tmp_path / "out", on_event=lambda _: None, tolerances_path=path, reference=None,
+                        baseline=None, serve_perf=None, scratch=tmp_path)
+    return Run(inputs=inputs, ref=reference,
+               reference_info=gate.ReferenceInfo(path=str(BUNDLE), sha256=sha or bundle_sha(), dtype="float32"),
+               probe=ProbeRun(report={"checks": {"kernels": {"status": "ok"}, "model": {"status": "ok"}}},
+                              tensors=candidate))
 
 
-def run_gate(monkeypatch, run: _GateRun):
+def run_gate(monkeypatch, run: Run):
     """The gate's own driver and _finish over the real checks after reference, pins and boot (which need Docker)."""
 
-    def passed(name: str):
-        return lambda _run: CheckResult(name=name, status="pass", reason=f"{name} ok (test)")
+    def passed(name: str) -> CheckResult:
+        return CheckResult(name=name, status="pass", reason=f"{name} ok (test)")
 
-    checks = {name: (fn, n, needs) for fn, n, needs in gate.CHECKS for name in [n or fn.__name__]}
+    reference = ReferenceResult(passed("reference"), info=run.reference_info, tensors=run.ref)
+    pins, boot = PinsResult(passed("pins")), BootResult(passed("boot"), probe=run.probe)
+    checks = {check.name or check.run.__name__: check for check in gate.CHECKS}
     monkeypatch.setattr(gate, "CHECKS", (
-        (passed("reference"), "reference", None), checks["_find_tolerance"], (passed("pins"), "pins", None),
-        (passed("boot"), "boot", None), checks["kernels"], checks["model"], checks["serve"]))
-    gate._run_checks(run)
-    return gate._finish(run, started=0.0, created="2026-12-01T00:00:00+00:00")
+        GateCheck("reference", lambda _inputs: reference), checks["_find_tolerance"],
+        GateCheck("pins", lambda _inputs: pins), GateCheck("boot", lambda _inputs: boot),
+        checks["kernels"], checks["model"], checks["serve"]))
+    results = gate._run_checks(run.inputs)
+    return gate._finish(run.inputs, results, started=0.0, created="2026-12-01T00:00:00+00:00")
 
 
 def test_no_entry_runs_every_calibration_free_check_and_ends_uncalibrated_never_pass(monkeypatch, tmp_path, reference):
@@ -191,7 +204,7 @@ def test_check_warns_naming_the_key_and_the_fix():
 
 
 def test_skupin_check_warns_on_stderr_and_still_exits_0(monkeypatch, capsys, tmp_path):
-    import gates.tolerance as tolerance
+    import skupin.gates.judge.tolerance as tolerance
     from skupin.cli import main
 
     empty = tmp_path / "tolerances.yaml"
@@ -210,7 +223,7 @@ def test_every_shipped_hopper_sku_has_its_entry():
 
 
 def test_the_float32_pass_of_every_shipped_bf16_sku_has_its_bundle_and_what_it_lacks_is_said():
-    from gates.bundle import float32_manifest
+    from skupin.gates.refdata.bundle import float32_manifest
 
     tolerances = load_tolerances(DEFAULT_PATH)
     h200 = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
@@ -252,13 +265,14 @@ def float32_run(tmp_path: Path, monkeypatch, candidate: dict, *, tolerances_path
 
     monkeypatch.setattr(gate, "probe_in_container", fake_probe)
     manifest = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
-    run = _GateRun(stack=ResolvedStack(manifest=manifest, manifest_path=SKUS / "nvidia-h200-vllm.yaml"), image="img",
-                   docker=None, out=tmp_path / "out", on_event=lambda _: None,  # type: ignore[arg-type]
-                   tolerances_path=tolerances_path, reference=reference, baseline=None, serve_perf=None,
-                   scratch=tmp_path)
-    run.image_id = "sha256:" + "1" * 64
-    run.tolerances = load_tolerances(tolerances_path)
-    return gate._check_float32(run), asked
+    inputs = GateInputs(stack=ResolvedStack(manifest=manifest, manifest_path=SKUS / "nvidia-h200-vllm.yaml"),
+                        image="img", docker=None, out=tmp_path / "out", on_event=lambda _: None,  # type: ignore[arg-type]
+                        tolerances_path=tolerances_path, reference=reference, baseline=None, serve_perf=None,
+                        scratch=tmp_path)
+    ok = CheckResult(name="test", status="pass", reason="test")
+    pins = PinsResult(ok, image_id="sha256:" + "1" * 64)
+    tolerance = ToleranceResult(tolerances=load_tolerances(tolerances_path))
+    return gate._check_float32(inputs, pins, tolerance, BootResult(ok)).check, asked
 
 
 def test_the_float32_pass_probes_the_same_image_at_float32_against_the_float32_bundle(monkeypatch, tmp_path,

@@ -1,4 +1,4 @@
-"""common/untrusted.py: JSON depth measured in one pass (right on tricky inputs, never quadratic), limits enforced."""
+"""skupin/common/untrusted.py: JSON depth measured in one pass (right on tricky inputs, never quadratic), limits enforced."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.untrusted import MAX_JSON_DEPTH, UntrustedInputError, json_depth, load_json
+from skupin.common.untrusted import MAX_JSON_DEPTH, UntrustedInputError, json_depth, load_json
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _depth_in_a_subprocess(data: bytes, within: float = 60.0) -> int:
     """json_depth(data) in a fresh interpreter, killed after a generous `within` seconds (bench/hostile_bench.py holds
     the speed target): only a quadratic scan misses it on a megabyte, and re's C loop would not let a thread time out."""
-    code = "import sys; from common.untrusted import json_depth; print(json_depth(sys.stdin.buffer.read()))"
+    code = "import sys; from skupin.common.untrusted import json_depth; print(json_depth(sys.stdin.buffer.read()))"
     try:
         done = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=within, check=True,
                               cwd=REPO)

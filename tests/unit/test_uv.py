@@ -7,9 +7,9 @@ import tomllib
 
 import pytest
 
-from builder.lock import closure, parse_report
-from builder.uv import report_from, target_tags, usable, uv_platform, via_graph
-from common.errors import LockError
+from skupin.builder.lock import closure, parse_report
+from skupin.builder.uv import report_from, target_tags, usable, uv_platform, via_graph
+from skupin.common.errors import LockError
 
 PLATFORMS = ("manylinux_2_36_x86_64", "manylinux_2_35_x86_64", "manylinux2014_x86_64", "linux_x86_64")
 TAGS = target_tags(python="3.11", abis=("cp311", "abi3", "none"), platforms=PLATFORMS)

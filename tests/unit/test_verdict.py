@@ -1,4 +1,4 @@
-"""gates/verdict.py: binomial decision, hard bounds, pin drift, kernel bounds, check order; gates/report.py output."""
+"""gates/judge/verdict.py: binomial decision, hard bounds, pin drift, kernel bounds, check order; gates/report.py output."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.lockfile import read_lock
-from builder.manifest import load_manifest
-from gates.compare import KernelResult, ModelStatistics
-from gates.report import write_report
-from gates.static.integrity import Finding, IntegrityReport
-from gates.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
-from gates.verdict import (
+from skupin.builder.catalog.lockfile import read_lock
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.gates.integrity.static import Finding, IntegrityReport
+from skupin.gates.judge.compare import KernelResult, ModelStatistics
+from skupin.gates.judge.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey
+from skupin.gates.judge.verdict import (
     CheckResult,
     GateVerdict,
     binomial_sf,
@@ -24,6 +23,7 @@ from gates.verdict import (
     judge_model,
     judge_pins,
 )
+from skupin.gates.report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
 N = 64
@@ -209,8 +209,8 @@ def test_report_writes_json_markdown_and_a_png(tmp_path):
 
 
 def test_kernel_hard_bound_needs_no_calibration():
-    from gates.compare import KernelResult
-    from gates.verdict import kernel_hard_failures
+    from skupin.gates.judge.compare import KernelResult
+    from skupin.gates.judge.verdict import kernel_hard_failures
 
     honest = (KernelResult(op="silu.float32", rel_err=4e-8, finite=True),
               KernelResult(op="softmax.float32", rel_err=1.7e-7, finite=True),

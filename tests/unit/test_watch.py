@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from releases.watch import Bump, Proposal, WatchReport, allowed, apply_proposal, markdown, text_report
+from skupin.releases.watch import Bump, Proposal, WatchReport, allowed, apply_proposal, markdown, text_report
 
 REPO = Path(__file__).resolve().parents[2]
 

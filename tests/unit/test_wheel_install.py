@@ -1,4 +1,4 @@
-"""imagetools/wheel_install.py: the in-build installer of a locked step's wheels (hash-checked, no pip)."""
+"""skupin/imagetools/wheel_install.py: the in-build installer of a locked step's wheels (hash-checked, no pip)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from imagetools import wheel_install
+from skupin.imagetools import wheel_install
 
 LAZY = r"/site-packages/transformers/models/(?!auto/)[^/]+/"
 
@@ -182,8 +182,8 @@ def test_the_tool_needs_only_the_standard_library_bytecode_and_installer():
 def test_the_rendered_tools_folder_works_alone_in_a_fresh_venv(tmp_path):
     """What a build step runs: the context's tools/ (both tools and installer's package) with a
     venv's own Python, which has neither skupin nor installer installed."""
-    from builder.manifest import load_manifest
-    from builder.render import render_manifest
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.builder.render import render_manifest
     from tests.paths import SKUS
 
     rendered = render_manifest(manifest=load_manifest(SKUS / "cpu-x86_64.yaml"))

@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from builder.lockfile import LockedPackage
-from builder.wheels import fetch_wheels, store_path
-from common.errors import BuildError
+from skupin.builder.catalog.lockfile import LockedPackage
+from skupin.builder.wheels import fetch_wheels, store_path
+from skupin.common.errors import BuildError
 
 
 def _pkg(name: str, data: bytes, *, source: str = "index", url: str | None = "https://files.example/x.whl") -> LockedPackage:
@@ -71,7 +71,7 @@ def test_everything_that_cannot_be_gathered_is_reported_together_before_any_down
 def test_prune_keeps_what_the_locks_name_and_drops_the_rest(tmp_path, capsys):
     import shutil
 
-    from builder.lockfile import lock_path, read_lock
+    from skupin.builder.catalog.lockfile import lock_path, read_lock
     from skupin.cli import main
     from tests.paths import SKUS
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.errors import ManifestError
-from releases.yamledit import get_scalar, set_scalars
+from skupin.common.errors import ManifestError
+from skupin.releases.yamledit import get_scalar, set_scalars
 
 TEXT = """\
 # top comment

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from packaging.version import Version
 
-from clients.pypi import IndexClient, linux_x86_64_wheel
+from skupin.clients.pypi import IndexClient, linux_x86_64_wheel
 
 HERE = Path(__file__).resolve().parent
 # project -> lowest release recorded (final releases from there up)

@@ -1,0 +1,1 @@
+"""Judging: model statistics, tolerance entries and the decision rules that turn check results into a verdict."""

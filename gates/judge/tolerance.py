@@ -1,0 +1,297 @@
+"""Tolerances as data: per hardware class x dtype x model thresholds with their provenance (gates/data/tolerances.yaml).
+
+An entry holds, for one key, a maximum scale-normalised error per kernel op, a per-prompt
+threshold and an aggregate (mean over prompts) threshold per model statistic, the honest
+per-prompt exceedance rate the binomial test assumes, and where all of it came from. Hard bounds
+that need no calibration (any NaN/Inf, mean KL > 0.5, top-1 agreement < 80%, and in float32 the mean
+logprob L2 above float32 noise) are global.
+`merge_entry` is the only way an entry is written: it replaces the entry of its own key only and
+refuses to touch any other class's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
+
+from skupin.builder.catalog.grammar import Name
+from skupin.builder.catalog.manifest import SkuManifest
+from skupin.common.errors import BundleError, GateCouldNotRun
+from skupin.common.files import write_atomic
+from skupin.common.model import Frozen
+from skupin.common.untrusted import UntrustedInputError, load_yaml, read_regular_file
+from skupin.gates.judge.compare import DECISION_STATS
+from skupin.gates.refdata.bundle import bundle_sha256, float32_reference
+
+FORMAT = "skupin-tolerances/1"
+DEFAULT_PATH = Path(__file__).parents[1] / "data" / "tolerances.yaml"  # gates/data/: the entries shipped with skupin
+CATALOG_PATH = "gates/data/tolerances.yaml"  # a catalog's own entries, relative to its root
+MAX_TOLERANCES_BYTES = 8 << 20  # the shipped file is ~25 KB
+
+
+def catalog_tolerances() -> Path:
+    """The tolerance file the gate reads: the catalog's gates/data/tolerances.yaml when it has one, else the shipped
+    one (skupin/common/paths.py: data_path). `skupin calibrate` writes the catalog's (`writable_tolerances`)."""
+    from skupin.common.paths import data_path
+
+    return data_path(CATALOG_PATH)
+
+
+def writable_tolerances() -> Path:
+    """Where `skupin calibrate` writes: the catalog's gates/data/tolerances.yaml (started from the shipped entries when
+    the catalog has none yet), never into the installed package."""
+    from skupin.common.paths import catalog
+
+    return catalog() / CATALOG_PATH
+# A threshold is a finite positive number: `.inf` would let anything pass, `.nan` compares false with everything.
+Threshold = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Measured = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class HardBounds(Frozen):
+    """Bounds that catch nonsense without any calibration."""
+
+    max_mean_kl: float = Field(0.5, gt=0, allow_inf_nan=False,
+                               description="Fail when the mean KL over prompts exceeds this")
+    min_top1_agree: float = Field(0.8, gt=0, le=1, allow_inf_nan=False,
+                                  description="Fail when top-1 agreement over all positions is lower")
+    max_fp32_elementwise_error: float = Field(
+        1e-4, gt=0, allow_inf_nan=False,
+        description="Fail when a float32 elementwise op of the kernel battery (SiLU, softmax, RMSNorm) or "
+        "the 4-bit dequantize is off by more than this, relative to the reference's max |value|; honest hardware "
+        "lands near 1e-7 (float32 rounding), a kernel off by one part in 128 at 8e-3")
+    max_fp32_mean_logprob_l2: float = Field(
+        4e-5, gt=0, allow_inf_nan=False,
+        description="Fail a float32 model run (the float32 pass, or a SKU that serves float32) whose mean over prompts "
+        "of logprob_l2 exceeds this. Measured on the H200 (bench/results/calibration/h200-calibration.json): honest "
+        "runs of every fixture at most 7.8e-6 (llama-1k), the smallest fault of the bench, an attention scale 1% "
+        "off, at least 2.0e-4 (deep-llama): the bound sits at their geometric mean, 5x from each; float32 rounding does "
+        "not hide a 1% kernel error the way bf16 does. It assumes float32 computed in float32 (no TF32/XF32)")
+
+
+class ToleranceKey(Frozen):
+    """What an entry applies to."""
+
+    hardware_class: Name
+    dtype: str = Field(pattern=r"^(float32|bfloat16|float16)$")
+    model: Name
+
+    @classmethod
+    def of(cls, manifest: SkuManifest, *, float32: bool = False) -> ToleranceKey:
+        """The key of `manifest`'s gate: its hardware class, its gate dtype (float32 for the float32 pass of a SKU
+        that serves another dtype) and its model."""
+        return cls(hardware_class=manifest.accelerator.hardware_class,
+                   dtype="float32" if float32 else manifest.gate.dtype, model=manifest.gate.model)
+
+    def label(self) -> str:
+        return f"{self.hardware_class}/{self.dtype}/{self.model}"
+
+
+class ModelThresholds(Frozen):
+    """Per-prompt and aggregate thresholds of the model statistics and the binomial test's parameters."""
+
+    per_prompt: dict[str, Threshold] = Field(description="Statistic -> per-prompt threshold (a prompt exceeds above it)")
+    mean: dict[str, Threshold] = Field(description="Statistic -> threshold on the mean over all prompts")
+    honest_rate: float = Field(gt=0, lt=1, allow_inf_nan=False,
+                               description="Per-prompt exceedance rate of honest runs (upper bound)")
+    alpha: float = Field(1e-3, gt=0, lt=0.5, allow_inf_nan=False,
+                         description="Family-wise false-reject level of the binomial tests")
+    omitted: dict[str, Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=dict, description="Decision statistic -> why the entry has no threshold for it (e.g. the "
+        "honest runs had no final hidden states); the gate reports the reason. Left out of the entry when empty")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_omitted(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """An entry that omits nothing serialises as it did before `omitted` existed: the same YAML, the same
+        canonical JSON and so the same tolerance_sha256 in signed attestations (skupin/publishing/attest.py)."""
+        data = handler(self)
+        if not self.omitted:
+            data.pop("omitted", None)
+        return data
+
+
+class Provenance(Frozen):
+    """Where an entry came from."""
+
+    runs: int = Field(ge=1, description="Honest runs (boots) the thresholds were derived from")
+    prompts_per_run: int = Field(ge=1)
+    hosts: tuple[str, ...]
+    versions: dict[str, str]
+    variations: tuple[str, ...] = Field(description="What varied between the honest runs (batch size, threads, boots)")
+    date: str
+    method: str
+    margin: float = Field(gt=1, allow_inf_nan=False)
+    reference_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Bundle the honest runs were compared with")
+    image: str = Field(description="Image id the honest runs used")
+    honest_max: dict[str, Measured] = Field(description="Largest honest value per statistic and per kernel op")
+
+
+class ToleranceEntry(Frozen):
+    """The calibrated tolerance of one hardware class x dtype x model."""
+
+    key: ToleranceKey
+    kernels: dict[str, Threshold] = Field(description="Kernel op -> max scale-normalised error")
+    model: ModelThresholds
+    provenance: Provenance
+
+
+class Tolerances(Frozen):
+    """The whole tolerance file."""
+
+    format: str = Field(FORMAT, pattern=r"^skupin-tolerances/1$")
+    hard_bounds: HardBounds = HardBounds()
+    entries: tuple[ToleranceEntry, ...] = ()
+
+    def find(self, key: ToleranceKey) -> ToleranceEntry | None:
+        return next((e for e in self.entries if e.key == key), None)
+
+
+def statistics_problems(entry: ToleranceEntry) -> list[str]:
+    """What is wrong with the statistics of `entry` against the registry (gates/judge/compare.py: STATISTICS): every
+    decision statistic has a per-prompt and a mean threshold, or the entry says why not (`model.omitted`); nothing
+    else is named. Empty when the entry is whole."""
+    model, out = entry.model, []
+    for name in DECISION_STATS:
+        sides = [side for side, table in (("per_prompt", model.per_prompt), ("mean", model.mean)) if name in table]
+        if name in model.omitted and sides:
+            out.append(f"{name} has a threshold ({', '.join(sides)}) and is omitted")
+        elif name not in model.omitted and len(sides) < 2:
+            missing = " and ".join(side for side in ("per_prompt", "mean") if side not in sides)
+            out.append(f"{name} has no {missing} threshold and the entry says not why (model.omitted)")
+    for name in sorted({*model.per_prompt, *model.mean, *model.omitted} - set(DECISION_STATS)):
+        out.append(f"{name} is not a decision statistic (known: {', '.join(DECISION_STATS)})")
+    return [f"{entry.key.label()}: {line}" for line in out]
+
+
+def load_tolerances(path: Path = DEFAULT_PATH) -> Tolerances:
+    """Read and validate the tolerance file (an absent file has no entries)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return Tolerances()
+    try:
+        # a trust input: no link, no FIFO, bounded, and no YAML anchors/aliases (a few hundred bytes of aliases
+        # expand to gigabytes) nor deep nesting
+        data = load_yaml(read_regular_file(path, max_bytes=MAX_TOLERANCES_BYTES), source=str(path),
+                         max_bytes=MAX_TOLERANCES_BYTES) or {}
+        tolerances = Tolerances.model_validate(data)
+    except ValidationError as exc:
+        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']} (got {e.get('input')!r})"
+                           for e in exc.errors()[:10])
+        raise GateCouldNotRun(f"{path}: invalid tolerance file: {fields}") from exc
+    except (OSError, UntrustedInputError, yaml.YAMLError) as exc:
+        raise GateCouldNotRun(f"{path}: invalid tolerance file: {exc}") from exc
+    keys = [e.key for e in tolerances.entries]
+    if len(keys) != len(set(keys)):
+        raise GateCouldNotRun(f"{path}: an entry key appears twice")
+    problems = [line for e in tolerances.entries for line in statistics_problems(e)]
+    if problems:
+        raise GateCouldNotRun(f"{path}: invalid tolerance file: {'; '.join(problems)}; fix: skupin calibrate the "
+                              f"entry's class, or say in model.omitted why a statistic has no threshold")
+    return tolerances
+
+
+def lookup(tolerances: Tolerances, key: ToleranceKey, *, path: Path = DEFAULT_PATH) -> ToleranceEntry:
+    """The entry of `key`, or GateCouldNotRun saying how to calibrate it."""
+    entry = tolerances.find(key)
+    if entry is None:
+        known = ", ".join(e.key.label() for e in tolerances.entries) or "none"
+        raise GateCouldNotRun(f"{path}: no calibrated tolerance for {key.label()} (known: {known}); "
+                              f"fix: skupin calibrate <sku> on an honest image of that class")
+    return entry
+
+
+def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, reference: Path, path: Path = DEFAULT_PATH
+                        ) -> str | None:
+    """Why the gate of `manifest` would end `uncalibrated` (its key has no entry, or the entry was measured against
+    another reference bundle than the SKU's), with the fix; None when its entry is there (`skupin check` warns)."""
+    key = ToleranceKey.of(manifest)
+    fix = f"fix: skupin calibrate {manifest.name} on that hardware (an honest image of it)"
+    entry = tolerances.find(key)
+    if entry is None:
+        return (f"no calibrated tolerance for {key.label()} in {path}: its gate runs the calibration-free checks only and "
+                f"ends 'uncalibrated' (exit 14), never pass; {fix}")
+    folder = Path(reference)
+    if (folder / "SHA256SUMS").is_file() and bundle_sha256(folder) != entry.provenance.reference_sha256:
+        return (f"the tolerance of {key.label()} was calibrated against bundle {entry.provenance.reference_sha256[:12]}, "
+                f"not {manifest.gate.reference}: its gate ends 'uncalibrated' (exit 14), never pass; {fix}")
+    return None
+
+
+def float32_pass_warning(*, manifest: SkuManifest, tolerances: Tolerances, reference: Path, path: Path = DEFAULT_PATH
+                         ) -> str | None:
+    """What weakens the float32 pass of a SKU that serves another dtype (docs/GATE.md, "The float32 pass"): no float32
+    bundle beside its reference (the gate then ends 'could not run'), or no calibrated float32 entry for it (the pass
+    then runs its hard bounds only and the gate ends 'uncalibrated' at best); None when nothing does."""
+    from skupin.engines import engine_float32
+
+    if manifest.gate.dtype == "float32" or not engine_float32(manifest.stack.engine.name):
+        return None
+    try:
+        folder = float32_reference(Path(reference), dtype=manifest.gate.dtype)
+    except BundleError as exc:
+        return f"its float32 pass has no bundle to compare with: {exc}"
+    if not (folder / "SHA256SUMS").is_file():
+        return (f"its float32 pass needs the bundle {folder} "
+                f"beside its reference, which is missing: its gate would end 'could not run' (exit 11); fix: capture it "
+                f"(docs/REFERENCES.md)")
+    key = ToleranceKey.of(manifest, float32=True)
+    entry = tolerances.find(key)
+    if entry is None or entry.provenance.reference_sha256 != bundle_sha256(folder):
+        return (f"no calibrated tolerance for {key.label()} against {folder.name} in {path}: its float32 pass runs the "
+                f"hard bounds only and the gate ends 'uncalibrated' (exit 14) at best; fix: skupin calibrate "
+                f"{manifest.name} --float32 on that hardware")
+    return None
+
+
+def looser(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:
+    """Thresholds of `new` that are looser than `old`'s (for the same key)."""
+    found = [f"kernels.{op}" for op, v in new.kernels.items() if op in old.kernels and v > old.kernels[op]]
+    found += [
+        f"per_prompt.{s}" for s, v in new.model.per_prompt.items() if s in old.model.per_prompt and v > old.model.per_prompt[s]
+    ]
+    found += [f"mean.{s}" for s, v in new.model.mean.items() if s in old.model.mean and v > old.model.mean[s]]
+    found += [f"omitted.{s}" for s in new.model.omitted if s in old.model.per_prompt]  # a statistic no longer judged
+    if new.model.honest_rate > old.model.honest_rate:
+        found.append("honest_rate")
+    return found
+
+
+def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: bool = False) -> Tolerances:
+    """A copy with `entry` written under its own key; every other class's entry is left exactly as it was.
+
+    Replacing an existing entry of the same key with looser thresholds needs `allow_looser`. An entry without kernel
+    thresholds (its SKU runs no kernel battery) keeps the existing entry's: the class's kernels stay checked.
+    """
+    old = tolerances.find(entry.key)
+    if old is not None and not entry.kernels:  # calibrated without a kernel battery (llama.cpp): keep the class's
+        entry = entry.model_copy(update={"kernels": old.kernels})
+    if old is not None and not allow_looser:
+        loosened = looser(entry, old)
+        if loosened:
+            raise GateCouldNotRun(f"calibration of {entry.key.label()} would loosen {', '.join(loosened)}; "
+                                  "fix: pass --allow-looser if the honest runs really are noisier")
+    others = tuple(e for e in tolerances.entries if e.key != entry.key)
+    merged = tolerances.model_copy(update={"entries": tuple(sorted((*others, entry), key=lambda e: e.key.label()))})
+    for before in tolerances.entries:  # structural guarantee: other classes byte-for-byte unchanged
+        if before.key != entry.key and merged.find(before.key) != before:
+            raise GateCouldNotRun(f"refusing to change the entry of another class ({before.key.label()})")
+    return merged
+
+
+def dump_tolerances(tolerances: Tolerances) -> str:
+    """The YAML text of the tolerance file (stable order, with a header comment)."""
+    header = ("# Gate tolerances per hardware class x dtype x model, written by `skupin calibrate` (see docs/GATE.md).\n"
+              "# Each entry records its provenance; calibrating one class never changes another's entry.\n")
+    body = yaml.safe_dump(tolerances.model_dump(mode="json"), sort_keys=False, default_flow_style=False, width=120)
+    return header + body
+
+
+def write_tolerances(tolerances: Tolerances, path: Path = DEFAULT_PATH) -> None:
+    """Write the tolerance file atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, dump_tolerances(tolerances))  # a unique temporary beside it, renamed over it

@@ -1,0 +1,507 @@
+"""`skupin ab BASELINE CANDIDATE`: swap the runtime on the same weights, gate both, measure them in interleaved rounds.
+
+The flow (``runtime_ab``), for two SKUs that share hardware class, model fixture, dtype and
+reference bundle ("same weights"; refused otherwise, naming what differs):
+
+1. Gate both images against the NVIDIA reference (gates/gate.py: every check, serve included). A
+   candidate that does not pass is rejected whatever its speed; it is still measured when it booted
+   and served (its model or serve check failed), so the annex shows how fast the wrong answer was.
+   An image that failed before booting (pins, boot) is not started again.
+2. Boot both engines' servers side by side in the gate's sandbox, the same fixture folder mounted
+   in each, and warm both up.
+3. For each of `runs` rounds, in the order B A, A B, B A, ... (so a drift of the host hits both
+   alike): each image serves every prompt length at every concurrency level (gates/serving/perf.py).
+4. KPIs kept apart (gates/serving/ab.py): decode tok/s per request, prefill tok/s, TTFT p50 and
+   p99, aggregate tok/s, $/1M output tokens from each SKU's own cost block; per-round ratios, a
+   noise floor from each image's own round-to-round movement, and the decision line.
+
+The annex (skupin/ab/annex.py) is written next to the JSON. Both servers are the images'
+own CMD launches; every number records which container (and so which image id) produced it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from skupin.ab.decision import KPI, ABSettings, ABSide, LengthAB, Role, RuntimeAB, decide, kpi, noise_floor
+from skupin.builder.catalog.manifest import SkuManifest
+from skupin.builder.catalog.stack import ResolvedStack
+from skupin.clients.openai import exchange_errors
+from skupin.common import __version__
+from skupin.common.errors import DockerError, ManifestError
+from skupin.dockerd import Docker
+from skupin.gates.gate import gate_image, resolve_image
+from skupin.gates.judge.verdict import GateVerdict
+from skupin.gates.refdata.bundle import fixture_folder, model_folder
+from skupin.gates.refdata.fixture import spec_for
+from skupin.gates.serving.ab import ab_from_runs
+from skupin.gates.serving.perf import (
+    LevelResult,
+    PerfResult,
+    PerfSettings,
+    cost_summary,
+    measure_level,
+    merge_perf,
+    percentile,
+    run_perf,
+)
+from skupin.gates.serving.serve import RunningServer, load_prompts, running_server
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from skupin.engines import ServerLaunch
+
+OnEvent = Callable[[str], None]
+# Checks after which an image has booted and served in the gate's sandbox: a failure there still allows measuring it.
+BOOTED_FAILURES = ("model", "serve")
+ISOLATION = ("while one side is measured, the other side's container is paused (cgroup freezer): it gets no CPU, "
+             "whatever it runs when idle")
+# The noise floor when the rounds cannot show one (a single round, or nothing measured).
+DEFAULT_FLOOR = 0.10
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+class NotTheSameWeights(ManifestError):
+    """The two SKUs of an A/B do not run the same weights (hardware class, model, dtype or reference differ)."""
+
+
+@dataclass(frozen=True)
+class ABInput:
+    """One side of an A/B: the SKU's resolved stack, the local image to run, and optionally its gate verdict already
+    made (used only when it is for this very image id and lock)."""
+
+    stack: ResolvedStack
+    image: str
+    verdict: GateVerdict | None = None
+
+
+# ---------------------------------------------------------------- same weights
+
+
+def same_weights(baseline: SkuManifest, candidate: SkuManifest) -> dict[str, str]:
+    """What both SKUs share (hardware class, model fixture, dtype, reference bundle); NotTheSameWeights naming every
+    field that differs. A quantized variant of the same fixture is the same weights on paper: the gate judges it."""
+    fields = {
+        "accelerator.hardware_class": (baseline.accelerator.hardware_class, candidate.accelerator.hardware_class),
+        "gate.model": (baseline.gate.model, candidate.gate.model),
+        "gate.dtype": (baseline.gate.dtype, candidate.gate.dtype),
+        "gate.reference": (baseline.gate.reference, candidate.gate.reference),
+    }
+    differ = [f"{name}: {b!r} (baseline {baseline.name}) vs {c!r} (candidate {candidate.name})"
+              for name, (b, c) in fields.items() if b != c]
+    if differ:
+        raise NotTheSameWeights(
+            f"{baseline.name} and {candidate.name} do not run the same weights on the same hardware, so an A/B "
+            f"would compare more than the runtime: {'; '.join(differ)}")
+    return {name.split(".")[-1]: str(b) for name, (b, _) in fields.items()}
+
+
+def weights_label(manifest: SkuManifest) -> str:
+    """The weights a SKU runs, as the annex names them: model, dtype, and a quantized file type when it sets one."""
+    quant = getattr(manifest.gate, "weights", "full")
+    return f"{manifest.gate.model} {manifest.gate.dtype}" + ("" if quant in (None, "full") else f" ({quant})")
+
+
+# ---------------------------------------------------------------- prompts of a given length
+
+
+def prompt_ids_of_length(prompts: Sequence[dict], length: int, count: int) -> list[list[int]]:
+    """`count` token-id prompts of exactly `length` tokens made from the fixture's prompts: a prompt cut to length,
+    or consecutive prompts joined (each after the first without its leading <s>) until long enough."""
+    if length < 2:
+        raise ManifestError(f"--prompt-lengths: {length} is too short (at least 2 tokens)")
+    out = []
+    n = len(prompts)
+    for k in range(count):
+        ids: list[int] = []
+        j = k
+        while len(ids) < length:
+            more = [int(t) for t in prompts[j % n]["ids"]]
+            ids += more if not ids else more[1:]
+            j += 1
+            if j - k > 4 * n + length:  # pragma: no cover - fixture prompts are never empty
+                raise ManifestError("the fixture's prompts are too short to build the asked prompt lengths")
+        out.append(ids[:length])
+    return out
+
+
+def check_lengths(settings: ABSettings, *, model: str) -> None:
+    """ManifestError when a prompt length plus the output tokens does not fit the fixture's positions."""
+    short = [n for n in settings.prompt_lengths if n < 2]
+    if short:
+        raise ManifestError(f"--prompt-lengths {','.join(map(str, short))}: a prompt needs at least 2 tokens")
+    limit = spec_for(model).max_positions
+    too_long = [n for n in settings.prompt_lengths if n + settings.max_tokens > limit]
+    if too_long:
+        raise ManifestError(f"--prompt-lengths {','.join(map(str, too_long))}: with --max-tokens {settings.max_tokens} "
+                            f"longer than the {model} fixture's {limit} positions")
+
+
+def prompt_inputs(*, prompts: Sequence[dict], tokenizer: Tokenizer, length: int, count: int,
+                  launch: ServerLaunch) -> list[str | list[int]]:
+    """What each request sends at this length, the same tokens for every engine: the prompt's text to a server that
+    takes text, else the fixture tokenizer's ids of that very text after <s> (a joined prompt's ids, decoded and
+    encoded again, can differ at the join: an engine given the original ids would see another prompt)."""
+    bos = tokenizer.token_to_id("<s>")
+    assert bos is not None  # the fixture tokenizer's <s> is id 1 (gates/refdata/fixture.py: SPECIALS)
+    texts = [tokenizer.decode([t for t in p if t != bos], skip_special_tokens=False)
+             for p in prompt_ids_of_length(prompts, length, count)]
+    if launch.prompt == "text":
+        return list(texts)
+    return [[bos, *tokenizer.encode(text, add_special_tokens=False).ids] for text in texts]
+
+
+# ---------------------------------------------------------------- the flow
+
+
+def _gate_side(*, side: ABInput, image_id: str, role: Role, docker: Docker, out: Path, tolerances_path: Path | None,
+               wheelhouse: Path | None, serve_perf: PerfSettings | None, on_event: OnEvent) -> tuple[GateVerdict, str, bool]:
+    """(verdict, where it lies, reused?): the given verdict when it is for this image id and lock, else a fresh gate
+    of the image id (a tag moved meanwhile changes nothing)."""
+    lock_hash = side.stack.lock.content_hash() if side.stack.lock is not None else None
+    given = side.verdict
+    if given is not None and given.image_id == image_id and given.lock_hash == lock_hash:
+        on_event(f"ab: {role}: reusing the gate verdict for {image_id[:19]} ({given.decision})")
+        return given, "(given)", True
+    folder = out / f"gate-{role}"
+    on_event(f"ab: {role}: gating {side.image} ({side.stack.manifest.name}) -> {folder}")
+    verdict = gate_image(stack=side.stack, image=image_id, display=side.image, docker=docker, out=folder,
+                         tolerances_path=tolerances_path, wheelhouse=wheelhouse, serve_perf=serve_perf,
+                         on_event=lambda line: on_event(f"  {role}: {line}"))
+    on_event(f"ab: {role}: gate {verdict.decision}: {verdict.reason[:160]}")
+    return verdict, f"{folder.name}/verdict.json", False
+
+
+def _measurable(verdict: GateVerdict) -> tuple[bool, str]:
+    failing = verdict.failing_check()
+    if verdict.decision in ("pass", "uncalibrated") or (failing is not None and failing.name in BOOTED_FAILURES):
+        return True, ""
+    name = failing.name if failing is not None else "the gate"
+    return False, f"not started again: it failed {name} before serving ({verdict.reason[:200]})"
+
+
+def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Path,
+               settings: ABSettings | None = None, tolerances_path: Path | None = None, wheelhouse: Path | None = None,
+               gate_serve_perf: PerfSettings | None = None, on_event: OnEvent = _quiet) -> RuntimeAB:
+    """Gate both sides, measure them in interleaved rounds, decide; writes ab.json, annex.md and annex.png to `out`.
+
+    `gate_serve_perf` sets the load of the gates' own serve checks (default: the SKU's); the A/B's load is `settings`."""
+    from skupin.ab.annex import write_annex
+
+    started = time.monotonic()
+    settings = settings or ABSettings()
+    bm, cm = baseline.stack.manifest, candidate.stack.manifest
+    same = same_weights(bm, cm)
+    check_lengths(settings, model=bm.gate.model)
+    ids: dict[Role, str] = {"baseline": resolve_image(docker=docker, image=baseline.image).id,
+                            "candidate": resolve_image(docker=docker, image=candidate.image).id}
+    if ids["baseline"] == ids["candidate"]:
+        raise ManifestError(f"baseline and candidate are the same image ({ids['baseline'][:19]}): an A/B would "
+                            "measure one image twice; give two images (--baseline-image / --candidate-image)")
+    out.mkdir(parents=True, exist_ok=True)
+    pairs: tuple[tuple[Role, ABInput], ...] = (("baseline", baseline), ("candidate", candidate))
+    gates = {role: _gate_side(side=side, image_id=ids[role], role=role, docker=docker, out=out, tolerances_path=tolerances_path,
+                              wheelhouse=wheelhouse, serve_perf=gate_serve_perf, on_event=on_event)
+             for role, side in pairs}
+    measurable = {role: _measurable(v) for role, (v, _, _) in gates.items()}
+    measured = _Measured()
+    if all(ok for ok, _ in measurable.values()):
+        measured = _measure(baseline=baseline, candidate=candidate, ids=ids, docker=docker, settings=settings,
+                            on_event=on_event)
+    runs, order = measured.runs, measured.order
+    sides = {role: _side(role=role, given=side, verdict=gates[role][0], verdict_path=gates[role][1],
+                         reused=gates[role][2], image_id=ids[role], measurable=measurable[role], runs=runs[role],
+                         served=measured.served[role], launch=measured.launches.get(role), settings=settings,
+                         other_failed=not all(ok for ok, _ in measurable.values()))
+             for role, side in pairs}
+    lengths: list[LengthAB] = []
+    kpis: list[KPI] = []
+    floor = DEFAULT_FLOOR
+    basis = "not measured: the fixed floor"
+    if order:
+        for i, length in enumerate(settings.prompt_lengths):
+            lengths.append(LengthAB(prompt_tokens=length, ab=ab_from_runs(
+                candidate_runs=[r[i] for r in runs["candidate"]], baseline_runs=[r[i] for r in runs["baseline"]],
+                bound=None, candidate_image=candidate.image, baseline_image=baseline.image, order=order)))
+        kpis = _kpis(runs)
+        # a ratio carries the noise of both images: sqrt(2) x the larger image's own movement
+        floor = math.sqrt(2) * max(noise_floor(runs["baseline"], _decode), noise_floor(runs["candidate"], _decode))
+        basis = (f"sqrt(2) x the larger of the two images' own round-to-round movement of decode tok/s per request "
+                 f"(per prompt length and level, the largest deviation of a round from that image's median; the median "
+                 f"of those; a ratio carries both images' noise), at least 2% per image; {len(order)} rounds")
+        if len(order) < 2:
+            floor, basis = DEFAULT_FLOOR, "one round shows no noise: the fixed 10% floor (run --runs 3 or more)"
+    decode_kpi = next((k for k in kpis if k.name == "decode"), None)
+    prefill_kpi = next((k for k in kpis if k.name == "prefill"), None)
+    aggregate_kpi = next((k for k in kpis if k.name == "aggregate"), None)
+
+    def failure(role: Role) -> str:
+        v = gates[role][0]
+        failing = v.failing_check()
+        return f"{failing.name}: {failing.reason}" if failing is not None else v.reason
+
+    failed = {role: measured.failed[role] / measured.requests[role] for role in measured.requests
+              if measured.requests[role]}
+    agreement = measured.agreement()
+    decision, line, reason = decide(candidate_gate=gates["candidate"][0].decision, candidate_failure=failure("candidate"),
+                                    baseline_gate=gates["baseline"][0].decision, baseline_failure=failure("baseline"),
+                                    decode=decode_kpi, prefill=prefill_kpi, aggregate=aggregate_kpi, floor=floor,
+                                    agreement=agreement,
+                                    failed={str(k): v for k, v in failed.items()},
+                                    errors={str(k): v for k, v in measured.errors.items()})
+    result = RuntimeAB(baseline=sides["baseline"], candidate=sides["candidate"], same=same, settings=settings,
+                       order=tuple(order), lengths=tuple(lengths), kpis=tuple(kpis), noise_floor=floor,
+                       noise_floor_basis=basis, isolation=ISOLATION if order else "",
+                       requests={str(k): v for k, v in measured.requests.items()},
+                       failed_requests={str(k): v for k, v in measured.failed.items()}, output_agreement=agreement,
+                       errors={str(k): v for k, v in measured.errors.items()},
+                       decision=decision, decision_line=line, reason=reason,
+                       host=_host(), created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                       tool_version=__version__, wall_s=round(time.monotonic() - started, 1))
+    result.write_json(out / "ab.json")
+    write_annex(result, out)
+    on_event(f"ab: {line}: {reason}")
+    return result
+
+
+def _decode(lv: LevelResult) -> float:
+    return lv.decode_tok_s_per_request
+
+
+def _kpis(runs: dict[Role, list[list[PerfResult]]]) -> list[KPI]:
+    def median_of(attr: str) -> Callable[[Sequence[LevelResult]], float]:
+        def pooled(levels: Sequence[LevelResult]) -> float:
+            values = [v for lv in levels for v in getattr(lv, attr)]
+            return percentile(values, 50)
+        return pooled
+
+    def ttft_pooled(q: float) -> Callable[[Sequence[LevelResult]], float]:
+        return lambda levels: percentile([t for lv in levels for t in lv.ttft_s], q)
+
+    def prefill_pooled(levels: Sequence[LevelResult]) -> float:
+        return percentile([lv.prefill_tok_s for lv in levels], 50)
+
+    def aggregate_pooled(levels: Sequence[LevelResult]) -> float:
+        return max((lv.aggregate_tok_s for lv in levels), default=float("nan"))
+
+    both = {"candidate": runs["candidate"], "baseline": runs["baseline"]}
+    return [
+        kpi(name="decode", unit="tok/s per request", higher_is_better=True, **both, metric=_decode,
+            pooled=median_of("decode_tok_s")),
+        kpi(name="prefill", unit="prompt tok/s", higher_is_better=True, **both, metric=lambda lv: lv.prefill_tok_s,
+            pooled=prefill_pooled),
+        kpi(name="ttft_p50", unit="s", higher_is_better=False, **both, metric=lambda lv: lv.ttft_p50_s,
+            pooled=ttft_pooled(50)),
+        kpi(name="ttft_p99", unit="s", higher_is_better=False, **both, metric=lambda lv: lv.ttft_p99_s,
+            pooled=ttft_pooled(99)),
+        kpi(name="aggregate", unit="tok/s, best level", higher_is_better=True, **both,
+            metric=lambda lv: lv.aggregate_tok_s, pooled=aggregate_pooled),
+    ]
+
+
+@dataclass
+class _Measured:
+    """What the interleaved rounds produced, side by side (filled as they run; `errors` says which side ended them)."""
+
+    runs: dict[Role, list[list[PerfResult]]] = field(default_factory=lambda: {"baseline": [], "candidate": []})
+    served: dict[Role, set[str]] = field(default_factory=lambda: {"baseline": set(), "candidate": set()})
+    launches: dict[Role, tuple[str, ...]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    # (prompt length index, prompt index) -> every text the side streamed for it
+    texts: dict[Role, dict[tuple[int, int], list[str]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
+    requests: dict[Role, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
+    failed: dict[Role, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
+    errors: dict[Role, str] = field(default_factory=dict)
+
+    def record(self, role: Role, length: int) -> Callable[[int, Any], None]:
+        def seen(index: int, completion: Any) -> None:
+            self.requests[role] += 1
+            if completion.ttft_s is None or not completion.pieces:
+                self.failed[role] += 1
+                return
+            # letters only: engines' streamed pieces differ in where spaces go (the first piece's leading space, a
+            # SentencePiece word boundary decoded alone or in context; docs/SERVE.md, greedy comparison)
+            self.texts[role].setdefault((length, index), []).append("".join(completion.text[:4096].split()))
+        return seen
+
+    def agreement(self) -> float | None:
+        """Share of the candidate's completions whose letters equal the baseline's first completion for the same prompt
+        (same weights, greedy: an honest runtime agrees but for near ties); None when nothing can be paired."""
+        pairs = [(text, self.texts["baseline"][key][0]) for key, texts in self.texts["candidate"].items()
+                 if self.texts["baseline"].get(key) for text in texts]
+        return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+def _measure(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], docker: Docker, settings: ABSettings,
+             on_event: OnEvent) -> _Measured:
+    """Boot both servers, warm them up, run the interleaved rounds with the other side's container paused. A side
+    whose server fails to start, answers with an error or runs another image than the one gated ends the rounds:
+    `errors` says which side and why."""
+    measured = _Measured()
+    try:
+        _rounds(baseline=baseline, candidate=candidate, ids=ids, docker=docker, settings=settings, on_event=on_event,
+                measured=measured)
+    except _SideFailed as exc:
+        measured.errors[exc.role] = exc.reason
+        on_event(f"ab: {exc.role}: {exc.reason}")
+    return measured
+
+
+class _SideFailed(Exception):
+    def __init__(self, role: Role, reason: str) -> None:
+        super().__init__(reason)
+        self.role, self.reason = role, reason
+
+
+def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], docker: Docker, settings: ABSettings,
+            on_event: OnEvent, measured: _Measured) -> None:
+    from tokenizers import Tokenizer
+
+    failures: tuple[type[Exception], ...] = (TimeoutError, DockerError, ValueError, *exchange_errors())
+    workers = max(settings.concurrency)
+    pairs: tuple[tuple[Role, ABInput], ...] = (("baseline", baseline), ("candidate", candidate))
+    with contextlib.ExitStack() as scope:
+        scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-ab-"))
+        folder = fixture_folder(name=baseline.stack.manifest.gate.model, model_dir=None, scratch=Path(scratch))
+        # each engine's own view of the same weights (the fixture, plus a checked GGUF for an engine that loads one)
+        mounts = {role: model_folder(manifest=side.stack.manifest, scratch=Path(scratch), fixture_dir=folder)
+                  for role, side in pairs}
+        prompt_set = load_prompts(folder / "prompts.json")
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        servers: dict[Role, RunningServer] = {}
+        inputs: dict[Role, list[list[Any]]] = {}
+        counts: dict[Role, list[list[int]]] = {}
+        for role, side in pairs:
+            manifest = side.stack.manifest
+            try:
+                server = scope.enter_context(running_server(
+                    manifest=manifest, image=ids[role], docker=docker, model_dir=mounts[role],
+                    deadline_s=float(manifest.gate.deadline_s), workers=workers, role=f"ab-{role}"))
+                _check_served(server, role, ids[role], measured)
+                measured.launches[role] = tuple(server.launch.argv)
+                inputs[role] = [prompt_inputs(prompts=prompt_set["prompts"], tokenizer=tokenizer, length=n, count=8,
+                                              launch=server.launch) for n in settings.prompt_lengths]
+                # prompt tokens as the host counts them (a server's own count is its word, and some send none)
+                counts[role] = [[len(p) if isinstance(p, list) else 1 + len(tokenizer.encode(p, add_special_tokens=False))
+                                 for p in per_length] for per_length in inputs[role]]
+                on_event(f"ab: {role}: {' '.join(server.launch.argv[:3])} ready in {server.ready_s:.1f} s")
+                if settings.warmup:
+                    measure_level(client=server.client, prompts=inputs[role][0], concurrency=1,
+                                  requests=settings.warmup, max_tokens=settings.max_tokens)
+            except failures as exc:
+                raise _SideFailed(role, f"its server failed before the rounds: {type(exc).__name__}: {exc}"[:600]) from exc
+            servers[role] = server
+        perf = settings.perf()
+        for r in range(settings.runs):
+            first: tuple[Role, Role] = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
+            measured.order.append("BA" if r % 2 == 0 else "AB")
+            for role in first:
+                other: Role = "candidate" if role == "baseline" else "baseline"
+                server = servers[role]
+                try:
+                    with _paused(servers[other], other):  # the idle side gets no CPU, whatever it runs
+                        try:
+                            measured.runs[role].append([
+                                run_perf(client=server.client, prompts=inputs[role][i], settings=perf,
+                                         on_completion=measured.record(role, i), prompt_tokens=counts[role][i])
+                                for i in range(len(settings.prompt_lengths))])
+                        except failures as exc:
+                            raise _SideFailed(role, f"its server failed in round {r + 1}: {type(exc).__name__}: "
+                                                    f"{exc}"[:600]) from exc
+                except _SideFailed:
+                    measured.order.pop()
+                    for side_runs in measured.runs.values():  # keep only complete rounds
+                        del side_runs[len(measured.order):]
+                    raise
+            b, c = measured.runs["baseline"][-1][0].levels[0], measured.runs["candidate"][-1][0].levels[0]
+            on_event(f"ab: round {r + 1}/{settings.runs} ({measured.order[-1]}): decode tok/s per request at concurrency "
+                     f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
+                     f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
+        for role, server in servers.items():  # the container still runs the image it was created from
+            _check_served(server, role, ids[role], measured)
+
+
+@contextlib.contextmanager
+def _paused(server: RunningServer, role: Role) -> Iterator[None]:
+    """The side `role`'s container paused for the block; a pause or unpause that fails is that side's failure."""
+    try:
+        pause = server.container.paused()
+        pause.__enter__()
+    except DockerError as exc:
+        raise _SideFailed(role, f"its idle container could not be paused: {exc}"[:600]) from exc
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        try:
+            pause.__exit__(None, None, None)
+        except DockerError as exc:
+            if not failed:  # an error of the measured side wins over this one
+                raise _SideFailed(role, f"its container could not be unpaused: {exc}"[:600]) from exc
+
+
+def _check_served(server: RunningServer, role: Role, image_id: str, measured: _Measured) -> None:
+    """Record the image the daemon says the server's container runs; _SideFailed when it is not the gated one."""
+    running = server.container.image_id()
+    measured.served[role].add(running)
+    if running != image_id:
+        raise _SideFailed(role, f"its server container runs {running[:19]}, not the gated image {image_id[:19]}")
+
+
+def _side(*, role: Role, given: ABInput, verdict: GateVerdict, verdict_path: str, reused: bool, image_id: str,
+          measurable: tuple[bool, str], runs: list[list[PerfResult]], served: set[str], launch: tuple[str, ...] | None,
+          settings: ABSettings, other_failed: bool) -> ABSide:
+    from skupin.engines import serve_launch
+
+    manifest = given.stack.manifest
+    failing = verdict.failing_check()
+    merged = tuple(merge_perf([r[i] for r in runs]) for i in range(len(settings.prompt_lengths))) if runs else ()
+    cost = tuple(cost_summary(perf=p, hourly_usd=manifest.cost.hourly_usd if manifest.cost else None,
+                              utilisation=manifest.cost.utilisation if manifest.cost else None) for p in merged)
+    ok, why = measurable
+    if ok and not runs:
+        why = "not measured: the other side could not be started again" if other_failed else "not measured"
+    planned = serve_launch(manifest=manifest)
+    return ABSide(role=role, sku=manifest.name, image=given.image, image_id=image_id, served_by=tuple(sorted(served)),
+                  engine=manifest.stack.engine.name, engine_path=_engine_path(verdict),
+                  launch=launch or (tuple(planned.argv) if planned else ()), weights=weights_label(manifest),
+                  gate=verdict.decision, gate_reason=verdict.reason[:600],
+                  failing_check=failing.name if failing is not None else None,
+                  verdict_path=verdict_path, verdict_reused=reused, measured=bool(runs), not_measured="" if runs else why,
+                  hourly_usd=manifest.cost.hourly_usd if manifest.cost else None,
+                  utilisation=manifest.cost.utilisation if manifest.cost else None, perf=merged, cost=cost)
+
+
+def _engine_path(verdict: GateVerdict) -> dict[str, str]:
+    """The model check's engine path (gates/gate.py engine_path: the probe's words, already made short and printable)."""
+    model = verdict.check("model")
+    path = model.details.get("engine_path") if model is not None else None
+    return {str(k): str(v)[:200] for k, v in path.items()} if isinstance(path, dict) else {}
+
+
+def _host() -> str:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+
+
+__all__ = ["ABInput", "NotTheSameWeights", "check_lengths", "prompt_ids_of_length", "runtime_ab", "same_weights"]

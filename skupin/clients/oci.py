@@ -1,0 +1,315 @@
+"""An OCI distribution registry over the shared transport (used by publish, verify and watch).
+
+  - `list_tags(repo)`, `resolve(repo, ref)` (HEAD manifest -> Docker-Content-Digest),
+    `get_manifest(repo, ref)`, `get_blob(repo, digest)`, `has_blob`, `push_blob(repo, data)`
+    (monolithic POST + PUT), `put_manifest(repo, ref, body, media_type)` (OCI artifacts, or a
+    signed attestation under a tag such as `sha256-<hex>.att`);
+  - authentication: credentials from ~/.docker/config.json `auths` (or given explicitly), Basic
+    or the Bearer token flow (WWW-Authenticate realm/service/scope); credentials never appear in
+    errors, reprs or logs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urljoin, urlparse
+
+from pydantic import SecretStr
+
+from skupin.clients.transport import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Sleep, Transport, httpx, safe_url, server_json
+from skupin.common.errors import NetworkError
+from skupin.common.model import Frozen
+
+MANIFEST_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+)
+
+
+class ImageName(Frozen):
+    """An image reference split into registry host, repository, tag and digest."""
+
+    registry: str
+    repository: str
+    tag: str | None = None
+    digest: str | None = None
+
+    @property
+    def reference(self) -> str:
+        """The digest when pinned, else the tag (else 'latest')."""
+        return self.digest or self.tag or "latest"
+
+
+def parse_image_ref(ref: str) -> ImageName:
+    """`[registry/]repo[:tag][@sha256:..]` -> ImageName; docker.io names get library/ and registry-1.docker.io."""
+    rest, _, digest = ref.partition("@")
+    first, sep, remainder = rest.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        registry, path = first, remainder
+    else:
+        registry, path = "docker.io", rest
+    tag = None
+    if ":" in path.rsplit("/", 1)[-1]:
+        path, tag = path.rsplit(":", 1)
+    if registry in ("docker.io", "index.docker.io", "registry-1.docker.io"):
+        registry = "registry-1.docker.io"
+        if "/" not in path:
+            path = f"library/{path}"
+    return ImageName(registry=registry, repository=path, tag=tag, digest=digest or None)
+
+
+def registry_url(host: str) -> str:
+    """Base URL of a registry host: http for loopback hosts, https otherwise (a full URL is kept)."""
+    if "://" in host:
+        return host.rstrip("/")
+    name = host.split(":")[0]
+    loopback = name in ("localhost", "127.0.0.1", "::1", "[::1]") or name.startswith("127.")
+    return f"{'http' if loopback else 'https'}://{host}"
+
+
+class Credentials(Frozen):
+    """A registry login; the secret never shows in repr, str or logs."""
+
+    username: str
+    secret: SecretStr
+
+
+def docker_credentials(host: str, *, config: Path | None = None) -> Credentials | None:
+    """The login for `host` from a Docker config.json `auths` (username/password or base64 `auth`)."""
+    path = config or Path.home() / ".docker" / "config.json"
+    try:
+        auths = json.loads(path.read_text(encoding="utf-8")).get("auths", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    keys = {host, f"https://{host}", f"http://{host}", f"https://{host}/v1/", f"https://{host}/v2/"}
+    if host in ("registry-1.docker.io", "docker.io", "index.docker.io"):
+        keys |= {"https://index.docker.io/v1/", "index.docker.io", "docker.io"}
+    for key, entry in auths.items():
+        if key in keys and isinstance(entry, dict):
+            if entry.get("auth"):
+                try:
+                    user, _, secret = base64.b64decode(entry["auth"]).decode().partition(":")
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                return Credentials(username=user, secret=SecretStr(secret))
+            if entry.get("username") and entry.get("password"):
+                return Credentials(username=entry["username"], secret=SecretStr(entry["password"]))
+    return None
+
+
+class Manifest(Frozen):
+    """A manifest as the registry stored it: exact bytes, media type and digest."""
+
+    media_type: str
+    digest: str
+    body: bytes
+
+    def json(self) -> dict:  # type: ignore[override]
+        return server_json(self.body, source=f"manifest {self.digest}")
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+_CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
+
+
+class RegistryClient:
+    """An OCI distribution (v2) registry: tags, digests, manifests, blobs; push by digest.
+
+    `url` is the registry's base URL or host (`http://127.0.0.1:5000`, `ghcr.io`); repositories
+    are passed per call (`"skupin/cpu-x86_64"`). Credentials default to the host's entry in
+    ~/.docker/config.json; anonymous access otherwise. Token auth follows the Bearer challenge
+    (realm, service, scope) and caches a token per scope.
+
+    >>> reg = RegistryClient("http://127.0.0.1:5000")
+    >>> digest = reg.push_blob("skupin/x", b"{}")                       # config blob
+    >>> reg.put_manifest("skupin/x", "v1", body, "application/vnd.oci.image.manifest.v1+json")
+    'sha256:...'
+    >>> reg.resolve("skupin/x", "v1")                                   # HEAD -> Docker-Content-Digest
+    """
+
+    def __init__(self, url: str, *, credentials: Credentials | None = None, docker_config: Path | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
+                 ca_bundle: Path | str | None = None, backoff: float = 0.5, sleep: Sleep | None = None) -> None:
+        self.url = registry_url(url)
+        self.host = urlparse(self.url).netloc
+        self._credentials = credentials or docker_credentials(self.host, config=docker_config)
+        self.http = Transport(timeout=timeout, retries=retries, ca_bundle=ca_bundle, backoff=backoff, sleep=sleep,
+                          what=f"registry {self.host}")
+        self._tokens: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        who = f", as {self._credentials.username!r}" if self._credentials else ""
+        return f"RegistryClient({self.url!r}{who})"
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    # -- auth
+
+    def _basic(self) -> str | None:
+        if self._credentials is None:
+            return None
+        raw = f"{self._credentials.username}:{self._credentials.secret.get_secret_value()}".encode()
+        return "Basic " + base64.b64encode(raw).decode()
+
+    def _token(self, challenge: str, scope: str) -> str:
+        params = dict(_CHALLENGE.findall(challenge))
+        realm = params.pop("realm", None)
+        if not realm:
+            raise NetworkError(f"registry {self.host}: Bearer challenge without realm")
+        params.setdefault("scope", scope)
+        headers = {"Authorization": b} if (b := self._basic()) else {}
+        response = self.http.request("GET", realm, params=params, headers=headers)
+        try:
+            body = server_json(response.content, source=safe_url(realm))
+            return body.get("token") or body["access_token"]
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise NetworkError(f"registry {self.host}: token endpoint {safe_url(realm)} gave no token") from exc
+
+    def _send(self, method: str, path: str, *, scope: str, ok: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
+        """One authenticated request; on a 401 answer, authenticate per the challenge and send again."""
+        url = path if "://" in path else f"{self.url}{path}"
+        headers = dict(kwargs.pop("headers", {}) or {})
+        if scope in self._tokens:
+            headers["Authorization"] = self._tokens[scope]
+        response = self.http.request(method, url, ok=(*ok, 401), headers=headers, **kwargs)
+        if response.status_code != 401 or 401 in ok:
+            return response
+        challenge = response.headers.get("WWW-Authenticate", "")
+        if challenge.lower().startswith("bearer"):
+            self._tokens[scope] = "Bearer " + self._token(challenge, scope)
+            headers["Authorization"] = self._tokens[scope]
+        elif challenge.lower().startswith("basic") and (b := self._basic()):
+            self._tokens[scope] = headers["Authorization"] = b
+        else:
+            raise NetworkError(f"registry {self.host}: {method} {safe_url(url)} needs credentials "
+                               f"(docker login {self.host})")
+        response = self.http.request(method, url, ok=(*ok, 401, 403), headers=headers, **kwargs)
+        if response.status_code in (401, 403):
+            raise NetworkError(f"registry {self.host}: {method} {safe_url(url)} refused (HTTP {response.status_code}); "
+                               f"check the login for {self.host}")
+        return response
+
+    @staticmethod
+    def _scope(repo: str, push: bool = False) -> str:
+        return f"repository:{repo}:{'pull,push' if push else 'pull'}"
+
+    # -- reads
+
+    def ping(self) -> None:
+        """GET /v2/ (the API version check); NetworkError when the registry does not answer as one."""
+        self._send("GET", "/v2/", scope="")
+
+    def list_tags(self, repo: str) -> tuple[str, ...]:
+        """Every tag of a repository (follows Link pagination)."""
+        tags: list[str] = []
+        path: str | None = f"/v2/{repo}/tags/list?n=1000"
+        while path:
+            response = self._send("GET", path, scope=self._scope(repo))
+            try:
+                tags += server_json(response.content, source=f"registry {self.host} tags of {repo}").get("tags") or []
+            except (ValueError, AttributeError, TypeError) as exc:
+                raise NetworkError(f"registry {self.host}: the tag list of {repo} is not a JSON object: {exc}") from exc
+            link = response.headers.get("Link", "")
+            match = re.match(r"<([^>]+)>", link)
+            path = urljoin(self.url + "/", match.group(1)) if match else None
+        return tuple(tags)
+
+    def resolve(self, repo: str, ref: str) -> str:
+        """Tag (or digest) -> the manifest digest the registry reports (HEAD, Docker-Content-Digest)."""
+        response = self._send("HEAD", f"/v2/{repo}/manifests/{ref}", scope=self._scope(repo),
+                              headers={"Accept": ", ".join(MANIFEST_TYPES)})
+        digest = response.headers.get("Docker-Content-Digest")
+        if digest:
+            return digest
+        return self.get_manifest(repo, ref).digest
+
+    def get_manifest(self, repo: str, ref: str, *, accept: tuple[str, ...] = MANIFEST_TYPES) -> Manifest:
+        """The manifest's exact bytes; its digest is checked against Docker-Content-Digest and a digest ref."""
+        found = self.find_manifest(repo, ref, accept=accept)
+        if found is None:
+            raise NetworkError(f"registry {self.host}: no manifest {repo}:{ref} (HTTP 404)")
+        return found
+
+    def find_manifest(self, repo: str, ref: str, *, accept: tuple[str, ...] = MANIFEST_TYPES,
+                      push: bool = False) -> Manifest | None:
+        """`get_manifest`, or None when the registry answers 404 (no such tag or digest); NetworkError otherwise.
+        `push`: ask with the push scope too, as a publisher (some registries answer 401/403, not 404, for a repository
+        that does not exist yet when the token may only pull)."""
+        response = self._send("GET", f"/v2/{repo}/manifests/{ref}", scope=self._scope(repo, push=push),
+                              headers={"Accept": ", ".join(accept)}, ok=(200, 404))
+        if response.status_code == 404:
+            return None
+        body = response.content
+        digest = sha256_digest(body)
+        claimed = response.headers.get("Docker-Content-Digest")
+        for want in (claimed, ref if ref.startswith("sha256:") else None):
+            if want and want != digest:
+                raise NetworkError(f"registry {self.host}: manifest {repo}@{ref} has digest {digest}, expected {want}")
+        media = response.headers.get("Content-Type", "").split(";")[0]
+        if not media:
+            try:
+                media = str(server_json(body, source=f"manifest {repo}@{ref}").get("mediaType", ""))
+            except (ValueError, AttributeError) as exc:
+                raise NetworkError(f"registry {self.host}: manifest {repo}@{ref} is not a JSON object: {exc}") from exc
+        return Manifest(media_type=media, digest=digest, body=body)
+
+    def has_blob(self, repo: str, digest: str) -> bool:
+        response = self._send("HEAD", f"/v2/{repo}/blobs/{digest}", scope=self._scope(repo), ok=(200, 404))
+        return response.status_code == 200
+
+    def get_blob(self, repo: str, digest: str) -> bytes:
+        """A blob's bytes, verified against its digest."""
+        data = self._send("GET", f"/v2/{repo}/blobs/{digest}", scope=self._scope(repo)).content
+        if sha256_digest(data) != digest:
+            raise NetworkError(f"registry {self.host}: blob {repo}@{digest} does not match its digest")
+        return data
+
+    # -- writes
+
+    def push_blob(self, repo: str, data: bytes) -> str:
+        """Upload a blob (monolithic: POST an upload, PUT the bytes with ?digest=); returns its digest.
+        A blob already present is not sent again."""
+        digest = sha256_digest(data)
+        scope = self._scope(repo, push=True)
+        if self._send("HEAD", f"/v2/{repo}/blobs/{digest}", scope=scope, ok=(200, 404)).status_code == 200:
+            return digest
+        start = self._send("POST", f"/v2/{repo}/blobs/uploads/", scope=scope, ok=(202,))
+        location = urljoin(self.url + "/", start.headers["Location"])
+        sep = "&" if "?" in location else "?"
+        self._send("PUT", f"{location}{sep}digest={digest}", scope=scope, ok=(201,), content=data,
+                   headers={"Content-Type": "application/octet-stream"})
+        return digest
+
+    def put_manifest(self, repo: str, ref: str, body: bytes, media_type: str) -> str:
+        """Store a manifest under a tag or digest (e.g. `sha256-<hex>.att`); returns its digest."""
+        digest = sha256_digest(body)
+        response = self._send("PUT", f"/v2/{repo}/manifests/{ref}", scope=self._scope(repo, push=True), ok=(201,),
+                              content=body, headers={"Content-Type": media_type})
+        claimed = response.headers.get("Docker-Content-Digest")
+        if claimed and claimed != digest:
+            raise NetworkError(f"registry {self.host}: stored manifest digest {claimed}, sent {digest}")
+        return digest
+
+    def delete_tag(self, repo: str, tag: str) -> bool:
+        """Remove a tag (not its manifest): DELETE /v2/<repo>/manifests/<tag>. True when the registry
+        did it; False when it does not support deleting tags (distribution 2.x answers 400/405)."""
+        response = self._send("DELETE", f"/v2/{repo}/manifests/{tag}", scope=self._scope(repo, push=True),
+                              ok=(200, 202, 400, 404, 405))
+        return response.status_code in (200, 202)

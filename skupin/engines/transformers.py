@@ -1,0 +1,29 @@
+"""Hugging Face transformers: `transformers serve`, and the probe's reference adapter (hidden states, full logprobs)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from skupin.engines.base import Distribution, Output, ServerLaunch, folder_model_file
+
+NAME: Final = "transformers"
+# torch is required only through the `serving` extra, which `skupin compat refresh` does not evaluate:
+# its engine_torch row is written by hand.
+DISTRIBUTIONS: Final = (Distribution(name="transformers", refresh_since=None),)
+PROBE_ADAPTER: Final = "transformers"
+OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
+FLOAT32: Final = True
+
+
+# the server loads the model folder itself (the fixture's safetensors, at the gate dtype)
+model_file: Final = folder_model_file(NAME)
+
+
+def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str,
+           weights: str = "full") -> ServerLaunch:
+    """`transformers serve` on the model folder, which it also takes as the model id; prompts go as text."""
+    device = "cpu" if vendor == "cpu" else "auto"
+    return ServerLaunch(engine=NAME, port=port, model_id=model_dir, health_path="/health", returns_logprobs=False,
+                        prompt="text",
+                        argv=("transformers", "serve", model_dir, "--host", host, "--port", str(port),
+                              "--dtype", dtype, "--device", device, "--log-level", "info"))
