@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,6 +162,9 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
             kernel_max[k.op] = max(kernel_max.get(k.op, 0.0), float(k.rel_err or 0.0))
     per_prompt = {s: max(margin * v, floors[s]) for s, v in per_prompt_max.items()}
     mean = {s: max(margin * v, floors[s]) for s, v in mean_max.items()}
+    # the pooled honest mean: the centre the mean bound narrows towards at more prompts (ModelThresholds.mean_bound)
+    center = {s: float(np.nanmean(np.concatenate(vals))) for s, vals in collected.items()}
+    center = {s: c for s, c in center.items() if 0 <= c < mean.get(s, 0.0) and math.isfinite(c)}
     kernels = {op: max(margin * v, KERNEL_FLOORS[op_dtype(op)]) for op, v in sorted(kernel_max.items())}
     if not collected:
         raise GateCouldNotRun("no decision statistic was available in the honest runs")
@@ -188,7 +192,7 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
     )
     return ToleranceEntry(key=key, kernels=kernels,
                           model=ModelThresholds(per_prompt=per_prompt, mean=mean, honest_rate=honest_rate, alpha=ALPHA,
-                                                omitted=omitted),
+                                                omitted=omitted, mean_center=center),
                           provenance=provenance)
 
 

@@ -602,14 +602,9 @@ def _check_model(inputs: GateInputs, reference: ReferenceResult, tolerance: Tole
     problem = _probe_check_error(probe.report, "model")
     if problem:
         return ModelResult(CheckResult(name="model", status="error", reason=f"the probe's model check failed: {problem}"))
-    engine = inputs.manifest.stack.engine.name
-    missing = sorted(f"model.{name}" for name in engine_outputs(engine)
-                     if f"model.{name}" in ref and f"model.{name}" not in probe.tensors)
-    if missing:
-        return ModelResult(CheckResult(
-            name="model", status="fail",
-            reason=f"the candidate returned no {', '.join(missing)}, which the {engine} engine provides: "
-                   "a statistic would be lost, so the model check fails instead of skipping it"))
+    missing = _missing_outputs(inputs.manifest.stack.engine.name, ref, probe.tensors, name="model")
+    if missing is not None:
+        return ModelResult(missing)
     try:
         stats = model_statistics(ref, probe.tensors)
     except CompareError as exc:
@@ -619,6 +614,19 @@ def _check_model(inputs: GateInputs, reference: ReferenceResult, tolerance: Tole
     result = result.model_copy(update={"details": {**result.details, "engine_path": engine_path(probe.report)}})
     inputs.clock.time("model_s", t0)
     return ModelResult(result, decisions=decisions, prompts=prompts)
+
+
+def _missing_outputs(engine: str, ref: dict[str, np.ndarray], candidate: dict[str, np.ndarray], *, name: str
+                     ) -> CheckResult | None:
+    """A failing `name` result when the candidate left out an output the reference has and its engine provides
+    (skupin/engines/<engine>.py OUTPUTS): a statistic would be lost, so the check fails instead of skipping it."""
+    missing = sorted(f"model.{out}" for out in engine_outputs(engine)
+                     if f"model.{out}" in ref and f"model.{out}" not in candidate)
+    if not missing:
+        return None
+    return CheckResult(name=name, status="fail",
+                       reason=f"the candidate returned no {', '.join(missing)}, which the {engine} engine provides: "
+                              "a statistic would be lost, so the check fails instead of skipping it")
 
 
 def _check_float32(inputs: GateInputs, pins: PinsResult, tolerance: ToleranceResult, boot: BootResult) -> Judged:
@@ -657,6 +665,9 @@ def _check_float32(inputs: GateInputs, pins: PinsResult, tolerance: ToleranceRes
     if problem:
         return Judged(CheckResult(name="float32", status="error", reason=f"the float32 probe failed: {problem}",
                                   details={"logs_tail": probe.logs_tail[-2000:]}))
+    missing = _missing_outputs(engine, ref, probe.tensors, name="float32")
+    if missing is not None:
+        return Judged(missing)
     try:
         stats = model_statistics(ref, probe.tensors)
     except CompareError as exc:

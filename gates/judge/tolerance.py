@@ -11,6 +11,7 @@ refuses to touch any other class's.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -103,15 +104,36 @@ class ModelThresholds(Frozen):
     omitted: dict[str, Annotated[str, Field(min_length=1)]] = Field(
         default_factory=dict, description="Decision statistic -> why the entry has no threshold for it (e.g. the "
         "honest runs had no final hidden states); the gate reports the reason. Left out of the entry when empty")
+    mean_center: dict[str, Measured] = Field(
+        default_factory=dict, description="Statistic -> the honest runs' pooled mean over prompts (the centre the mean "
+        "bound narrows towards as a run has more prompts; mean_bound). Left out of the entry when empty")
 
     @model_serializer(mode="wrap")
-    def _without_empty_omitted(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """An entry that omits nothing serialises as it did before `omitted` existed: the same YAML, the same
-        canonical JSON and so the same tolerance_sha256 in signed attestations (skupin/publishing/attest.py)."""
+    def _without_empty_optional(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """An entry that omits nothing and has no centres serialises as it did before those fields existed: the same
+        YAML, the same canonical JSON and so the same tolerance_sha256 in signed attestations
+        (skupin/publishing/attest.py)."""
         data = handler(self)
-        if not self.omitted:
-            data.pop("omitted", None)
+        for name in ("omitted", "mean_center"):
+            if not getattr(self, name):
+                data.pop(name, None)
         return data
+
+    def mean_bound(self, stat: str, *, prompts: int, calibrated_prompts: int) -> float:
+        """The bound on the mean of `stat` over a run of `prompts` prompts, from `mean[stat]` calibrated on runs of
+        `calibrated_prompts`. The mean of n prompts scatters as 1/sqrt(n) about its centre, so the bound's distance
+        from the centre scales by sqrt(calibrated_prompts / prompts): wider for fewer prompts (an honest 8-prompt run
+        is not rejected for its noise), narrower for more, so detection never gets worse as prompts are added. An
+        entry without a centre (calibrated before centres were kept) is widened below its calibration's prompt
+        count and kept as it is above it (narrowing towards 0 would reject an honest offset)."""
+        bound = self.mean[stat]
+        if prompts <= 0 or calibrated_prompts <= 0 or prompts == calibrated_prompts:
+            return bound
+        scale = math.sqrt(calibrated_prompts / prompts)
+        center = self.mean_center.get(stat)
+        if center is None or not 0 <= center < bound:
+            return bound * scale if prompts < calibrated_prompts else bound
+        return center + (bound - center) * scale
 
 
 class Provenance(Frozen):

@@ -5,8 +5,9 @@ its calibration-free part ran, for want of a calibrated tolerance, and passed) a
 person can act on. The model decision, per calibrated statistic: count the prompts whose
 value exceeds the per-prompt threshold and run a one-sided binomial test against the calibrated
 honest exceedance rate (prompts are the independent unit; positions inside a prompt are
-correlated), and compare the mean over prompts with the aggregate threshold. Hard bounds (NaN/Inf,
-mean KL > 0.5, top-1 agreement < 80%) need no calibration and are checked first, calibrated or not: with no
+correlated), and compare the mean over prompts with the aggregate threshold at the run's prompt count (it narrows
+as 1/sqrt(prompts) about the honest centre, so more prompts never weaken the test: ModelThresholds.mean_bound).
+Hard bounds (NaN/Inf, mean KL > 0.5, top-1 agreement < 80%) need no calibration and are checked first, calibrated or not: with no
 calibrated entry the gate runs every check it can and ends `uncalibrated` (exit 14), never pass.
 """
 
@@ -65,7 +66,7 @@ class StatDecision(Frozen):
     p_value: float
     alpha: float
     mean: float
-    mean_threshold: float
+    mean_threshold: float = Field(description="The mean bound at this run's prompt count (ModelThresholds.mean_bound)")
     failed_by: tuple[str, ...] = Field(description="'binomial' and/or 'mean' when this statistic failed the model")
 
 
@@ -355,10 +356,11 @@ def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: H
             p = binomial_sf(len(over), n, entry.model.honest_rate)
             mean = stats.mean(s)
             mean = float("inf") if mean is None else mean
-            by = tuple(x for x, bad in (("binomial", p < alpha), ("mean", mean > entry.model.mean[s])) if bad)
+            bound = entry.model.mean_bound(s, prompts=n, calibrated_prompts=entry.provenance.prompts_per_run)
+            by = tuple(x for x, bad in (("binomial", p < alpha), ("mean", mean > bound)) if bad)
             decisions.append(StatDecision(stat=s, threshold=thr, exceedances=len(over), prompts=n,
                                           honest_rate=entry.model.honest_rate, p_value=p, alpha=alpha, mean=mean,
-                                          mean_threshold=entry.model.mean[s], failed_by=by))
+                                          mean_threshold=bound, failed_by=by))
     prompts = tuple(PromptResult(index=i, stats={k: _num(stats.per_prompt[k][i]) for k in stats.per_prompt},
                                  exceeds=tuple(exceeds[i])) for i in range(n))
     summary = {"prompts": n, "statistics": list(stats.available), "means": {k: stats.mean(k) for k in stats.per_prompt},
