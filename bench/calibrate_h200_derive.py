@@ -7,7 +7,7 @@ Input: bench/results/calibration/h200-calib-records.jsonl and h200-calib-env.jso
 bench/calibrate_h200.py from the H200. Per dtype (bfloat16, float32):
 
 1. calibration: the "calibration" split (boots 1 and 2 x batch 1/2/4/8/16/64 x sdpa/eager) ->
-   `gates.calibrate.derive_entry_from_measurements` (the code `skupin calibrate` runs after its
+   `skupin.calibration.calibrate.derive_entry_from_measurements` (the code `skupin calibrate` runs after its
    containers: margin 4, dtype floors, Clopper-Pearson honest rate), against the committed bundle's
    sha256, merged with `gates.judge.tolerance.merge_entry` (other classes' entries untouched) and written;
 2. judgement: every "heldout" run (boots 3 and 4, batch 1/2/3/4/7/8/16/32/64 x sdpa/eager) and every
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import analysis  # noqa: E402
-from skupin.gates.calibrate import Measurement, derive_entry_from_measurements  # noqa: E402
+from skupin.calibration.calibrate import Measurement, derive_entry_from_measurements  # noqa: E402
 from skupin.gates.judge.compare import ModelStatistics  # noqa: E402
 from skupin.gates.judge.tolerance import (  # noqa: E402
     DEFAULT_PATH,
@@ -113,8 +113,27 @@ def entry_for(model: str, dtype: str, calib: list[dict], env: dict) -> Tolerance
             f"(boots {', '.join(map(str, boots))}), batch sizes {sorted({r['batch'] for r in calib})}, attention "
             f"{sorted({r['attn'] for r in calib})}; derived by bench/calibrate_h200_derive.py with "
             "gates.calibrate.derive_entry_from_measurements")
-    return entry.model_copy(update={"provenance": entry.provenance.model_copy(
-        update={"method": entry.provenance.method + note})})
+    return entry.model_copy(update={"ops": op_bounds(dtype), "provenance": entry.provenance.model_copy(
+        update={"method": entry.provenance.method + note + OPS_NOTE})})
+
+
+OPS = ROOT / "bench/results/ops.json"
+OPS_NOTE = ("; engine op bounds: bench/ops/job.py on the same H200 (honest sdpa runs, two processes), derived by "
+            "gates.judge.ops.derive_bounds from bench/results/ops.json")
+
+
+def op_bounds(dtype: str) -> dict[str, dict[str, float]]:
+    """The nvidia-hopper op bounds of bench/results/ops.json (the op battery bench's H200 calibration), re-derived
+    from its honest errors with gates.judge.ops.derive_bounds: every op key for a bf16 entry (its SKU's battery runs
+    at bf16 and float32), the float32 keys for a float32 entry."""
+    from bench.ops.analyse import CALIBRATION, battery_from
+    from skupin.gates.judge.ops import derive_bounds
+
+    hopper = json.loads(OPS.read_text(encoding="utf-8"))[HW]
+    honest = [battery_from(errors) for key, errors in sorted(hopper["honest_errors"].items())
+              if key.split("/")[1].startswith(CALIBRATION)]
+    bounds = derive_bounds(honest)
+    return {k: v for k, v in bounds.items() if dtype != "float32" or k.endswith(".float32")}
 
 
 def summary(records: list[dict], entry: ToleranceEntry) -> dict:

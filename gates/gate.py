@@ -11,7 +11,8 @@ The probe prints its outputs as one frame on stdout (``--out -``); the host pars
 (gates/refdata/probe_output.py) and writes the raw outputs and the container's log into the host-only
 folder OUT/probe/. Nothing is unpickled.
 Checks, in order, stopping at the first hard failure: reference, pins (static, before anything of
-the image runs: its files are its lock, gates/integrity/static.py), boot, kernels, model, float32
+the image runs: its files are its lock, gates/integrity/static.py), boot, kernels, ops (the engine's own ops against
+float64 math on the host, gates/judge/ops.py), model, float32
 (a SKU serving bf16 is probed again at float32 against the float32 bundle), serve
 (gates/serving/serve.py: the engine's own server; `baseline` adds an interleaved A/B). Each check
 is a GateCheck of the registry `CHECKS`: it takes the GateInputs and the typed outcomes of the earlier checks it
@@ -51,6 +52,7 @@ from skupin.dockerd import BindMount, ContainerSpec, Docker, ImageInfo, RunResul
 from skupin.engines import MODEL_MOUNT, engine_float32, engine_outputs, probe_adapter
 from skupin.gates.integrity.static import inspect_image_files
 from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics
+from skupin.gates.judge.ops import judge_battery, judge_ops
 from skupin.gates.judge.tolerance import ToleranceEntry, ToleranceKey, Tolerances, catalog_tolerances, load_tolerances
 from skupin.gates.judge.verdict import (
     CheckResult,
@@ -166,13 +168,16 @@ def run_label(out: Path) -> str:
 
 
 def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path, batch_size: int | None = None,
-               threads: int = 0) -> ContainerSpec:
+               threads: int = 0, ops: bool = True) -> ContainerSpec:
     """The sandboxed container that runs the probe on `image` (see the module docstring); `out` only names the run
-    (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted."""
+    (RUN_LABEL): the probe prints its outputs (`--out -`), nothing writable is mounted. `ops`: the engine op battery
+    too (with the model check)."""
 
     gate, engine = manifest.gate, manifest.stack.engine.name
     # the kernel battery only where the SKU's gate checks kernels (a llama.cpp image has no torch to run it)
     checks = "env,kernels,model" if "kernels" in gate.checks else "env,model"
+    if ops and "model" in gate.checks:
+        checks += ",ops"
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
                       engine=probe_adapter(engine), threads=threads, checks=checks)
     return sandbox_spec(
@@ -192,7 +197,7 @@ def read_probe_outputs(out: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
 
 
 def probe_in_container(*, manifest: SkuManifest, image: str, docker: Docker, out: Path, batch_size: int | None = None,
-                       threads: int = 0, model_dir: Path | None = None) -> ProbeRun:
+                       threads: int = 0, model_dir: Path | None = None, ops: bool = True) -> ProbeRun:
     """Run the probe on `image` in the sandbox and read its output frame; failures come back in ProbeRun.error.
 
     `out` is a host-only folder (the container never sees it): the raw probe.json and tensors.safetensors of a
@@ -207,7 +212,7 @@ def probe_in_container(*, manifest: SkuManifest, image: str, docker: Docker, out
                 scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-fixture-"))
                 model_dir = model_folder(manifest=manifest, scratch=Path(scratch))
             spec = probe_spec(manifest=manifest, image=image, out=Path(out), model_dir=model_dir,
-                              batch_size=batch_size, threads=threads)
+                              batch_size=batch_size, threads=threads, ops=ops)
             try:
                 result = docker.run(spec)
             except DockerError:
@@ -594,6 +599,29 @@ def _check_kernels(inputs: GateInputs, reference: ReferenceResult, tolerance: To
     return Judged(result)
 
 
+def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult) -> Judged:
+    """The engine op battery (gates/judge/ops.py): each op of the engine's own path, as the image ran it at the serving
+    dtype and at float32, against float64 math on the host; hard bounds always, the class's calibrated op bounds
+    where its entry has them."""
+    t0 = time.monotonic()
+    report = (boot.probe.report.get("checks") or {}).get("ops")
+    problem = _probe_check_error(boot.probe.report, "ops")
+    if problem or not isinstance(report, dict):
+        return Judged(CheckResult(name="ops", status="error", reason=f"the probe's op battery failed: {problem}"))
+    m = inputs.manifest
+    tf32 = "tf32" in m.gate.reduced_precision
+    entry = tolerance.entry
+    calibrated: dict[str, dict[str, float]] | None = (
+        {op: {str(k): v for k, v in row.items()} for op, row in entry.ops.items()} if entry else None)
+    battery = judge_battery(boot.probe.tensors, report, tf32=tf32, calibrated=calibrated)
+    settings = (boot.probe.report.get("env") or {}).get("settings")
+    result = judge_ops(battery, calibrated=calibrated, entry_key=ToleranceKey.of(m).label(),
+                       why=tolerance.problem if entry is None else "", tf32_declared=tf32,
+                       settings=settings if isinstance(settings, dict) else None, engine=m.stack.engine.name)
+    inputs.clock.time("ops_s", t0)
+    return Judged(result)
+
+
 def _check_model(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, boot: BootResult
                  ) -> ModelResult:
     """Teacher-forced statistics per prompt against the reference: hard bounds, binomial tests, means."""
@@ -610,7 +638,8 @@ def _check_model(inputs: GateInputs, reference: ReferenceResult, tolerance: Tole
     except CompareError as exc:
         return ModelResult(CheckResult(name="model", status="error", reason=str(exc)))
     result, decisions, prompts = judge_model(stats=stats, entry=tolerance.entry, hard=tolerance.tolerances.hard_bounds,
-                                             dtype=inputs.manifest.gate.dtype, why=tolerance.problem)
+                                             dtype=inputs.manifest.gate.dtype, why=tolerance.problem,
+                                             tf32="tf32" in inputs.manifest.gate.reduced_precision)
     result = result.model_copy(update={"details": {**result.details, "engine_path": engine_path(probe.report)}})
     inputs.clock.time("model_s", t0)
     return ModelResult(result, decisions=decisions, prompts=prompts)
@@ -657,7 +686,7 @@ def _check_float32(inputs: GateInputs, pins: PinsResult, tolerance: ToleranceRes
     inputs.on_event(f"float32: booting {inputs.shown} again with the probe at float32 (against {folder})")
     try:
         probe = probe_in_container(manifest=m32, image=pins.image_id, docker=inputs.docker,
-                                   out=inputs.out / "probe-float32", model_dir=boot.model_dir)
+                                   out=inputs.out / "probe-float32", model_dir=boot.model_dir, ops=False)
     except (GateCouldNotRun, DockerError, BundleError) as exc:
         return Judged(CheckResult(name="float32", status="error", reason=str(exc)))
     inputs.clock.time("float32_s", t0)
@@ -675,12 +704,14 @@ def _check_float32(inputs: GateInputs, pins: PinsResult, tolerance: ToleranceRes
     key = ToleranceKey.of(m, float32=True)
     entry, why = _entry_for(tolerance.tolerances, inputs.tolerances_path, key, ref_sha,
                             calibrate=f"skupin calibrate {m.name} --float32")
+    tf32 = "tf32" in m.gate.reduced_precision
     result, _, _ = judge_model(stats=stats, entry=entry, hard=tolerance.tolerances.hard_bounds, dtype="float32", why=why,
-                               name="float32")
+                               name="float32", tf32=tf32)
     return Judged(result.model_copy(update={"details": {
         **result.details, "reference": str(folder), "reference_sha256": ref_sha, "tolerance_key": key.label(),
         "tolerance_entry": entry.model_dump(mode="json") if entry is not None else None,  # attested (publish)
-        "calibrated": entry is not None, "probe_seconds": probe.seconds}}))
+        "calibrated": entry is not None, "probe_seconds": probe.seconds,
+        **({"tf32_declared": "the float32 mean logprob L2 hard bound is not applied"} if tf32 else {})}}))
 
 
 ENGINE_PATH_KEYS = ("engine", "engine_distribution", "engine_version", "hidden_states", "logprobs", "greedy")
@@ -745,6 +776,7 @@ CHECKS: tuple[GateCheck, ...] = (
     GateCheck("pins", _check_pins),
     GateCheck("boot", _check_boot, needs=(PinsResult,)),
     GateCheck("kernels", _check_kernels, needs=(ReferenceResult, ToleranceResult, BootResult), enabled_by="kernels"),
+    GateCheck("ops", _check_ops, needs=(ToleranceResult, BootResult), enabled_by="model"),
     GateCheck("model", _check_model, needs=(ReferenceResult, ToleranceResult, BootResult), enabled_by="model"),
     GateCheck("float32", _check_float32, needs=(PinsResult, ToleranceResult, BootResult), enabled_by="model"),
     GateCheck("serve", _check_serve, needs=(ReferenceResult, ToleranceResult, PinsResult, BootResult),

@@ -108,6 +108,29 @@ def _kernel_rows(verdict: GateVerdict) -> dict:
     return (check.details.get("ops") or {}) if check else {}
 
 
+def _ops_section(check: CheckResult | None) -> list[str]:
+    """The engine op battery: every op checked with its errors and bounds (units of its dtype's rounding), and what
+    of the engine's path it did not reach."""
+    if check is None or not isinstance(check.details.get("ops"), dict):
+        return []
+    lines = ["", "## Engine op battery", "", f"Against float64 on the host; {check.details.get('measures', '')}.", "",
+             "| op | rms | max | bias | hard bound (rms/max/bias) | calibrated bound | worst ratio | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for op, row in sorted(check.details["ops"].items()):
+        hard = row.get("hard") or {}
+        cal = row.get("calibrated") or {}
+        bounds = "/".join(_g(hard.get(m)) for m in ("rms", "max", "bias"))
+        cal_text = "/".join(_g(cal.get(m)) for m in ("rms", "max", "bias")) if cal else "none"
+        note = row.get("problem") or row.get("note") or ""
+        lines.append(f"| {op} | {_g(row.get('rms_units'))} | {_g(row.get('max_units'))} | {_g(row.get('bias_units'))} | "
+                     f"{bounds} | {cal_text} | {_g(row.get('ratio'))} | {note} |")
+    uncovered = check.details.get("uncovered") or {}
+    if uncovered:
+        lines += ["", "Not reached on the engine's path (uncovered): " +
+                  "; ".join(f"{op}: {why}" for op, why in sorted(uncovered.items()))]
+    return lines
+
+
 def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
     """The human report."""
     v = verdict
@@ -147,6 +170,7 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
             ratio = row["rel_err"] / row["tolerance"] if row.get("rel_err") is not None and row.get("tolerance") else None
             note = f" ({row['problem']})" if row.get("problem") else ""
             lines.append(f"| {op} | {_g(row.get('rel_err'))}{note} | {_g(row.get('tolerance'))} | {_g(ratio)} |")
+    lines += _ops_section(v.check("ops"))
     if v.model_decision:
         lines += [
             "",

@@ -6,7 +6,7 @@ every statistic of gates/judge/compare.py and every kernel op's error against th
 - `split`: the calibration set is what `skupin calibrate` runs (honest, boot 1, sdpa attention,
   batch 8 and 1, every thread count of that boot); everything else honest is held out (batch
   2/4/16/64, eager attention, the second boot). Swaps are never used for calibration.
-- `calibrate`: gates.calibrate.derive_entry_from_measurements on the calibration runs (the
+- `calibrate`: skupin.calibration.calibrate.derive_entry_from_measurements on the calibration runs (the
   project's own method: margin x largest honest value, dtype floors, Clopper-Pearson honest rate).
 - `decide`: the gate's own rules (gates.judge.verdict.judge_kernels, then judge_model with the hard
   bounds) on a subset of a run's prompts.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from skupin.gates.calibrate import Measurement, derive_entry_from_measurements
+from skupin.calibration.calibrate import Measurement, derive_entry_from_measurements
 from skupin.gates.judge.compare import ALL_STATS, DECISION_STATS, KernelResult, ModelStatistics
 from skupin.gates.judge.tolerance import HardBounds, ToleranceEntry, ToleranceKey
 from skupin.gates.judge.verdict import judge_kernels, judge_model, kernel_hard_failures

@@ -378,6 +378,10 @@ class Gate(Model):
     batch_size: int = Field(8, ge=1, le=1024)
     tolerance_class: Name
     checks: tuple[Literal["boot", "kernels", "model", "serve"], ...] = ("boot", "kernels", "model", "serve")
+    reduced_precision: tuple[Literal["tf32"], ...] = Field(
+        (), description="Reduced-precision float32 arithmetic the SKU's engine is allowed: tf32 (TF32 tensor-core "
+        "products, e.g. torch.backends.cuda.matmul.allow_tf32). Undeclared, the op battery fails an image that uses it, "
+        "naming it; declared, the float32 op bounds and the float32 pass's hard logprob bound allow TF32's rounding")
     bit_exact: bool = False
     deadline_s: int = Field(900, ge=10, le=86400)
     memory: MemSize = "8g"

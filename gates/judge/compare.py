@@ -7,7 +7,7 @@ Kernel battery: for every op present in both, the scale-normalised maximum error
 
 Model check, one value per prompt (statistics over its teacher-forced positions), each statistic one
 ``Statistic`` in STATISTICS (how it is computed, its calibration floor per dtype, the probe output it
-needs), the registry that calibration (gates/calibrate.py), the decision (gates/judge/verdict.py) and
+needs), the registry that calibration (skupin/calibration/calibrate.py), the decision (gates/judge/verdict.py) and
 the tolerance entries (gates/judge/tolerance.py) read:
 
 - ``kl``: mean over positions of KL(ref || cand) of the next-token distribution, estimated from the

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
@@ -159,6 +159,17 @@ class ToleranceEntry(Frozen):
     kernels: dict[str, Threshold] = Field(description="Kernel op -> max scale-normalised error")
     model: ModelThresholds
     provenance: Provenance
+    ops: dict[str, dict[Literal["rms", "max", "bias"], Threshold]] = Field(
+        default_factory=dict, description="Engine op battery: <op>.<dtype> -> measure -> calibrated bound in units of "
+        "the dtype's rounding (gates/judge/ops.py). Left out of the entry when empty (the hard bounds alone apply)")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_ops(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """An entry calibrated before the op battery serialises as it did: the same tolerance_sha256."""
+        data = handler(self)
+        if not self.ops:
+            data.pop("ops", None)
+        return data
 
 
 class Tolerances(Frozen):

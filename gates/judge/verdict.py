@@ -312,8 +312,10 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def hard_bound_failures(stats: ModelStatistics, hard: HardBounds, *, dtype: str) -> list[str]:
-    """Reasons the candidate breaks a bound that needs no calibration (run at `dtype`: float32 has one of its own)."""
+def hard_bound_failures(stats: ModelStatistics, hard: HardBounds, *, dtype: str, tf32: bool = False) -> list[str]:
+    """Reasons the candidate breaks a bound that needs no calibration (run at `dtype`: float32 has one of its own,
+    its mean logprob L2 bound, which a SKU that declares TF32 (`tf32`) does not get: TF32 products move float32
+    logprobs past it by design, and the class's float32 entry, calibrated with TF32 on, judges instead)."""
     out = []
     if stats.nonfinite:
         out.append(f"NaN/Inf in {', '.join(stats.nonfinite)}")
@@ -324,25 +326,26 @@ def hard_bound_failures(stats: ModelStatistics, hard: HardBounds, *, dtype: str)
     if top1 is not None and top1 < hard.min_top1_agree:
         out.append(f"top-1 agreement {top1:.1%} < hard bound {hard.min_top1_agree:.0%}")
     l2 = stats.mean("logprob_l2")
-    if dtype == "float32" and l2 is not None and l2 > hard.max_fp32_mean_logprob_l2:
+    if dtype == "float32" and not tf32 and l2 is not None and l2 > hard.max_fp32_mean_logprob_l2:
         out.append(f"float32 mean logprob L2 {_fmt(l2)} > hard bound {hard.max_fp32_mean_logprob_l2:.3g} "
                    f"({l2 / hard.max_fp32_mean_logprob_l2:.3g}x; honest float32 runs measured stay 5x below it)")
     return out
 
 
 def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: HardBounds, dtype: str, why: str = "",
-                name: str = "model") -> tuple[CheckResult, tuple[StatDecision, ...], tuple[PromptResult, ...]]:
+                name: str = "model", tf32: bool = False
+                ) -> tuple[CheckResult, tuple[StatDecision, ...], tuple[PromptResult, ...]]:
     """Hard bounds first, then per statistic a binomial test on per-prompt exceedances and an aggregate bound.
 
     With no entry (`why` says why there is none) only the hard bounds run: `fail` when one breaks, else `uncalibrated`.
-    `dtype` is what the candidate ran at (float32 adds its own hard bound); `name` names the result (`model`, or
-    `float32` for the float32 pass).
+    `dtype` is what the candidate ran at (float32 adds its own hard bound, except with `tf32`: the SKU declares TF32);
+    `name` names the result (`model`, or `float32` for the float32 pass).
     """
     n = stats.num_prompts
     decision_stats = [s for s in DECISION_STATS if s in stats.available
                       and (entry is None or (s in entry.model.per_prompt and s in entry.model.mean))]
     not_judged = _not_judged(stats, entry)
-    hard_fail = hard_bound_failures(stats, hard, dtype=dtype)
+    hard_fail = hard_bound_failures(stats, hard, dtype=dtype, tf32=tf32)
     decisions: list[StatDecision] = []
     exceeds: dict[int, list[str]] = {i: [] for i in range(n)}
     if entry is not None:

@@ -63,9 +63,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from skupin.builder.check import resolve
+    from skupin.calibration.calibrate import DEFAULT_VARIATIONS, calibrate_image, refuse_quantized
     from skupin.common.paths import sku_path
     from skupin.dockerd import connect
-    from skupin.gates.calibrate import DEFAULT_VARIATIONS, calibrate_image, refuse_quantized
     from skupin.gates.gate import image_from_build_record
     from skupin.gates.judge.tolerance import (
         catalog_tolerances,
@@ -92,7 +92,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     path = Path(args.tolerances) if args.tolerances else writable_tolerances()
     tolerances = load_tolerances(path if path.is_file() else catalog_tolerances())
     # refuses (nothing written) an image that fails pins, quantized weights, runs that break a hard bound or the
-    # float32 pass (gates/calibrate.py)
+    # float32 pass (skupin/calibration/calibrate.py)
     wheelhouse = getattr(args, "wheelhouse", None)
     entry = calibrate_image(stack=stack, image=image, docker=docker, out=folder, boots=args.boots,
                             variations=DEFAULT_VARIATIONS, margin=args.margin, on_event=err, tolerances=tolerances,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import skupin.builder.check as check
+import skupin.calibration.calibrate as calibrate
 import skupin.dockerd as dockerd
-import skupin.gates.calibrate as calibrate
 from skupin.builder.catalog.lockfile import read_lock
 from skupin.builder.catalog.manifest import load_manifest
 from skupin.builder.catalog.stack import ResolvedStack

@@ -134,7 +134,7 @@ def _dummy_sku(c: Copy) -> None:
 COMPARISON = textwrap.dedent(f"""
     import json, numpy as np
     import skupin
-    from skupin.gates.calibrate import HonestRun, derive_entry
+    from skupin.calibration.calibrate import HonestRun, derive_entry
     from skupin.gates.judge.compare import DECISION_STATS, model_statistics
     from skupin.gates.judge.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
     from skupin.gates.judge.verdict import judge_model

@@ -218,9 +218,12 @@ def test_the_probe_container_gets_the_probes_whole_folder(tmp_path: Path) -> Non
 def test_the_probe_runs_the_kernel_battery_only_where_the_gate_checks_kernels(tmp_path: Path) -> None:
     m = manifest("cpu-x86_64")
     spec = probe_spec(manifest=m, image="img", out=tmp_path / "probe", model_dir=FIXTURE)
-    assert spec.command[spec.command.index("--checks") + 1] == "env,kernels,model"
+    assert spec.command[spec.command.index("--checks") + 1] == "env,kernels,model,ops"
     no_kernels = m.model_copy(update={"gate": m.gate.model_copy(update={"checks": ("boot", "model", "serve")})})
     spec = probe_spec(manifest=no_kernels, image="img", out=tmp_path / "probe", model_dir=FIXTURE)
+    assert spec.command[spec.command.index("--checks") + 1] == "env,model,ops"
+    # the float32 pass's probe runs the model check alone: the op battery ran at both dtypes in the boot's probe
+    spec = probe_spec(manifest=no_kernels, image="img", out=tmp_path / "probe", model_dir=FIXTURE, ops=False)
     assert spec.command[spec.command.index("--checks") + 1] == "env,model"
 
 

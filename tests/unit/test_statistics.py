@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from skupin.builder.catalog.manifest import Gate
+from skupin.calibration.calibrate import HonestRun, derive_entry
 from skupin.common.errors import GateCouldNotRun
 from skupin.engines.base import Output
-from skupin.gates.calibrate import HonestRun, derive_entry
 from skupin.gates.judge.compare import ALL_STATS, DECISION_STATS, STATISTICS, model_statistics
 from skupin.gates.judge.tolerance import (
     DEFAULT_PATH,

@@ -1,4 +1,4 @@
-"""gates/judge/tolerance.py and gates/calibrate.py: entries per class, provenance, never loosening another class."""
+"""gates/judge/tolerance.py and skupin/calibration/calibrate.py: entries per class, provenance, never loosening another class."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
+from skupin.calibration.calibrate import HonestRun, derive_entry
 from skupin.common.errors import GateCouldNotRun
-from skupin.gates.calibrate import HonestRun, derive_entry
 from skupin.gates.judge.compare import kernel_errors, model_statistics
 from skupin.gates.judge.tolerance import (
     DEFAULT_PATH,

@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypedDict, cast
 FORMAT = "skupin-probe/1"
 FRAME_MAGIC = b"SKUPIN-PROBE-OUTPUT/1\n"
 PROBE_VERSION = "1"
-CHECKS = ("env", "kernels", "model")
+CHECKS = ("env", "kernels", "model", "ops")
 ENGINES = ("transformers", "vllm", "sglang", "llamacpp")
 # The registry: engine -> its adapter module in this folder (skupin/engines/*.py PROBE_ADAPTER names the engine; a
 # unit test keeps this, ENGINES and skupin.engines.ALL_ENGINES equal).
@@ -540,12 +540,20 @@ class Adapter(Protocol):
     def run(self, model_dir: str, ids: list[list[int]], opts: Options, device: str, col: Collector) -> dict[str, Any]:
         ...
 
+    # Optional: `op_battery(model_dir, opts, device, spec) -> (op -> implementation, op of the path -> why it is not
+    # reached)`, the engine's own implementation of each op of skupin_probe_ops.py (`spec`) on the model's path. An
+    # adapter without it reaches none: the ops check then lists every op as uncovered.
+
 
 def load_adapter(engine: str) -> Adapter:
     """The adapter module of `engine`, always the file of that name in this folder: in skupin's own process the
     package's module, run as a script (in an image, on the reference host) loaded from its path, never searched for
     on sys.path, so nothing an image installs can stand in for it."""
-    name = ADAPTERS[engine]
+    return cast(Adapter, load_sibling(ADAPTERS[engine]))
+
+
+def load_sibling(name: str) -> Any:
+    """The module `name` of this folder (an adapter, or skupin_probe_ops), loaded as load_adapter says."""
     if __package__:
         module = importlib.import_module(f"{__package__}.{name}")
     else:
@@ -557,8 +565,8 @@ def load_adapter(engine: str) -> Adapter:
         spec.loader.exec_module(module)
     where = os.path.dirname(os.path.realpath(module.__file__ or ""))
     if where != HERE:
-        raise ImportError(f"the probe's adapter {name} was loaded from {where}, not from the probe's folder {HERE}")
-    return cast(Adapter, module)
+        raise ImportError(f"the probe's module {name} was loaded from {where}, not from the probe's folder {HERE}")
+    return module
 
 
 def _adapter_needs_torch(engine: str) -> bool:
@@ -610,6 +618,25 @@ def run_adapter(engine: str, model_dir: str, ids: list[list[int]], opts: Options
     return {**col.tensors(), **prompt_tensors(ids, lambda v: col.array(v, "int32"))}, info
 
 
+def ops_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], dict[str, Any]]:
+    """The engine op battery (skupin_probe_ops.py): the adapter's own op implementations at the serving dtype and at
+    float32, their outputs as ops.* tensors; the host compares them with float64 math."""
+    spec = load_sibling("skupin_probe_ops")
+    adapter = load_adapter(args.engine)
+    battery = getattr(adapter, "op_battery", None)
+    if battery is None:
+        return {}, {"status": "ok", "ops": {}, "dtypes": [], "uncovered": {
+            op: f"the {args.engine} adapter reaches none of its engine's ops" for op in spec.OPS}}
+    opts: Options = {"dtype": args.dtype, "batch_size": args.batch_size, "top_k": args.top_k, "attn": args.attn,
+                     "full_logprobs": 0, "new_tokens": 0, "vocab": 0, "cpu_threads": _cpu_threads()}
+    impls, uncovered = battery(args.model, opts, device, spec)
+    if not impls:  # nothing reached (llama.cpp, whose image may have no torch): every op of its path is uncovered
+        return {}, {"status": "ok", "ops": {}, "dtypes": [], "uncovered": dict(sorted(uncovered.items()))}
+    dtypes = tuple(dict.fromkeys((args.dtype, "float32")))
+    tensors, info = spec.run_battery(impls, uncovered, dtypes, device)
+    return tensors, info
+
+
 def model_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], dict[str, Any]]:
     """Load the prompt set, run the engine adapter, return (model.* tensors, check info)."""
     with open(args.prompts, encoding="utf-8") as fh:
@@ -656,6 +683,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     checks = [c for c in args.checks.split(",") if c]
     if not checks or any(c not in CHECKS for c in checks):
         p.error(f"--checks takes a comma list of {','.join(CHECKS)}")
+    if ("model" in checks or "ops" in checks) and not args.model:
+        p.error("the model and ops checks need --model")
     if "model" in checks and not (args.model and args.prompts):
         p.error("the model check needs --model and --prompts")
     if args.batch_size < 1 or not 2 <= args.top_k <= 64 or args.full_logprobs < 0 or args.threads < 0:
@@ -690,19 +719,16 @@ def main(argv: list[str] | None = None) -> int:
         report["checks"]["env"] = {"status": "ok"}
     except Exception as exc:
         report["checks"]["env"] = _error(exc)
-    if "kernels" in args.checks and not has_torch:
-        report["checks"]["kernels"] = {"status": "error", "error": "the kernel battery needs torch, which this image "
-                                                                   "does not have (leave kernels out of gate.checks)"}
-    elif "kernels" in args.checks:
+    if "kernels" in args.checks:
+        report["checks"]["kernels"] = kernels_check(device, tensors, has_torch=has_torch)
+    if "ops" in args.checks:
         t0 = time.perf_counter()
         try:
-            ktensors, ops = kernel_battery(device)
-            tensors.update(ktensors)
-            bad = [n for n, s in ops.items() if s["status"] != "ok" or not s["finite"]]
-            report["checks"]["kernels"] = {"status": "error" if bad else "ok", "ops": ops,
-                                           "failed_ops": bad, "wall_s": time.perf_counter() - t0}
+            otensors, oinfo = ops_check(args, device)
+            tensors.update(otensors)
+            report["checks"]["ops"] = {**oinfo, "wall_s": time.perf_counter() - t0}
         except Exception as exc:
-            report["checks"]["kernels"] = _error(exc)
+            report["checks"]["ops"] = _error(exc)
     if "model" in args.checks:
         t0 = time.perf_counter()
         try:
@@ -712,6 +738,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             report["checks"]["model"] = _error(exc)
     return _finish(args, report, tensors, started, frame_fd)
+
+
+def kernels_check(device: str, tensors: dict[str, Array], *, has_torch: bool) -> dict[str, Any]:
+    """The kernel battery's report (its tensors added to `tensors`)."""
+    if not has_torch:
+        return {"status": "error", "error": "the kernel battery needs torch, which this image does not have (leave "
+                                            "kernels out of gate.checks)"}
+    t0 = time.perf_counter()
+    try:
+        ktensors, ops = kernel_battery(device)
+    except Exception as exc:
+        return _error(exc)
+    tensors.update(ktensors)
+    bad = [n for n, s in ops.items() if s["status"] != "ok" or not s["finite"]]
+    return {"status": "error" if bad else "ok", "ops": ops, "failed_ops": bad, "wall_s": time.perf_counter() - t0}
 
 
 def _error(exc: BaseException) -> dict[str, Any]:

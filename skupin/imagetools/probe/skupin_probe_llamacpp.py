@@ -143,3 +143,12 @@ def run(model_dir: str, ids: list[list[int]], opts: Options, device: str, col: C
             "greedy": "llama.cpp KV-cache decode of its own logits, argmax, EOS not special",
             "load_s": load_s, "forward_s": forward_s, "generate_s": generate_s, "hidden_s": hidden_s}
     return info
+
+
+def op_battery(model_dir: str, opts: Options, device: str, spec: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """None of llama.cpp's ops can be called one by one here: llama-cpp-python binds llama.h (whole-model evaluation)
+    and not ggml's graph API, and the image has no torch to feed them. Every op of the path is uncovered, with why;
+    the model check covers them end to end (upstream's own per-op check is test-backend-ops, a C++ binary)."""
+    why = ("llama-cpp-python exposes no per-op ggml API (only whole-model evaluation); checked end to end by the model "
+           "check")
+    return {}, {op: why for op in spec.OPS}

@@ -119,3 +119,84 @@ def run(model_dir: str, ids: list[list[int]], opts: Options, device: str, col: C
             "greedy": "SGLang temperature 0, ignore_eos", "load_s": load_s, "forward_s": forward_s,
             "generate_s": generate_s}
     return info
+
+
+# ---------------------------------------------------------------- the op battery (skupin_probe_ops.py)
+
+SGLANG_UNREACHED = {
+    "attention.prefill": "SGLang's attention backends run only inside a running engine's forward batch (radix KV "
+                         "cache); checked end to end by the model check",
+    "attention.decode": "SGLang's decode attention runs only inside a running engine's forward batch; checked end to "
+                        "end by the model check",
+    "moe.block": "SGLang's FusedMoE layer needs the engine's parallel and quantization config; checked end to end by "
+                 "the model check",
+}
+
+
+def op_battery(model_dir: str, opts: Options, device: str, spec: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """SGLang's own layers (sglang.srt.layers: RMSNorm with and without the fused residual add, SiluAndMul, get_rope;
+    their CUDA forms call the sgl_kernel package) for the ops it can run outside an engine. Each is built and run
+    once on the battery's inputs before it is offered: one that cannot be is uncovered, with why (this adapter has
+    not yet run on a GPU with SGLang installed)."""
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        moe = bool(json.load(fh).get("num_local_experts"))
+    impls: dict[str, Any] = {}
+    uncovered = {op: why for op, why in SGLANG_UNREACHED.items() if op != "moe.block" or moe}
+    if moe:
+        uncovered["moe.route"] = "SGLang's router (select_experts) needs its TopK config; checked by the model check"
+    makers = {"rmsnorm": _sg_rmsnorm, "add_rmsnorm": _sg_rmsnorm, "silu_mul": _sg_silu_mul, "rope.short": _sg_rope,
+              "rope.long": _sg_rope, "matmul": _sg_matmul}
+    for op, make in makers.items():
+        try:
+            impl = make(device, spec)
+            impl(spec.torch_inputs(op, opts["dtype"], device))  # smoke: it runs here, or it is uncovered
+            impls[op] = impl
+        except Exception as exc:
+            uncovered[op] = f"could not run outside an engine: {type(exc).__name__}: {exc}"[:300]
+    return impls, uncovered
+
+
+def _sg_rmsnorm(device: str, spec: Any) -> Any:
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    def run(x: dict[str, Any]) -> dict[str, Any]:
+        layer = RMSNorm(x["x"].shape[-1], eps=spec.EPS).to(device=device, dtype=x["x"].dtype)
+        layer.weight.data.copy_(x["weight"])
+        if "residual" in x:
+            out, residual = layer(x["x"].clone(), x["residual"].clone())
+            return {"out": out, "residual": residual}
+        return {"out": layer(x["x"].clone())}
+
+    return run
+
+
+def _sg_silu_mul(device: str, spec: Any) -> Any:
+    from sglang.srt.layers.activation import SiluAndMul
+
+    layer = SiluAndMul()
+    return lambda x: {"out": layer(x["x"])}
+
+
+def _sg_rope(device: str, spec: Any) -> Any:
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    def run(x: dict[str, Any]) -> dict[str, Any]:
+        layer = get_rope(spec.HD, rotary_dim=spec.HD, max_position=8192, base=int(spec.THETA), is_neox_style=True,
+                         dtype=x["q"].dtype).to(device)
+        t = x["q"].shape[0]
+        q, k = layer(x["positions"], x["q"].reshape(t, -1).clone(), x["k"].reshape(t, -1).clone())
+        return {"q": q.reshape(x["q"].shape), "k": k.reshape(x["k"].shape)}
+
+    return run
+
+
+def _sg_matmul(device: str, spec: Any) -> Any:
+    import torch
+
+    # SGLang's unquantized linear method is torch's F.linear (UnquantizedLinearMethod.apply)
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod  # noqa: F401
+
+    return lambda x: {"out": torch.nn.functional.linear(x["x"], x["weight"])}

@@ -130,3 +130,124 @@ def _greedy(model: Any, x: Array, new_tokens: int, col: Collector) -> None:
         col.add("greedy_ids", ids[row].to(torch.int32).cpu())
         col.add("greedy_logprob", lps[row].cpu())
         col.add("greedy_margin", mgs[row].cpu())
+
+
+# ---------------------------------------------------------------- the op battery (skupin_probe_ops.py)
+
+
+def op_battery(model_dir: str, opts: Options, device: str, spec: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The model's own modules for each op on its path, fed the battery's inputs: (op -> implementation, op of the
+    path not reached -> why). The modules come from the model's modeling file (transformers.models.<type>), built
+    from its config with the battery's sizes (`spec`: the skupin_probe_ops module); the attention function is the
+    one the model runs (opts["attn"])."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    base = AutoConfig.from_pretrained(model_dir)
+    kind = base.model_type
+    modeling = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    prefix = next(n[: -len("RMSNorm")] for n in dir(modeling) if n.endswith("RMSNorm") and not n.startswith("_"))
+
+    def config(**sizes: Any) -> Any:
+        """The model's config with the battery's sizes (and its rotary base)."""
+        c = AutoConfig.from_pretrained(model_dir)
+        for key, value in {"num_attention_heads": spec.NH, "num_key_value_heads": spec.NKV, "head_dim": spec.HD,
+                           "rms_norm_eps": spec.EPS, "max_position_embeddings": 8192, **sizes}.items():
+            setattr(c, key, value)
+        if hasattr(c, "rope_parameters"):
+            c.rope_parameters = {**(c.rope_parameters or {}), "rope_type": "default", "rope_theta": spec.THETA}
+        else:
+            c.rope_theta = spec.THETA
+        return c
+
+    impls = _dense_ops(modeling, prefix, base, config, device, opts["attn"], spec)
+    uncovered: dict[str, str] = {}
+    if getattr(base, "num_local_experts", 0):
+        block_cls = getattr(modeling, prefix + "SparseMoeBlock", None)
+        if block_cls is None:
+            uncovered["moe.block"] = uncovered["moe.route"] = f"{kind} has no {prefix}SparseMoeBlock"
+        else:
+            impls.update(_moe_ops(block_cls, config, device, spec))
+    return impls, uncovered
+
+
+def _dense_ops(modeling: Any, prefix: str, base: Any, config: Any, device: str, attn: str, spec: Any) -> dict[str, Any]:
+    """RMSNorm, the MLP's gated activation, the rotary embedding, attention and the linear product, as the model's
+    modeling file computes them."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    act = ACT2FN[base.hidden_act]
+
+    def rmsnorm(x: dict[str, Any]) -> dict[str, Any]:
+        norm = getattr(modeling, prefix + "RMSNorm")(x["x"].shape[-1], eps=spec.EPS).to(device=device,
+                                                                                         dtype=x["x"].dtype)
+        norm.weight.data.copy_(x["weight"])
+        return {"out": norm(x["x"])}
+
+    def silu_mul(x: dict[str, Any]) -> dict[str, Any]:  # the MLP's act_fn(gate_proj(x)) * up_proj(x)
+        gate, up = x["x"].chunk(2, dim=-1)
+        return {"out": act(gate) * up}
+
+    def rope(x: dict[str, Any]) -> dict[str, Any]:
+        rotary = getattr(modeling, prefix + "RotaryEmbedding")(config(hidden_size=spec.NH * spec.HD)).to(device)
+        q, k = x["q"].transpose(0, 1)[None], x["k"].transpose(0, 1)[None]  # [1, heads, T, HD]
+        cos, sin = rotary(q, x["positions"][None])
+        q2, k2 = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+        return {"q": q2[0].transpose(0, 1), "k": k2[0].transpose(0, 1)}
+
+    def attention(x: dict[str, Any]) -> dict[str, Any]:
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.is_causal = spec.NH // spec.NKV, True  # type: ignore[assignment]
+        module.eval()
+        q, k, v = x["q"][None], x["k"][None], x["v"][None]
+        if attn == "eager":  # the model's additive causal mask (sdpa takes is_causal)
+            t = q.shape[2]
+            mask = (torch.full((t, t), torch.finfo(q.dtype).min, dtype=q.dtype, device=device).triu(1)[None, None]
+                    if t > 1 else None)
+            out, _ = modeling.eager_attention_forward(module, q, k, v, mask, scaling=spec.HD**-0.5)
+        else:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=spec.HD**-0.5)
+        return {"out": out[0].transpose(0, 1)}  # [T, heads, HD] -> [heads, T, HD]
+
+    def matmul(x: dict[str, Any]) -> dict[str, Any]:  # the model's projections are nn.Linear
+        return {"out": torch.nn.functional.linear(x["x"], x["weight"])}
+
+    return {"rmsnorm": rmsnorm, "silu_mul": silu_mul, "rope.short": rope, "rope.long": rope,
+            "attention.prefill": attention, "attention.decode": attention, "matmul": matmul}
+
+
+def _moe_ops(block_cls: Any, config: Any, device: str, spec: Any) -> dict[str, Any]:
+    """The model's sparse MoE block: its router alone (moe.route) and the whole block (moe.block)."""
+    import torch
+
+    def block(hidden: int, dtype: Any) -> Any:
+        c = config(hidden_size=hidden, intermediate_size=spec.IM, num_local_experts=spec.E,
+                   num_experts_per_tok=spec.TOPK)
+        return block_cls(c).to(device=device, dtype=dtype).eval()
+
+    def route(x: dict[str, Any]) -> dict[str, Any]:  # the block's router with hidden = the logits and W = I
+        b = block(spec.E, x["logits"].dtype)
+        b.gate.weight.data.copy_(torch.eye(spec.E, dtype=x["logits"].dtype))
+        _, weights, ids = b.gate(x["logits"])
+        return {"weights": weights.to(x["logits"].dtype), "ids": ids.to(torch.int32)}
+
+    def moe(x: dict[str, Any]) -> dict[str, Any]:
+        b = block(spec.HM, x["x"].dtype)
+        b.gate.weight.data.copy_(x["gate"])
+        experts = b.experts
+        if hasattr(experts, "gate_up_proj"):
+            experts.gate_up_proj.data.copy_(torch.cat((x["w1"], x["w3"]), dim=1))
+            experts.down_proj.data.copy_(x["w2"])
+        else:  # older transformers: one module per expert
+            for j, expert in enumerate(experts):
+                expert.w1.weight.data.copy_(x["w1"][j])
+                expert.w3.weight.data.copy_(x["w3"][j])
+                expert.w2.weight.data.copy_(x["w2"][j])
+        out = b(x["x"][None])
+        return {"out": (out[0] if isinstance(out, tuple) else out)[0]}
+
+    return {"moe.route": route, "moe.block": moe}

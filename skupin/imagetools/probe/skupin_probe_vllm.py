@@ -106,3 +106,153 @@ def run(model_dir: str, ids: list[list[int]], opts: Options, device: str, col: C
             "greedy": "vLLM temperature 0, ignore_eos", "load_s": load_s, "hidden_s": hidden_s,
             "forward_s": forward_s, "generate_s": generate_s}
     return info
+
+
+# ---------------------------------------------------------------- the op battery (skupin_probe_ops.py)
+
+# The ops of a vLLM decoder's path the battery cannot call outside a running engine, and why.
+UNREACHED = {
+    "attention.prefill": "vLLM's attention backends run only inside a running engine's forward context (paged KV "
+                         "cache, attention metadata); checked end to end by the model check",
+    "attention.decode": "vLLM's paged decode attention runs only inside a running engine's forward context; checked "
+                        "end to end by the model check",
+    "moe.block": "vLLM's FusedMoE layer needs the engine's parallel and quantization config; checked end to end by "
+                 "the model check",
+}
+
+
+def op_battery(model_dir: str, opts: Options, device: str, spec: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """vLLM's own layers for each op on a decoder's path it can run outside an engine: RMSNorm (alone and with the
+    fused residual add), SiluAndMul, its rotary embedding (get_rope, cache at the serving dtype as vLLM builds it),
+    the router's fused_topk, the unquantized linear layer's GEMM. Built under a vLLM config whose compilation mode is
+    the model check's (compiled unless --attn eager), so each CustomOp dispatches as it does in the engine: its own
+    kernel or the native torch code its compiled graph is built from."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        moe = bool(json.load(fh).get("num_local_experts"))
+    config = _vllm_config(eager=opts["attn"] == "eager")
+    impls: dict[str, Any] = {}
+    uncovered = {op: why for op, why in UNREACHED.items() if op != "moe.block" or moe}
+    makers = {"rmsnorm": _rmsnorm, "add_rmsnorm": _rmsnorm, "silu_mul": _silu_mul, "rope.short": _rope,
+              "rope.long": _rope, "matmul": _matmul, **({"moe.route": _route} if moe else {})}
+    for op, make in makers.items():
+        try:
+            with _config_scope(config):
+                impls[op] = _scoped(config, make(device, spec))
+        except Exception as exc:  # a layer that cannot be built outside an engine is uncovered, with why
+            uncovered[op] = f"could not be built outside an engine: {type(exc).__name__}: {exc}"[:300]
+    return impls, uncovered
+
+
+def _rmsnorm(device: str, spec: Any) -> Any:
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    RMSNorm(8, eps=spec.EPS)  # importable and buildable here, or the op is uncovered
+
+    def run(x: dict[str, Any]) -> dict[str, Any]:
+        layer = RMSNorm(x["x"].shape[-1], eps=spec.EPS).to(device=device, dtype=x["x"].dtype)
+        layer.weight.data.copy_(x["weight"])
+        if "residual" in x:
+            out, residual = layer(x["x"].clone(), x["residual"].clone())
+            return {"out": out, "residual": residual}
+        return {"out": layer(x["x"].clone())}
+
+    return run
+
+
+def _silu_mul(device: str, spec: Any) -> Any:
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    layer = SiluAndMul()
+    return lambda x: {"out": layer(x["x"])}
+
+
+def _rope(device: str, spec: Any) -> Any:
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    def run(x: dict[str, Any]) -> dict[str, Any]:
+        layer = get_rope(spec.HD, 8192, is_neox_style=True, dtype=x["q"].dtype,
+                         rope_parameters={"rope_theta": spec.THETA, "rope_type": "default"}).to(device)
+        t = x["q"].shape[0]
+        q, k = layer(x["positions"], x["q"].reshape(t, -1).clone(), x["k"].reshape(t, -1).clone())
+        return {"q": q.reshape(x["q"].shape), "k": k.reshape(x["k"].shape)}
+
+    return run
+
+
+def _route(device: str, spec: Any) -> Any:
+    """The router the platform's MoE experts use: CPURouter's select_experts on a CPU, fused_topk elsewhere."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.model_executor.layers.fused_moe.router.cpu_router import select_experts
+
+        def topk(hidden: Any, logits: Any) -> Any:
+            return select_experts(hidden, logits, spec.TOPK, use_grouped_topk=False, renormalize=True)
+    else:
+        from vllm.model_executor.layers.fused_moe import fused_topk
+
+        def topk(hidden: Any, logits: Any) -> Any:
+            return fused_topk(hidden, logits, spec.TOPK, True)
+
+    def run(x: dict[str, Any]) -> dict[str, Any]:
+        hidden = torch.zeros((x["logits"].shape[0], 8), dtype=x["logits"].dtype, device=device)
+        weights, ids, *_ = topk(hidden, x["logits"])
+        return {"weights": weights.to(x["logits"].dtype), "ids": ids.to(torch.int32)}
+
+    return run
+
+
+def _matmul(device: str, spec: Any) -> Any:
+    """The unquantized linear layer's GEMM as the platform dispatches it (on a CPU: the layer's prepared cpu_linear)."""
+    import torch
+    from vllm.model_executor.layers import utils
+    from vllm.platforms import current_platform
+
+    gemm = utils.dispatch_unquantized_gemm()
+
+    def run(x: dict[str, Any]) -> dict[str, Any]:
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(x["weight"].clone(), requires_grad=False)
+        if current_platform.is_cpu():
+            utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+        return {"out": gemm(layer, x["x"], layer.weight, None)}
+
+    return run
+
+
+def _vllm_config(*, eager: bool) -> Any:
+    """A vLLM config whose compilation mode is the model check's (None when this vLLM has no such config)."""
+    try:
+        from vllm.config import CompilationConfig, VllmConfig
+
+        try:
+            from vllm.config import CompilationMode
+
+            compilation = CompilationConfig(mode=CompilationMode.NONE if eager else CompilationMode.VLLM_COMPILE)
+        except ImportError:
+            compilation = CompilationConfig()
+        return VllmConfig(compilation_config=compilation)
+    except Exception:
+        return None
+
+
+def _config_scope(config: Any) -> Any:
+    import contextlib
+
+    if config is None:
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(config)
+
+
+def _scoped(config: Any, impl: Any) -> Any:
+    """`impl` run under the vLLM config (layers read it when they are built and when they run)."""
+    def run(x: dict[str, Any]) -> Any:
+        with _config_scope(config):
+            return impl(x)
+
+    return run

@@ -22,7 +22,7 @@ import json
 import math
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,7 @@ from skupin.gates.judge.compare import (
     kernel_errors,
     model_statistics,
 )
+from skupin.gates.judge.ops import Battery, derive_bounds, judge_battery
 from skupin.gates.judge.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey, Tolerances
 from skupin.gates.judge.verdict import (
     clopper_pearson_upper,
@@ -84,6 +85,7 @@ class HonestRun:
     label: str
     tensors: dict[str, np.ndarray]
     env: dict[str, Any]
+    ops: dict[str, Any] = field(default_factory=dict)  # the probe's checks.ops report (empty: no op battery ran)
 
 
 def op_dtype(op: str) -> str:
@@ -100,13 +102,17 @@ class Measurement:
     stats: ModelStatistics
     kernels: tuple[KernelResult, ...]
     env: dict[str, Any]
+    ops: Battery | None = None  # the engine op battery against float64 (None: no op battery ran)
 
 
-def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bool = True) -> Measurement:
+def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bool = True,
+                tf32: bool = False) -> Measurement:
     """Compare one honest run with the reference the way the gate does (its kernels only with `kernels`: a SKU whose
-    gate does not check kernels, such as llama.cpp's without torch, runs no kernel battery)."""
+    gate does not check kernels, such as llama.cpp's without torch, runs no kernel battery), and its op battery with
+    float64 (`tf32`: the SKU declares TF32)."""
+    ops = judge_battery(run.tensors, run.ops, tf32=tf32) if run.ops.get("ops") else None
     return Measurement(label=run.label, stats=model_statistics(reference, run.tensors),
-                       kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env)
+                       kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env, ops=ops)
 
 
 def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], reference_sha256: str,
@@ -125,13 +131,13 @@ def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], referen
 
 def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Measurement], reference_sha256: str,
                                    margin: float, image: str, date: str | None = None,
-                                   hard: HardBounds | None = None) -> ToleranceEntry:
+                                   hard: HardBounds | None = None, tf32: bool = False) -> ToleranceEntry:
     """The tolerance entry of `key` from already measured honest runs (what `derive_entry` does after comparing);
     with `hard` (what `skupin calibrate` passes: the tolerance file's hard bounds), GateFailed when a run breaks one."""
     if len(measurements) < 2:
         raise GateCouldNotRun("calibration needs at least two honest runs")
     if hard is not None:
-        refuse_hard_bounds(measurements, hard=hard, dtype=key.dtype)
+        refuse_hard_bounds(measurements, hard=hard, dtype=key.dtype, tf32=tf32)
     if margin <= 1:
         raise GateCouldNotRun(f"margin {margin} must be > 1")
     unfloored = [s for s in DECISION_STATS if key.dtype not in STATISTICS[s].floors]
@@ -183,17 +189,30 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
         date=date or _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
         method=(f"skupin calibrate {__version__}: honest runs of the image vs the reference bundle; threshold = "
                 f"max(margin x largest honest value, dtype floor) per statistic (per prompt and mean over prompts) "
-                f"and per kernel op; honest rate = 95% Clopper-Pearson upper bound of calibration exceedances "
+                f"and per kernel op; engine ops: gates/judge/ops.py OP_MARGINS x the largest honest error per measure; "
+                f"honest rate = 95% Clopper-Pearson upper bound of calibration exceedances "
                 f"({exceed}/{total}), floor {MIN_HONEST_RATE}"),
         margin=margin, reference_sha256=reference_sha256, image=image,
         honest_max={**{f"per_prompt.{s}": v for s, v in per_prompt_max.items()},
                     **{f"mean.{s}": v for s, v in mean_max.items()},
                     **{f"kernels.{op}": v for op, v in kernel_max.items()}},
     )
-    return ToleranceEntry(key=key, kernels=kernels,
+    return ToleranceEntry(key=key, kernels=kernels, ops=_op_bounds(measurements),
                           model=ModelThresholds(per_prompt=per_prompt, mean=mean, honest_rate=honest_rate, alpha=ALPHA,
                                                 omitted=omitted, mean_center=center),
                           provenance=provenance)
+
+
+def _op_bounds(measurements: list[Measurement]) -> dict[str, dict[str, float]]:
+    """The calibrated op bounds of honest runs that all ran the op battery (gates/judge/ops.py: derive_bounds), else
+    none; GateFailed when an honest run's op breaks a hard bound (such a run is not honest)."""
+    batteries = [m.ops for m in measurements if m.ops is not None]
+    if not batteries or len(batteries) != len(measurements):
+        return {}
+    try:
+        return derive_bounds(batteries)
+    except ValueError as exc:
+        raise GateFailed(f"calibration refused: {exc}") from exc
 
 
 def _host(env: dict[str, Any]) -> str:
@@ -247,11 +266,11 @@ def refuse_unpinned(*, stack: ResolvedStack, image_id: str, docker: Docker, whee
         raise GateCouldNotRun(f"calibration refused: pins could not check the image: {result.reason}")
 
 
-def refuse_hard_bounds(measurements: list[Measurement], *, hard: HardBounds, dtype: str) -> None:
+def refuse_hard_bounds(measurements: list[Measurement], *, hard: HardBounds, dtype: str, tf32: bool = False) -> None:
     """GateFailed when an honest run breaks a bound that needs no calibration (non-finite outputs, mean KL, top-1
     agreement, float32's mean logprob L2, a float32 elementwise kernel): such a run is not honest, whatever it claims."""
     for run in measurements:
-        broken = [*hard_bound_failures(run.stats, hard, dtype=dtype),
+        broken = [*hard_bound_failures(run.stats, hard, dtype=dtype, tf32=tf32),
                   *kernel_hard_failures(results=run.kernels, hard=hard)]
         if broken:
             more = f" (+{len(broken) - 1} more)" if len(broken) > 1 else ""
@@ -329,17 +348,20 @@ def calibrate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Pa
                 else:
                     on_event(f"honest run: {label}: reusing the finished run in {run_out}")
                 assert tensors is not None  # read with its report, or run just now
-                runs.append(HonestRun(label=label, tensors=tensors, env=report.get("env", {})))
+                ops = (report.get("checks") or {}).get("ops") or {}
+                runs.append(HonestRun(label=label, tensors=tensors, env=report.get("env", {}),
+                                      ops=ops if isinstance(ops, dict) else {}))
         if len(runs) < 2:
             raise GateCouldNotRun("calibration needs at least two honest runs")
         kernels = "kernels" in manifest.gate.checks
-        measurements = [measure_run(reference=reference, run=r, kernels=kernels) for r in runs]
-        refuse_hard_bounds(measurements, hard=tolerances.hard_bounds, dtype=manifest.gate.dtype)
+        tf32 = "tf32" in manifest.gate.reduced_precision
+        measurements = [measure_run(reference=reference, run=r, kernels=kernels, tf32=tf32) for r in runs]
+        refuse_hard_bounds(measurements, hard=tolerances.hard_bounds, dtype=manifest.gate.dtype, tf32=tf32)
         refuse_float32_failure(manifest=manifest, image_id=image_id, docker=docker, out=out, model_dir=model_dir,
                                scratch=Path(scratch), tolerances=tolerances, on_event=on_event)
     key = ToleranceKey.of(manifest)
     entry = derive_entry_from_measurements(key=key, measurements=measurements, reference_sha256=ref_sha, margin=margin,
-                                           image=image_id, hard=tolerances.hard_bounds)
+                                           image=image_id, hard=tolerances.hard_bounds, tf32=tf32)
     (Path(out) / "entry.json").write_text(json.dumps(entry.model_dump(mode="json"), indent=1) + "\n")
     return entry
 
