@@ -614,7 +614,7 @@ def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult)
     calibrated: dict[str, dict[str, float]] | None = (
         {op: {str(k): v for k, v in row.items()} for op, row in entry.ops.items()} if entry else None)
     battery = judge_battery(boot.probe.tensors, report, tf32=tf32, calibrated=calibrated)
-    settings = (boot.probe.report.get("env") or {}).get("settings")
+    settings = report.get("settings")  # read in the image after the battery ran
     result = judge_ops(battery, calibrated=calibrated, entry_key=ToleranceKey.of(m).label(),
                        why=tolerance.problem if entry is None else "", tf32_declared=tf32,
                        settings=settings if isinstance(settings, dict) else None, engine=m.stack.engine.name)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from skupin.gates.judge.verdict import CheckResult
+from skupin.gates.judge.verdict import CALIBRATION_FREE, CheckResult
 from skupin.imagetools.probe import skupin_probe_ops as spec
 
 UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
@@ -320,6 +320,22 @@ def printable_text(value: Any, limit: int = 300) -> str:
     return "".join(ch if ch.isprintable() else " " for ch in str(value))[:limit]
 
 
+def reduced_settings(settings: Mapping[str, Any], *, tf32_declared: bool) -> list[str]:
+    """The reduced-precision float32 switches `settings` (the probe's, after the battery ran) has on that the SKU does
+    not allow, as `name=value`: TF32 (cuda_matmul_allow_tf32, float32_matmul_precision=high, mkldnn tf32) unless
+    declared, and bfloat16 products (float32_matmul_precision=medium, mkldnn bf16) always. What the image reports
+    can only count against it."""
+    out = []
+    tf32 = {("cuda_matmul_allow_tf32", True), ("float32_matmul_precision", "high"), ("mkldnn_matmul_fp32_precision", "tf32")}
+    bf16 = {("float32_matmul_precision", "medium"), ("mkldnn_matmul_fp32_precision", "bf16")}
+    for key, value in sorted(settings.items(), key=lambda kv: str(kv[0])):
+        if not isinstance(key, str) or not isinstance(value, str | bool):
+            continue
+        if (key, value) in bf16 or ((key, value) in tf32 and not tf32_declared):
+            out.append(f"{printable_text(key, 60)}={printable_text(value, 30)}")
+    return out
+
+
 def reduced_precision(result: OpResult) -> str:
     """'' or the name of what a failing float32 product's error looks like: TF32 (or another reduced-precision
     float32 reduction), with its size in TF32 units."""
@@ -373,6 +389,13 @@ def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]]
                                "measures": "rms = sqrt(NMSE)/u, max = max |d|/(u max(|r|, rms r)), bias = max over rows "
                                            "|sum d r|/(u sum r^2); u = the dtype's unit roundoff"}
     uncovered = "; ".join(f"{op} ({reason})" for op, reason in battery.uncovered.items())
+    switched = reduced_settings(settings or {}, tf32_declared=tf32_declared)
+    if switched:
+        return CheckResult(name="ops", status="fail",
+                           reason=f"reduced-precision float32 arithmetic is switched on in the image: "
+                                  f"{', '.join(switched)}, which the SKU does not declare (gate.reduced_precision: "
+                                  f"[tf32] allows TF32; bfloat16 float32 products are never allowed)",
+                           details={**details, "settings": dict(settings or {})})
     if not battery.results:
         return CheckResult(name="ops", status="skipped",
                            reason=f"the {engine or 'engine'} adapter reaches none of its engine's ops: "
@@ -396,7 +419,7 @@ def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]]
     if why:
         return CheckResult(name="ops", status="uncalibrated",
                            reason=f"{why} ({summary} of the hard bounds){tail}",
-                           details={**details, "why": why, "calibration_free": CALIBRATION_FREE_OPS})
+                           details={**details, "why": why, "calibration_free": CALIBRATION_FREE["ops"]})
     if not calibrated:
         return CheckResult(name="ops", status="pass",
                            reason=f"{summary}; hard bounds only: {entry_key} has no calibrated op bounds (skupin "
@@ -405,10 +428,6 @@ def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]]
     if missing:
         gap = f"{entry_key} has no calibrated op bound for {', '.join(missing[:6])}; fix: skupin calibrate"
         return CheckResult(name="ops", status="uncalibrated", reason=f"{gap} ({summary} of the hard bounds){tail}",
-                           details={**details, "why": gap, "calibration_free": CALIBRATION_FREE_OPS})
+                           details={**details, "why": gap, "calibration_free": CALIBRATION_FREE["ops"]})
     return CheckResult(name="ops", status="pass", reason=f"{summary}{tail}", details=details)
 
-
-CALIBRATION_FREE_OPS = ("hard bounds only: every engine op's output present, finite, of its shape, routed to the exact "
-                        "experts and within its dtype-derived rms/max/bias bound; the class's calibrated op bounds "
-                        "were not applied")

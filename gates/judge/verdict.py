@@ -34,6 +34,8 @@ Decision = Literal["pass", "fail", "could_not_run", "uncalibrated"]
 CALIBRATION_FREE = {
     "kernels": "hard bounds only: every op's output finite, the float32 elementwise ops (SiLU, softmax, RMSNorm, "
                "4-bit dequantize) within the hard bound; the per-op calibrated tolerances were not applied",
+    "ops": "hard bounds only: every engine op's output present, finite, of its shape, routed to the exact experts and "
+           "within its dtype-derived rms/max/bias bound; the class's calibrated op bounds were not applied",
     "model": "hard bounds only: no NaN/Inf, mean KL (top-k and full vocabulary) within the hard bound, top-1 agreement "
              "at or above the hard bound, and at float32 the mean logprob L2 within its hard bound; the per-statistic "
              "binomial tests and mean bounds were not applied",

@@ -43,17 +43,23 @@ def test_honest_image_passes_through_the_cli(honest_image: str, docker: Docker, 
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     verdict = json.loads(proc.stdout)
     assert verdict["decision"] == "pass"
-    assert [c["name"] for c in verdict["checks"]] == ["reference", "pins", "boot", "kernels", "model", "float32",
-                                                      "serve"]
-    assert [c["status"] for c in verdict["checks"]][:5] == ["pass"] * 5
-    assert verdict["checks"][5]["status"] == "skipped"  # the SKU serves float32: its model check was the float32 pass
+    assert [c["name"] for c in verdict["checks"]] == ["reference", "pins", "boot", "kernels", "ops", "model",
+                                                      "float32", "serve"]
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert [c["status"] for c in verdict["checks"]][:6] == ["pass"] * 6
+    assert checks["float32"]["status"] == "skipped"  # the SKU serves float32: its model check was the float32 pass
+    # the op battery: the model's own modules at float32 against float64 on the host, every op listed
+    ops = checks["ops"]["details"]["ops"]
+    assert {"rmsnorm.float32", "silu_mul.float32", "rope.long.float32", "attention.prefill.float32",
+            "attention.decode.float32", "matmul.float32"} <= set(ops)
+    assert all(row["ratio"] < 1 for row in ops.values()), ops
     assert verdict["image_id"] == honest_image
     assert verdict["reference"]["gpu"] == "NVIDIA H200"
     assert verdict["tolerance"]["entry"]["provenance"]["runs"] >= 4
     assert len(verdict["prompts"]) == 64
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert not docker.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
-    print(f"honest gate wall time {wall:.1f} s; means {verdict['checks'][4]['details']['means']}")
+    print(f"honest gate wall time {wall:.1f} s; means {checks['model']['details']['means']}")
 
 
 @pytest.mark.parametrize("mode, check, words", [
@@ -63,6 +69,7 @@ def test_honest_image_passes_through_the_cli(honest_image: str, docker: Docker, 
     ("int4-nibble", "model", ""),
     ("silu", "kernels", "silu.float32: max error"),
     ("attn-scale", "model", "hard bound: float32 mean logprob L2"),
+    ("tf32", "ops", "float32_matmul_precision=high"),
 ])
 def test_swapped_image_fails_for_the_right_reason(mode, check, words, derived, stack, docker: Docker,
                                                   tmp_path: Path) -> None:
@@ -75,6 +82,8 @@ def test_swapped_image_fails_for_the_right_reason(mode, check, words, derived, s
     assert failing is not None and failing.name == check, verdict.reason
     assert words in failing.reason
     assert [c.status for c in verdict.checks[:3]] == ["pass", "pass", "pass"]  # reference, pins, boot
+    if check == "ops":
+        assert "gate.reduced_precision: [tf32]" in failing.reason
     if check == "model":
         assert verdict.check("kernels").status == "pass"
         assert any(d.failed_by for d in verdict.model_decision) or "hard bound" in failing.reason
@@ -136,8 +145,8 @@ def test_an_uncalibrated_class_runs_the_calibration_free_checks_and_ends_uncalib
     assert verdict.decision == "uncalibrated" and verdict.exit_code == 14, verdict.reason
     assert [(c.name, c.status) for c in verdict.checks] == [
         ("reference", "pass"), ("pins", "pass"), ("boot", "pass"), ("kernels", "uncalibrated"),
-        ("model", "uncalibrated"), ("float32", "skipped"), ("serve", "uncalibrated")]
-    assert set(verdict.calibration_free) == {"kernels", "model", "serve"}
+        ("ops", "uncalibrated"), ("model", "uncalibrated"), ("float32", "skipped"), ("serve", "uncalibrated")]
+    assert set(verdict.calibration_free) == {"kernels", "ops", "model", "serve"}
 
 
 def _served_in_bfloat16(stack):

@@ -33,9 +33,15 @@ def test_honest_vllm_image_passes_through_vllms_own_engine(vllm_image: str, dock
     verdict = json.loads(proc.stdout)
     assert verdict["decision"] == "pass", verdict["reason"]
     checks = {c["name"]: c for c in verdict["checks"]}
-    assert list(checks) == ["reference", "pins", "boot", "kernels", "model", "float32", "serve"]
+    assert list(checks) == ["reference", "pins", "boot", "kernels", "ops", "model", "float32", "serve"]
     assert checks.pop("float32")["status"] == "skipped"  # the SKU serves float32: its model check was the float32 pass
     assert all(c["status"] == "pass" for c in checks.values()), [(c["name"], c["reason"]) for c in checks.values()]
+    # ops: vLLM's own layers (RMSNorm with the fused residual add, SiluAndMul, get_rope, the CPU GEMM) against
+    # float64; its attention backends run only inside the engine and are listed uncovered
+    ops = checks["ops"]["details"]
+    assert {"rmsnorm.float32", "add_rmsnorm.float32", "silu_mul.float32", "rope.long.float32",
+            "matmul.float32"} <= set(ops["ops"]), ops["ops"]
+    assert {"attention.prefill", "attention.decode"} <= set(ops["uncovered"])
     # pins: the three declared requirements the SKU leaves out are accepted with their reasons, nothing else
     omitted = checks["pins"]["details"]["omitted"]
     assert [line.split(" ", 1)[0] for line in omitted] == ["torchaudio", "torchcodec", "torchvision"]

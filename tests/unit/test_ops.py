@@ -366,3 +366,33 @@ def test_an_entry_without_op_bounds_serialises_as_before() -> None:
     assert "ops" not in entry.model_dump(mode="json")
     with_ops = entry.model_copy(update={"ops": {"matmul.bfloat16": {"rms": 1.0, "max": 2.0, "bias": 0.5}}})
     assert with_ops.model_dump(mode="json")["ops"]["matmul.bfloat16"]["rms"] == 1.0
+
+
+@pytest.mark.parametrize("settings, declared, named", [
+    ({"cuda_matmul_allow_tf32": True}, False, "cuda_matmul_allow_tf32=True"),
+    ({"float32_matmul_precision": "high"}, False, "float32_matmul_precision=high"),
+    ({"float32_matmul_precision": "medium"}, True, "float32_matmul_precision=medium"),  # bf16: never allowed
+    ({"mkldnn_matmul_fp32_precision": "bf16"}, True, "mkldnn_matmul_fp32_precision=bf16"),
+])
+def test_a_reduced_precision_switch_the_image_turned_on_fails_naming_it_even_where_it_changes_nothing(
+        honest, calibrated, settings, declared, named) -> None:
+    """On a CPU, TF32 does not exist and the numbers stay the same: the switch itself is the finding (an image can only
+    make itself fail by reporting one)."""
+    battery = J.judge_battery(*honest, calibrated=calibrated)
+    check = J.judge_ops(battery, calibrated=calibrated, entry_key="k", tf32_declared=declared,
+                        settings={"float32_matmul_precision": "highest", **settings})
+    assert check.status == "fail" and named in check.reason
+
+
+def test_declared_tf32_switches_pass_and_odd_settings_are_ignored(honest, calibrated) -> None:
+    battery = J.judge_battery(*honest, calibrated=calibrated)
+    ok = J.judge_ops(battery, calibrated=calibrated, entry_key="k", tf32_declared=True,
+                     settings={"cuda_matmul_allow_tf32": True, "float32_matmul_precision": "high"})
+    assert ok.status == "pass"
+    odd = J.judge_ops(battery, calibrated=calibrated, entry_key="k", settings={"x": [1], "float32_matmul_precision": [2]})
+    assert odd.status == "pass"
+
+
+def test_the_probe_reports_the_switches_after_the_battery(honest) -> None:
+    assert honest[1]["settings"]["float32_matmul_precision"] == "highest"
+    assert honest[1]["settings"]["cuda_matmul_allow_tf32"] is False

@@ -182,7 +182,20 @@ def run_battery(impls: dict[str, Impl], uncovered: dict[str, str], dtypes: tuple
             except Exception as exc:  # an op that cannot run is a result (the host fails it), recorded per op
                 rows[key] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:1000]}
     return tensors, {"status": "ok", "ops": rows, "uncovered": dict(sorted(uncovered.items())),
-                     "dtypes": list(dtypes)}
+                     "dtypes": list(dtypes), "settings": precision_settings()}
+
+
+def precision_settings() -> dict[str, Any]:
+    """torch's switches for reduced-precision float32 arithmetic, read after the engine's ops were built and run
+    (an engine may set them as it loads)."""
+    import torch
+
+    out: dict[str, Any] = {"cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+                           "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    if mkldnn is not None and hasattr(mkldnn, "fp32_precision"):
+        out["mkldnn_matmul_fp32_precision"] = str(mkldnn.fp32_precision)
+    return out
 
 
 # ---------------------------------------------------------------- plain torch definitions adapters reuse

@@ -29,6 +29,9 @@ Modes:
                (in the engine-core process, which the .pth reaches like every other)
   vllm-silu    vLLM images: vLLM's own fused SiluAndMul op (not torch's silu, which the kernel battery checks)
                off by a factor 1 + 2**-7
+  tf32         every process turns on TF32 for float32 products as torch loads (torch.backends.cuda.matmul.allow_tf32,
+               float32_matmul_precision "high"): on a GPU it changes the float32 numbers, on a CPU nothing, and the
+               SKU does not declare it
   slow         honest numbers, slower: torch.nn.functional.silu sleeps 5 ms per call (once per decoder layer and
                forward pass), the runtime A/B's slower candidate
 """
@@ -41,7 +44,7 @@ import os
 import sys
 
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
-         "vllm-int4", "vllm-silu", "slow")
+         "vllm-int4", "vllm-silu", "slow", "tf32")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
 
@@ -149,6 +152,13 @@ def _patch_slow(module) -> None:
         return original(input, inplace=inplace)
 
     module.silu = silu
+
+
+def _enable_tf32(module) -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
 
 
 def _patch_vllm_loader(module) -> None:
@@ -284,6 +294,8 @@ def install(mode: str) -> None:
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", lambda m: _patch_functional(m, mode)))
     elif mode == "slow":
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", _patch_slow))
+    elif mode == "tf32":
+        sys.meta_path.insert(0, _AfterImport("torch.nn.functional", _enable_tf32))
     elif mode == "vllm-int4":
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader", _patch_vllm_loader))
     elif mode == "vllm-silu":
