@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from bench.detection import analysis  # noqa: E402
 from skupin.calibration.calibrate import Measurement, derive_entry_from_measurements  # noqa: E402
 from skupin.gates.judge.compare import ModelStatistics  # noqa: E402
+from skupin.gates.judge.ops import spec_sha256  # noqa: E402
 from skupin.gates.judge.tolerance import (  # noqa: E402
     DEFAULT_PATH,
     ToleranceEntry,
@@ -113,7 +114,7 @@ def entry_for(model: str, dtype: str, calib: list[dict], env: dict) -> Tolerance
             f"(boots {', '.join(map(str, boots))}), batch sizes {sorted({r['batch'] for r in calib})}, attention "
             f"{sorted({r['attn'] for r in calib})}; derived by bench/calibrate_h200_derive.py with "
             "gates.calibrate.derive_entry_from_measurements")
-    return entry.model_copy(update={"ops": op_bounds(dtype), "provenance": entry.provenance.model_copy(
+    return entry.model_copy(update={"ops": op_bounds(dtype), "ops_spec": spec_sha256(), "provenance": entry.provenance.model_copy(
         update={"method": entry.provenance.method + note + OPS_NOTE})})
 
 

@@ -49,10 +49,10 @@ from skupin.common.errors import BundleError, DockerError, GateCouldNotRun, Skup
 from skupin.common.paths import data_path, state_dir
 from skupin.common.untrusted import open_folder, printable, write_new_file
 from skupin.dockerd import BindMount, ContainerSpec, Docker, ImageInfo, RunResult
-from skupin.engines import MODEL_MOUNT, engine_float32, engine_outputs, probe_adapter
+from skupin.engines import MODEL_MOUNT, engine_float32, engine_ops, engine_outputs, probe_adapter
 from skupin.gates.integrity.static import inspect_image_files
 from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics
-from skupin.gates.judge.ops import judge_battery, judge_ops
+from skupin.gates.judge.ops import judge_battery, judge_ops, missing_ops, spec_sha256
 from skupin.gates.judge.tolerance import ToleranceEntry, ToleranceKey, Tolerances, catalog_tolerances, load_tolerances
 from skupin.gates.judge.verdict import (
     CheckResult,
@@ -606,20 +606,49 @@ def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult)
     t0 = time.monotonic()
     report = (boot.probe.report.get("checks") or {}).get("ops")
     problem = _probe_check_error(boot.probe.report, "ops")
-    if problem or not isinstance(report, dict):
-        return Judged(CheckResult(name="ops", status="error", reason=f"the probe's op battery failed: {problem}"))
+    if problem or not isinstance(report, dict) or not isinstance(report.get("ops"), dict):
+        return Judged(CheckResult(name="ops", status="error",
+                                  reason=f"the probe's op battery failed: {printable(problem or 'no ops report', 400)}"))
     m = inputs.manifest
     tf32 = "tf32" in m.gate.reduced_precision
     entry = tolerance.entry
     calibrated: dict[str, dict[str, float]] | None = (
         {op: {str(k): v for k, v in row.items()} for op, row in entry.ops.items()} if entry else None)
-    battery = judge_battery(boot.probe.tensors, report, tf32=tf32, calibrated=calibrated)
-    settings = report.get("settings")  # read in the image after the battery ran
+    if entry is not None and entry.ops and entry.ops_spec != spec_sha256():  # bounds of other inputs: not applied
+        return Judged(CheckResult(
+            name="ops", status="uncalibrated",
+            reason=f"the op bounds of {ToleranceKey.of(m).label()} were calibrated on another battery spec "
+                   f"({entry.ops_spec[:12] or 'unrecorded'}, not {spec_sha256()[:12]}); fix: skupin calibrate {m.name}",
+            details={"why": "op bounds of another battery spec", "calibration_free": "not run"}))
+    dtypes = tuple(dict.fromkeys((m.gate.dtype, "float32")))
+    battery = judge_battery(boot.probe.tensors, report, tf32=tf32, calibrated=calibrated, dtypes=dtypes)
+    # read in the image after the battery ran, and again after the model check (an engine may switch as it loads)
+    settings = {**_dict(report.get("settings")), **{k: v for k, v in _dict(report.get("settings_after_model")).items()
+                                                   if v not in (False, "highest", "ieee")}}
+    engine = m.stack.engine.name
+    expected = engine_ops(engine, moe=_is_moe(boot.model_dir))
+    missing = missing_ops(battery, expected=expected, dtypes=dtypes)
     result = judge_ops(battery, calibrated=calibrated, entry_key=ToleranceKey.of(m).label(),
-                       why=tolerance.problem if entry is None else "", tf32_declared=tf32,
-                       settings=settings if isinstance(settings, dict) else None, engine=m.stack.engine.name)
+                       why=tolerance.problem if entry is None else "", tf32_declared=tf32, settings=settings,
+                       engine=engine, missing=missing)
     inputs.clock.time("ops_s", t0)
     return Judged(result)
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _is_moe(model_dir: Path | None) -> bool:
+    """Whether the fixture the gate mounted (the host's own copy, checked against its SHA256SUMS) is a mixture of
+    experts; False when it has no config.json (a GGUF-only folder)."""
+    if model_dir is None:
+        return False
+    try:
+        with open(Path(model_dir) / "config.json", encoding="utf-8") as fh:
+            return bool(json.load(fh).get("num_local_experts"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _check_model(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, boot: BootResult

@@ -17,11 +17,14 @@ to its dtype a few times with float32 accumulation, whose error grows with the o
 length, a rotary angle's size); a non-finite or misshaped output, wrong expert ids, a table in low precision or a
 float32 product in TF32 (~2^13 float32 units, named as such) fail them. Calibrated bounds (the tolerance entry's
 `ops`, margin x the class's honest maximum: OP_MARGINS) catch what sits inside the hard bounds: a missing upcast or
-a bf16 accumulation moves rms or bias 1.2-15x above the class's honest value (docs/GATE.md "Op battery").
+a bf16 accumulation moves rms or bias 1.2-15x above the class's honest value (docs/GATE.md "The engine op battery").
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from skupin.gates.judge.verdict import CALIBRATION_FREE, CheckResult
+from skupin.gates.refdata.tensorio import bf16_round
 from skupin.imagetools.probe import skupin_probe_ops as spec
 
 UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
@@ -37,7 +41,7 @@ TF32_UNIT = 2.0**-11  # TF32 keeps 10 explicit mantissa bits of each product's i
 MEASURES = ("rms", "max", "bias")
 # Hard (rms, max, bias) bounds of a correct kernel at a 16-bit dtype, in units: a few roundings to the dtype, wide
 # enough for every honest implementation measured (transformers' eager attention rounds its probabilities to the
-# dtype before the value product: rms 2.7, bias 4.0 at decode on the CPU; docs/GATE.md "Op battery").
+# dtype before the value product: rms 2.7, bias 4.0 at decode on the CPU; docs/GATE.md "The engine op battery").
 HARD: dict[str, tuple[float, float, float]] = {
     "rmsnorm": (2.0, 6.0, 1.0), "add_rmsnorm": (2.0, 6.0, 1.0), "silu_mul": (2.0, 6.0, 2.0),
     "rope.short": (2.0, 8.0, 2.0), "rope.long": (2.0, 8.0, 2.0), "attention.prefill": (6.0, 24.0, 8.0),
@@ -56,6 +60,7 @@ CONDITION: dict[str, float] = {
 # values and moves little between honest runs; max and bias are extremes of one row and move more.
 OP_MARGINS = {"rms": 1.1, "max": 1.5, "bias": 2.0}
 OP_FLOORS = {"rms": 0.1, "max": 0.5, "bias": 0.1}
+TF32_ALLOWANCE = {"rms": 2.0, "max": 16.0, "bias": 4.0}  # in TF32 roundings, for a SKU that declares TF32
 REDUCED_FP32 = ("matmul", "attention.prefill", "attention.decode", "moe.block")  # float32 products TF32 would take
 NEAR_TIE = 8.0  # moe.block rows whose 2nd and 3rd router logits are closer than this many units are left out
 
@@ -124,14 +129,33 @@ class Battery:
         return sorted((r for r in self.results if r.failed), key=lambda r: -r.ratio)
 
 
+@functools.cache
+def spec_sha256() -> str:
+    """sha256 of the battery's spec as the host regenerates it: every op's inputs at every dtype, bit for bit, and the
+    constants of its definitions. A calibrated `ops` table records it (ToleranceEntry.ops_spec); bounds calibrated on
+    other inputs are not applied."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"EPS": spec.EPS, "THETA": spec.THETA, "TOPK": spec.TOPK, "LONG": spec.LONG,
+                         "OUTPUTS": spec.OUTPUTS}, sort_keys=True).encode())
+    for op in spec.OPS:
+        for dtype in UNIT:
+            for name, array in sorted(host_inputs(op, dtype).items()):
+                h.update(f"{op}.{dtype}.{name}{array.shape}".encode())
+                h.update(np.ascontiguousarray(array, dtype="<f8").tobytes())
+    return h.hexdigest()
+
+
 def hard_bounds(op: str, dtype: str, *, tf32: bool = False) -> dict[str, float]:
     """The hard (rms, max, bias) bounds of `op` at `dtype` in that dtype's units. At float32 the conditioning
     dominates; with TF32 declared (gate.reduced_precision) a float32 product may carry TF32's input rounding."""
     rms, mx, bias = HARD[op]
     cond = CONDITION[op] * UNIT["float32"] / UNIT[dtype]
+    bounds = {"rms": rms + 4 * cond, "max": mx + 16 * cond, "bias": bias + 4 * cond}
     if dtype == "float32" and tf32 and op in REDUCED_FP32:
-        cond += 4 * TF32_UNIT / UNIT["float32"]
-    return {"rms": rms + 4 * cond, "max": mx + 16 * cond, "bias": bias + 4 * cond}
+        # TF32 on the H200 measured rms <= 1.2, max <= 10.4, bias <= 2.2 TF32 roundings; bfloat16 products, rms ~4.4
+        units = TF32_UNIT / UNIT["float32"]
+        bounds = {m: b + TF32_ALLOWANCE[m] * units for m, b in bounds.items()}
+    return bounds
 
 
 # ---------------------------------------------------------------- inputs and definitions in float64
@@ -214,6 +238,38 @@ def reference(op: str, x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     raise KeyError(op)
 
 
+def _unusable(candidate: dict[str, np.ndarray], ref: dict[str, np.ndarray], dtype: str) -> str:
+    """'' or why the candidate's outputs cannot be compared: one missing, misshaped, non-finite or not of its dtype."""
+    for name, r in ref.items():
+        got = candidate.get(name)
+        if got is None:
+            return f"no output {name}"
+        if tuple(got.shape) != tuple(r.shape):
+            return f"output {name} has shape {list(got.shape)}, not {list(r.shape)}"
+        if not np.isfinite(got.astype(np.float64)).all():
+            return f"NaN/Inf in output {name}"
+        wrong = _not_of_dtype(got, "ids" if name == "ids" else dtype)
+        if wrong:
+            return f"output {name}: {wrong}"
+    return ""
+
+
+def _not_of_dtype(values: np.ndarray, dtype: str) -> str:
+    """'' or why `values` are not what an op at `dtype` returns: values of that dtype (an op computed in float64 and
+    stored as float32 is not a bfloat16 kernel), or, for expert ids, integers in [0, E)."""
+    v = values.astype(np.float64)
+    if dtype == "ids":
+        return "" if (np.all(v == np.round(v)) and v.min() >= 0 and v.max() < spec.E) else \
+            f"expert ids that are not integers in [0, {spec.E})"
+    if dtype == "bfloat16":
+        exact = bf16_round(v.astype(np.float32)).astype(np.float64)
+    elif dtype == "float16":
+        exact = v.astype(np.float16).astype(np.float64)
+    else:
+        exact = v.astype(np.float32).astype(np.float64)
+    return "" if np.array_equal(exact, v) else f"values that are not {dtype} values"
+
+
 def tied_rows(x: dict[str, np.ndarray], dtype: str) -> np.ndarray:
     """moe.block's rows whose router choice the dtype's rounding may flip: the k-th and (k+1)-th logits closer than
     NEAR_TIE units of the dtype (of the row's largest logit)."""
@@ -252,25 +308,19 @@ def judge_op(op: str, dtype: str, candidate: dict[str, np.ndarray], *, tf32: boo
         return OpResult(op=op, dtype=dtype, hard=hard_bounds(op, dtype, tf32=tf32), calibrated=dict(calibrated or {}),
                         **kw)
 
-    shapes = {name: tuple(r.shape) for name, r in ref.items()}
-    for name, shape in shapes.items():
-        got = candidate.get(name)
-        if got is None:
-            return result(errors={}, nmse=None, problem=f"no output {name}")
-        if tuple(got.shape) != shape:
-            return result(errors={}, nmse=None, problem=f"output {name} has shape {list(got.shape)}, not {list(shape)}")
-        if not np.isfinite(got.astype(np.float64)).all():
-            return result(errors={}, nmse=None, problem=f"NaN/Inf in output {name}")
+    problem = _unusable(candidate, ref, dtype)
+    if problem:
+        return result(errors={}, nmse=None, problem=problem)
     note = ""
-    keep = np.ones(shapes[next(iter(shapes))][0], bool)
+    keep = np.ones(next(iter(ref.values())).shape[0], bool)
     if op == "moe.route":  # the top-k as a set per token (an engine may return it unsorted), weights in id order
         cand_ids, ref_ids = candidate["ids"].astype(np.int64), ref["ids"].astype(np.int64)
         c_order, r_order = np.argsort(cand_ids, axis=-1), np.argsort(ref_ids, axis=-1)
         cand_ids, ref_ids = np.take_along_axis(cand_ids, c_order, -1), np.take_along_axis(ref_ids, r_order, -1)
-        wrong = int((cand_ids != ref_ids).any(-1).sum())
-        if wrong:
+        routed = int((cand_ids != ref_ids).any(-1).sum())
+        if routed:
             return result(errors={}, nmse=None,
-                          problem=f"routed {wrong} of {len(keep)} tokens to other experts than the exact top-{spec.TOPK}")
+                          problem=f"routed {routed} of {len(keep)} tokens to other experts than the exact top-{spec.TOPK}")
         candidate = {**candidate, "weights": np.take_along_axis(candidate["weights"], c_order, -1)}
         ref = {**ref, "weights": np.take_along_axis(ref["weights"], r_order, -1)}
     if op == "moe.block":
@@ -288,7 +338,8 @@ def judge_op(op: str, dtype: str, candidate: dict[str, np.ndarray], *, tf32: boo
 
 
 def judge_battery(tensors: dict[str, np.ndarray], report: dict[str, Any], *, tf32: bool = False,
-                  calibrated: Mapping[str, Mapping[str, float]] | None = None) -> Battery:
+                  calibrated: Mapping[str, Mapping[str, float]] | None = None,
+                  dtypes: tuple[str, ...] | None = None) -> Battery:
     """Every op the probe ran (its report's checks.ops.ops) against float64, with the calibrated bounds of
     `calibrated` (op.dtype -> measure -> bound) where given; an op the probe could not run is a problem, and the ops
     the adapter did not reach are carried over as uncovered."""
@@ -297,11 +348,9 @@ def judge_battery(tensors: dict[str, np.ndarray], report: dict[str, Any], *, tf3
     results = []
     for key, row in sorted(rows.items()):
         op, _, dtype = str(key).rpartition(".")
-        if op not in spec.OUTPUTS or dtype not in UNIT:
-            continue
+        if op not in spec.OUTPUTS or dtype not in UNIT or (dtypes is not None and dtype not in dtypes):
+            continue  # only the battery's ops at the dtypes the gate runs are judged (others are the image's noise)
         bounds = (calibrated or {}).get(key)
-        if tf32 and dtype == "float32" and op in REDUCED_FP32:
-            bounds = None  # calibrated without TF32: with TF32 declared, its hard bound (which allows it) decides
         if not isinstance(row, dict) or row.get("status") != "ok":
             error = printable_text(row.get("error") if isinstance(row, dict) else row)
             results.append(OpResult(op=op, dtype=dtype, errors={}, nmse=None, hard=hard_bounds(op, dtype, tf32=tf32),
@@ -312,12 +361,15 @@ def judge_battery(tensors: dict[str, np.ndarray], report: dict[str, Any], *, tf3
     listed = report.get("uncovered")
     uncovered: dict[str, Any] = listed if isinstance(listed, dict) else {}
     return Battery(results=tuple(results),
-                   uncovered={printable_text(k, 80): printable_text(v) for k, v in uncovered.items()})
+                   uncovered={k: printable_text(v) for k, v in uncovered.items() if k in spec.OUTPUTS})
 
 
 def printable_text(value: Any, limit: int = 300) -> str:
     """Text the image wrote, shortened and stripped of control characters (it is shown, never trusted)."""
     return "".join(ch if ch.isprintable() else " " for ch in str(value))[:limit]
+
+
+SETTINGS = ("cuda_matmul_allow_tf32", "float32_matmul_precision", "mkldnn_matmul_fp32_precision")
 
 
 def reduced_settings(settings: Mapping[str, Any], *, tf32_declared: bool) -> list[str]:
@@ -329,7 +381,7 @@ def reduced_settings(settings: Mapping[str, Any], *, tf32_declared: bool) -> lis
     tf32 = {("cuda_matmul_allow_tf32", True), ("float32_matmul_precision", "high"), ("mkldnn_matmul_fp32_precision", "tf32")}
     bf16 = {("float32_matmul_precision", "medium"), ("mkldnn_matmul_fp32_precision", "bf16")}
     for key, value in sorted(settings.items(), key=lambda kv: str(kv[0])):
-        if not isinstance(key, str) or not isinstance(value, str | bool):
+        if key not in SETTINGS or not isinstance(value, str | bool):
             continue
         if (key, value) in bf16 or ((key, value) in tf32 and not tf32_declared):
             out.append(f"{printable_text(key, 60)}={printable_text(value, 30)}")
@@ -375,8 +427,16 @@ def _r(x: float | None) -> float | None:
 # ---------------------------------------------------------------- the check
 
 
+def missing_ops(battery: Battery, *, expected: frozenset[str], dtypes: tuple[str, ...]) -> list[str]:
+    """<op>.<dtype> of every op the engine's adapter reaches (`expected`, from skupin/engines) at every dtype the
+    gate runs that the candidate did not return: what the image reports uncovered or leaves out does not decide."""
+    ran = {r.key for r in battery.results}
+    return [f"{op}.{dtype}" for op in spec.OPS if op in expected for dtype in dtypes if f"{op}.{dtype}" not in ran]
+
+
 def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]] | None, entry_key: str, why: str = "",
-              tf32_declared: bool = False, settings: dict[str, Any] | None = None, engine: str = "") -> CheckResult:
+              tf32_declared: bool = False, settings: dict[str, Any] | None = None, engine: str = "",
+              missing: list[str] | None = None) -> CheckResult:
     """The ops check from a judged battery: fail on any op over a bound (TF32 named, with the setting the probe
     reported); `uncalibrated` when the SKU's class has no calibrated entry at all (`why`); a pass says whether the
     calibrated op bounds applied or the hard bounds alone (an entry calibrated before the battery). Every op checked
@@ -389,13 +449,21 @@ def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]]
                                "measures": "rms = sqrt(NMSE)/u, max = max |d|/(u max(|r|, rms r)), bias = max over rows "
                                            "|sum d r|/(u sum r^2); u = the dtype's unit roundoff"}
     uncovered = "; ".join(f"{op} ({reason})" for op, reason in battery.uncovered.items())
+    if missing:
+        return CheckResult(name="ops", status="fail",
+                           reason=f"the candidate did not return {', '.join(missing[:6])}"
+                                  f"{f' (+{len(missing) - 6} more)' if len(missing) > 6 else ''}, which the "
+                                  f"{engine or 'engine'} adapter reaches (skupin/engines/{engine or '<engine>'}.py OPS): "
+                                  "an op would go unchecked, so the check fails instead of skipping it",
+                           details={**details, "missing": missing})
     switched = reduced_settings(settings or {}, tf32_declared=tf32_declared)
     if switched:
         return CheckResult(name="ops", status="fail",
                            reason=f"reduced-precision float32 arithmetic is switched on in the image: "
                                   f"{', '.join(switched)}, which the SKU does not declare (gate.reduced_precision: "
                                   f"[tf32] allows TF32; bfloat16 float32 products are never allowed)",
-                           details={**details, "settings": dict(settings or {})})
+                           details={**details, "settings": {k: printable_text(v, 30) for k, v in (settings or {}).items()
+                                                            if k in SETTINGS}})
     if not battery.results:
         return CheckResult(name="ops", status="skipped",
                            reason=f"the {engine or 'engine'} adapter reaches none of its engine's ops: "
@@ -406,8 +474,7 @@ def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]]
         text = f"{worst.key}: {worst.worst()}"
         named = reduced_precision(worst)
         if named and not tf32_declared:
-            on = [f"{k}={v}" for k, v in (settings or {}).items()
-                  if (k.endswith("allow_tf32") and v is True) or (k == "float32_matmul_precision" and v != "highest")]
+            on = reduced_settings(settings or {}, tf32_declared=False)
             text += (f"; {named}, which the SKU does not declare (gate.reduced_precision: [tf32])"
                      + (f"; the probe reports {', '.join(on)}" if on else ""))
         more = f" (+{len(failures) - 1} more: {', '.join(f.key for f in failures[1:6])})" if len(failures) > 1 else ""

@@ -119,13 +119,14 @@ class ModelThresholds(Frozen):
                 data.pop(name, None)
         return data
 
-    def mean_bound(self, stat: str, *, prompts: int, calibrated_prompts: int) -> float:
+    def mean_bound(self, stat: str, *, prompts: int, calibrated_prompts: int, floor: float = 0.0) -> float:
         """The bound on the mean of `stat` over a run of `prompts` prompts, from `mean[stat]` calibrated on runs of
         `calibrated_prompts`. The mean of n prompts scatters as 1/sqrt(n) about its centre, so the bound's distance
         from the centre scales by sqrt(calibrated_prompts / prompts): wider for fewer prompts (an honest 8-prompt run
         is not rejected for its noise), narrower for more, so detection never gets worse as prompts are added. An
         entry without a centre (calibrated before centres were kept) is widened below its calibration's prompt
-        count and kept as it is above it (narrowing towards 0 would reject an honest offset)."""
+        count and kept as it is above it (narrowing towards 0 would reject an honest offset). Narrowing stops at
+        `floor` (the statistic's dtype floor: offsets between honest hosts and paths do not shrink with n)."""
         bound = self.mean[stat]
         if prompts <= 0 or calibrated_prompts <= 0 or prompts == calibrated_prompts:
             return bound
@@ -133,7 +134,8 @@ class ModelThresholds(Frozen):
         center = self.mean_center.get(stat)
         if center is None or not 0 <= center < bound:
             return bound * scale if prompts < calibrated_prompts else bound
-        return center + (bound - center) * scale
+        narrowed = center + (bound - center) * scale
+        return max(narrowed, min(floor, bound)) if prompts > calibrated_prompts else narrowed
 
 
 class Provenance(Frozen):
@@ -162,13 +164,17 @@ class ToleranceEntry(Frozen):
     ops: dict[str, dict[Literal["rms", "max", "bias"], Threshold]] = Field(
         default_factory=dict, description="Engine op battery: <op>.<dtype> -> measure -> calibrated bound in units of "
         "the dtype's rounding (gates/judge/ops.py). Left out of the entry when empty (the hard bounds alone apply)")
+    ops_spec: str = Field("", pattern=r"^([0-9a-f]{64})?$", description="sha256 of the op battery's spec the `ops` "
+                          "bounds were calibrated on (gates/judge/ops.py: spec_sha256); bounds of another spec are not "
+                          "applied. Left out when empty")
 
     @model_serializer(mode="wrap")
     def _without_empty_ops(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """An entry calibrated before the op battery serialises as it did: the same tolerance_sha256."""
         data = handler(self)
-        if not self.ops:
-            data.pop("ops", None)
+        for name in ("ops", "ops_spec"):
+            if not getattr(self, name):
+                data.pop(name, None)
         return data
 
 

@@ -361,7 +361,8 @@ def judge_model(*, stats: ModelStatistics, entry: ToleranceEntry | None, hard: H
             p = binomial_sf(len(over), n, entry.model.honest_rate)
             mean = stats.mean(s)
             mean = float("inf") if mean is None else mean
-            bound = entry.model.mean_bound(s, prompts=n, calibrated_prompts=entry.provenance.prompts_per_run)
+            bound = entry.model.mean_bound(s, prompts=n, calibrated_prompts=entry.provenance.prompts_per_run,
+                                           floor=STATISTICS[s].floors.get(entry.key.dtype, 0.0))
             by = tuple(x for x, bad in (("binomial", p < alpha), ("mean", mean > bound)) if bad)
             decisions.append(StatDecision(stat=s, threshold=thr, exceedances=len(over), prompts=n,
                                           honest_rate=entry.model.honest_rate, p_value=p, alpha=alpha, mean=mean,

@@ -52,7 +52,7 @@ from skupin.gates.judge.compare import (
     kernel_errors,
     model_statistics,
 )
-from skupin.gates.judge.ops import Battery, derive_bounds, judge_battery
+from skupin.gates.judge.ops import Battery, derive_bounds, judge_battery, spec_sha256
 from skupin.gates.judge.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey, Tolerances
 from skupin.gates.judge.verdict import (
     clopper_pearson_upper,
@@ -197,7 +197,8 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
                     **{f"mean.{s}": v for s, v in mean_max.items()},
                     **{f"kernels.{op}": v for op, v in kernel_max.items()}},
     )
-    return ToleranceEntry(key=key, kernels=kernels, ops=_op_bounds(measurements),
+    ops = _op_bounds(measurements)
+    return ToleranceEntry(key=key, kernels=kernels, ops=ops, ops_spec=spec_sha256() if ops else "",
                           model=ModelThresholds(per_prompt=per_prompt, mean=mean, honest_rate=honest_rate, alpha=ALPHA,
                                                 omitted=omitted, mean_center=center),
                           provenance=provenance)

@@ -70,6 +70,15 @@ def engine_outputs(name: str) -> frozenset[Output]:
     return engine.OUTPUTS if engine is not None else frozenset()
 
 
+def engine_ops(name: str, *, moe: bool) -> frozenset[str]:
+    """The op battery's ops engine `name`'s adapter must return (MOE_OPS too for a mixture-of-experts model); nothing
+    for an engine not in ALL_ENGINES."""
+    engine = ALL_ENGINES.get(name)
+    if engine is None:
+        return frozenset()
+    return engine.OPS | (engine.MOE_OPS if moe else frozenset())
+
+
 def engine_float32(name: str) -> bool:
     """Whether the gate's float32 pass runs engine `name` (DEFAULT_ENGINE's answer for an unregistered engine, whose
     probe runs through DEFAULT_ENGINE's adapter)."""

@@ -73,6 +73,18 @@ class InferenceEngine(Protocol):
         ...
 
     @property
+    def OPS(self) -> frozenset[str]:
+        """The op battery's ops (skupin/imagetools/probe/skupin_probe_ops.py OPS) its probe adapter reaches on a dense
+        decoder, at the serving dtype and at float32: the gate fails a candidate that does not return one (an image
+        cannot evade the battery by calling an op unreachable). MOE_OPS are added for a mixture-of-experts model."""
+        ...
+
+    @property
+    def MOE_OPS(self) -> frozenset[str]:
+        """The op battery's ops its adapter also reaches on a mixture-of-experts model."""
+        ...
+
+    @property
     def FLOAT32(self) -> bool:
         """Whether the gate's float32 pass runs it at float32 on a SKU that serves another dtype (the same image, the
         fixture at float32, judged against the float32 bundle): a kernel wrong by 1% hides under bf16 rounding."""

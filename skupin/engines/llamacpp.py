@@ -21,6 +21,9 @@ PROBE_ADAPTER: Final = "llamacpp"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 # The gate's model folder holds the one GGUF the SKU serves (model_file); an F32 GGUF beside a BF16 one is not built.
 FLOAT32: Final = False
+# llama-cpp-python exposes no per-op ggml API: the op battery reaches none (skupin_probe_llamacpp.py: op_battery)
+OPS: Final[frozenset[str]] = frozenset()
+MOE_OPS: Final[frozenset[str]] = frozenset()
 
 # gate.weights + gate.dtype -> the GGUF file type the SKU serves. "full" is the gate dtype at full precision.
 _FULL: Final = {"float32": "f32", "bfloat16": "bf16"}

@@ -15,6 +15,9 @@ PROBE_ADAPTER: Final = "sglang"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 # Its default CUDA attention backends (FlashInfer, FA3) take bf16/fp16 only; a float32 run was never verified here.
 FLOAT32: Final = False
+# its adapter's ops are offered only where they run outside an engine (not yet run on a GPU with SGLang): none required
+OPS: Final[frozenset[str]] = frozenset()
+MOE_OPS: Final[frozenset[str]] = frozenset()
 
 # Checked against the sglang 0.5.23 wheel (the version skus/nvidia-h200-sglang.yaml pins), no SGLang installed:
 # - `python -m sglang.launch_server` is still a supported entrypoint (sglang/launch_server.py; it warns that

@@ -13,6 +13,10 @@ DISTRIBUTIONS: Final = (Distribution(name="transformers", refresh_since=None),)
 PROBE_ADAPTER: Final = "transformers"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 FLOAT32: Final = True
+# the model's own modules (skupin_probe_transformers.py: op_battery)
+OPS: Final = frozenset({"rmsnorm", "silu_mul", "rope.short", "rope.long", "attention.prefill", "attention.decode",
+                        "matmul"})
+MOE_OPS: Final = frozenset({"moe.route", "moe.block"})
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

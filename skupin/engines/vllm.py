@@ -16,6 +16,9 @@ PROBE_ADAPTER: Final = "vllm"
 # see skupin/imagetools/probe/skupin_probe_vllm.py
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 FLOAT32: Final = True  # `--dtype float32`: the CPU backend, and on CUDA an attention backend that takes fp32
+# its own layers outside an engine (skupin_probe_vllm.py: op_battery); attention and FusedMoE run only inside one
+OPS: Final = frozenset({"rmsnorm", "add_rmsnorm", "silu_mul", "rope.short", "rope.long", "matmul"})
+MOE_OPS: Final = frozenset({"moe.route"})
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

@@ -17,6 +17,7 @@ from skupin.dockerd import DEFAULT_SOCKET, SESSION_LABEL, Docker, connect
 REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
 VLLM_SKU = REPO / "skus" / "cpu-x86_64-vllm.yaml"
+BF16_SKU = REPO / "skus" / "cpu-x86_64-bf16.yaml"
 LLAMACPP_SKU = REPO / "skus" / "cpu-x86_64-llamacpp.yaml"
 LLAMACPP_Q8_SKU = REPO / "docs" / "examples" / "skus" / "cpu-x86_64-llamacpp-q8_0.yaml"
 
@@ -100,6 +101,21 @@ def _built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
 def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
     """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now (once)."""
     return _built_image(docker, stack, wheelhouse, host_ca_bundle)
+
+
+@pytest.fixture(scope="session")
+def bf16_stack():
+    """The CPU SKU served in bfloat16 (cpu-x86_64's stack) checked and locked (its committed lock)."""
+    from skupin.builder.check import resolve
+
+    return resolve(BF16_SKU, require_lock=True)
+
+
+@pytest.fixture(scope="session")
+def bf16_image(docker: Docker, bf16_stack, wheelhouse, host_ca_bundle) -> str:
+    """The bf16 CPU SKU's image (recorded by `skupin build cpu-x86_64-bf16`, else built now, once; its layers are
+    cpu-x86_64's but for the lock's timestamps and the serving dtype)."""
+    return _built_image(docker, bf16_stack, wheelhouse, host_ca_bundle)
 
 
 @pytest.fixture(scope="session")

@@ -41,13 +41,16 @@ def test_a_fault_caught_at_eight_prompts_is_caught_at_sixty_four() -> None:
     """A mean shift the bound at 8 prompts rejects is rejected at 64 too (the bound at 64 is lower)."""
     e = entry(mean_center={"kl": 0.1})
     rng = np.random.default_rng(0)
-    for shift in (0.45, 0.6, 0.9):
+    caught_at8 = 0
+    for shift in (0.45, 0.6, 0.9, 1.2):
         faulty = np.clip(shift + rng.normal(0, 0.05, 64), 0, None)
         at8 = [judge_model(stats=stats(faulty[i:i + 8]), entry=e, hard=HardBounds(), dtype="bfloat16")[0].status
                for i in range(0, 64, 8)]
         at64 = judge_model(stats=stats(faulty), entry=e, hard=HardBounds(), dtype="bfloat16")[0].status
         if "fail" in at8:
+            caught_at8 += 1
             assert at64 == "fail", (shift, at8, at64)
+    assert caught_at8 >= 2  # the property was exercised, not vacuous
 
 
 def test_an_honest_short_run_is_not_rejected_for_its_noise() -> None:
@@ -58,6 +61,12 @@ def test_an_honest_short_run_is_not_rejected_for_its_noise() -> None:
     kl = next(d for d in decisions if d.stat == "kl")
     assert kl.mean_threshold > 0.5
     assert "mean" not in kl.failed_by
+
+
+def test_narrowing_stops_at_the_dtype_floor() -> None:
+    e = entry(mean_center={"kl": 0.1})
+    assert e.model.mean_bound("kl", prompts=100_000, calibrated_prompts=64, floor=0.3) == 0.3
+    assert e.model.mean_bound("kl", prompts=8, calibrated_prompts=64, floor=0.3) > 0.5  # widening is not floored
 
 
 def test_an_entry_without_centres_serialises_as_before() -> None:

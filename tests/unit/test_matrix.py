@@ -25,6 +25,7 @@ def test_the_committed_catalog_plans_exactly_this():
     hopper = (["self-hosted", "linux", "x64", "build"], ["self-hosted", "linux", "x64", "gpu", "nvidia-hopper"])
     assert runners == {
         "cpu-x86_64": (["ubuntu-latest"], ["ubuntu-latest"]),
+        "cpu-x86_64-bf16": (["ubuntu-latest"], ["ubuntu-latest"]),
         "cpu-x86_64-llamacpp": (["ubuntu-latest"], ["ubuntu-latest"]),
         "nvidia-h100-vllm": hopper,
         "nvidia-h200-sglang": hopper,

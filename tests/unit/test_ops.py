@@ -72,7 +72,7 @@ HONEST = {
 
 def run(impls=None, dtypes=("bfloat16", "float32")):
     """(tensors as numpy, the probe's ops report) of the battery with `impls` (default: the honest engine)."""
-    tensors, report = spec.run_battery(impls or HONEST, {"attention.paged": "needs a running engine"}, dtypes, "cpu")
+    tensors, report = spec.run_battery(impls or HONEST, {"moe.block": "needs a running engine"}, dtypes, "cpu")
     return {k: v.float().numpy() for k, v in tensors.items()}, report
 
 
@@ -193,7 +193,7 @@ def test_an_honest_engine_passes_every_hard_bound_at_both_dtypes(honest) -> None
     battery = J.judge_battery(*honest)
     assert {r.key for r in battery.results} == {f"{op}.{d}" for op in spec.OPS for d in ("bfloat16", "float32")}
     assert not battery.failures(), [(r.key, r.worst()) for r in battery.failures()]
-    assert battery.uncovered == {"attention.paged": "needs a running engine"}
+    assert battery.uncovered == {"moe.block": "needs a running engine"}
 
 
 def test_one_rounding_to_bfloat16_costs_about_half_a_unit() -> None:
@@ -273,8 +273,12 @@ def test_tf32_is_named_and_a_declared_tf32_passes(honest, calibrated) -> None:
     tf32 = run({**HONEST, "matmul": _tf32_matmul})
     result = next(r for r in J.judge_battery(*tf32, calibrated=calibrated).results if r.key == "matmul.float32")
     assert result.hard_ratio > 1 and "TF32" in J.reduced_precision(result)
-    declared = J.judge_battery(*tf32, calibrated=calibrated, tf32=True)
+    # declared: TF32's rounding is within the hard bound (the class's calibration, made with TF32 on, still applies),
+    # and a bfloat16 product is not
+    declared = J.judge_battery(*tf32, tf32=True)
     assert "matmul.float32" not in {r.key for r in declared.failures()}
+    bf16_products = run({**HONEST, "matmul": lambda x: {"out": (x["x"].bfloat16().float() @ x["weight"].bfloat16().float().T)}})
+    assert "matmul.float32" in {r.key for r in J.judge_battery(*bf16_products, tf32=True).failures()}
     check = J.judge_ops(J.judge_battery(*tf32, calibrated=calibrated), calibrated=calibrated, entry_key="k",
                         settings={"cuda_matmul_allow_tf32": True, "float32_matmul_precision": "highest"})
     assert check.status == "fail"
@@ -320,8 +324,8 @@ def test_the_check_lists_every_op_and_what_it_did_not_reach(honest, calibrated) 
     check = J.judge_ops(J.judge_battery(*honest, calibrated=calibrated), calibrated=calibrated, entry_key="k")
     assert check.status == "pass"
     assert set(check.details["ops"]) == set(calibrated)
-    assert check.details["uncovered"] == {"attention.paged": "needs a running engine"}
-    assert "uncovered: attention.paged" in check.reason
+    assert check.details["uncovered"] == {"moe.block": "needs a running engine"}
+    assert "uncovered: moe.block" in check.reason
 
 
 def test_without_an_entry_the_check_is_uncalibrated_and_without_op_bounds_hard_only(honest) -> None:
@@ -396,3 +400,50 @@ def test_declared_tf32_switches_pass_and_odd_settings_are_ignored(honest, calibr
 def test_the_probe_reports_the_switches_after_the_battery(honest) -> None:
     assert honest[1]["settings"]["float32_matmul_precision"] == "highest"
     assert honest[1]["settings"]["cuda_matmul_allow_tf32"] is False
+
+
+def test_an_op_the_engines_adapter_reaches_but_the_candidate_left_out_fails(honest, calibrated) -> None:
+    """The image cannot evade the battery by calling an op uncovered or leaving it out: the host expects each engine's
+    OPS (skupin/engines/<engine>.py) at every dtype the gate runs."""
+    from skupin.engines import engine_ops
+
+    expected = engine_ops("transformers", moe=True)
+    assert {"rmsnorm", "attention.decode", "moe.block"} <= expected
+    assert "moe.block" not in engine_ops("transformers", moe=False)
+    assert engine_ops("llamacpp", moe=True) == frozenset() and engine_ops("nope", moe=False) == frozenset()
+    report = {**honest[1], "ops": {k: v for k, v in honest[1]["ops"].items() if not k.startswith("attention.decode")},
+              "uncovered": {"attention.decode": "the image says so"}}
+    battery = J.judge_battery(honest[0], report, calibrated=calibrated)
+    missing = J.missing_ops(battery, expected=expected, dtypes=("bfloat16", "float32"))
+    assert missing == ["attention.decode.bfloat16", "attention.decode.float32"]
+    check = J.judge_ops(battery, calibrated=calibrated, entry_key="k", engine="transformers", missing=missing)
+    assert check.status == "fail" and "did not return attention.decode.bfloat16" in check.reason
+    complete = J.judge_battery(*honest, calibrated=calibrated)
+    assert J.missing_ops(complete, expected=expected, dtypes=("bfloat16", "float32")) == []
+
+
+@pytest.mark.parametrize("name, change, problem", [
+    ("ops.matmul.bfloat16.out", lambda v: v.astype(np.float64) * (1 + 2**-12), "not bfloat16 values"),
+    ("ops.moe.route.bfloat16.ids", lambda v: v + 0.5, "not integers"),
+    ("ops.moe.route.bfloat16.ids", lambda v: v + 64, "not integers in [0, 8)"),
+])
+def test_outputs_must_be_values_of_their_dtype_and_ids_experts(honest, name, change, problem) -> None:
+    tensors = {**honest[0], name: change(honest[0][name])}
+    key = name.removeprefix("ops.").rsplit(".", 1)[0]
+    result = next(r for r in J.judge_battery(tensors, honest[1]).results if r.key == key)
+    assert result.failed and problem in result.problem
+
+
+def test_only_the_dtypes_the_gate_runs_are_judged(honest, calibrated) -> None:
+    report = {**honest[1], "ops": {**honest[1]["ops"], "matmul.float16": {"status": "ok"}}}
+    battery = J.judge_battery(honest[0], report, calibrated=calibrated, dtypes=("bfloat16", "float32"))
+    assert "matmul.float16" not in {r.key for r in battery.results}
+    assert J.judge_ops(battery, calibrated=calibrated, entry_key="k").status == "pass"
+
+
+def test_settings_text_in_the_reason_is_printable_and_unknown_keys_are_dropped(honest, calibrated) -> None:
+    battery = J.judge_battery(*honest, calibrated=calibrated)
+    check = J.judge_ops(battery, calibrated=calibrated, entry_key="k",
+                        settings={"float32_matmul_precision": "medium", "x\x1b[2J" * 1000: True})
+    assert check.status == "fail" and "\x1b" not in check.reason and len(check.reason) < 400
+    assert set(check.details["settings"]) == {"float32_matmul_precision"}

@@ -722,13 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     if "kernels" in args.checks:
         report["checks"]["kernels"] = kernels_check(device, tensors, has_torch=has_torch)
     if "ops" in args.checks:
-        t0 = time.perf_counter()
-        try:
-            otensors, oinfo = ops_check(args, device)
-            tensors.update(otensors)
-            report["checks"]["ops"] = {**oinfo, "wall_s": time.perf_counter() - t0}
-        except Exception as exc:
-            report["checks"]["ops"] = _error(exc)
+        report["checks"]["ops"] = run_ops_check(args, device, tensors)
     if "model" in args.checks:
         t0 = time.perf_counter()
         try:
@@ -737,7 +731,27 @@ def main(argv: list[str] | None = None) -> int:
             report["checks"]["model"] = {"status": "ok", **info, "wall_s": time.perf_counter() - t0}
         except Exception as exc:
             report["checks"]["model"] = _error(exc)
+        if "ops" in args.checks and has_torch:  # the engine has loaded the model by now: the switches it set
+            report["checks"]["ops"]["settings_after_model"] = _settings_now()
     return _finish(args, report, tensors, started, frame_fd)
+
+
+def run_ops_check(args: argparse.Namespace, device: str, tensors: dict[str, Array]) -> dict[str, Any]:
+    """The op battery's report (its tensors added to `tensors`)."""
+    t0 = time.perf_counter()
+    try:
+        otensors, info = ops_check(args, device)
+    except Exception as exc:
+        return _error(exc)
+    tensors.update(otensors)
+    return {**info, "wall_s": time.perf_counter() - t0}
+
+
+def _settings_now() -> dict[str, Any]:
+    try:
+        return dict(load_sibling("skupin_probe_ops").precision_settings())
+    except Exception as exc:
+        return {"error": str(exc)[:200]}
 
 
 def kernels_check(device: str, tensors: dict[str, Array], *, has_torch: bool) -> dict[str, Any]:

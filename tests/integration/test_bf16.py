@@ -1,0 +1,40 @@
+"""The bf16 path on every change: the CPU SKU served in bfloat16 (cpu-x86_64-bf16) gated end to end against the H200
+bf16 bundle with its calibrated cpu-x86_64/bfloat16 entry, the engine op battery at bfloat16 and float32, and the float32
+pass (issue 29)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_bf16_cpu_sku_passes_the_whole_gate_with_its_calibrated_entry(bf16_image: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64-bf16", "--image", bf16_image,
+                           "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    verdict = json.loads(proc.stdout)
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert verdict["decision"] == "pass", verdict["reason"]
+    assert [(n, c["status"]) for n, c in checks.items()] == [
+        ("reference", "pass"), ("pins", "pass"), ("boot", "pass"), ("kernels", "pass"), ("ops", "pass"),
+        ("model", "pass"), ("float32", "pass"), ("serve", "pass")]
+    assert verdict["tolerance"]["key"] == "cpu-x86_64/bfloat16/tiny-llama"
+    assert verdict["reference"]["dtype"] == "bfloat16"
+    # the op battery: the model's own modules at both dtypes, judged with the class's calibrated op bounds
+    ops = checks["ops"]["details"]
+    assert ops["calibrated"] is True
+    assert {f"{op}.{dtype}" for op in ("rmsnorm", "silu_mul", "rope.long", "attention.prefill", "attention.decode",
+                                       "matmul") for dtype in ("bfloat16", "float32")} <= set(ops["ops"])
+    assert all(row["calibrated"] for row in ops["ops"].values())
+    # the float32 pass ran the same image at float32 against the float32 bundle, with the class's float32 entry
+    assert checks["float32"]["details"]["tolerance_key"] == "cpu-x86_64/float32/tiny-llama"
+    assert checks["float32"]["details"]["calibrated"] is True
+    print(f"bf16 CPU gate: {verdict['reason']}; ops: {checks['ops']['reason']}")
