@@ -740,7 +740,8 @@ def _check_float32(inputs: GateInputs, pins: PinsResult, tolerance: ToleranceRes
         **result.details, "reference": str(folder), "reference_sha256": ref_sha, "tolerance_key": key.label(),
         "tolerance_entry": entry.model_dump(mode="json") if entry is not None else None,  # attested (publish)
         "calibrated": entry is not None, "probe_seconds": probe.seconds,
-        **({"tf32_declared": "the float32 mean logprob L2 hard bound is not applied"} if tf32 else {})}}))
+        **({"tf32_declared": True, "note": "TF32 declared: the float32 mean logprob L2 hard bound is not applied"}
+           if tf32 else {})}}))
 
 
 ENGINE_PATH_KEYS = ("engine", "engine_distribution", "engine_version", "hidden_states", "logprobs", "greedy")

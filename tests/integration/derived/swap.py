@@ -155,10 +155,9 @@ def _patch_slow(module) -> None:
 
 
 def _enable_tf32(module) -> None:
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.set_float32_matmul_precision("high")
+    """`module` is torch.backends.cuda, executed while torch may still be initialising: only what is loaded by then."""
+    module.matmul.allow_tf32 = True
+    sys.modules["torch"]._C._set_float32_matmul_precision("high")
 
 
 def _patch_vllm_loader(module) -> None:
@@ -295,7 +294,7 @@ def install(mode: str) -> None:
     elif mode == "slow":
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", _patch_slow))
     elif mode == "tf32":
-        sys.meta_path.insert(0, _AfterImport("torch.nn.functional", _enable_tf32))
+        sys.meta_path.insert(0, _AfterImport("torch.backends.cuda", _enable_tf32))
     elif mode == "vllm-int4":
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader", _patch_vllm_loader))
     elif mode == "vllm-silu":
