@@ -68,18 +68,24 @@ def test_honest_vllm_image_passes_through_vllms_own_engine(vllm_image: str, dock
     print(f"honest vLLM gate wall time {wall:.1f} s; means {means}; serve {checks['serve']['reason']}")
 
 
-@pytest.mark.parametrize("mode", ["vllm-int4", "vllm-silu"])
-def test_broken_vllm_image_fails_at_the_model_check(mode: str, vllm_derived, vllm_stack, docker: Docker,
-                                                    tmp_path: Path) -> None:
-    """Locked swaps inside vLLM: `pins` passes (the files are their lock), the kernels pass (torch is untouched),
-    the model check fails."""
+@pytest.mark.parametrize("mode, check, words", [
+    ("vllm-int4", "model", ""),  # weights quantized as vLLM loads them: the ops (own inputs) pass, the model fails
+    ("vllm-silu", "ops", "silu_mul.float32"),  # vLLM's own fused SiluAndMul off by 2^-7: its op fails, before the model
+])
+def test_broken_vllm_image_fails_at_the_check_that_sees_it(mode: str, check: str, words: str, vllm_derived, vllm_stack,
+                                                           docker: Docker, tmp_path: Path) -> None:
+    """Locked swaps inside vLLM: `pins` passes (the files are their lock), the kernels pass (torch is untouched); the
+    engine op battery catches a swapped vLLM op itself, the model check a swap of what it computes with."""
     swapped = vllm_derived.swap(mode)
     verdict = gate_image(stack=swapped.stack(vllm_stack), image=swapped.image, docker=docker, out=tmp_path,
                          wheelhouse=swapped.wheelhouse)
     assert not docker.containers(label=f"{RUN_LABEL}={run_label(tmp_path / 'probe')}")
     failing = verdict.failing_check()
     assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
-    assert failing is not None and failing.name == "model", verdict.reason
+    assert failing is not None and failing.name == check, verdict.reason
+    assert words in failing.reason
     assert [c.status for c in verdict.checks[:4]] == ["pass"] * 4  # reference, pins, boot, kernels
-    assert any(d.failed_by for d in verdict.model_decision) or "hard bound" in failing.reason
+    if check == "model":
+        assert verdict.check("ops").status == "pass"
+        assert any(d.failed_by for d in verdict.model_decision) or "hard bound" in failing.reason
     print(f"{mode}: {failing.name}: {failing.reason}")
