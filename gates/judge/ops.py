@@ -161,10 +161,14 @@ def hard_bounds(op: str, dtype: str, *, tf32: bool = False) -> dict[str, float]:
 # ---------------------------------------------------------------- inputs and definitions in float64
 
 
+@functools.cache
 def host_inputs(op: str, dtype: str) -> dict[str, np.ndarray]:
-    """The inputs the probe fed `op` at `dtype`, exactly, as float64 arrays (the spec's integer hashing)."""
-    return {name: np.asarray(vals, dtype=np.float64).reshape(shape)
-            for name, (shape, vals) in spec.inputs(op, dtype).items()}
+    """The inputs the probe fed `op` at `dtype`, exactly, as float64 arrays (the spec's integer hashing). Made once per
+    process (spec_sha256 and every judgement read the same arrays; they are read-only)."""
+    out = {name: np.asarray(vals, dtype=np.float64).reshape(shape) for name, (shape, vals) in spec.inputs(op, dtype).items()}
+    for array in out.values():
+        array.setflags(write=False)
+    return out
 
 
 def _rmsnorm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
