@@ -189,7 +189,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "gate",
         help="check an image's files against its lock, boot it, compare its outputs with the NVIDIA reference",
         description="Checks, in order: reference, pins (static: the image's files are its lock, "
-        "read from its layers before anything runs), boot, kernels, model, float32 (a SKU serving bf16/fp16 is "
+        "read from its layers before anything runs), boot, kernels, ops (the engine's own ops against float64 math "
+        "on the host), model, float32 (a SKU serving bf16/fp16 is "
         "probed again at float32 against the float32 bundle beside its reference), serve. "
         "Exit 0: pass; 10: the image failed the gate; 11: the gate could not run; 14: uncalibrated (no "
         "calibrated tolerance for the SKU's class: the calibration-free checks passed; never a pass).",
