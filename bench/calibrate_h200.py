@@ -44,16 +44,17 @@ from skupin.gates.refdata.tensorio import read_safetensors  # noqa: E402
 from skupin.imagetools import probe  # noqa: E402
 
 HW = "nvidia-hopper"
-MODELS = ("tiny-llama", "tiny-moe", "deep-llama", "llama-1k")
-COMMITTED = ("tiny-llama", "tiny-moe", "deep-llama")  # models whose H200 references are committed bundles
-RAGGED = ("tiny-moe", "deep-llama")  # prompt sets of 16-64 ids: batches pad
+MODELS = ("tiny-llama", "tiny-moe", "deep-llama", "llama-1k", "peaked-moe")
+COMMITTED = ("tiny-llama", "tiny-moe", "deep-llama", "peaked-moe")  # models whose H200 references are committed bundles
+RAGGED = ("tiny-moe", "deep-llama", "peaked-moe")  # ragged prompt sets: batches pad
+MOE = ("tiny-moe", "peaked-moe")
 DTYPES = ("bfloat16", "float32")
 ATTNS = ("sdpa", "eager")
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 64)
 HELDOUT_BATCHES = (*range(1, 25), 32, 48, 64)
 SWAP_VARIATIONS = ((8, "sdpa", 0), (1, "eager", 0), (64, "sdpa", 0))
 BOOTS = {1: "calibration", 2: "calibration", 3: "heldout", 4: "heldout", 5: "heldout", 6: "heldout"}
-FULL = {"tiny-llama": 4, "tiny-moe": 4, "deep-llama": 4, "llama-1k": 2}  # prompts with full-vocabulary logprobs
+FULL = {"tiny-llama": 4, "tiny-moe": 4, "deep-llama": 4, "llama-1k": 2, "peaked-moe": 1}  # prompts with full-vocabulary logprobs
 ENV_KEYS = ("python", "torch", "cuda", "cudnn", "triton", "engines", "driver", "device", "settings", "cpu_model",
             "cpu_capability", "distributions")
 
@@ -62,15 +63,17 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def specs_for(boot: int, model: str, dtype: str) -> list[dict]:
-    """The run specs of one boot for one model and dtype, each tagged with its split."""
+def specs_for(boot: int, model: str, dtype: str, only_swaps: tuple[str, ...] = ()) -> list[dict]:
+    """The run specs of one boot for one model and dtype, each tagged with its split (with `only_swaps`: boot 1's runs
+    of those swaps alone, no honest run)."""
     split = BOOTS[boot]
     batches = CALIBRATION_BATCHES if split == "calibration" else HELDOUT_BATCHES
-    specs = [{**s, "split": split} for s in runs.honest_specs(hw=HW, model=model, dtype=dtype, batches=batches,
-                                                              attns=ATTNS, threads=(0,), boot=boot)]
+    specs = [] if only_swaps else [
+        {**s, "split": split} for s in runs.honest_specs(hw=HW, model=model, dtype=dtype, batches=batches,
+                                                         attns=ATTNS, threads=(0,), boot=boot)]
     if boot == 1:
-        names = [n for n in swaps.SWAPS + swaps.MOE_SWAPS + swaps.RAGGED_SWAPS
-                 if swaps.applies_to(n, moe=model == "tiny-moe", ragged=model in RAGGED)]
+        names = [n for n in only_swaps or swaps.SWAPS + swaps.PRECISION_SWAPS + swaps.MOE_SWAPS + swaps.RAGGED_SWAPS
+                 if swaps.applies_to(n, moe=model in MOE, ragged=model in RAGGED)]
         specs += [{**s, "split": "swap"} for s in runs.swap_specs(hw=HW, model=model, dtype=dtype,
                                                                   variations=SWAP_VARIATIONS, boot=1, names=names)]
     return specs
@@ -105,7 +108,8 @@ def reference(model: str, dtype: str, *, folder: Path, ids, device: str, boot: i
     return tensors
 
 
-def one_boot(boot: int, out: Path, *, models: list[str], fixtures: Path, refs: Path, smoke: bool = False) -> None:
+def one_boot(boot: int, out: Path, *, models: list[str], fixtures: Path, refs: Path, smoke: bool = False,
+             only_swaps: tuple[str, ...] = ()) -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,7 +124,7 @@ def one_boot(boot: int, out: Path, *, models: list[str], fixtures: Path, refs: P
             for dtype in DTYPES:
                 ref = reference(model, dtype, folder=folder, ids=ids, device=device, boot=boot, refs=refs)
                 t0 = time.perf_counter()
-                specs = specs_for(boot, model, dtype)
+                specs = specs_for(boot, model, dtype, only_swaps)
                 if smoke:
                     specs = specs[:1] + specs[-1:]
                 for spec in specs:
@@ -142,19 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refs", type=Path, default=Path("/tmp/skupin-detection-refs"))
     p.add_argument("--boot-timeout", type=float, default=400.0)
     p.add_argument("--smoke", action="store_true", help="two runs per boot, model and dtype (a quick check)")
+    p.add_argument("--only-swaps", default="", help="comma-separated swaps: boot 1 runs these alone (no honest run)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.refs.mkdir(parents=True, exist_ok=True)
     models = args.models.split(",")
     if args.boot:
-        one_boot(args.boot, args.out, models=models, fixtures=args.fixtures, refs=args.refs, smoke=args.smoke)
+        one_boot(args.boot, args.out, models=models, fixtures=args.fixtures, refs=args.refs, smoke=args.smoke,
+                 only_swaps=tuple(filter(None, args.only_swaps.split(","))))
         return 0
     failed = 0
     for boot in map(int, args.boots.split(",")):  # every boot a fresh process: a new CUDA context, allocator state
         t0 = time.perf_counter()
         try:
             done = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--boot", str(boot),
-                                   "--models", args.models, "--fixtures", str(args.fixtures), "--refs", str(args.refs)]
+                                   "--models", args.models, "--fixtures", str(args.fixtures), "--refs", str(args.refs),
+                                   "--only-swaps", args.only_swaps]
                                   + (["--smoke"] if args.smoke else []), check=False,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.boot_timeout)
             rc = done.returncode

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python bench/calibrate_h200_derive.py            # derive, merge, judge, write results
     PYTHONPATH=$PWD .venv/bin/python bench/calibrate_h200_derive.py --dry-run  # judge only; tolerances.yaml untouched
 
-Input: bench/results/calibration/h200-calib-records.jsonl and h200-calib-env.json, brought back by
+Input: bench/results/calibration/h200-calib-records.jsonl.gz and h200-calib-env.json, brought back by
 bench/calibrate_h200.py from the H200. Per dtype (bfloat16, float32):
 
 1. calibration: the "calibration" split (boots 1 and 2 x batch 1/2/4/8/16/64 x sdpa/eager) ->
@@ -48,12 +48,13 @@ from skupin.gates.refdata.bundle import bundle_sha256  # noqa: E402
 
 RESULTS = ROOT / "bench/results/calibration"
 HW, MARGIN = "nvidia-hopper", 4.0
-MODELS = ("tiny-llama", "tiny-moe", "deep-llama", "llama-1k")
+MODELS = ("tiny-llama", "tiny-moe", "deep-llama", "llama-1k", "peaked-moe")
 # bundles in gates/references: their entries are merged into tolerances.yaml
-COMMITTED = ("tiny-llama", "tiny-moe", "deep-llama")
+COMMITTED = ("tiny-llama", "tiny-moe", "deep-llama", "peaked-moe")
 DTYPES = ("bfloat16", "float32")
 DATE = {"tiny-llama": "2026-12-01T03:23:23+00:00", "tiny-moe": "2026-12-01T06:57:22+00:00",
-        "deep-llama": "2026-12-01T06:57:22+00:00", "llama-1k": "2026-12-01T06:24:29+00:00"}
+        "deep-llama": "2026-12-01T06:57:22+00:00", "llama-1k": "2026-12-01T06:24:29+00:00",
+        "peaked-moe": "2026-12-02T05:50:06+00:00"}
 # The provenance text of the committed entries (captured before the probe moved under skupin/): kept as recorded.
 IMAGE = ("in-process on the H200 (no Docker there): imagetools/probe.py's transformers path via "
          "bench/calibrate_h200.py, transformers {transformers}, torch {torch}")
@@ -68,6 +69,14 @@ CLASSES = {
     "MoE": (("moe-expert-scale", "moe-top1"), 1.0),
     "padding": (("pad-attended",), 1.0),  # runs at batch 1 left out: nothing pads, the fault changes nothing
 }
+# Fault classes of issue 29, judged by the bfloat16 check alone (no float32 pass): faults in the precision of the bf16
+# code path (a float32 run is unchanged by them), routing faults, one badly quantized expert.
+BF16_CLASSES = {
+    "bf16 path": ("rope-table-bf16", "norm-no-upcast", "accum-bf16"),
+    "routing": ("moe-no-renorm", "router-no-upcast", "moe-top1"),
+    "one expert": ("expert-int4-one", "moe-expert-scale"),
+}
+HONEST_SETS = RESULTS / "h200-honest-sets.jsonl.gz"
 
 
 def without_hidden(stats: ModelStatistics) -> ModelStatistics:
@@ -225,15 +234,66 @@ def bf16_alone(records: list[dict], entries: dict[tuple[str, str], ToleranceEntr
     return out
 
 
+def bf16_classes(records: list[dict], entries: dict[tuple[str, str], ToleranceEntry]) -> dict:
+    """Per fixture and fault class of issue 29: what the bfloat16 model check alone catches at the gate's 64 prompts
+    (and in 8-prompt blocks), with and without hidden states -- no float32 pass."""
+    out: dict = {}
+    for model in dict.fromkeys(r["model"] for r in records):
+        if (model, "bfloat16") not in entries:
+            continue
+        for name, members in BF16_CLASSES.items():
+            mine = [r for r in records if r["model"] == model and r["dtype"] == "bfloat16" and r["swap"] in members]
+            if not mine:
+                continue
+            row = out.setdefault(model, {}).setdefault(name, {"swaps": sorted({r["swap"] for r in mine})})
+            for size in (64, 8):
+                for hidden in (True, False):
+                    tag = f"n{size}" + ("" if hidden else "_no_hidden")
+                    row[tag] = analysis.count(decide_runs(mine, entries[(model, "bfloat16")], size=size,
+                                                          hidden=hidden), positive=True)
+            row["per_swap_n64"] = {m: analysis.count(decide_runs([r for r in mine if r["swap"] == m],
+                                                                 entries[(model, "bfloat16")], size=64), positive=True)
+                                   for m in row["swaps"]}
+    return out
+
+
+def honest_sets(path: Path, entries: dict[tuple[str, str], ToleranceEntry]) -> dict:
+    """The gate's decisions on honest bf16 runs over fresh prompt sets (bench/h200/honest_sets.py), at its 64 prompts,
+    each judged with the committed entry of its fixture: distinct decisions only (runs whose numbers repeat another
+    run's are one decision), with the one-sided 95% upper bound on the honest-reject rate."""
+    if not path.is_file():
+        return {}
+    out: dict = {}
+    by_model: dict[str, list[dict]] = {}
+    for r in analysis.load_records([path]):
+        by_model.setdefault(r["model"], []).append(r)
+    for model, mine in by_model.items():
+        entry = entries[(model, "bfloat16")]
+        seen: set[str] = set()
+        decided: list[str] = []
+        for r in mine:
+            key = numerics(r)
+            if key in seen:
+                continue
+            seen.add(key)
+            decided.extend(block_decisions(r, entry, size=64, seed=0))
+        counted = analysis.count(decided, positive=False)
+        upper = 1 - 0.05 ** (1 / len(decided)) if counted["rejected"] == 0 else None
+        out[model] = {"runs": len(mine), "prompt_sets": len({r["set"] for r in mine}), "distinct": len(decided),
+                      **counted, "upper95_one_sided": upper,
+                      "variations": sorted({f"batch {r['batch']} {r['attn']}" for r in mine})}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="judge only; leave gates/data/tolerances.yaml as it is")
     p.add_argument("--tolerances", type=Path, default=DEFAULT_PATH)
     args = p.parse_args(argv)
     env = json.loads((RESULTS / "h200-calib-env.json").read_text(encoding="utf-8"))
-    records = analysis.load_records([RESULTS / "h200-calib-records.jsonl"])
+    records = analysis.load_records([RESULTS / "h200-calib-records.jsonl.gz"])
     tolerances = load_tolerances(args.tolerances)
-    result: dict = {"source": "bench/results/calibration/h200-calib-records.jsonl", "margin": MARGIN, "keys": {}}
+    result: dict = {"source": "bench/results/calibration/h200-calib-records.jsonl.gz", "margin": MARGIN, "keys": {}}
     entries: dict[tuple[str, str], ToleranceEntry] = {}
     for model in MODELS:
         for dtype in DTYPES:
@@ -262,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                               "variation (boot, batch, attention); a decision fails when either fails",
                       "classes": class_table(records, entries),
                       "bf16_alone_n64": bf16_alone(records, entries, size=64)}
+    result["bf16_classes"] = bf16_classes(records, entries)
+    result["honest_prompt_sets"] = honest_sets(HONEST_SETS, entries)
     if not args.dry_run:
         write_tolerances(tolerances, args.tolerances)
     (RESULTS / "h200-calibration.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -273,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:16s} caught {s['n64']['caught']}/{s['n64']['total']} (64), {s['n8']['caught']}/"
                   f"{s['n8']['total']} (8), no hidden {s['n8_no_hidden']['caught']}/{s['n8_no_hidden']['total']} (8); "
                   f"uncalibrated: {s['uncalibrated']['hard_bound']}/{s['uncalibrated']['runs']} by hard bounds")
+    for model, rows in result["bf16_classes"].items():
+        for name, row in rows.items():
+            print(f"bf16 check alone, {model}, {name}: " + "; ".join(
+                f"{tag}: {row[tag]['caught']}/{row[tag]['total']}" for tag in ("n64", "n64_no_hidden", "n8", "n8_no_hidden")))
+    for model, h in result["honest_prompt_sets"].items():
+        print(f"honest prompt sets, {model}: {h['rejected']}/{h['total']} distinct 64-prompt decisions rejected "
+              f"({h['prompt_sets']} sets); one-sided 95% upper bound {h['upper95_one_sided']}")
     print("whole gate (bf16 check + float32 pass):")
     for name, row in result["gate"]["classes"].items():
         print(f"  {name:14s} " + "; ".join(f"{tag}: {v.get('caught', v.get('rejected'))}/{v.get('total', v.get('runs'))}"

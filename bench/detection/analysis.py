@@ -18,6 +18,7 @@ every statistic of gates/judge/compare.py and every kernel op's error against th
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterable
@@ -35,10 +36,11 @@ DEFAULT_HARD = HardBounds()  # the gate's own calibration-free bounds
 
 
 def load_records(paths: Iterable[Path]) -> list[dict]:
-    """Every record of the given JSON-lines files."""
+    """Every record of the given JSON-lines files (gzip-compressed when the name ends in .gz)."""
     out = []
     for path in paths:
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
+        raw = Path(path).read_bytes()
+        for line in (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode("utf-8").splitlines():
             if line.strip():
                 out.append(json.loads(line))
     return out

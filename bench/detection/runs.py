@@ -75,7 +75,7 @@ def probe_run(*, model_dir: Path, ids: list[list[int]], dtype: str, attn: str, b
         model = load_model(model_dir, dtype=dtype, attn=attn, device=device)
         if swap in swaps.WEIGHT_SWAPS:
             swaps.apply_weight_swap(model, swap)
-        elif swap in (*swaps.MODEL_SWAPS, *swaps.MOE_SWAPS, *swaps.RAGGED_SWAPS):
+        elif swap in (*swaps.MODEL_SWAPS, *swaps.PRECISION_SWAPS, *swaps.MOE_SWAPS, *swaps.RAGGED_SWAPS):
             swaps.apply_model_swap(model, swap)
         kernels, _ = probe.kernel_battery(device)
         tensors = teacher_forced(model, ids, batch=batch, device=device, full=full)

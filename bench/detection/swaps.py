@@ -69,7 +69,10 @@ WEIGHT_SWAPS = {
 }
 # changes made to a loaded model (its modules' attributes), not to its weights
 MODEL_SWAPS = ("attn-scale", "rope-base")
-MOE_SWAPS = ("moe-expert-scale", "moe-top1")
+# faults in the precision of the serving dtype's own code path (issue 29): each computes what an honest kernel computes
+# in float32 in the model's dtype instead, so a float32 run is unchanged by construction and only the bf16 check sees it
+PRECISION_SWAPS = ("rope-table-bf16", "norm-no-upcast")
+MOE_SWAPS = ("moe-expert-scale", "moe-top1", "moe-no-renorm", "router-no-upcast", "expert-int4-one")
 RAGGED_SWAPS = ("pad-attended",)  # need a ragged prompt set: batches that pad
 KERNEL_SWAPS = ("silu", "softmax", "accum-bf16")
 SWAPS = (*WEIGHT_SWAPS, *MODEL_SWAPS, *KERNEL_SWAPS)
@@ -93,7 +96,15 @@ DESCRIPTIONS = {
     "moe-expert-scale": "expert 3 of every MoE layer outputs 10% too much (a wrong per-expert scale)",
     "moe-top1": "top-1 instead of top-2 expert routing (a routing change)",
     "pad-attended": "the attention mask dropped: left-padded prompts attend to their batch's padding",
+    "rope-table-bf16": "RoPE angles (position x inverse frequency) and their cos/sin computed in the model's dtype (a "
+                       "rotary table in low precision; float32 runs unchanged)",
+    "norm-no-upcast": "RMSNorm computed in the model's dtype, no float32 upcast (float32 runs unchanged)",
+    "moe-no-renorm": "the top-2 routing weights not renormalised to sum to 1 (a routing change)",
+    "router-no-upcast": "the router's softmax, top-k and renormalisation in the model's dtype, no float32 upcast (near "
+                        "ties route differently; float32 runs unchanged)",
+    "expert-int4-one": "one expert (3) of one MoE layer (1) quantized INT4 RTN g128, every other weight exact",
 }
+ONE_EXPERT, ONE_EXPERT_LAYER = 3, 1
 
 
 def selected(name: str, scope: str, num_layers: int) -> bool:
@@ -183,6 +194,74 @@ def _route_top1(module) -> int:
     return 1
 
 
+def _rope_table_low(module) -> int:
+    """Replace a rotary embedding's forward: angles and cos/sin in the model's dtype instead of float32."""
+    import torch
+
+    if not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+        return 0
+
+    def forward(x, position_ids, *args, **kwargs):
+        dtype = x.dtype
+        freqs = module.inv_freq.to(device=x.device, dtype=dtype)[None, None, :] * position_ids[..., None].to(dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = getattr(module, "attention_scaling", 1.0)
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+    module.forward = forward
+    return 1
+
+
+def _norm_no_upcast(module) -> int:
+    """Replace an RMSNorm's forward: variance, rsqrt and product in the input's dtype."""
+    import torch
+
+    if not type(module).__name__.endswith("RMSNorm"):
+        return 0
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+
+    def forward(hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return module.weight * (hidden_states * torch.rsqrt(variance + eps))
+
+    module.forward = forward
+    return 1
+
+
+def _router(module, *, renormalise: bool, upcast: bool) -> int:
+    """Replace a top-k router's forward (transformers 5's `*TopKRouter`: weight [experts, hidden], returns logits,
+    top-k weights, top-k ids) by one that skips the renormalisation or the float32 upcast."""
+    import torch
+    import torch.nn.functional as F
+
+    weight = getattr(module, "weight", None)
+    if not type(module).__name__.endswith("Router") or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return 0
+
+    def forward(hidden_states):
+        hidden_states = hidden_states.reshape(-1, weight.shape[1])
+        logits = F.linear(hidden_states, weight)
+        probs = torch.softmax(logits.float() if upcast else logits, dim=-1)
+        top_value, top_index = torch.topk(probs, module.top_k, dim=-1)
+        if renormalise:
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return logits, top_value, top_index
+
+    module.forward = forward
+    return 1
+
+
+def _quantize_one_expert(model) -> int:
+    """INT4 g128 on every matrix of expert ONE_EXPERT in decoder layer ONE_EXPERT_LAYER."""
+    changed = 0
+    for name, w in matrices(model):
+        m = _LAYER.search(name + ".")
+        if m and int(m.group(1)) == ONE_EXPERT_LAYER and ".experts." in name and name.endswith(f".{ONE_EXPERT}"):
+            w.copy_(derived.int4(w))
+            changed += 1
+    return changed
+
+
 def apply_model_swap(model, swap: str) -> int:
     """Change a loaded model's attention scale, attention mask, RoPE base, expert scale or routing in place; return how
     many modules changed (ValueError when none: a swap that changes nothing must not be counted as caught or missed)."""
@@ -190,11 +269,17 @@ def apply_model_swap(model, swap: str) -> int:
 
     if swap == "pad-attended":
         changed = _drop_attention_mask(model)
+    elif swap == "expert-int4-one":
+        with torch.no_grad():
+            changed = _quantize_one_expert(model)
     elif swap == "attn-scale":  # the derived images' own function (tests/integration/derived/swap.py)
         changed = derived.scale_attention(model)
     else:
         per_module = {"rope-base": _double_rope_base, "moe-top1": _route_top1,
-                      "moe-expert-scale": lambda m: _scale_expert(m) if m is not model else 0}[swap]
+                      "moe-expert-scale": lambda m: _scale_expert(m) if m is not model else 0,
+                      "rope-table-bf16": _rope_table_low, "norm-no-upcast": _norm_no_upcast,
+                      "moe-no-renorm": lambda m: _router(m, renormalise=False, upcast=True),
+                      "router-no-upcast": lambda m: _router(m, renormalise=True, upcast=False)}[swap]
         with torch.no_grad():
             changed = sum(per_module(m) for name, m in model.named_modules()
                           if swap != "moe-expert-scale" or name.endswith("experts"))
@@ -249,7 +334,7 @@ def kernel_swap(swap: str | None):
             patch(F, "scaled_dot_product_attention", lambda *a, **k: sdpa(*a, **k) * KERNEL_FACTOR)
         elif swap == "accum-bf16":
             patch(F, "linear", _accumulate_bf16(F.linear))
-        elif swap not in (None, "", *WEIGHT_SWAPS, *MODEL_SWAPS, *MOE_SWAPS, *RAGGED_SWAPS):
+        elif swap not in (None, "", *WEIGHT_SWAPS, *MODEL_SWAPS, *PRECISION_SWAPS, *MOE_SWAPS, *RAGGED_SWAPS):
             raise ValueError(f"unknown swap {swap}")
         yield
     finally:

@@ -58,10 +58,21 @@ class FixtureSpec:
     experts: int = 0  # > 0: a Mixtral-style MoE with this many experts per layer (intermediate = per expert)
     experts_per_token: int = 0
     router_std: float = 0.0
+    # Structure a trained model has and N(0, std) weights lack (0 = off; the fixtures above use none of it):
+    qk_std: float = 0.0  # > 0: q_proj and k_proj drawn N(0, qk_std): large query-key scores, peaked attention
+    lm_head_std: float = 0.0  # > 0: lm_head drawn N(0, lm_head_std): peaked next-token distributions
+    outliers: int = 0  # hidden channels whose every norm weight is outlier_gain: outlier channels in the activations
+    outlier_gain: float = 1.0  # that every matrix product reads and the final hidden state carries
+    rope_theta: float = 10000.0
 
     @property
     def moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def shaped(self) -> bool:
+        """Whether any trained-model structure (qk_std, lm_head_std, outliers) is on."""
+        return bool(self.qk_std or self.lm_head_std or self.outliers)
 
 
 SPECS: dict[str, FixtureSpec] = {
@@ -75,6 +86,12 @@ SPECS: dict[str, FixtureSpec] = {
     # deeper and narrow: 8 decoder layers (a partial swap of one layer is one eighth of the network), ragged prompts
     "deep-llama": FixtureSpec("deep-llama", hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, vocab=2048,
                               min_prompt_tokens=16),
+    # shaped like a trained model (docs/REFERENCES.md, "peaked-moe"): tiny-moe's layout with peaked attention
+    # (normalised entropy ~0.8), two outlier channels every matrix product reads (4x), peaked next-token distributions
+    # and ragged prompts of 32-128 ids, so RoPE, attention, norm and routing faults reach the outputs
+    "peaked-moe": FixtureSpec("peaked-moe", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256, vocab=2048,
+                              experts=8, experts_per_token=2, router_std=0.25, min_prompt_tokens=32,
+                              prompt_tokens=128, qk_std=0.1, lm_head_std=0.3, outliers=2, outlier_gain=4.0),
 }
 
 # sha256 of every file of each fixture, as generated; regeneration must reproduce them.
@@ -111,6 +128,15 @@ EXPECTED: dict[str, dict[str, str]] = {
         "generation_config.json": "9560e1c7353131b230d9e8aa59199400e94048474fd8ba7f1bde3aeba52a2369",
         "model.safetensors": "5857391728ceec5d93b38d6400a4a99bee983edfa0ae1c86ea82b83f0882b982",
         "prompts.json": "1604b278df2a48015f32481b58736e229eb0411a6249d591153972ce09651260",
+        "special_tokens_map.json": "7f7ba0811f62f76051a24e6c025bcd2b222e0e26ae9a603179544c72d7c3e952",
+        "tokenizer.json": "eef8669a8ef2f6bec2818a91332dddc3ce90dcab170cc880a1ff860969a5ae20",
+        "tokenizer_config.json": "d9c43c46ba0f03b993142c7b655b615a22ad2706ba83455b820e20188a9ec97d",
+    },
+    "peaked-moe": {
+        "config.json": "3dbdc50e38c6226d527c365cb5fe2cd8faa74a139ad2683b84d45230c4962162",
+        "generation_config.json": "9560e1c7353131b230d9e8aa59199400e94048474fd8ba7f1bde3aeba52a2369",
+        "model.safetensors": "8ee4779131dafe635bd2166884f3dd021c2b60accf8e42d9a2520f8a9f2320a6",
+        "prompts.json": "3f75bb7f07fa65d6852a5adf0f10abcc28e9aa047436a8c598dc90ecf6c0434d",
         "special_tokens_map.json": "7f7ba0811f62f76051a24e6c025bcd2b222e0e26ae9a603179544c72d7c3e952",
         "tokenizer.json": "eef8669a8ef2f6bec2818a91332dddc3ce90dcab170cc880a1ff860969a5ae20",
         "tokenizer_config.json": "d9c43c46ba0f03b993142c7b655b615a22ad2706ba83455b820e20188a9ec97d",
@@ -165,17 +191,36 @@ def weight_shapes(spec: FixtureSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def outlier_channels(spec: FixtureSpec) -> list[int]:
+    """The hidden channels that carry outliers: spec.outliers distinct ones drawn from weight_seed + 1."""
+    if not spec.outliers:
+        return []
+    rng = np.random.default_rng(spec.weight_seed + 1)
+    return sorted(int(c) for c in rng.choice(spec.hidden, size=spec.outliers, replace=False))
+
+
+def _std(spec: FixtureSpec, name: str) -> float:
+    if name.endswith("block_sparse_moe.gate.weight"):
+        return spec.router_std
+    if spec.qk_std and name.endswith(("q_proj.weight", "k_proj.weight")):
+        return spec.qk_std
+    if spec.lm_head_std and name == "lm_head.weight":
+        return spec.lm_head_std
+    return spec.std
+
+
 def weights(spec: FixtureSpec) -> dict[str, np.ndarray]:
-    """float32 weights (bf16-representable): norms 1, routers N(0, router_std), the rest N(0, std), drawn in sorted
-    name order."""
+    """float32 weights (bf16-representable): norms 1 (outlier_gain on the outlier channels), routers N(0, router_std),
+    q/k N(0, qk_std) and lm_head N(0, lm_head_std) where set, the rest N(0, std), drawn in sorted name order."""
     rng = np.random.default_rng(spec.weight_seed)
+    outliers = outlier_channels(spec)
     out = {}
     for name, shape in sorted(weight_shapes(spec).items()):
         if name.endswith("norm.weight"):
             out[name] = np.ones(shape, dtype=np.float32)
+            out[name][outliers] = spec.outlier_gain
         else:
-            std = spec.router_std if name.endswith("block_sparse_moe.gate.weight") else spec.std
-            out[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+            out[name] = (rng.standard_normal(shape) * _std(spec, name)).astype(np.float32)
     return out
 
 
@@ -193,7 +238,7 @@ def config(spec: FixtureSpec) -> dict:
         "vocab_size": spec.vocab,
         "max_position_embeddings": spec.max_positions,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "rope_theta": spec.rope_theta,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,

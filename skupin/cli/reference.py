@@ -80,7 +80,7 @@ def cmd_fixture_generate(args: argparse.Namespace) -> int:
 
 # The fixtures of gates.refdata.fixture.SPECS, named here so that building the CLI does not import numpy
 # (tests/unit/test_fixture.py checks the two agree).
-FIXTURE_NAMES = ("deep-llama", "llama-1k", "tiny-llama", "tiny-moe")
+FIXTURE_NAMES = ("deep-llama", "llama-1k", "peaked-moe", "tiny-llama", "tiny-moe")
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -56,7 +56,7 @@ def test_check_fixture_refuses_a_damaged_folder(tmp_path, damage):
 
 
 def test_unknown_fixture_name_is_refused(tmp_path):
-    with pytest.raises(BundleError, match="known: deep-llama, llama-1k, tiny-llama, tiny-moe"):
+    with pytest.raises(BundleError, match="known: deep-llama, llama-1k, peaked-moe, tiny-llama, tiny-moe"):
         fixture.generate_fixture(name="tiny-lama", out=tmp_path)
 
 
@@ -162,3 +162,24 @@ def test_cli_fixture_choices_match_the_specs():
     from skupin.gates.refdata.fixture import SPECS
 
     assert sorted(FIXTURE_NAMES) == sorted(SPECS)
+
+
+def test_the_shaped_fixture_carries_outlier_channels_peaked_attention_and_outputs_and_long_prompts(tmp_path):
+    spec = fixture.SPECS["peaked-moe"]
+    assert spec.shaped and spec.moe and not fixture.SPECS["tiny-moe"].shaped
+    outliers = fixture.outlier_channels(spec)
+    assert len(outliers) == 2 and outliers == fixture.outlier_channels(spec)  # drawn from the seed, not chosen
+    w = fixture.weights(spec)
+    for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight",
+                 "model.layers.3.post_attention_layernorm.weight"):
+        gains = w[name]
+        assert set(np.flatnonzero(gains != 1.0)) == set(outliers) and (gains[outliers] == spec.outlier_gain).all()
+    # large query-key scores and next-token logits; everything else as tiny-moe draws it
+    assert 0.09 < w["model.layers.1.self_attn.q_proj.weight"].std() < 0.11
+    assert 0.09 < w["model.layers.1.self_attn.k_proj.weight"].std() < 0.11
+    assert 0.015 < w["model.layers.1.self_attn.v_proj.weight"].std() < 0.025
+    assert 0.28 < w["lm_head.weight"].std() < 0.32
+    assert fixture.prompt_lengths(spec)[0] == 128 and min(fixture.prompt_lengths(spec)) >= 32
+    assert fixture.generate_fixture(name="peaked-moe", out=tmp_path) == fixture.EXPECTED["peaked-moe"]
+    # an unshaped spec draws exactly what it drew before the shaping knobs existed (its recorded sha256 still holds)
+    assert fixture.outlier_channels(fixture.SPECS["tiny-moe"]) == []

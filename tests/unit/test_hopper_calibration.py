@@ -14,7 +14,7 @@ from skupin.gates.judge.verdict import binomial_sf, clopper_pearson_upper
 from skupin.gates.refdata.bundle import bundle_sha256
 from tests.paths import REPO
 
-RECORDS = D.RESULTS / "h200-calib-records.jsonl"
+RECORDS = D.RESULTS / "h200-calib-records.jsonl.gz"
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +61,14 @@ def test_held_out_honest_runs_pass_and_quantized_swaps_fail_with_the_gates_own_r
     entry = hopper(dtype, model)
     mine = [r for r in records if r["dtype"] == dtype and r["model"] == model]
     held = [r for r in mine if r["split"] == "heldout"]
-    assert len(held) == 216 and {r["boot"] for r in held} == {3, 4, 5, 6} and {3, 7, 23, 48} <= {r["batch"] for r in held}
+    boots = {3, 4} if model == "peaked-moe" else {3, 4, 5, 6}  # the shaped fixture's call ran two held-out boots
+    assert len(held) == 54 * len(boots) and {r["boot"] for r in held} == boots
+    assert {3, 7, 23, 48} <= {r["batch"] for r in held}
     assert set(D.decide_runs(held, entry, size=64)) == {"pass"}
-    for swap in ("int4", "int8", "fp8-tensor", "int4-nibble"):
+    # per-channel INT8 stays inside the shaped fixture's honest bf16 noise (its peaked attention amplifies the
+    # attention kernels' own rounding: docs/BENCHMARKS.md); its float32 pass catches it (the next test)
+    quantized = ("int4", "fp8-tensor", "int4-nibble") + (() if (model, dtype) == ("peaked-moe", "bfloat16") else ("int8",))
+    for swap in quantized:
         runs = [r for r in mine if r["swap"] == swap]
         assert runs and "pass" not in D.decide_runs(runs, entry, size=64), swap
 
@@ -78,10 +83,22 @@ def test_a_bf16_skus_whole_gate_catches_every_class_and_passes_every_distinct_ho
     assert set(D.decide_runs(bf16, entries[("tiny-llama", "bfloat16")], size=64)) == {"pass"}
     whole = D.gate_decisions(records, entries, size=64)
     assert whole[""] and set(whole[""]) == {"pass"}
-    assert len(whole[""]) == 163  # distinct held-out pairs: repeats of calibration numerics are not counted
+    # distinct held-out (bf16, float32) pairs: repeats of calibration numerics are not counted; 163 from the first
+    # fixtures' calls, 42 from peaked-moe's
+    assert len(whole[""]) == 163 + 42
     for name, (members, _) in D.CLASSES.items():
         caught = [d for m in members for d in whole[m]]
         assert caught and "pass" not in caught, name
     free = D.gate_decisions(records, entries, size=64, float32_calibrated=False)
     kernel = [d for m in D.CLASSES["kernel 1%"][0] for d in free[m]]
     assert kernel and "pass" not in kernel  # caught with no float32 calibration: the hard bound alone
+
+
+def test_honest_prompt_sets_bound_the_gates_honest_reject_rate_at_64_prompts_below_half_a_percent():
+    # issue 29: fresh prompt sets of the shaped fixture on the H200 (bench/h200/honest_sets.py), every run judged at
+    # the gate's 64 prompts with the committed entry; repeats of another run's numbers count once
+    entries = {("peaked-moe", "bfloat16"): hopper("bfloat16", "peaked-moe")}
+    result = D.honest_sets(D.HONEST_SETS, entries)["peaked-moe"]
+    assert result["rejected"] == 0 and result["prompt_sets"] >= 200
+    assert result["distinct"] >= 600 and result["upper95_one_sided"] <= 0.005
+    assert {"batch 64 eager", "batch 3 sdpa"} <= set(result["variations"])
