@@ -78,6 +78,7 @@ from skupin.gates.refdata.bundle import (
     model_folder,
     probe_args,
 )
+from skupin.gates.refdata.fixture import spec_for
 from skupin.gates.refdata.probe_output import MAX_FRAME_BYTES, decode_outputs, read_output_folder, split_frame
 from skupin.gates.report import write_report
 from skupin.gates.sandbox import sandbox_spec
@@ -179,7 +180,8 @@ def probe_spec(*, manifest: SkuManifest, image: str, out: Path, model_dir: Path,
     if ops and "model" in gate.checks:
         checks += ",ops"
     args = probe_args(model_dir=MODEL_MOUNT, out="-", dtype=gate.dtype, batch_size=batch_size or gate.batch_size,
-                      engine=probe_adapter(engine), threads=threads, checks=checks)
+                      engine=probe_adapter(engine), threads=threads, checks=checks,
+                      full_logprobs=spec_for(gate.model).full_logprobs)
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=(PROBE_PYTHON,), command=(PROBE_MOUNT, *args),
         env={"OMP_NUM_THREADS": str(threads)} if threads else None,

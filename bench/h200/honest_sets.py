@@ -35,7 +35,6 @@ SEED0 = 1000
 REFERENCE = {"batch": 8, "attn": "sdpa"}
 VARIATIONS = ((4, "sdpa"), (16, "sdpa"), (64, "sdpa"), (3, "sdpa"), (4, "eager"), (8, "eager"), (16, "eager"),
               (64, "eager"))
-FULL = {"peaked-moe": 1}  # prompts with full-vocabulary logprobs, as the committed bundle (default 4)
 
 
 def prompt_ids(spec: fixture.FixtureSpec, tokenizer, words: list[str], number: int) -> list[list[int]]:
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = fixture.spec_for(args.model)
     words = fixture.word_list(spec)
     tokenizer = fixture.train_tokenizer(spec, words)
-    full = FULL.get(args.model, 4)
+    full = spec.full_logprobs  # as the committed bundle and the gate's probe
     args.out.mkdir(parents=True, exist_ok=True)
     done = 0
     with (args.out / f"honest-{args.model}-{args.worker}.jsonl").open("a", encoding="utf-8") as records:

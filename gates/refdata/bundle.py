@@ -130,9 +130,11 @@ def run_probe(*, cmd: list[str], timeout_s: int = DEFAULT_TIMEOUT_S) -> dict:
 
 
 def capture(*, manifest: SkuManifest, out: Path, dtype: str | None = None, batch_size: int | None = None,
-            model_dir: Path | None = None, engine: str = "transformers", full_logprobs: int = 4,
+            model_dir: Path | None = None, engine: str = "transformers", full_logprobs: int | None = None,
             threads: int = 0, model: str | None = None, command: list[str] | None = None) -> Path:
-    """Run the probe on this host for the SKU's gate model (or `model`) and write a verified bundle into `out`."""
+    """Run the probe on this host for the SKU's gate model (or `model`) and write a verified bundle into `out`
+    (`full_logprobs`: prompts with full-vocabulary logprobs, by default the fixture's own count, which the gate's
+    probe stores too)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise BundleError(f"{out}: already exists and is not empty; choose a new folder")
@@ -140,6 +142,8 @@ def capture(*, manifest: SkuManifest, out: Path, dtype: str | None = None, batch
     dtype = dtype or gate.dtype
     batch_size = batch_size or gate.batch_size
     model = model or gate.model
+    if full_logprobs is None:
+        full_logprobs = fixture.spec_for(model).full_logprobs
     with tempfile.TemporaryDirectory(prefix="skupin-capture-") as scratch:
         folder = fixture_folder(name=model, model_dir=model_dir, scratch=Path(scratch))
         probe_out = Path(scratch) / "probe-out"

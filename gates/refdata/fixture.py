@@ -53,6 +53,7 @@ class FixtureSpec:
     prompt_tokens: int = 64  # token ids per prompt, the leading <s> included (the longest, with min_prompt_tokens)
     min_prompt_tokens: int = 0  # > 0: each prompt's length drawn from [min_prompt_tokens, prompt_tokens], so batches pad
     new_tokens: int = 16  # greedy continuation length the probe generates
+    full_logprobs: int = 4  # prompts whose full-vocabulary logprobs the probe stores (bundles and gate runs alike)
     std: float = 0.02
     max_positions: int = 512
     experts: int = 0  # > 0: a Mixtral-style MoE with this many experts per layer (intermediate = per expert)
@@ -91,7 +92,8 @@ SPECS: dict[str, FixtureSpec] = {
     # and ragged prompts of 32-128 ids, so RoPE, attention, norm and routing faults reach the outputs
     "peaked-moe": FixtureSpec("peaked-moe", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256, vocab=2048,
                               experts=8, experts_per_token=2, router_std=0.25, min_prompt_tokens=32,
-                              prompt_tokens=128, qk_std=0.1, lm_head_std=0.3, outliers=2, outlier_gain=4.0),
+                              prompt_tokens=128, qk_std=0.1, lm_head_std=0.3, outliers=2, outlier_gain=4.0,
+                              full_logprobs=1),  # a full row is 1 MB at 128 positions: the bundles stay small
 }
 
 # sha256 of every file of each fixture, as generated; regeneration must reproduce them.

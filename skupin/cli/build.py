@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from skupin.cli.output import err, out, progress_printer
+from skupin.cli.output import err, install_missing_flag, out, progress_printer
 from skupin.common.errors import SkupinError
 
 if TYPE_CHECKING:
@@ -414,10 +414,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                     "owner process is gone (killed gate, lost Docker API) and say which.")
     q.add_argument("--deadline", type=float, default=60, metavar="S", help="seconds to wait for the socket (default 60)")
     q.add_argument("--json", action="store_true", help="print what was done as JSON")
+    install_missing_flag(q)
     q.set_defaults(func=cmd_docker_up)
 
     p = sub.add_parser("base", help="make the SKU's base image locally (debootstrap + docker import) or pull it by digest")
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
+    install_missing_flag(p)
     p.add_argument("--json", action="store_true", help="print the SKU, its base reference and the image id as JSON")
     p.set_defaults(func=cmd_base)
 

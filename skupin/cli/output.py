@@ -37,3 +37,11 @@ def lazy(module: str, name: str) -> Handler:
         return int(getattr(importlib.import_module(module), name)(args))
 
     return run
+
+
+def install_missing_flag(parser: argparse.ArgumentParser) -> None:
+    """Accept the global `--install-missing` after a subcommand that installs Debian packages too (`skupin docker up
+    --install-missing` as well as `skupin --install-missing docker up`); absent there, the global value stands."""
+    parser.add_argument("--install-missing", action="store_true", default=argparse.SUPPRESS,
+                        help="let skupin apt-get install the Debian packages this command needs (same as the global "
+                             "flag before the command)")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skupin.cli.output import err as _err
+from skupin.cli.output import install_missing_flag
 from skupin.cli.output import out as _out
 from skupin.common.errors import NetworkError, PublishError
 
@@ -221,6 +222,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--json", action="store_true", help="print the status as JSON")
         if action == "up":
             q.add_argument("--deadline", type=float, default=20, metavar="S", help="seconds to wait for it (default 20)")
+            install_missing_flag(q)
         q.set_defaults(func=cmd_registry)
 
     p = sub.add_parser("keys", help="signing keys of the attestation: generate a key pair, list the trusted keys")

@@ -96,7 +96,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=tuple(ALL_ENGINES))
     p.add_argument("--model", choices=FIXTURE_NAMES, help="fixture to capture (default: the SKU's gate.model)")
     p.add_argument("--model-dir", metavar="DIR", help="fixture folder (default: committed or freshly generated)")
-    p.add_argument("--full-logprobs", type=int, default=4, help="prompts whose full-vocab logprobs are stored")
+    p.add_argument("--full-logprobs", type=int, help="prompts whose full-vocab logprobs are stored (default: the "
+                   "fixture's own count, 4, or 1 for peaked-moe; the gate's probe stores as many)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads for the probe (0: default)")
     p.add_argument("--json", action="store_true", help="print the bundle's folder and meta.json as JSON")
     p.set_defaults(func=cmd_reference_capture)

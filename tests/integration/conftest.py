@@ -267,6 +267,14 @@ def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Itera
 
 
 @pytest.fixture(scope="session")
+def bf16_derived(docker: Docker, bf16_image: str, bf16_stack, tmp_path_factory) -> Iterator[Derived]:
+    """Tampered images of the honest bf16 CPU image for the whole session (removed at the end)."""
+    with _derived(docker, image=bf16_image, lock=bf16_stack.lock, workdir=tmp_path_factory.mktemp("bf16-derived"),
+                  base_tag="skupin-test/derived-bf16-base:latest") as made:
+        yield made
+
+
+@pytest.fixture(scope="session")
 def vllm_derived(docker: Docker, vllm_image: str, vllm_stack, tmp_path_factory) -> Iterator[Derived]:
     """Tampered images of the honest vLLM CPU image for the whole session (removed at the end)."""
     with _derived(docker, image=vllm_image, lock=vllm_stack.lock, workdir=tmp_path_factory.mktemp("vllm-derived"),

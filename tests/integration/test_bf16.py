@@ -1,6 +1,7 @@
 """The bf16 path on every change: the CPU SKU served in bfloat16 (cpu-x86_64-bf16) gated end to end against the H200
-bf16 bundle with its calibrated cpu-x86_64/bfloat16 entry, the engine op battery at bfloat16 and float32, and the float32
-pass (issue 29)."""
+bf16 bundle of the shaped MoE fixture (peaked-moe: peaked attention, outlier channels, routing, prompts to position 127)
+with its calibrated cpu-x86_64/bfloat16 entry, the engine op battery at bfloat16 and float32 (the MoE router and block
+included), and the float32 pass (issue 29)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,38 @@ def test_the_bf16_cpu_sku_passes_the_whole_gate_with_its_calibrated_entry(bf16_i
     assert [(n, c["status"]) for n, c in checks.items()] == [
         ("reference", "pass"), ("pins", "pass"), ("boot", "pass"), ("kernels", "pass"), ("ops", "pass"),
         ("model", "pass"), ("float32", "pass"), ("serve", "pass")]
-    assert verdict["tolerance"]["key"] == "cpu-x86_64/bfloat16/tiny-llama"
+    assert verdict["tolerance"]["key"] == "cpu-x86_64/bfloat16/peaked-moe"
     assert verdict["reference"]["dtype"] == "bfloat16"
     # the op battery: the model's own modules at both dtypes, judged with the class's calibrated op bounds
     ops = checks["ops"]["details"]
     assert ops["calibrated"] is True
     assert {f"{op}.{dtype}" for op in ("rmsnorm", "silu_mul", "rope.long", "attention.prefill", "attention.decode",
-                                       "matmul") for dtype in ("bfloat16", "float32")} <= set(ops["ops"])
+                                       "matmul", "moe.route", "moe.block") for dtype in ("bfloat16", "float32")} \
+        <= set(ops["ops"])
     assert all(row["calibrated"] for row in ops["ops"].values())
     # the float32 pass ran the same image at float32 against the float32 bundle, with the class's float32 entry
-    assert checks["float32"]["details"]["tolerance_key"] == "cpu-x86_64/float32/tiny-llama"
+    assert checks["float32"]["details"]["tolerance_key"] == "cpu-x86_64/float32/peaked-moe"
     assert checks["float32"]["details"]["calibrated"] is True
     print(f"bf16 CPU gate: {verdict['reason']}; ops: {checks['ops']['reason']}")
+
+
+@pytest.mark.parametrize("mode, op", [("norm-bf16", "rmsnorm.bfloat16"), ("router-bf16", "moe.route.bfloat16")])
+def test_a_bf16_path_fault_in_the_engines_own_classes_fails_the_ops_check_before_the_model_and_float32(
+        bf16_derived, bf16_stack, mode: str, op: str, tmp_path: Path) -> None:
+    """A faulty engine release (a locked test wheel patching transformers' RMSNorm or MoE router to compute in bf16 what
+    the honest class computes in float32) passes `pins`; a float32 run is unchanged by it by construction, and its
+    end-to-end effect sits inside honest bf16 noise. The op battery builds its modules from those classes and fails
+    the op, before the model check and the float32 pass run."""
+    from skupin.dockerd.client import connect
+    from skupin.gates.gate import gate_image
+
+    swapped = bf16_derived.swap(mode)
+    verdict = gate_image(stack=swapped.stack(bf16_stack), image=swapped.image, docker=connect(), out=tmp_path / "gate",
+                         wheelhouse=swapped.wheelhouse)
+    statuses = {c.name: c.status for c in verdict.checks}
+    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
+    assert statuses["pins"] == "pass" and statuses["ops"] == "fail", statuses
+    assert "model" not in statuses or statuses["model"] == "skipped", statuses
+    failing = verdict.check("ops")
+    assert op in failing.reason, failing.reason
+    assert failing.details["ops"][op]["ratio"] > 1

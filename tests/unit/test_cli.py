@@ -187,3 +187,17 @@ def test_every_command_that_reports_has_json():
     missing = [" ".join(name) for name, parser in leaves(build_parser())
                if name[-1] not in json_only and "--json" not in parser._option_string_actions]
     assert missing == []
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["docker", "up"], False),
+    (["docker", "up", "--install-missing"], True),  # the form the guides and users type
+    (["--install-missing", "docker", "up"], True),
+    (["registry", "up", "--install-missing"], True),
+    (["base", "cpu-x86_64", "--install-missing"], True),
+    (["--install-missing", "registry", "down"], True),  # a subcommand without its own flag keeps the global one
+])
+def test_install_missing_is_taken_before_or_after_the_commands_that_install(argv, wanted):
+    from skupin.cli import build_parser
+
+    assert build_parser().parse_args(argv).install_missing is wanted

@@ -34,6 +34,13 @@ Modes:
                SKU does not declare it
   slow         honest numbers, slower: torch.nn.functional.silu sleeps 5 ms per call (once per decoder layer and
                forward pass), the runtime A/B's slower candidate
+  Faults of the bf16 code path (issue 29), made in transformers' own modeling classes as a faulty engine release would
+  make them (so the engine op battery, which builds its modules from those classes, meets them too); a float32 run
+  computes exactly what an honest one does:
+  norm-bf16    every *RMSNorm computes its variance, rsqrt and product in the input's dtype (no float32 upcast)
+  rope-bf16    every *RotaryEmbedding computes its angles and cos/sin in the input's dtype (a table in low precision)
+  router-bf16  every *TopKRouter computes its softmax, top-k and renormalisation in the input's dtype
+  expert-int4  one expert (3) of one MoE layer (1) quantized INT4 RTN g128 at load, every other weight exact
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ import os
 import sys
 
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
-         "vllm-int4", "vllm-silu", "slow", "tf32")
+         "vllm-int4", "vllm-silu", "slow", "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4")
+MODELING = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
 
@@ -118,6 +126,21 @@ def scale_attention(model, factor: float = 1.01) -> int:
     return changed
 
 
+def quantize_one_expert(model, expert: int = 3, layer: int = 1) -> int:
+    """INT4 g128 on expert `expert` of decoder layer `layer` (transformers 5 keeps a layer's experts as 3-D tensors)."""
+    import torch
+
+    changed = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(f"layers.{layer}.mlp.experts"):
+                for param in module.parameters(recurse=False):
+                    if param.dim() == 3:
+                        param.data[expert] = int4(param.data[expert])
+                        changed += 1
+    return changed
+
+
 def _patch_modeling_utils(module, mode: str) -> None:
     original = module.PreTrainedModel.from_pretrained.__func__
 
@@ -125,11 +148,41 @@ def _patch_modeling_utils(module, mode: str) -> None:
         model = original(cls, *args, **kwargs)
         if mode == "attn-scale":
             scale_attention(model)
+        elif mode == "expert-int4":
+            quantize_one_expert(model)
         else:
             quantize_model(model, mode)
         return model
 
     module.PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _patch_bf16_path(module, mode: str) -> None:
+    """Replace a modeling file's RMSNorm, rotary embedding or top-k router forward by one computing in the input's
+    dtype (what the honest one computes in float32)."""
+    import torch
+    import torch.nn.functional as F
+
+    def norm(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    def rope(self, x, position_ids):
+        freqs = self.inv_freq.to(device=x.device, dtype=x.dtype)[None, None, :] * position_ids[..., None].to(x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+    def router(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = F.linear(hidden_states, self.weight)
+        top_value, top_index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return logits, top_value / top_value.sum(dim=-1, keepdim=True), top_index
+
+    suffix, forward = {"norm-bf16": ("RMSNorm", norm), "rope-bf16": ("RotaryEmbedding", rope),
+                       "router-bf16": ("TopKRouter", router)}[mode]
+    for name in dir(module):
+        if name.endswith(suffix) and isinstance(getattr(module, name), type):
+            getattr(module, name).forward = forward
 
 
 def _patch_functional(module, mode: str) -> None:
@@ -287,7 +340,10 @@ def install(mode: str) -> None:
         import ctypes
 
         ctypes.string_at(0)
-    elif mode in QUANT or mode == "attn-scale":
+    elif mode in ("norm-bf16", "rope-bf16", "router-bf16"):
+        for target in MODELING:
+            sys.meta_path.insert(0, _AfterImport(target, lambda m: _patch_bf16_path(m, mode)))
+    elif mode in QUANT or mode in ("attn-scale", "expert-int4"):
         sys.meta_path.insert(0, _AfterImport("transformers.modeling_utils", lambda m: _patch_modeling_utils(m, mode)))
     elif mode == "silu":
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", lambda m: _patch_functional(m, mode)))
