@@ -44,6 +44,7 @@ from __future__ import annotations
 import base64
 import email.parser
 import email.policy
+import fnmatch
 import hashlib
 import io
 import json
@@ -98,6 +99,11 @@ MAX_MAGIC_READ = 16 << 20  # an unaccounted file of a Python path read to say wh
 # Where the gate's sandbox mounts over the image (gates/sandbox.py's tmpfs, the model at its production path; the
 # probe's folder is ImageLayout.probe_dir): what the image holds there production sees and the gate does not.
 SANDBOX_MOUNTS = (*SANDBOX_TMPFS, MODEL_MOUNT)
+# Run-time caches under a home folder: what engines load there without asking (Triton's compiled kernels in .triton,
+# CUDA's JIT cache in .nv, Inductor's, vLLM's compile cache, torch extensions and Hugging Face's hub in .cache, user
+# site-packages in .local). The sandbox points HOME and every cache variable at its empty tmpfs (SANDBOX_ENV), so what
+# an image ships there production would load and the gate would not.
+HOME_CACHES = (".cache", ".triton", ".nv", ".local")
 MAX_LISTED = 25
 DEBIAN_ARCH = {"linux/amd64": "amd64", "linux/arm64": "arm64"}
 # The image config fields compared with the render, and how a finding names each.
@@ -173,6 +179,17 @@ class ImageLayout:
     def sandbox_mounts(self) -> tuple[str, ...]:
         """Folders the gate's sandbox mounts over (relative to /): the tmpfs, the model, the probe's folder."""
         return tuple(dict.fromkeys(m.strip("/") for m in (*SANDBOX_MOUNTS, self.probe_dir)))
+
+    @staticmethod
+    def home_caches(config: dict[str, Any]) -> tuple[str, ...]:
+        """The run-time cache folders (relative to /) of every home a process of the image may have: the HOME its
+        config sets, root's, and any under /home."""
+        homes = ["root", "home/*"]
+        for item in config.get("Env") or ():
+            key, sep, value = str(item).partition("=")
+            if sep and key == "HOME" and value.strip("/"):
+                homes.insert(0, posixpath.normpath("/" + value).strip("/"))
+        return tuple(dict.fromkeys(f"{home}/{cache}" for home in homes for cache in HOME_CACHES))
 
     def debian_python_paths(self) -> tuple[str, ...]:
         """The Python paths Debian packages install into; the others (the venv, /usr/local) no package owns."""
@@ -367,6 +384,7 @@ def check_integrity(*, view: FileView, base_view: FileView, config: dict[str, An
     image = replace(image, pth_paths=_pth_paths(image, log))
     _check_config(image, log, config=config, labels=labels, lock=lock, expected=expected)
     _check_sandbox_mounts(image, log)
+    _check_home_caches(image, log, layout.home_caches(config))
     # a source-built engine's compiler and build packages live in its build stage, never in the image
     image_system = {layer: items for layer, items in lock.system.items() if layer != BUILD_STAGE}
     system = {item.partition("=")[0] for items in image_system.values() for item in items}
@@ -860,6 +878,22 @@ def _check_sandbox_mounts(image: _Image, log: _Log) -> None:
                    "the model folder" if "/" + mount == MODEL_MOUNT else "the probe's folder")
             log.find("sandbox", f"{what} under /{mount}: the gate's sandbox mounts {how} there: production would "
                                 "see it, the gate would not", path)
+
+
+def _check_home_caches(image: _Image, log: _Log, caches: tuple[str, ...]) -> None:
+    """Nothing above the base in a home's run-time caches (`caches`, patterns of ImageLayout.home_caches): the gate's
+    sandbox gives every process an empty HOME and cache folders, production the image's own."""
+    for path, entry in sorted(image.view.entries.items()):
+        if entry.kind == "d" or image.base(entry):
+            continue
+        cache = next((c for c in caches if fnmatch.fnmatchcase(path, c + "/*")), None)
+        if cache is not None:
+            what = "a link" if entry.kind == "l" else "a file" if entry.kind == "f" else "an entry"
+            folder = "/".join(path.split("/")[:cache.count("/") + 1])
+            log.find("sandbox", f"{what} in /{folder}, a run-time cache "
+                                "(compiled kernels, compiled graphs, downloaded models, user packages) production loads "
+                                "from the image's home: the gate's sandbox gives every process an empty home and "
+                                "caches, so production would load it and the gate would not", path)
 
 
 def _canonical(name: str) -> str:

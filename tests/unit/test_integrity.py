@@ -779,3 +779,46 @@ def test_the_layout_covers_every_mount_and_tmpfs_of_the_gates_sandbox(tmp_path: 
     targets = {m.target for spec in (probe, server) for m in spec.mounts} | set(probe.tmpfs) | set(server.tmpfs)
     assert {t.strip("/") for t in targets} <= set(LAYOUT.sandbox_mounts())
     assert {"tmp", "model", "skupin"} == set(LAYOUT.sandbox_mounts())
+
+
+@pytest.mark.parametrize("path, kind", [
+    ("root/.triton/cache/4f2a/matmul_kernel.cubin", "file"),  # Triton's compiled kernels (no code suffix needed)
+    ("root/.cache/vllm/torch_compile_cache/rank_0/graph.bin", "file"),  # a pickled compiled graph: data to no one else
+    ("root/.nv/ComputeCache/index", "file"),  # CUDA's JIT cache
+    ("root/.cache/huggingface/hub/models--x/config.json", "file"),
+    ("root/.local/lib/python3.11/site-packages/torch.py", "file"),
+    ("home/app/.cache/torch_extensions/py311_cpu/op/op.so", "file"),
+    ("srv/app/.triton/cache/k.json", "file"),  # the HOME the image's config names
+    ("root/.triton/cache", "link"),
+])
+def test_a_run_time_cache_in_a_home_fails_because_the_sandbox_gives_every_process_an_empty_home(
+        honest, path: str, kind: str) -> None:
+    """Issue 30: the sandbox sets HOME and every cache variable to its empty tmpfs; production uses the image's home,
+    where Triton, CUDA, Inductor, vLLM and Hugging Face load what they find. Whatever an image ships there fails."""
+    image, lock, wheels = honest
+    if kind == "link":
+        image.link(path, "/etc/ssl/certs/ISRG.pem", layer=1)
+    else:
+        image.add(path, b"\x7fELF or a pickle: loaded in production only\n", layer=1)
+    view = image.view()
+    config = {**CONFIG, "Env": [*CONFIG.get("Env", ()), "HOME=/srv/app"]} if path.startswith("srv/") else CONFIG
+    report = check_integrity(view=view, base_view=view.bottom_view(1), config=config,
+                             labels={"io.skupin.lock-sha256": lock.content_hash()}, lock=lock,
+                             expected=None if path.startswith("srv/") else EXPECTED, apt_roots=("python3.11",),
+                             wheels=wheels, base_layers=1, host=None, verify_bytecode=Verifier())
+    mine = [f for f in report.findings if f.kind == "sandbox"]
+    assert [f.path for f in mine] == [path], [f.line() for f in report.findings]
+    assert "run-time cache" in mine[0].detail and "production would load it and the gate would not" in mine[0].detail
+
+
+def test_a_homes_other_files_and_the_bases_own_caches_pass(honest) -> None:
+    image, lock, wheels = honest
+    image.add("root/.bashrc", b"# Debian's skeleton\n", layer=1)  # not a cache (and not code any engine loads)
+    image.add("root/.cache/motd.legal-displayed", b"", layer=0)  # the base's, verified with the base
+    view = image.view()
+    view.entries["root/.cache"] = Entry("d", 0o700, 0, 0, layer=1)
+    report = check_integrity(view=view, base_view=view.bottom_view(1), config=CONFIG,
+                             labels={"io.skupin.lock-sha256": lock.content_hash()}, lock=lock, expected=EXPECTED,
+                             apt_roots=("python3.11",), wheels=wheels, base_layers=1, host=None,
+                             verify_bytecode=Verifier())
+    assert not [f for f in report.findings if f.kind == "sandbox"], [f.line() for f in report.findings]
