@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD .venv/bin/python bench/bf16_faults.py [--models peaked-moe,tiny-moe] [--modes ...]
         [--tolerances FILE]         # -> bench/results/bf16-faults.json and a table on stdout
 
-Needs a Docker engine and the bf16 CPU SKU's image (`skupin build cpu-x86_64-bf16`). For each fixture, the SKU is
+Needs a Docker engine; uses the bf16 CPU SKU's image `skupin build cpu-x86_64-bf16` recorded (or builds it, as the
+integration tests do, with $SKUPIN_WHEELHOUSE). For each fixture, the SKU is
 gated as it is with `gate.model` (and its H200 bf16 reference) set to that fixture; for each fault a derived image
 FROM the honest one installs a locked test wheel (tests/integration/derived/swap.py, the gate's own test
 mechanism: a faulty point release of a locked package passes `pins`, so only the numeric checks can catch it):
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import os
 import sys
 import tempfile
 import time
@@ -34,7 +35,7 @@ from skupin.builder.check import resolve  # noqa: E402
 from skupin.dockerd.client import connect  # noqa: E402
 from skupin.gates.gate import gate_image  # noqa: E402
 from skupin.gates.judge.tolerance import DEFAULT_PATH  # noqa: E402
-from tests.integration import tampered  # noqa: E402
+from tests.integration.conftest import built_image, derived_images  # noqa: E402
 
 SKU = ROOT / "skus/cpu-x86_64-bf16.yaml"
 OUT = ROOT / "bench/results/bf16-faults.json"
@@ -74,49 +75,32 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     docker = connect()
     stack = resolve(SKU, require_lock=True)
-    record = json.loads((ROOT / ".skupin/builds/cpu-x86_64-bf16.json").read_text(encoding="utf-8"))
-    honest = record["image_id"]
-    base = "skupin-bench/bf16-faults-base:latest"
-    docker.tag(honest, base)
-    made: list[str] = []
-    results: dict = {"sku": "cpu-x86_64-bf16", "image": honest, "tolerances": str(args.tolerances), "runs": {}}
-    try:
-        with tempfile.TemporaryDirectory(prefix="skupin-bf16-faults-") as tmp:
-            work = Path(tmp)
-            images: dict[str, tuple[str, object, Path | None]] = {"honest": (honest, stack.lock, None)}
-            for mode in args.modes.split(","):
-                if mode == "honest":
-                    continue
-                house = work / f"wheels-{mode}"
-                house.mkdir()
-                wheel = tampered.swap_wheel(house, mode)
-                pkg = tampered.wheel_package(wheel, name=tampered.SWAP_DIST, version=wheel.name.split("-")[1])
-                lock = tampered.lock_with(stack.lock, pkg)
-                context = tampered.write_context(work / f"context-{mode}", wheels=[wheel],
-                                                 requirements=tampered.requirement(pkg))
-                image = docker.build(context=context, dockerfile=context / "Dockerfile",
-                                     build_args={"BASE": base, "MODE": "locked", "LOCK_LABEL": lock.content_hash(),
-                                                 "CONFIG": "unchanged"})
-                made.append(image)
-                images[mode] = (image, lock, house)
-            for model in args.models.split(","):
-                for mode in args.modes.split(","):
-                    image, lock, house = images[mode]
-                    out = work / f"gate-{model}-{mode}"
-                    t0 = time.monotonic()
-                    verdict = gate_image(stack=with_model(stack, model).model_copy(update={"lock": lock}),
-                                         image=image, docker=docker, out=out, wheelhouse=house,
-                                         tolerances_path=args.tolerances)
-                    row = {**summary(verdict), "wall_s": round(time.monotonic() - t0, 1)}
-                    results["runs"][f"{model}/{mode}"] = row
-                    print(f"{model:11s} {mode:12s} {row['decision']:13s} before float32: "
-                          f"{row['caught_before_float32'] or 'nothing failed'}; ops failing {row.get('ops_failing')}"
-                          f" ({row['wall_s']} s)", flush=True)
-                    shutil.rmtree(out, ignore_errors=True)
-    finally:
-        for image in made:
-            docker.remove_image(image, force=True)
-        docker.remove_image(base)
+    wheelhouse = os.environ.get("SKUPIN_WHEELHOUSE")
+    honest = built_image(docker, stack, Path(wheelhouse) if wheelhouse else None, None)
+    modes = args.modes.split(",")
+    tolerances = args.tolerances.resolve()
+    shown = tolerances.relative_to(ROOT) if tolerances.is_relative_to(ROOT) else tolerances
+    results: dict = {"sku": "cpu-x86_64-bf16", "image": honest, "tolerances": str(shown), "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="skupin-bf16-faults-") as tmp, \
+            derived_images(docker, image=honest, lock=stack.lock, workdir=Path(tmp),
+                           base_tag="skupin-bench/bf16-faults-base:latest") as derived:
+        images: dict[str, tuple[str, object, Path | None]] = {"honest": (honest, stack.lock, None)}
+        for mode in modes:
+            if mode != "honest":
+                swapped = derived.swap(mode)
+                images[mode] = (swapped.image, swapped.lock, swapped.wheelhouse)
+        for model in args.models.split(","):
+            for mode in modes:
+                image, lock, house = images[mode]
+                out = Path(tmp) / f"gate-{model}-{mode}"
+                t0 = time.monotonic()
+                verdict = gate_image(stack=with_model(stack, model).model_copy(update={"lock": lock}), image=image,
+                                     docker=docker, out=out, wheelhouse=house, tolerances_path=args.tolerances)
+                row = {**summary(verdict), "wall_s": round(time.monotonic() - t0, 1)}
+                results["runs"][f"{model}/{mode}"] = row
+                print(f"{model:11s} {mode:12s} {row['decision']:13s} before float32: "
+                      f"{row['caught_before_float32'] or 'nothing failed'}; ops failing {row.get('ops_failing')} "
+                      f"({row['wall_s']} s)", flush=True)
     OUT.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
     return 0
 

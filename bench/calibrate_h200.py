@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import runs, swaps  # noqa: E402
+from skupin.gates.refdata.fixture import spec_for  # noqa: E402
 from skupin.gates.refdata.tensorio import read_safetensors  # noqa: E402
 from skupin.imagetools import probe  # noqa: E402
 
@@ -54,8 +55,6 @@ CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 64)
 HELDOUT_BATCHES = (*range(1, 25), 32, 48, 64)
 SWAP_VARIATIONS = ((8, "sdpa", 0), (1, "eager", 0), (64, "sdpa", 0))
 BOOTS = {1: "calibration", 2: "calibration", 3: "heldout", 4: "heldout", 5: "heldout", 6: "heldout"}
-# prompts with full-vocabulary logprobs (llama-1k: 2, for its size; the rest as their fixture spec says)
-FULL = {"tiny-llama": 4, "tiny-moe": 4, "deep-llama": 4, "llama-1k": 2, "peaked-moe": 1}
 ENV_KEYS = ("python", "torch", "cuda", "cudnn", "triton", "engines", "driver", "device", "settings", "cpu_model",
             "cpu_capability", "distributions")
 
@@ -102,7 +101,7 @@ def reference(model: str, dtype: str, *, folder: Path, ids, device: str, boot: i
     if not path.is_file():  # boot 1, or the first boot of a later call on a fresh machine (the capture is deterministic)
         log(f"capturing the {model} {dtype} reference (batch 8, sdpa) in boot {boot}")
         captured = runs.probe_run(model_dir=folder, ids=ids, dtype=dtype, attn="sdpa", batch=8, device=device,
-                                  swap=None, full=FULL[model])
+                                  swap=None, full=spec_for(model).full_logprobs)
         probe.write_safetensors(str(path), captured, {"format": probe.FORMAT, "probe_version": probe.PROBE_VERSION,
                                                       "detection": f"{model} {dtype} batch 8 sdpa"})
     tensors, _ = read_safetensors(path)
@@ -130,7 +129,7 @@ def one_boot(boot: int, out: Path, *, models: list[str], fixtures: Path, refs: P
                     specs = specs[:1] + specs[-1:]
                 for spec in specs:
                     record = runs.run_spec(spec, model_dir=folder, ids=ids, reference=ref, device=device,
-                                           full=FULL[model])
+                                           full=spec_for(model).full_logprobs)
                     records.write(json.dumps(record, separators=(",", ":")) + "\n")
                     records.flush()
                 log(f"boot {boot} ({BOOTS[boot]}) {model} {dtype}: {len(specs)} runs in "

@@ -43,7 +43,7 @@ from skupin.gates.judge.tolerance import (  # noqa: E402
     merge_entry,
     write_tolerances,
 )
-from skupin.gates.judge.verdict import hard_bound_failures, kernel_hard_failures  # noqa: E402
+from skupin.gates.judge.verdict import clopper_pearson_upper, hard_bound_failures, kernel_hard_failures  # noqa: E402
 from skupin.gates.refdata.bundle import bundle_sha256  # noqa: E402
 
 RESULTS = ROOT / "bench/results/calibration"
@@ -271,16 +271,26 @@ def kernel_calibrated(records: list[dict], env: dict, honest_set_records: list[d
         for attn in ("sdpa", "eager"):
             held = [r for r in mine if r["split"] == "heldout" and r["attn"] == attn]
             row[f"heldout_{attn}"] = analysis.count(decide_runs(held, entry, size=64), positive=False)
-        sets = [r for r in honest_set_records if r["model"] == model and r["attn"] == "sdpa"]
+        sets = distinct([r for r in honest_set_records if r["model"] == model and r["attn"] == "sdpa"])
         if sets:
-            seen: set[str] = set()
-            distinct = [r for r in sets if not (numerics(r) in seen or seen.add(numerics(r)))]  # type: ignore[func-returns-value]
-            row["prompt_sets_sdpa"] = analysis.count(decide_runs(distinct, entry, size=64), positive=False)
+            row["prompt_sets_sdpa"] = analysis.count(decide_runs(sets, entry, size=64), positive=False)
         swapped = [r for r in mine if r["split"] == "swap" and r["attn"] == "sdpa"]
         row["swaps_sdpa"] = {name: analysis.count(decide_runs([r for r in swapped if r["swap"] == name], entry,
                                                              size=64), positive=True)
                              for name in dict.fromkeys(r["swap"] for r in swapped)}
         out[model] = row
+    return out
+
+
+def distinct(records: list[dict]) -> list[dict]:
+    """The records whose numbers no earlier record had (a repeat is no further evidence)."""
+    seen: set[str] = set()
+    out = []
+    for r in records:
+        key = numerics(r)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
     return out
 
 
@@ -295,17 +305,9 @@ def honest_sets(path: Path, entries: dict[tuple[str, str], ToleranceEntry]) -> d
     for r in analysis.load_records([path]):
         by_model.setdefault(r["model"], []).append(r)
     for model, mine in by_model.items():
-        entry = entries[(model, "bfloat16")]
-        seen: set[str] = set()
-        decided: list[str] = []
-        for r in mine:
-            key = numerics(r)
-            if key in seen:
-                continue
-            seen.add(key)
-            decided.extend(block_decisions(r, entry, size=64, seed=0))
+        decided = decide_runs(distinct(mine), entries[(model, "bfloat16")], size=64)
         counted = analysis.count(decided, positive=False)
-        upper = 1 - 0.05 ** (1 / len(decided)) if counted["rejected"] == 0 else None
+        upper = clopper_pearson_upper(0, len(decided)) if decided and counted["rejected"] == 0 else None
         out[model] = {"runs": len(mine), "prompt_sets": len({r["set"] for r in mine}), "distinct": len(decided),
                       **counted, "upper95_one_sided": upper,
                       "variations": sorted({f"batch {r['batch']} {r['attn']}" for r in mine})}
@@ -379,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                       "bf16_alone_n64": bf16_alone(records, entries, size=64)}
     result["bf16_classes"] = bf16_classes(records, entries)
     result["honest_prompt_sets"] = honest_sets(HONEST_SETS, entries)
-    result["sdpa_calibrated"] = kernel_calibrated(records, env, analysis.load_records([HONEST_SETS]))
+    result["sdpa_calibrated"] = kernel_calibrated(records, env, analysis.load_records([HONEST_SETS])
+                                                  if HONEST_SETS.is_file() else [])
     if not args.dry_run:
         write_tolerances(tolerances, args.tolerances)
     (RESULTS / "h200-calibration.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

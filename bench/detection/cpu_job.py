@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import runs  # noqa: E402
+from skupin.gates.refdata.fixture import spec_for  # noqa: E402
 from skupin.gates.refdata.tensorio import read_safetensors  # noqa: E402
 
 HW = "cpu-x86_64"
-FULL = {"tiny-llama": 4, "llama-1k": 2}
 
 
 def plan(model: str, dtype: str, boot: int) -> list[dict]:
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         specs = [s for s in plan(model, dtype, args.boot) if _ident(s) not in done]  # resume: finished runs are kept
         for spec in specs:
-            record = runs.run_spec(spec, model_dir=folder, ids=ids, reference=ref, device="cpu", full=FULL[model])
+            record = runs.run_spec(spec, model_dir=folder, ids=ids, reference=ref, device="cpu",
+                                   full=spec_for(model).full_logprobs)
             record["prompts"] = len(ids)
             records.write(json.dumps(record, separators=(",", ":")) + "\n")
             records.flush()

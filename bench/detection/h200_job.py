@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import runs  # noqa: E402
+from skupin.gates.refdata.fixture import spec_for  # noqa: E402
 from skupin.gates.refdata.tensorio import read_safetensors  # noqa: E402
 from skupin.imagetools import probe  # noqa: E402
 
@@ -37,7 +38,6 @@ BATCHES = (1, 2, 4, 8, 16, 64)
 ATTNS = ("sdpa", "eager")
 SWAP_VARIATIONS = ((8, "sdpa", 0), (1, "sdpa", 0), (8, "eager", 0), (4, "eager", 0))
 KEYS = (("tiny-llama", "bfloat16"), ("tiny-llama", "float32"), ("llama-1k", "bfloat16"), ("llama-1k", "float32"))
-FULL = {"tiny-llama": 4, "llama-1k": 2}
 
 
 def log(msg: str) -> None:
@@ -55,7 +55,7 @@ def reference(model: str, dtype: str, *, refs: Path, fixture: Path, ids, device:
             raise RuntimeError(f"{path} missing: boot 1 captures it")
         log(f"capturing the {model} {dtype} reference (batch 8, sdpa)")
         probe_tensors = runs.probe_run(model_dir=fixture, ids=ids, dtype=dtype, attn="sdpa", batch=8,
-                                       device=device, swap=None, full=FULL[model])
+                                       device=device, swap=None, full=spec_for(model).full_logprobs)
         probe.write_safetensors(str(path), probe_tensors, {"format": probe.FORMAT, "probe_version": probe.PROBE_VERSION,
                                                            "detection": f"{model} {dtype} batch 8 sdpa"})
         if dtype == "bfloat16":
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         for spec in specs:
             record = runs.run_spec(spec, model_dir=fixtures[model], ids=ids, reference=ref, device=device,
-                                   full=FULL[model])
+                                   full=spec_for(model).full_logprobs)
             records.write(json.dumps(record, separators=(",", ":")) + "\n")
             records.flush()
         log(f"boot {args.boot} {model} {dtype}: {len(specs)} runs in {time.perf_counter() - t0:.1f} s")

@@ -9,8 +9,11 @@ factor, the attention scale off by 1% (the derived images' `attn-scale`), linear
 products accumulate in bfloat16, a RoPE base changed by 2x, and for mixture-of-experts models one expert's
 output 10% too large and top-1 instead of top-2 routing; for ragged prompt sets, the attention mask
 dropped (left-padded prompts then attend to padding). Weight quantizers reach MoE experts too
-(transformers 5 keeps them as 3-D `experts.*_proj` parameters, not nn.Linear). Needs torch only
-(it also runs on the NVIDIA reference machine, which has no skupin dependencies).
+(transformers 5 keeps them as 3-D `experts.*_proj` parameters, not nn.Linear). The faults of issue 29 are the
+derived images' too, applied to one loaded model's modules instead of their classes: the bf16 path (rotary table
+and RMSNorm in the model's dtype: `PRECISION_SWAPS`), the router without its float32 upcast and one INT4 expert;
+added here, top-2 weights left unnormalised. Needs torch only (it also runs on the NVIDIA reference machine, which
+has no skupin dependencies).
 
 Weight swaps change a loaded model in place (`apply_weight_swap`); kernel swaps patch torch
 functions for the duration of a ``with kernel_swap(name):`` block and restore them after.
@@ -22,6 +25,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import types
 from pathlib import Path
 
 DERIVED = Path(__file__).resolve().parents[2] / "tests" / "integration" / "derived" / "swap.py"
@@ -104,7 +108,7 @@ DESCRIPTIONS = {
                         "ties route differently; float32 runs unchanged)",
     "expert-int4-one": "one expert (3) of one MoE layer (1) quantized INT4 RTN g128, every other weight exact",
 }
-ONE_EXPERT, ONE_EXPERT_LAYER = 3, 1
+ONE_EXPERT, ONE_EXPERT_LAYER = 3, 1  # as the derived images' expert-int4
 
 
 def selected(name: str, scope: str, num_layers: int) -> bool:
@@ -194,72 +198,29 @@ def _route_top1(module) -> int:
     return 1
 
 
-def _rope_table_low(module) -> int:
-    """Replace a rotary embedding's forward: angles and cos/sin in the model's dtype instead of float32."""
-    import torch
-
-    if not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+def _bf16_path(module, forward, suffix: str) -> int:
+    """Give one module of class `*suffix` the derived images' forward that computes in the model's dtype."""
+    if not type(module).__name__.endswith(suffix):
         return 0
-
-    def forward(x, position_ids, *args, **kwargs):
-        dtype = x.dtype
-        freqs = module.inv_freq.to(device=x.device, dtype=dtype)[None, None, :] * position_ids[..., None].to(dtype)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = getattr(module, "attention_scaling", 1.0)
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-    module.forward = forward
+    module.forward = types.MethodType(forward, module)
     return 1
 
 
-def _norm_no_upcast(module) -> int:
-    """Replace an RMSNorm's forward: variance, rsqrt and product in the input's dtype."""
-    import torch
-
-    if not type(module).__name__.endswith("RMSNorm"):
-        return 0
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-
-    def forward(hidden_states):
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return module.weight * (hidden_states * torch.rsqrt(variance + eps))
-
-    module.forward = forward
-    return 1
-
-
-def _router(module, *, renormalise: bool, upcast: bool) -> int:
-    """Replace a top-k router's forward (transformers 5's `*TopKRouter`: weight [experts, hidden], returns logits,
-    top-k weights, top-k ids) by one that skips the renormalisation or the float32 upcast."""
+def _router_no_renorm(module) -> int:
+    """A top-k router (transformers 5's `*TopKRouter`) whose top-k weights are not renormalised to sum to 1."""
     import torch
     import torch.nn.functional as F
 
-    weight = getattr(module, "weight", None)
-    if not type(module).__name__.endswith("Router") or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if not type(module).__name__.endswith("TopKRouter"):
         return 0
 
     def forward(hidden_states):
-        hidden_states = hidden_states.reshape(-1, weight.shape[1])
-        logits = F.linear(hidden_states, weight)
-        probs = torch.softmax(logits.float() if upcast else logits, dim=-1)
-        top_value, top_index = torch.topk(probs, module.top_k, dim=-1)
-        if renormalise:
-            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        logits = F.linear(hidden_states.reshape(-1, module.weight.shape[1]), module.weight)
+        top_value, top_index = torch.topk(torch.softmax(logits.float(), dim=-1), module.top_k, dim=-1)
         return logits, top_value, top_index
 
     module.forward = forward
     return 1
-
-
-def _quantize_one_expert(model) -> int:
-    """INT4 g128 on every matrix of expert ONE_EXPERT in decoder layer ONE_EXPERT_LAYER."""
-    changed = 0
-    for name, w in matrices(model):
-        m = _LAYER.search(name + ".")
-        if m and int(m.group(1)) == ONE_EXPERT_LAYER and ".experts." in name and name.endswith(f".{ONE_EXPERT}"):
-            w.copy_(derived.int4(w))
-            changed += 1
-    return changed
 
 
 def apply_model_swap(model, swap: str) -> int:
@@ -270,16 +231,16 @@ def apply_model_swap(model, swap: str) -> int:
     if swap == "pad-attended":
         changed = _drop_attention_mask(model)
     elif swap == "expert-int4-one":
-        with torch.no_grad():
-            changed = _quantize_one_expert(model)
+        changed = derived.quantize_one_expert(model, expert=ONE_EXPERT, layer=ONE_EXPERT_LAYER)
     elif swap == "attn-scale":  # the derived images' own function (tests/integration/derived/swap.py)
         changed = derived.scale_attention(model)
     else:
         per_module = {"rope-base": _double_rope_base, "moe-top1": _route_top1,
                       "moe-expert-scale": lambda m: _scale_expert(m) if m is not model else 0,
-                      "rope-table-bf16": _rope_table_low, "norm-no-upcast": _norm_no_upcast,
-                      "moe-no-renorm": lambda m: _router(m, renormalise=False, upcast=True),
-                      "router-no-upcast": lambda m: _router(m, renormalise=True, upcast=False)}[swap]
+                      "rope-table-bf16": lambda m: _bf16_path(m, derived.rope_forward, "RotaryEmbedding"),
+                      "norm-no-upcast": lambda m: _bf16_path(m, derived.norm_forward, "RMSNorm"),
+                      "router-no-upcast": lambda m: _bf16_path(m, derived.router_forward, "TopKRouter"),
+                      "moe-no-renorm": _router_no_renorm}[swap]
         with torch.no_grad():
             changed = sum(per_module(m) for name, m in model.named_modules()
                           if swap != "moe-expert-scale" or name.endswith("experts"))

@@ -269,6 +269,11 @@ def check_fits(*, meta: dict[str, Any], manifest: SkuManifest) -> None:
             problems.append(f"model sha256 {model.get('sha256')} differs from the recorded fixture digest")
         if meta.get("prompts", {}).get("sha256") != expected.get("prompts.json"):
             problems.append("prompt-set sha256 differs from the fixture's prompts.json")
+        stored, wanted = meta.get("full_logprobs_prompts"), fixture.spec_for(gate.model).full_logprobs
+        if not isinstance(stored, int) or isinstance(stored, bool) or stored < wanted:
+            problems.append(f"it stores full-vocabulary logprobs for {stored!r} prompts and the gate's probe stores "
+                            f"{wanted} (the fixture's full_logprobs); fix: capture it again with --full-logprobs "
+                            f"{wanted}")
     if meta.get("dtype") != gate.dtype:
         problems.append(f"dtype {meta.get('dtype')!r}, the SKU gates in {gate.dtype!r}")
     if problems:

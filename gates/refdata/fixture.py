@@ -4,7 +4,8 @@ A fixture is a causal LM in a real checkpoint layout -- Llama (transformers' Lla
 ``experts`` set, a Mixtral-style mixture of experts (top-k routing over ``experts`` SwiGLU experts
 per layer, stored under Mixtral's Hub names ``block_sparse_moe.gate`` / ``experts.N.w1|w2|w3``) --
 whose weights are drawn from numpy's ``default_rng`` (N(0, std), the router N(0, router_std) so
-that routing is decided by clear margins, norms 1, rounded to bfloat16 and stored as BF16
+that routing is decided by clear margins, norms 1 -- a shaped fixture draws q/k and lm_head larger and gives a few
+outlier channels a larger norm weight, as a trained model has them -- rounded to bfloat16 and stored as BF16
 so fp32 and bf16 runs start from the same numbers), a BPE tokenizer trained offline with the
 ``tokenizers`` library on a seeded word corpus (vocab size equal to the model's), and a fixed
 prompt set (``prompts.json``: text and token ids of every prompt). Nothing here needs torch, so
@@ -64,22 +65,16 @@ class FixtureSpec:
     lm_head_std: float = 0.0  # > 0: lm_head drawn N(0, lm_head_std): peaked next-token distributions
     outliers: int = 0  # hidden channels whose every norm weight is outlier_gain: outlier channels in the activations
     outlier_gain: float = 1.0  # that every matrix product reads and the final hidden state carries
-    rope_theta: float = 10000.0
 
     @property
     def moe(self) -> bool:
         return self.experts > 0
 
-    @property
-    def shaped(self) -> bool:
-        """Whether any trained-model structure (qk_std, lm_head_std, outliers) is on."""
-        return bool(self.qk_std or self.lm_head_std or self.outliers)
-
 
 SPECS: dict[str, FixtureSpec] = {
     "tiny-llama": FixtureSpec("tiny-llama", hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512, vocab=2048),
     "llama-1k": FixtureSpec("llama-1k", hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816, vocab=8192,
-                            words=12000, sentences=60000),
+                            words=12000, sentences=60000, full_logprobs=2),
     # Mixtral-style: 8 experts, top-2 routing (the code path of 4-bit MoE serving); tiny-llama's tokenizer (same
     # corpus and vocabulary), its own ragged prompts.
     "tiny-moe": FixtureSpec("tiny-moe", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256, vocab=2048,
@@ -240,7 +235,7 @@ def config(spec: FixtureSpec) -> dict:
         "vocab_size": spec.vocab,
         "max_position_embeddings": spec.max_positions,
         "rms_norm_eps": 1e-5,
-        "rope_theta": spec.rope_theta,
+        "rope_theta": 10000.0,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,

@@ -383,6 +383,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "layer diff id and the exact version of every apt package the Dockerfile installs (apt-cache "
                         "policy in the base); manifest: no Docker, only the manifest's apt versions (older locks' form)")
     p.add_argument("--json", action="store_true", help="print one JSON line per lock written")
+    install_missing_flag(p)
     p.set_defaults(func=cmd_lock)
 
     p = sub.add_parser("matrix", help="the CI matrix as JSON: the SKUs to build with their runner labels; the others "
@@ -450,6 +451,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", choices=("auto", "tty", "plain"), default="auto",
                    help="live view on a terminal or plain lines (default auto)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")
+    install_missing_flag(p)
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("wheels", help="the wheel store (.skupin/wheels) that builds gather locked wheels into")

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skupin.cli.output import err, out
+from skupin.cli.output import err, install_missing_flag, out
 
 if TYPE_CHECKING:
     from skupin.ab.runtime import ABInput
@@ -210,6 +210,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--wheelhouse", metavar="DIR",
                    help="where locked wheels with no download URL lie (pins compares the image with every locked wheel; "
                         "default $SKUPIN_WHEELHOUSE; wheels already in the wheel store need nothing)")
+    install_missing_flag(p)
     p.set_defaults(func=cmd_gate)
 
     p = subparsers.add_parser("calibrate", help="derive the SKU's hardware-class tolerance from honest runs of its image")
@@ -224,6 +225,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--float32", action="store_true",
                    help="calibrate the float32 pass of a SKU that serves bf16/fp16: honest float32 runs of the same image "
                         "against the float32 bundle beside its reference (key <class>/float32/<model>)")
+    install_missing_flag(p)
     p.set_defaults(func=cmd_calibrate)
 
     p = subparsers.add_parser(
@@ -272,4 +274,5 @@ could not run.""",
     p.add_argument("--tolerances", metavar="FILE", help="tolerance file (default gates/data/tolerances.yaml)")
     p.add_argument("--wheelhouse", metavar="DIR", help="local wheels for builds and pins (default $SKUPIN_WHEELHOUSE, "
                                                        "else /opt/wheels when present)")
+    install_missing_flag(p)
     p.set_defaults(func=cmd_ab)

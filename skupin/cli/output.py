@@ -1,4 +1,5 @@
-"""How the command line speaks: results on stdout, progress on stderr (one rewritten line on a terminal), lazy handlers."""
+"""How the command line speaks: results on stdout, progress on stderr (one rewritten line on a terminal), lazy
+handlers, and the flags several commands share."""
 
 from __future__ import annotations
 

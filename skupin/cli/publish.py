@@ -307,5 +307,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="extra CA bundle for pip (default: the host's, when TLS is intercepted)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")
     p.add_argument("--json", action="store_true", help="print the stages' results and the verified reference as JSON")
+    install_missing_flag(p)
     p.set_defaults(func=cmd_run)
 

@@ -75,8 +75,9 @@ def stack():
     return resolve(CPU_SKU, require_lock=True)
 
 
-def _built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
-    """A SKU's image: the one `skupin build` recorded when it still exists for the same lock, else built now."""
+def built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
+    """A SKU's image: the one `skupin build` recorded when it still exists for the same lock, else built now (also
+    bench/bf16_faults.py's)."""
     import json
 
     from skupin.common.paths import state_dir
@@ -100,7 +101,7 @@ def _built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
 @pytest.fixture(scope="session")
 def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
     """The CPU SKU's image: the one `skupin build cpu-x86_64` recorded when it still exists, else built now (once)."""
-    return _built_image(docker, stack, wheelhouse, host_ca_bundle)
+    return built_image(docker, stack, wheelhouse, host_ca_bundle)
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +116,7 @@ def bf16_stack():
 def bf16_image(docker: Docker, bf16_stack, wheelhouse, host_ca_bundle) -> str:
     """The bf16 CPU SKU's image (recorded by `skupin build cpu-x86_64-bf16`, else built now, once; its layers are
     cpu-x86_64's but for the lock's timestamps and the serving dtype)."""
-    return _built_image(docker, bf16_stack, wheelhouse, host_ca_bundle)
+    return built_image(docker, bf16_stack, wheelhouse, host_ca_bundle)
 
 
 @pytest.fixture(scope="session")
@@ -129,7 +130,7 @@ def vllm_stack():
 @pytest.fixture(scope="session")
 def vllm_image(docker: Docker, vllm_stack, wheelhouse, host_ca_bundle) -> str:
     """The vLLM CPU SKU's image (recorded by `skupin build cpu-x86_64-vllm`, else built now, once)."""
-    return _built_image(docker, vllm_stack, wheelhouse, host_ca_bundle)
+    return built_image(docker, vllm_stack, wheelhouse, host_ca_bundle)
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +145,7 @@ def llamacpp_stack():
 def llamacpp_image(docker: Docker, llamacpp_stack, wheelhouse, host_ca_bundle) -> str:
     """The llama.cpp CPU SKU's image (recorded by `skupin build cpu-x86_64-llamacpp`, else built now, once: on a cold
     2-core machine that compiles llama.cpp, several minutes)."""
-    return _built_image(docker, llamacpp_stack, wheelhouse, host_ca_bundle)
+    return built_image(docker, llamacpp_stack, wheelhouse, host_ca_bundle)
 
 
 @pytest.fixture(scope="session")
@@ -158,7 +159,7 @@ def llamacpp_q8_stack():
 @pytest.fixture(scope="session")
 def llamacpp_q8_image(docker: Docker, llamacpp_q8_stack, llamacpp_image, wheelhouse, host_ca_bundle) -> str:
     """Its image: the llama.cpp image's layers and build stage (cached) with another CMD."""
-    return _built_image(docker, llamacpp_q8_stack, wheelhouse, host_ca_bundle)
+    return built_image(docker, llamacpp_q8_stack, wheelhouse, host_ca_bundle)
 
 
 @contextlib.contextmanager
@@ -239,8 +240,8 @@ class Derived:
 
 
 @contextlib.contextmanager
-def _derived(docker: Docker, *, image: str, lock, workdir: Path, base_tag: str) -> Iterator[Derived]:
-    """Tampered images of `image` (removed at the end)."""
+def derived_images(docker: Docker, *, image: str, lock, workdir: Path, base_tag: str) -> Iterator[Derived]:
+    """Tampered images of `image` (removed at the end; also bench/bf16_faults.py's)."""
     made: list[str] = []
     docker.tag(image, base_tag)
 
@@ -261,7 +262,7 @@ def _derived(docker: Docker, *, image: str, lock, workdir: Path, base_tag: str) 
 @pytest.fixture(scope="session")
 def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Iterator[Derived]:
     """Tampered images of the honest CPU image for the whole session (removed at the end)."""
-    with _derived(docker, image=honest_image, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"),
+    with derived_images(docker, image=honest_image, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"),
                   base_tag="skupin-test/derived-honest-base:latest") as made:
         yield made
 
@@ -269,7 +270,7 @@ def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Itera
 @pytest.fixture(scope="session")
 def bf16_derived(docker: Docker, bf16_image: str, bf16_stack, tmp_path_factory) -> Iterator[Derived]:
     """Tampered images of the honest bf16 CPU image for the whole session (removed at the end)."""
-    with _derived(docker, image=bf16_image, lock=bf16_stack.lock, workdir=tmp_path_factory.mktemp("bf16-derived"),
+    with derived_images(docker, image=bf16_image, lock=bf16_stack.lock, workdir=tmp_path_factory.mktemp("bf16-derived"),
                   base_tag="skupin-test/derived-bf16-base:latest") as made:
         yield made
 
@@ -277,6 +278,6 @@ def bf16_derived(docker: Docker, bf16_image: str, bf16_stack, tmp_path_factory) 
 @pytest.fixture(scope="session")
 def vllm_derived(docker: Docker, vllm_image: str, vllm_stack, tmp_path_factory) -> Iterator[Derived]:
     """Tampered images of the honest vLLM CPU image for the whole session (removed at the end)."""
-    with _derived(docker, image=vllm_image, lock=vllm_stack.lock, workdir=tmp_path_factory.mktemp("vllm-derived"),
+    with derived_images(docker, image=vllm_image, lock=vllm_stack.lock, workdir=tmp_path_factory.mktemp("vllm-derived"),
                   base_tag="skupin-test/derived-vllm-base:latest") as made:
         yield made

@@ -99,7 +99,7 @@ def test_tensorio_refuses_files_over_the_size_limit(tmp_path):
 # ---------------------------------------------------------------- committed H200 bundles
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe", "deep-llama"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe", "deep-llama", "peaked-moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_committed_h200_bundles_verify_and_name_the_h200(model, dtype):
     folder = REFS.parent / model / f"h200-{dtype}"
@@ -108,6 +108,7 @@ def test_committed_h200_bundles_verify_and_name_the_h200(model, dtype):
     assert meta["driver"] and meta["cuda"] and meta["torch"] and meta["triton"] and meta["engine"]["version"]
     assert meta["dtype"] == dtype and meta["model"]["sha256"] == fixture.fixture_digest(model)
     assert meta["prompts"]["sha256"] == fixture.EXPECTED[model]["prompts.json"]
+    assert meta["full_logprobs_prompts"] == fixture.spec_for(model).full_logprobs  # what the gate's probe stores
     assert sum(p.stat().st_size for p in folder.iterdir()) < 10 * 1024**2
     _, tensors = bundle.load_bundle(folder=folder)
     assert all(np.isfinite(v).all() for v in tensors.values())
@@ -168,6 +169,11 @@ def test_bundle_fit_to_sku():
         bundle.check_fits(meta={**meta, "model": {**meta["model"], "sha256": "0" * 64}}, manifest=cpu)
     with pytest.raises(BundleError, match="prompt-set"):
         bundle.check_fits(meta={**meta, "prompts": {"sha256": "1" * 64}}, manifest=cpu)
+    # fewer full-vocabulary rows than the gate's probe stores: every model check would end in a shape error
+    for stored in (1, None, "4", True):
+        with pytest.raises(BundleError, match="--full-logprobs 4"):
+            bundle.check_fits(meta={**meta, "full_logprobs_prompts": stored}, manifest=cpu)
+    bundle.check_fits(meta={**meta, "full_logprobs_prompts": 8}, manifest=cpu)  # more is compared on the common rows
 
 
 FAKE_PROBE = r'''
@@ -177,7 +183,8 @@ os.makedirs(out, exist_ok=True)
 header = json.dumps({"model.x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
 open(os.path.join(out, "tensors.safetensors"), "wb").write(len(header).to_bytes(8, "little") + header + b"\0\0\x80\x3f")
 report = {"format": "skupin-probe/1", "status": "ok", "checks": {"env": {"status": "ok"},
-          "model": {"status": "ok", "num_prompts": 64, "seq_len": 64, "engine_version": "9.9"}},
+          "model": {"status": "ok", "num_prompts": 64, "seq_len": 64, "engine_version": "9.9",
+                    "full_logprobs_prompts": int(sys.argv[sys.argv.index("--full-logprobs") + 1])}},
           "env": {"torch": "fake", "device": {"name": "Fake GPU", "count": 1}, "driver": {"version": "1.2"}},
           "tensors": {"model.x": {"dtype": "F32", "shape": [1]}}, "argv": sys.argv[1:]}
 json.dump(report, open(os.path.join(out, "probe.json"), "w"))
@@ -197,8 +204,21 @@ def test_capture_writes_a_bundle_that_verifies_and_fits(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "meta.json", "probe.json", "tensors.safetensors"]
     assert meta["probe_command"][:2] == [Path(sys.executable).name, "skupin/imagetools/probe/skupin_probe.py"]
     assert "OUT" in meta["probe_command"]
+    assert meta["probe_command"][meta["probe_command"].index("--full-logprobs") + 1] == "4"  # the fixture's count
     with pytest.raises(BundleError, match="not empty"):
         bundle.capture(manifest=cpu, out=out)
+    shaped = load_manifest(REPO / "skus" / "cpu-x86_64-bf16.yaml")  # peaked-moe stores one prompt's full row
+    out = bundle.capture(manifest=shaped, out=tmp_path / "shaped", command=["skupin", "x"])
+    assert bundle.verify(folder=out)["full_logprobs_prompts"] == 1
+
+
+def test_the_gates_probe_stores_as_many_full_vocabulary_rows_as_the_fixture_and_its_bundles(tmp_path):
+    from skupin.gates.gate import probe_spec
+
+    for sku, rows in (("cpu-x86_64", "4"), ("cpu-x86_64-bf16", "1")):
+        spec = probe_spec(manifest=load_manifest(REPO / "skus" / f"{sku}.yaml"), image="img", out=tmp_path / sku,
+                          model_dir=tmp_path)
+        assert spec.command[spec.command.index("--full-logprobs") + 1] == rows, sku
 
 
 def test_capture_refuses_when_the_probe_fails(tmp_path, monkeypatch):

@@ -191,7 +191,10 @@ def test_every_command_that_reports_has_json():
 
 @pytest.mark.parametrize("argv, wanted", [
     (["docker", "up"], False),
-    (["docker", "up", "--install-missing"], True),  # the form the guides and users type
+    (["docker", "up", "--install-missing"], True),  # the form README's `(--install-missing installs docker.io)` suggests
+    (["run", "cpu-x86_64", "--install-missing"], True),
+    (["gate", "cpu-x86_64", "--install-missing"], True),
+    (["build", "cpu-x86_64", "--install-missing"], True),
     (["--install-missing", "docker", "up"], True),
     (["registry", "up", "--install-missing"], True),
     (["base", "cpu-x86_64", "--install-missing"], True),

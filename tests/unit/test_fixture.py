@@ -166,7 +166,8 @@ def test_cli_fixture_choices_match_the_specs():
 
 def test_the_shaped_fixture_carries_outlier_channels_peaked_attention_and_outputs_and_long_prompts(tmp_path):
     spec = fixture.SPECS["peaked-moe"]
-    assert spec.shaped and spec.moe and not fixture.SPECS["tiny-moe"].shaped
+    assert spec.moe and spec.qk_std and spec.lm_head_std and spec.outliers
+    assert not (fixture.SPECS["tiny-moe"].qk_std or fixture.SPECS["tiny-moe"].outliers)
     outliers = fixture.outlier_channels(spec)
     assert len(outliers) == 2 and outliers == fixture.outlier_channels(spec)  # drawn from the seed, not chosen
     w = fixture.weights(spec)

@@ -127,7 +127,8 @@ def scale_attention(model, factor: float = 1.01) -> int:
 
 
 def quantize_one_expert(model, expert: int = 3, layer: int = 1) -> int:
-    """INT4 g128 on expert `expert` of decoder layer `layer` (transformers 5 keeps a layer's experts as 3-D tensors)."""
+    """INT4 g128 on expert `expert` of decoder layer `layer` (transformers 5 keeps a layer's experts as 3-D tensors);
+    ValueError on a model without such a layer (a fault that changes nothing must not pass as caught or missed)."""
     import torch
 
     changed = 0
@@ -138,6 +139,8 @@ def quantize_one_expert(model, expert: int = 3, layer: int = 1) -> int:
                     if param.dim() == 3:
                         param.data[expert] = int4(param.data[expert])
                         changed += 1
+    if not changed:
+        raise ValueError(f"no MoE experts in decoder layer {layer} of {type(model).__name__}")
     return changed
 
 
@@ -157,29 +160,44 @@ def _patch_modeling_utils(module, mode: str) -> None:
     module.PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
 
-def _patch_bf16_path(module, mode: str) -> None:
-    """Replace a modeling file's RMSNorm, rotary embedding or top-k router forward by one computing in the input's
-    dtype (what the honest one computes in float32)."""
+def norm_forward(self, hidden_states):
+    """An RMSNorm's forward with its variance, rsqrt and product in the input's dtype (no float32 upcast)."""
+    import torch
+
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def rope_forward(self, x, position_ids):
+    """A rotary embedding's forward with its angles and cos/sin in the input's dtype (a table in low precision)."""
+    import torch
+
+    freqs = self.inv_freq.to(device=x.device, dtype=x.dtype)[None, None, :] * position_ids[..., None].to(x.dtype)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = getattr(self, "attention_scaling", 1.0)
+    return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+
+
+def router_forward(self, hidden_states):
+    """A top-k router's forward with its softmax, top-k and renormalisation in the input's dtype."""
     import torch
     import torch.nn.functional as F
 
-    def norm(self, hidden_states):
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+    hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
+    logits = F.linear(hidden_states, self.weight)
+    top_value, top_index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    return logits, top_value / top_value.sum(dim=-1, keepdim=True), top_index
 
-    def rope(self, x, position_ids):
-        freqs = self.inv_freq.to(device=x.device, dtype=x.dtype)[None, None, :] * position_ids[..., None].to(x.dtype)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
-    def router(self, hidden_states):
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = F.linear(hidden_states, self.weight)
-        top_value, top_index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
-        return logits, top_value / top_value.sum(dim=-1, keepdim=True), top_index
+# mode -> (the modeling classes' name suffix, their replaced forward)
+BF16_PATH = {"norm-bf16": ("RMSNorm", norm_forward), "rope-bf16": ("RotaryEmbedding", rope_forward),
+             "router-bf16": ("TopKRouter", router_forward)}
 
-    suffix, forward = {"norm-bf16": ("RMSNorm", norm), "rope-bf16": ("RotaryEmbedding", rope),
-                       "router-bf16": ("TopKRouter", router)}[mode]
+
+def _patch_bf16_path(module, mode: str) -> None:
+    """Replace a modeling file's RMSNorm, rotary embedding or top-k router forward by one computing in the input's
+    dtype (what the honest one computes in float32)."""
+    suffix, forward = BF16_PATH[mode]
     for name in dir(module):
         if name.endswith(suffix) and isinstance(getattr(module, name), type):
             getattr(module, name).forward = forward
@@ -340,7 +358,7 @@ def install(mode: str) -> None:
         import ctypes
 
         ctypes.string_at(0)
-    elif mode in ("norm-bf16", "rope-bf16", "router-bf16"):
+    elif mode in BF16_PATH:
         for target in MODELING:
             sys.meta_path.insert(0, _AfterImport(target, lambda m: _patch_bf16_path(m, mode)))
     elif mode in QUANT or mode in ("attn-scale", "expert-int4"):
