@@ -48,6 +48,7 @@ from skupin.gates.refdata.bundle import bundle_sha256  # noqa: E402
 
 RESULTS = ROOT / "bench/results/calibration"
 HW, MARGIN = "nvidia-hopper", 4.0
+ENGINE = "transformers"  # the engine of the in-process runs: the entries hold for it alone (ToleranceKey.engine)
 MODELS = ("tiny-llama", "tiny-moe", "deep-llama", "llama-1k", "peaked-moe")
 # bundles in gates/references: their entries are merged into tolerances.yaml
 COMMITTED = ("tiny-llama", "tiny-moe", "deep-llama", "peaked-moe")
@@ -111,7 +112,7 @@ def entry_for(model: str, dtype: str, calib: list[dict], env: dict) -> Tolerance
     """The project's calibration of (nvidia-hopper, dtype, model) from the calibration split."""
     measured = [Measurement(label=analysis.label(r), stats=analysis.to_stats(r), kernels=analysis.to_kernels(r), env=env)
                 for r in calib]
-    key = ToleranceKey(hardware_class=HW, dtype=dtype, model=model)
+    key = ToleranceKey(hardware_class=HW, dtype=dtype, model=model, engine=ENGINE)
     engines = env.get("engines") or {}
     sha = bundle_sha256(ROOT / f"gates/references/{model}/h200-{dtype}") if model in COMMITTED else "0" * 64
     entry = derive_entry_from_measurements(
@@ -350,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     env = json.loads((RESULTS / "h200-calib-env.json").read_text(encoding="utf-8"))
     records = analysis.load_records([RESULTS / "h200-calib-records.jsonl.gz"])
     tolerances = load_tolerances(args.tolerances)
+    # this class's entries carry their engine (ToleranceKey.engine); one written before that, without it, is replaced
+    tolerances = tolerances.model_copy(update={"entries": tuple(
+        e for e in tolerances.entries if e.key.hardware_class != HW or e.key.engine)})
     result: dict = {"source": "bench/results/calibration/h200-calib-records.jsonl.gz", "margin": MARGIN, "keys": {}}
     entries: dict[tuple[str, str], ToleranceEntry] = {}
     for model in MODELS:

@@ -482,7 +482,8 @@ def _entry_for(tolerances: Tolerances, path: Path, key: ToleranceKey, ref_sha: s
     and why there is none (with the `calibrate` command that fixes it)."""
     entry = tolerances.find(key)
     if entry is None:
-        return None, f"no calibrated tolerance for {key.label()} in {path}; fix: {calibrate} on that hardware"
+        return None, (f"no calibrated tolerance for {key.label()} in {path}{tolerances.missing(key)}; fix: {calibrate} "
+                      "on that hardware")
     if entry.provenance.reference_sha256 != ref_sha:
         return None, (f"the tolerance of {key.label()} was calibrated against bundle "
                       f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; fix: {calibrate}")

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
+from skupin.builder.catalog.families import ALL_FAMILIES
 from skupin.builder.catalog.grammar import Name
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.common.errors import BundleError, GateCouldNotRun
@@ -80,16 +81,32 @@ class ToleranceKey(Frozen):
     hardware_class: Name
     dtype: str = Field(pattern=r"^(float32|bfloat16|float16)$")
     model: Name
+    engine: str = Field("", pattern=r"^([a-z0-9][a-z0-9._-]{0,63})?$", description=(
+        "The engine whose honest runs the entry was calibrated from, on a class whose SKUs need an accelerator: there "
+        "every engine brings its own kernels (attention, MoE, norms) and so its own honest noise, and an entry holds "
+        "for that engine alone. Empty on a CPU class, whose entry holds for every engine (its cross-engine evidence: "
+        "docs/GATE.md, 'Engines and the tolerance key'). Left out of the key when empty"))
+
+    @model_serializer(mode="wrap")
+    def _without_empty_engine(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A key without an engine serialises as keys did before: the same entries' tolerance_sha256."""
+        data = handler(self)
+        if not self.engine:
+            data.pop("engine", None)
+        return data
 
     @classmethod
     def of(cls, manifest: SkuManifest, *, float32: bool = False) -> ToleranceKey:
         """The key of `manifest`'s gate: its hardware class, its gate dtype (float32 for the float32 pass of a SKU
-        that serves another dtype) and its model."""
+        that serves another dtype), its model and, where its family needs an accelerator, its engine."""
+        accelerated = ALL_FAMILIES[manifest.base.family].accelerated
         return cls(hardware_class=manifest.accelerator.hardware_class,
-                   dtype="float32" if float32 else manifest.gate.dtype, model=manifest.gate.model)
+                   dtype="float32" if float32 else manifest.gate.dtype, model=manifest.gate.model,
+                   engine=manifest.stack.engine.name if accelerated else "")
 
     def label(self) -> str:
-        return f"{self.hardware_class}/{self.dtype}/{self.model}"
+        base = f"{self.hardware_class}/{self.dtype}/{self.model}"
+        return f"{base}/{self.engine}" if self.engine else base
 
 
 class ModelThresholds(Frozen):
@@ -188,6 +205,15 @@ class Tolerances(Frozen):
     def find(self, key: ToleranceKey) -> ToleranceEntry | None:
         return next((e for e in self.entries if e.key == key), None)
 
+    def missing(self, key: ToleranceKey) -> str:
+        """Why `key` has no entry, when entries of the same class, dtype and model exist for other engines."""
+        others = sorted(e.key.engine for e in self.entries if e.key.engine and e.key != key and
+                        e.key.model_copy(update={"engine": key.engine}) == key)
+        if not others:
+            return ""
+        return (f" (calibrated with {', '.join(others)} only: on accelerator hardware every engine brings its own "
+                f"kernels and its own honest noise, so an entry holds for the engine it was calibrated with)")
+
 
 def statistics_problems(entry: ToleranceEntry) -> list[str]:
     """What is wrong with the statistics of `entry` against the registry (gates/judge/compare.py: STATISTICS): every
@@ -251,8 +277,8 @@ def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, refere
     fix = f"fix: skupin calibrate {manifest.name} on that hardware (an honest image of it)"
     entry = tolerances.find(key)
     if entry is None:
-        return (f"no calibrated tolerance for {key.label()} in {path}: its gate runs the calibration-free checks only and "
-                f"ends 'uncalibrated' (exit 14), never pass; {fix}")
+        return (f"no calibrated tolerance for {key.label()} in {path}{tolerances.missing(key)}: its gate runs the "
+                f"calibration-free checks only and ends 'uncalibrated' (exit 14), never pass; {fix}")
     folder = Path(reference)
     if (folder / "SHA256SUMS").is_file() and bundle_sha256(folder) != entry.provenance.reference_sha256:
         return (f"the tolerance of {key.label()} was calibrated against bundle {entry.provenance.reference_sha256[:12]}, "
@@ -280,7 +306,8 @@ def float32_pass_warning(*, manifest: SkuManifest, tolerances: Tolerances, refer
     key = ToleranceKey.of(manifest, float32=True)
     entry = tolerances.find(key)
     if entry is None or entry.provenance.reference_sha256 != bundle_sha256(folder):
-        return (f"no calibrated tolerance for {key.label()} against {folder.name} in {path}: its float32 pass runs the "
+        return (f"no calibrated tolerance for {key.label()} against {folder.name} in {path}{tolerances.missing(key)}: "
+                f"its float32 pass runs the "
                 f"hard bounds only and the gate ends 'uncalibrated' (exit 14) at best; fix: skupin calibrate "
                 f"{manifest.name} --float32 on that hardware")
     return None

@@ -17,7 +17,7 @@ from skupin.publishing.attest import CheckOutcome, Float32Pin, ReferencePin, Tol
 from skupin.publishing.policy import Expected, expected_for, predicate_problems
 
 REPO = Path(__file__).resolve().parents[2]
-SKU = "nvidia-h200-vllm"  # bfloat16 on an engine with a float32 path: both bundles and both entries decide its verdict
+SKU = "cpu-x86_64-bf16"  # bfloat16 on an engine with a float32 path: both bundles and both entries decide its verdict
 
 # Every field of a verdict that records an INPUT of the decision, and the predicate field that attests it. Fields that
 # record what the gate found (outputs) are listed apart; a new verdict field must be put in one of the two.

@@ -206,7 +206,7 @@ def test_an_image_that_fails_the_float32_pass_is_refused(monkeypatch, tmp_path, 
 def test_a_bf16_sku_whose_float32_pass_passes_is_calibrated(monkeypatch, tmp_path, reference):
     world = World(monkeypatch, reference)
     entry = _calibrate(_stack("nvidia-h200-vllm"), tmp_path)
-    assert world.float32_runs == 1 and entry.key.label() == "nvidia-hopper/bfloat16/tiny-llama"
+    assert world.float32_runs == 1 and entry.key.label() == "nvidia-hopper/bfloat16/tiny-llama/vllm"
 
 
 def test_deriving_an_entry_with_hard_bounds_refuses_runs_that_break_one(reference):

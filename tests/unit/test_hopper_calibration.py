@@ -23,7 +23,8 @@ def records() -> list[dict]:
 
 
 def hopper(dtype: str, model: str = "tiny-llama"):
-    return lookup(load_tolerances(), ToleranceKey(hardware_class="nvidia-hopper", dtype=dtype, model=model))
+    return lookup(load_tolerances(), ToleranceKey(hardware_class="nvidia-hopper", dtype=dtype, model=model,
+                                                  engine="transformers"))
 
 
 COMMITTED = [(m, d) for m in D.COMMITTED for d in D.DTYPES]
