@@ -333,3 +333,17 @@ def test_a_float32_pass_without_a_bundle_beside_the_reference_cannot_run(monkeyp
     shutil.copytree(REPO / "gates/references/tiny-llama/h200-bfloat16", alone)
     result, asked = float32_run(tmp_path, monkeypatch, dict(reference), reference=alone)
     assert result.status == "error" and "no float32 bundle to compare with" in result.reason and not asked
+
+
+def test_the_gate_of_a_hopper_sku_whose_engine_the_class_never_calibrated_finds_no_entry_and_says_why(tmp_path):
+    """Issue 31: the gate's own tolerance step (the one every check reads) gives a vLLM Hopper SKU no entry, naming the
+    engine its class was calibrated with and the command; every check then runs its calibration-free part and the run
+    ends 'uncalibrated' (exit 14), never pass and never fail for want of an entry."""
+    manifest = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
+    inputs = GateInputs(stack=ResolvedStack(manifest=manifest, manifest_path=SKUS / "nvidia-h200-vllm.yaml"),
+                        image="img", docker=None, out=tmp_path, on_event=lambda _: None,  # type: ignore[arg-type]
+                        tolerances_path=DEFAULT_PATH, reference=None, baseline=None, serve_perf=None, scratch=tmp_path)
+    found = gate._find_tolerance(inputs, gate._check_reference(inputs))
+    assert found.entry is None and found.info.key == "nvidia-hopper/bfloat16/tiny-llama/vllm"
+    assert "calibrated with transformers only" in found.problem
+    assert "fix: skupin calibrate nvidia-h200-vllm on that hardware" in found.problem
