@@ -3,10 +3,14 @@
 No Docker runs on the H200, so no image is gated there. What can run is everything the image would do: the
 probe script the gate mounts, with exactly the arguments `gates.gate.probe_spec` gives the SKU's container (the
 boot probe at the serving dtype, with the kernel battery, the engine op battery and the model check; the float32
-pass's probe), on the GPU, with the fixture where the container would find it. Its output frames come back, and
-on the development machine the gate's own check functions (`_check_kernels`, `_check_ops`, `_check_model`,
-`_check_float32`) judge them against the committed bundles with the committed tolerance entries, exactly as a
-Hopper Docker host's gate would after `pins` and `boot`.
+pass's probe, model check only), on the GPU, with the fixture where the container would find it and the sandbox's
+environment (its home and caches in a fresh folder). Its output frames come back, and on the development machine
+the gate's own check functions (`_check_kernels`, `_check_ops`, `_check_model`, `_check_float32`) judge them
+against the committed bundles with the committed tolerance entries, as a Hopper Docker host's gate would after
+`pins` and `boot` (the judge refuses when the gate would ask the float32 probe for other arguments than ran).
+The committed nvidia-hopper entries were calibrated on the same machine and stack, so a pass shows that the gate's
+probe command and its host-side judging run end to end on a GPU and agree with the calibration; it does not show
+that an image of the SKU's own engine would pass.
 
     # on the H200 (pydantic from .whl; the engine: what is installed there, transformers)
     PYTHONPATH=/tmp/site:$PWD python3 bench/h200/rehearse.py run --sku nvidia-h200-vllm --engine transformers \\
@@ -55,10 +59,19 @@ def manifest_for(sku: str, *, engine: str, model: str | None) -> SkuManifest:
     return manifest.model_copy(update={"stack": stack, "gate": gate_})
 
 
-def host_command(manifest: SkuManifest, model_dir: Path) -> list[str]:
+def float32_probe_manifest(manifest: SkuManifest) -> SkuManifest:
+    """The manifest the gate's float32 pass probes with (gates/gate.py _check_float32): float32 against the float32
+    bundle, the model check only (the kernel battery ran in the boot's probe; no op battery)."""
+    m32 = float32_manifest(manifest)
+    return m32.model_copy(update={"gate": m32.gate.model_copy(
+        update={"checks": tuple(c for c in m32.gate.checks if c != "kernels")})})
+
+
+def host_command(manifest: SkuManifest, model_dir: Path, *, ops: bool) -> list[str]:
     """The gate container's probe command on this host: the same script and arguments, the fixture's folder where
     the container has MODEL_MOUNT."""
-    spec = gate.probe_spec(manifest=manifest, image="rehearsal", out=Path("/tmp/rehearsal"), model_dir=model_dir)
+    spec = gate.probe_spec(manifest=manifest, image="rehearsal", out=Path("/tmp/rehearsal"), model_dir=model_dir,
+                           ops=ops)
     args = [str(model_dir) if a == MODEL_MOUNT else a.replace(MODEL_MOUNT + "/", f"{model_dir}/")
             for a in spec.command[1:]]
     return [sys.executable, str(PROBE), *args]
@@ -69,10 +82,11 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="skupin-rehearse-") as tmp:
         model_dir = fixture_folder(name=manifest.gate.model, model_dir=None, scratch=Path(tmp))
-        env = {**os.environ, **SANDBOX_ENV, **manifest.runtime.env, "HOME": tmp}
+        # the sandbox's environment, its home and caches in a fresh folder (the host's /tmp caches stay out)
+        env = {**os.environ, **{k: v.replace("/tmp", tmp) for k, v in SANDBOX_ENV.items()}, **manifest.runtime.env}
         summary = {}
-        for name, m in (("boot", manifest), ("float32", float32_manifest(manifest))):
-            command = host_command(m, model_dir)
+        for name, m, ops in (("boot", manifest, True), ("float32", float32_probe_manifest(manifest), False)):
+            command = host_command(m, model_dir, ops=ops)
             t0 = time.monotonic()
             done = subprocess.run(command, env=env, capture_output=True, check=False, timeout=args.timeout)
             (args.out / FRAMES[name]).write_bytes(done.stdout)
@@ -92,7 +106,19 @@ def probe_run(frame: Path) -> gate.ProbeRun:
 def judge(args: argparse.Namespace) -> int:
     manifest = manifest_for(args.sku, engine=args.engine, model=args.model)
     boot_probe, float32_probe = probe_run(args.frames / FRAMES["boot"]), probe_run(args.frames / FRAMES["float32"])
-    gate.probe_in_container = lambda **_: float32_probe  # the float32 pass's probe: the frame recorded on the H200
+    expected = host_command(float32_probe_manifest(manifest), Path(MODEL_MOUNT), ops=False)[2:]
+    recorded = json.loads((args.frames / "rehearsal.json").read_text(encoding="utf-8"))["float32"]["command"][1:]
+
+    def float32_frame(*, manifest: SkuManifest, ops: bool = True, **_: object) -> gate.ProbeRun:
+        """The float32 pass's probe: the frame recorded on the H200, once the gate asks for what was recorded."""
+        asked = host_command(manifest, Path(MODEL_MOUNT), ops=ops)[2:]
+        model_args = {"--model", "--prompts"}
+        same = [a for i, a in enumerate(asked) if i == 0 or asked[i - 1] not in model_args]
+        if same != [a for i, a in enumerate(recorded) if i == 0 or recorded[i - 1] not in model_args] or asked != expected:
+            raise SystemExit(f"the gate asks the float32 probe for {asked}, the H200 ran {recorded}")
+        return float32_probe
+
+    gate.probe_in_container = float32_frame
     with tempfile.TemporaryDirectory(prefix="skupin-rehearse-") as tmp:
         inputs = gate.GateInputs(stack=ResolvedStack(manifest=manifest, manifest_path=ROOT / "skus" / f"{args.sku}.yaml"),
                                  image="rehearsal", docker=None, out=Path(tmp), on_event=lambda _: None,  # type: ignore[arg-type]

@@ -45,6 +45,7 @@ import base64
 import email.parser
 import email.policy
 import fnmatch
+import glob
 import hashlib
 import io
 import json
@@ -99,11 +100,12 @@ MAX_MAGIC_READ = 16 << 20  # an unaccounted file of a Python path read to say wh
 # Where the gate's sandbox mounts over the image (gates/sandbox.py's tmpfs, the model at its production path; the
 # probe's folder is ImageLayout.probe_dir): what the image holds there production sees and the gate does not.
 SANDBOX_MOUNTS = (*SANDBOX_TMPFS, MODEL_MOUNT)
-# Run-time caches under a home folder: what engines load there without asking (Triton's compiled kernels in .triton,
-# CUDA's JIT cache in .nv, Inductor's, vLLM's compile cache, torch extensions and Hugging Face's hub in .cache, user
-# site-packages in .local). The sandbox points HOME and every cache variable at its empty tmpfs (SANDBOX_ENV), so what
-# an image ships there production would load and the gate would not.
-HOME_CACHES = (".cache", ".triton", ".nv", ".local")
+# A process's home is where engines keep what they load at run time without asking: Triton's compiled kernels in
+# .triton, CUDA's JIT cache in .nv, Inductor's and vLLM's compiled graphs, torch extensions and Hugging Face's hub in
+# .cache, MIOpen's kernel database in .config, user site-packages in .local. The sandbox gives every process an empty
+# HOME on its tmpfs and points every cache variable there (SANDBOX_ENV), so whatever an image ships in a home
+# production would load and the gate would not: nothing may be there above the base.
+MAX_PASSWD_BYTES = 1 << 20
 MAX_LISTED = 25
 DEBIAN_ARCH = {"linux/amd64": "amd64", "linux/arm64": "arm64"}
 # The image config fields compared with the render, and how a finding names each.
@@ -179,17 +181,6 @@ class ImageLayout:
     def sandbox_mounts(self) -> tuple[str, ...]:
         """Folders the gate's sandbox mounts over (relative to /): the tmpfs, the model, the probe's folder."""
         return tuple(dict.fromkeys(m.strip("/") for m in (*SANDBOX_MOUNTS, self.probe_dir)))
-
-    @staticmethod
-    def home_caches(config: dict[str, Any]) -> tuple[str, ...]:
-        """The run-time cache folders (relative to /) of every home a process of the image may have: the HOME its
-        config sets, root's, and any under /home."""
-        homes = ["root", "home/*"]
-        for item in config.get("Env") or ():
-            key, sep, value = str(item).partition("=")
-            if sep and key == "HOME" and value.strip("/"):
-                homes.insert(0, posixpath.normpath("/" + value).strip("/"))
-        return tuple(dict.fromkeys(f"{home}/{cache}" for home in homes for cache in HOME_CACHES))
 
     def debian_python_paths(self) -> tuple[str, ...]:
         """The Python paths Debian packages install into; the others (the venv, /usr/local) no package owns."""
@@ -384,7 +375,7 @@ def check_integrity(*, view: FileView, base_view: FileView, config: dict[str, An
     image = replace(image, pth_paths=_pth_paths(image, log))
     _check_config(image, log, config=config, labels=labels, lock=lock, expected=expected)
     _check_sandbox_mounts(image, log)
-    _check_home_caches(image, log, layout.home_caches(config))
+    _check_home_caches(image, log, _homes(image, log, config))
     # a source-built engine's compiler and build packages live in its build stage, never in the image
     image_system = {layer: items for layer, items in lock.system.items() if layer != BUILD_STAGE}
     system = {item.partition("=")[0] for items in image_system.values() for item in items}
@@ -880,20 +871,43 @@ def _check_sandbox_mounts(image: _Image, log: _Log) -> None:
                                 "see it, the gate would not", path)
 
 
-def _check_home_caches(image: _Image, log: _Log, caches: tuple[str, ...]) -> None:
-    """Nothing above the base in a home's run-time caches (`caches`, patterns of ImageLayout.home_caches): the gate's
-    sandbox gives every process an empty HOME and cache folders, production the image's own."""
+def _homes(image: _Image, log: _Log, config: dict[str, Any]) -> tuple[str, ...]:
+    """Every home a process of the image may have (relative to /, `home/*` a pattern): root's, any under /home, the
+    HOME its config sets, and the home the image's own /etc/passwd gives the config's user (where Docker takes HOME
+    from when the config sets none)."""
+    homes = ["root", "home/*"]
+    env = dict(str(item).partition("=")[::2] for item in config.get("Env") or ())
+    if env.get("HOME", "").strip("/"):
+        homes.append(posixpath.normpath("/" + env["HOME"]).strip("/"))
+    user = (str(config.get("User") or "root").split(":")[0]) or "root"
+    passwd = image.view.get("etc/passwd")
+    if passwd is not None and passwd.kind == "f":
+        try:
+            text = image.view.read_file("etc/passwd", max_bytes=MAX_PASSWD_BYTES).decode("utf-8", "replace")
+        except (UntrustedInputError, OSError, KeyError) as exc:
+            log.unverifiable.append(f"/etc/passwd cannot be read here, so the home its user gets was not checked: {exc}")
+            text = ""
+        for line in text.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 6 and user in (fields[0], fields[2]) and fields[5].strip("/"):
+                homes.append(posixpath.normpath("/" + fields[5]).strip("/"))
+    return tuple(dict.fromkeys(glob.escape(h) if h != "home/*" else h for h in homes))
+
+
+def _check_home_caches(image: _Image, log: _Log, homes: tuple[str, ...]) -> None:
+    """Nothing above the base in a home (`homes`, patterns of _homes), the home itself included (a link put there
+    leads its caches elsewhere): the gate's sandbox gives every process an empty home, production the image's own."""
     for path, entry in sorted(image.view.entries.items()):
-        if entry.kind == "d" or image.base(entry):
+        if image.base(entry) or entry.kind == "d":
+            continue  # folders hold nothing by themselves; a home made above the base is judged by what is in it
+        home = next((h for h in homes if fnmatch.fnmatchcase(path, h) or fnmatch.fnmatchcase(path, h + "/*")), None)
+        if home is None:
             continue
-        cache = next((c for c in caches if fnmatch.fnmatchcase(path, c + "/*")), None)
-        if cache is not None:
-            what = "a link" if entry.kind == "l" else "a file" if entry.kind == "f" else "an entry"
-            folder = "/".join(path.split("/")[:cache.count("/") + 1])
-            log.find("sandbox", f"{what} in /{folder}, a run-time cache "
-                                "(compiled kernels, compiled graphs, downloaded models, user packages) production loads "
-                                "from the image's home: the gate's sandbox gives every process an empty home and "
-                                "caches, so production would load it and the gate would not", path)
+        folder = "/".join(path.split("/")[:home.count("/") + 1])
+        what = "a link" if entry.kind == "l" else "a file" if entry.kind == "f" else "an entry"
+        log.find("sandbox", f"{what} in the home /{folder}, where engines keep what they load at run time (compiled "
+                            "kernels and graphs, downloaded models, user packages): the gate's sandbox gives every "
+                            "process an empty home, so production would load it and the gate would not", path)
 
 
 def _canonical(name: str) -> str:

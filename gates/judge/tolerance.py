@@ -81,7 +81,7 @@ class ToleranceKey(Frozen):
     hardware_class: Name
     dtype: str = Field(pattern=r"^(float32|bfloat16|float16)$")
     model: Name
-    engine: str = Field("", pattern=r"^([a-z0-9][a-z0-9._-]{0,63})?$", description=(
+    engine: str = Field("", pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127})?$", description=(
         "The engine whose honest runs the entry was calibrated from, on a class whose SKUs need an accelerator: there "
         "every engine brings its own kernels (attention, MoE, norms) and so its own honest noise, and an entry holds "
         "for that engine alone. Empty on a CPU class, whose entry holds for every engine (its cross-engine evidence: "
@@ -252,6 +252,11 @@ def load_tolerances(path: Path = DEFAULT_PATH) -> Tolerances:
     keys = [e.key for e in tolerances.entries]
     if len(keys) != len(set(keys)):
         raise GateCouldNotRun(f"{path}: an entry key appears twice")
+    engine_free = {k.label() for k in keys if not k.engine}
+    mixed = sorted({k.label().rsplit("/", 1)[0] for k in keys if k.engine and k.label().rsplit("/", 1)[0] in engine_free})
+    if mixed:
+        raise GateCouldNotRun(f"{path}: {', '.join(mixed)} has an entry for every engine and entries for single engines; "
+                              "fix: keep one kind (a class whose SKUs need an accelerator keys its entries by engine)")
     problems = [line for e in tolerances.entries for line in statistics_problems(e)]
     if problems:
         raise GateCouldNotRun(f"{path}: invalid tolerance file: {'; '.join(problems)}; fix: skupin calibrate the "

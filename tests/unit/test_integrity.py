@@ -786,18 +786,22 @@ def test_the_layout_covers_every_mount_and_tmpfs_of_the_gates_sandbox(tmp_path: 
     ("root/.cache/vllm/torch_compile_cache/rank_0/graph.bin", "file"),  # a pickled compiled graph: data to no one else
     ("root/.nv/ComputeCache/index", "file"),  # CUDA's JIT cache
     ("root/.cache/huggingface/hub/models--x/config.json", "file"),
-    ("root/.local/lib/python3.11/site-packages/torch.py", "file"),
+    ("root/.config/miopen/gfx942.udb", "file"),  # MIOpen's kernel database
+    ("root/.bashrc", "file"),  # anything: the sandbox hides the whole home
     ("home/app/.cache/torch_extensions/py311_cpu/op/op.so", "file"),
     ("srv/app/.triton/cache/k.json", "file"),  # the HOME the image's config names
     ("root/.triton/cache", "link"),
+    ("root/.cache", "link"),  # the cache folder itself, leading elsewhere
+    ("root", "link"),  # the home itself
 ])
-def test_a_run_time_cache_in_a_home_fails_because_the_sandbox_gives_every_process_an_empty_home(
+def test_anything_in_a_home_fails_because_the_sandbox_gives_every_process_an_empty_home(
         honest, path: str, kind: str) -> None:
     """Issue 30: the sandbox sets HOME and every cache variable to its empty tmpfs; production uses the image's home,
-    where Triton, CUDA, Inductor, vLLM and Hugging Face load what they find. Whatever an image ships there fails."""
+    where Triton, CUDA, Inductor, vLLM, MIOpen and Hugging Face load what they find. Whatever an image ships there
+    above the base fails, a link at the home or at a cache folder too."""
     image, lock, wheels = honest
     if kind == "link":
-        image.link(path, "/etc/ssl/certs/ISRG.pem", layer=1)
+        image.link(path, "/srv/elsewhere", layer=1)
     else:
         image.add(path, b"\x7fELF or a pickle: loaded in production only\n", layer=1)
     view = image.view()
@@ -808,15 +812,31 @@ def test_a_run_time_cache_in_a_home_fails_because_the_sandbox_gives_every_proces
                              wheels=wheels, base_layers=1, host=None, verify_bytecode=Verifier())
     mine = [f for f in report.findings if f.kind == "sandbox"]
     assert [f.path for f in mine] == [path], [f.line() for f in report.findings]
-    assert "run-time cache" in mine[0].detail and "production would load it and the gate would not" in mine[0].detail
+    assert "in the home /" in mine[0].detail and "production would load it and the gate would not" in mine[0].detail
 
 
-def test_a_homes_other_files_and_the_bases_own_caches_pass(honest) -> None:
+def test_the_home_the_images_own_passwd_gives_its_user_is_checked_too(honest) -> None:
+    """With no HOME in the config, Docker takes the user's home from the image's /etc/passwd: an image that moves
+    root's home there and ships a cache in it fails as it would in /root."""
     image, lock, wheels = honest
-    image.add("root/.bashrc", b"# Debian's skeleton\n", layer=1)  # not a cache (and not code any engine loads)
-    image.add("root/.cache/motd.legal-displayed", b"", layer=0)  # the base's, verified with the base
+    image.add("etc/passwd", b"root:x:0:0:root:/srv/x:/bin/bash\nnobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n",
+              layer=1)
+    image.add("srv/x/.cache/vllm/graph.bin", b"pickle", layer=1)
+    view = image.view()
+    report = check_integrity(view=view, base_view=view.bottom_view(1), config=CONFIG,
+                             labels={"io.skupin.lock-sha256": lock.content_hash()}, lock=lock, expected=EXPECTED,
+                             apt_roots=("python3.11",), wheels=wheels, base_layers=1, host=None,
+                             verify_bytecode=Verifier())
+    assert "srv/x/.cache/vllm/graph.bin" in [f.path for f in report.findings if f.kind == "sandbox"]
+
+
+def test_a_homes_files_from_the_base_and_empty_home_folders_pass(honest) -> None:
+    image, lock, wheels = honest
+    image.add("root/.bashrc", b"# Debian's skeleton\n", layer=0)  # the base's, verified with the base
+    image.add("root/.cache/motd.legal-displayed", b"", layer=0)
     view = image.view()
     view.entries["root/.cache"] = Entry("d", 0o700, 0, 0, layer=1)
+    view.entries["home/app"] = Entry("d", 0o755, 0, 0, layer=1)
     report = check_integrity(view=view, base_view=view.bottom_view(1), config=CONFIG,
                              labels={"io.skupin.lock-sha256": lock.content_hash()}, lock=lock, expected=EXPECTED,
                              apt_roots=("python3.11",), wheels=wheels, base_layers=1, host=None,

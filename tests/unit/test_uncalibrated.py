@@ -347,3 +347,13 @@ def test_the_gate_of_a_hopper_sku_whose_engine_the_class_never_calibrated_finds_
     assert found.entry is None and found.info.key == "nvidia-hopper/bfloat16/tiny-llama/vllm"
     assert "calibrated with transformers only" in found.problem
     assert "fix: skupin calibrate nvidia-h200-vllm on that hardware" in found.problem
+
+
+def test_a_tolerance_file_mixing_an_engine_free_and_an_engine_keyed_entry_of_one_key_is_refused(tmp_path):
+    tolerances = load_tolerances(DEFAULT_PATH)
+    entry = next(e for e in tolerances.entries if e.key.engine == "transformers")
+    free = entry.model_copy(update={"key": entry.key.model_copy(update={"engine": ""})})
+    path = tmp_path / "tolerances.yaml"
+    write_tolerances(tolerances.model_copy(update={"entries": (*tolerances.entries, free)}), path)
+    with pytest.raises(GateCouldNotRun, match=f"{entry.key.label().rsplit('/', 1)[0]} has an entry for every engine"):
+        load_tolerances(path)
