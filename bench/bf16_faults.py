@@ -35,7 +35,7 @@ from skupin.builder.check import resolve  # noqa: E402
 from skupin.dockerd.client import connect  # noqa: E402
 from skupin.gates.gate import gate_image  # noqa: E402
 from skupin.gates.judge.tolerance import DEFAULT_PATH  # noqa: E402
-from tests.integration.conftest import built_image, derived_images  # noqa: E402
+from tests.integration.conftest import built_image, tampered_images  # noqa: E402
 
 SKU = ROOT / "skus/cpu-x86_64-bf16.yaml"
 OUT = ROOT / "bench/results/bf16-faults.json"
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = tolerances.relative_to(ROOT) if tolerances.is_relative_to(ROOT) else tolerances
     results: dict = {"sku": "cpu-x86_64-bf16", "image": honest, "tolerances": str(shown), "runs": {}}
     with tempfile.TemporaryDirectory(prefix="skupin-bf16-faults-") as tmp, \
-            derived_images(docker, image=honest, lock=stack.lock, workdir=Path(tmp),
+            tampered_images(docker, image=honest, lock=stack.lock, workdir=Path(tmp),
                            base_tag="skupin-bench/bf16-faults-base:latest") as derived:
         images: dict[str, tuple[str, object, Path | None]] = {"honest": (honest, stack.lock, None)}
         for mode in modes:

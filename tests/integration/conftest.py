@@ -240,7 +240,7 @@ class Derived:
 
 
 @contextlib.contextmanager
-def derived_images(docker: Docker, *, image: str, lock, workdir: Path, base_tag: str) -> Iterator[Derived]:
+def tampered_images(docker: Docker, *, image: str, lock, workdir: Path, base_tag: str) -> Iterator[Derived]:
     """Tampered images of `image` (removed at the end; also bench/bf16_faults.py's)."""
     made: list[str] = []
     docker.tag(image, base_tag)
@@ -262,7 +262,7 @@ def derived_images(docker: Docker, *, image: str, lock, workdir: Path, base_tag:
 @pytest.fixture(scope="session")
 def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Iterator[Derived]:
     """Tampered images of the honest CPU image for the whole session (removed at the end)."""
-    with derived_images(docker, image=honest_image, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"),
+    with tampered_images(docker, image=honest_image, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"),
                   base_tag="skupin-test/derived-honest-base:latest") as made:
         yield made
 
@@ -270,7 +270,7 @@ def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Itera
 @pytest.fixture(scope="session")
 def bf16_derived(docker: Docker, bf16_image: str, bf16_stack, tmp_path_factory) -> Iterator[Derived]:
     """Tampered images of the honest bf16 CPU image for the whole session (removed at the end)."""
-    with derived_images(docker, image=bf16_image, lock=bf16_stack.lock, workdir=tmp_path_factory.mktemp("bf16-derived"),
+    with tampered_images(docker, image=bf16_image, lock=bf16_stack.lock, workdir=tmp_path_factory.mktemp("bf16-derived"),
                   base_tag="skupin-test/derived-bf16-base:latest") as made:
         yield made
 
@@ -278,6 +278,6 @@ def bf16_derived(docker: Docker, bf16_image: str, bf16_stack, tmp_path_factory) 
 @pytest.fixture(scope="session")
 def vllm_derived(docker: Docker, vllm_image: str, vllm_stack, tmp_path_factory) -> Iterator[Derived]:
     """Tampered images of the honest vLLM CPU image for the whole session (removed at the end)."""
-    with derived_images(docker, image=vllm_image, lock=vllm_stack.lock, workdir=tmp_path_factory.mktemp("vllm-derived"),
+    with tampered_images(docker, image=vllm_image, lock=vllm_stack.lock, workdir=tmp_path_factory.mktemp("vllm-derived"),
                   base_tag="skupin-test/derived-vllm-base:latest") as made:
         yield made
