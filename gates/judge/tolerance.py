@@ -252,8 +252,9 @@ def load_tolerances(path: Path = DEFAULT_PATH) -> Tolerances:
     keys = [e.key for e in tolerances.entries]
     if len(keys) != len(set(keys)):
         raise GateCouldNotRun(f"{path}: an entry key appears twice")
-    engine_free = {k.label() for k in keys if not k.engine}
-    mixed = sorted({k.label().rsplit("/", 1)[0] for k in keys if k.engine and k.label().rsplit("/", 1)[0] in engine_free})
+    engine_free = {k for k in keys if not k.engine}
+    mixed = sorted({k.model_copy(update={"engine": ""}).label() for k in keys
+                    if k.engine and k.model_copy(update={"engine": ""}) in engine_free})
     if mixed:
         raise GateCouldNotRun(f"{path}: {', '.join(mixed)} has an entry for every engine and entries for single engines; "
                               "fix: keep one kind (a class whose SKUs need an accelerator keys its entries by engine)")
