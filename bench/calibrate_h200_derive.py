@@ -124,8 +124,11 @@ def entry_for(model: str, dtype: str, calib: list[dict], env: dict) -> Tolerance
             f"(boots {', '.join(map(str, boots))}), batch sizes {sorted({r['batch'] for r in calib})}, attention "
             f"{sorted({r['attn'] for r in calib})}; derived by bench/calibrate_h200_derive.py with "
             "gates.calibrate.derive_entry_from_measurements")
-    return entry.model_copy(update={"ops": op_bounds(dtype), "ops_spec": spec_sha256(), "provenance": entry.provenance.model_copy(
-        update={"method": entry.provenance.method + note + OPS_NOTE})})
+    provenance = entry.provenance.model_copy(update={"method": entry.provenance.method + note + OPS_NOTE})
+    entry = entry.model_copy(update={"ops": op_bounds(dtype), "ops_spec": spec_sha256(), "provenance": provenance})
+    from bench.modules.derive import load, with_modules  # the module ops' bounds from their own H200 records
+
+    return with_modules(entry, load().get(HW, []))
 
 
 OPS = ROOT / "bench/results/ops.json"

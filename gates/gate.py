@@ -46,12 +46,13 @@ from skupin.builder.catalog.stack import ResolvedStack
 from skupin.builder.render import VENV, render
 from skupin.common import __version__
 from skupin.common.errors import BundleError, DockerError, GateCouldNotRun, SkupinError
-from skupin.common.paths import data_path, state_dir
+from skupin.common.paths import data_path, env_wheelhouse, state_dir
 from skupin.common.untrusted import open_folder, printable, write_new_file
 from skupin.dockerd import BindMount, ContainerSpec, Docker, ImageInfo, RunResult
-from skupin.engines import MODEL_MOUNT, engine_float32, engine_ops, engine_outputs, probe_adapter
+from skupin.engines import MODEL_MOUNT, engine_float32, engine_modules, engine_ops, engine_outputs, probe_adapter
 from skupin.gates.integrity.static import inspect_image_files
 from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics
+from skupin.gates.judge.modules import host_model, missing_modules, with_modules
 from skupin.gates.judge.ops import judge_battery, judge_ops, missing_ops, spec_sha256
 from skupin.gates.judge.tolerance import ToleranceEntry, ToleranceKey, Tolerances, catalog_tolerances, load_tolerances
 from skupin.gates.judge.verdict import (
@@ -136,9 +137,9 @@ def load_reference(*, manifest: SkuManifest, folder: Path | None = None) -> tupl
 
 
 def default_wheelhouse() -> Path | None:
-    """$SKUPIN_WHEELHOUSE when set (where locked wheelhouse-only files such as the CPU torch wheel lie)."""
-    value = os.environ.get("SKUPIN_WHEELHOUSE")
-    return Path(value) if value else None
+    """$SKUPIN_WHEELHOUSE when set (where locked wheelhouse-only files such as the CPU torch wheel lie): the default of
+    every command's --wheelhouse too (skupin/common/paths.py: env_wheelhouse)."""
+    return env_wheelhouse()
 
 
 def image_from_build_record(sku: str) -> str:
@@ -631,6 +632,11 @@ def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult)
     engine = m.stack.engine.name
     expected = engine_ops(engine, moe=_is_moe(boot.model_dir))
     missing = missing_ops(battery, expected=expected, dtypes=dtypes)
+    model = host_model(m.gate.model) if engine_modules(engine) else None
+    if model is not None:  # the modules of the model as the engine loaded it, with the fixture's own weights
+        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=dtypes, calibrated=calibrated)
+        if not any(r.op == "modules" for r in battery.results):  # else that result says why none came back
+            missing += [k for dtype in dtypes for k in missing_modules(list(battery.results), model, dtype=dtype)]
     result = judge_ops(battery, calibrated=calibrated, entry_key=ToleranceKey.of(m).label(),
                        why=tolerance.problem if entry is None else "", tf32_declared=tf32, settings=settings,
                        engine=engine, missing=missing)

@@ -52,6 +52,7 @@ from skupin.gates.judge.compare import (
     kernel_errors,
     model_statistics,
 )
+from skupin.gates.judge.modules import host_model, with_modules
 from skupin.gates.judge.ops import Battery, derive_bounds, judge_battery, spec_sha256
 from skupin.gates.judge.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey, Tolerances
 from skupin.gates.judge.verdict import (
@@ -106,11 +107,14 @@ class Measurement:
 
 
 def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bool = True,
-                tf32: bool = False) -> Measurement:
+                tf32: bool = False, key: ToleranceKey | None = None) -> Measurement:
     """Compare one honest run with the reference the way the gate does (its kernels only with `kernels`: a SKU whose
     gate does not check kernels, such as llama.cpp's without torch, runs no kernel battery), and its op battery with
-    float64 (`tf32`: the SKU declares TF32)."""
+    float64 (`tf32`: the SKU declares TF32), with its module ops where the run has them and `key` names a fixture."""
     ops = judge_battery(run.tensors, run.ops, tf32=tf32) if run.ops.get("ops") else None
+    model = host_model(key.model) if key is not None and ops is not None and "modules" in run.ops else None
+    if ops is not None and model is not None and key is not None:
+        ops = with_modules(ops, run.tensors, run.ops, model, dtypes=tuple(dict.fromkeys((key.dtype, "float32"))))
     return Measurement(label=run.label, stats=model_statistics(reference, run.tensors),
                        kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env, ops=ops)
 
@@ -124,7 +128,7 @@ def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], referen
     if len(runs) < 2:
         raise GateCouldNotRun("calibration needs at least two honest runs")
     return derive_entry_from_measurements(key=key, measurements=[measure_run(reference=reference, run=r,
-                                                                             kernels=kernels) for r in runs],
+                                                                             kernels=kernels, key=key) for r in runs],
                                           reference_sha256=reference_sha256, margin=margin, image=image, date=date,
                                           hard=hard)
 
@@ -356,7 +360,8 @@ def calibrate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Pa
             raise GateCouldNotRun("calibration needs at least two honest runs")
         kernels = "kernels" in manifest.gate.checks
         tf32 = "tf32" in manifest.gate.reduced_precision
-        measurements = [measure_run(reference=reference, run=r, kernels=kernels, tf32=tf32) for r in runs]
+        measurements = [measure_run(reference=reference, run=r, kernels=kernels, tf32=tf32,
+                                    key=ToleranceKey.of(manifest)) for r in runs]
         refuse_hard_bounds(measurements, hard=tolerances.hard_bounds, dtype=manifest.gate.dtype, tf32=tf32)
         refuse_float32_failure(manifest=manifest, image_id=image_id, docker=docker, out=out, model_dir=model_dir,
                                scratch=Path(scratch), tolerances=tolerances, on_event=on_event)

@@ -31,8 +31,8 @@ from skupin.engines.base import (
 
 __all__ = [
     "ALL_ENGINES", "DEFAULT_ENGINE", "MODEL_MOUNT", "SERVED_NAME", "SERVE_PORT", "Distribution", "InferenceEngine",
-    "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_float32", "engine_named",
-    "engine_outputs",
+    "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_float32", "engine_modules",
+    "engine_named", "engine_outputs",
     "model_file", "probe_adapter", "refresh_sources", "serve_launch",
 ]
 
@@ -77,6 +77,13 @@ def engine_ops(name: str, *, moe: bool) -> frozenset[str]:
     if engine is None:
         return frozenset()
     return engine.OPS | (engine.MOE_OPS if moe else frozenset())
+
+
+def engine_modules(name: str) -> bool:
+    """Whether engine `name`'s adapter reaches the modules of the model it loaded (the module ops); False for an engine
+    not in ALL_ENGINES."""
+    engine = ALL_ENGINES.get(name)
+    return bool(engine is not None and engine.MODULES)
 
 
 def engine_float32(name: str) -> bool:

@@ -85,6 +85,13 @@ class InferenceEngine(Protocol):
         ...
 
     @property
+    def MODULES(self) -> bool:
+        """Whether its probe adapter reaches the modules of the model it loaded (the module ops: each layer's norms,
+        attention, router, experts and the whole block with the model's own weights, gates/judge/modules.py): the gate
+        then fails a candidate that does not return every one of them."""
+        ...
+
+    @property
     def FLOAT32(self) -> bool:
         """Whether the gate's float32 pass runs it at float32 on a SKU that serves another dtype (the same image, the
         fixture at float32, judged against the float32 bundle): a kernel wrong by 1% hides under bf16 rounding."""

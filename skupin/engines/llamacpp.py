@@ -24,6 +24,8 @@ FLOAT32: Final = False
 # llama-cpp-python exposes no per-op ggml API: the op battery reaches none (skupin_probe_llamacpp.py: op_battery)
 OPS: Final[frozenset[str]] = frozenset()
 MOE_OPS: Final[frozenset[str]] = frozenset()
+# the module ops: its adapter does not reach the modules of the model it loaded (they live in its engine)
+MODULES: Final = False
 
 # gate.weights + gate.dtype -> the GGUF file type the SKU serves. "full" is the gate dtype at full precision.
 _FULL: Final = {"float32": "f32", "bfloat16": "bf16"}

@@ -18,6 +18,8 @@ FLOAT32: Final = False
 # its adapter's ops are offered only where they run outside an engine (not yet run on a GPU with SGLang): none required
 OPS: Final[frozenset[str]] = frozenset()
 MOE_OPS: Final[frozenset[str]] = frozenset()
+# the module ops: its adapter does not reach the modules of the model it loaded (they live in its engine)
+MODULES: Final = False
 
 # Checked against the sglang 0.5.23 wheel (the version skus/nvidia-h200-sglang.yaml pins), no SGLang installed:
 # - `python -m sglang.launch_server` is still a supported entrypoint (sglang/launch_server.py; it warns that

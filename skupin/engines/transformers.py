@@ -17,6 +17,8 @@ FLOAT32: Final = True
 OPS: Final = frozenset({"rmsnorm", "silu_mul", "rope.short", "rope.long", "attention.prefill", "attention.decode",
                         "matmul"})
 MOE_OPS: Final = frozenset({"moe.route", "moe.block"})
+# the module ops: the modules of the model as it loads it (skupin_probe_transformers.py: module_ops)
+MODULES: Final = True
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

@@ -19,6 +19,8 @@ FLOAT32: Final = True  # `--dtype float32`: the CPU backend, and on CUDA an atte
 # its own layers outside an engine (skupin_probe_vllm.py: op_battery); attention and FusedMoE run only inside one
 OPS: Final = frozenset({"rmsnorm", "add_rmsnorm", "silu_mul", "rope.short", "rope.long", "matmul"})
 MOE_OPS: Final = frozenset({"moe.route"})
+# the module ops: its adapter does not reach the modules of the model it loaded (they live in its engine)
+MODULES: Final = False
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

@@ -64,8 +64,8 @@ def h200() -> SkuManifest:
 
 
 def test_protocol_members_are_what_the_docs_say() -> None:
-    assert MEMBERS == ["DISTRIBUTIONS", "FLOAT32", "MOE_OPS", "NAME", "OPS", "OUTPUTS", "PROBE_ADAPTER", "model_file",
-                       "server"]
+    assert MEMBERS == ["DISTRIBUTIONS", "FLOAT32", "MODULES", "MOE_OPS", "NAME", "OPS", "OUTPUTS", "PROBE_ADAPTER",
+                       "model_file", "server"]
 
 
 @pytest.mark.parametrize("name", sorted(ALL_ENGINES))

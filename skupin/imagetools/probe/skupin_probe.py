@@ -543,6 +543,8 @@ class Adapter(Protocol):
     # Optional: `op_battery(model_dir, opts, device, spec) -> (op -> implementation, op of the path -> why it is not
     # reached)`, the engine's own implementation of each op of skupin_probe_ops.py (`spec`) on the model's path. An
     # adapter without it reaches none: the ops check then lists every op as uncovered.
+    # Optional: `module_ops(model_dir, opts, device, spec) -> (layer key -> implementation, key -> why not reached)`,
+    # the modules of the model as the engine loaded it, one per key of spec.module_plan (the module ops).
 
 
 def load_adapter(engine: str) -> Adapter:
@@ -634,6 +636,26 @@ def ops_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], 
         return {}, {"status": "ok", "ops": {}, "dtypes": [], "uncovered": dict(sorted(uncovered.items()))}
     dtypes = tuple(dict.fromkeys((args.dtype, "float32")))
     tensors, info = spec.run_battery(impls, uncovered, dtypes, device)
+    modules = getattr(adapter, "module_ops", None)
+    if modules is not None:  # the model's own modules as the engine loaded it, at the serving dtype and at float32
+        t0 = time.perf_counter()
+        try:
+            with open(os.path.join(args.model, "config.json"), encoding="utf-8") as fh:
+                config = json.load(fh)
+            rows: dict[str, Any] = {}
+            layer_uncovered: dict[str, str] = {}
+            for dtype in dtypes:
+                layer_impls, why = modules(args.model, {**opts, "dtype": dtype}, device, spec)
+                ltensors, found = spec.run_modules(layer_impls, spec.module_plan(config), int(config["hidden_size"]),
+                                                  dtype, device)
+                tensors.update(ltensors)
+                rows.update(found)
+                layer_uncovered.update(why)
+                del layer_impls
+            info["modules"] = {"status": "ok", "ops": rows, "uncovered": dict(sorted(layer_uncovered.items())),
+                              "dtypes": list(dtypes), "wall_s": round(time.perf_counter() - t0, 3)}
+        except Exception as exc:
+            info["modules"] = _error(exc)
     return tensors, info
 
 

@@ -16,6 +16,8 @@ Standard library at import; torch only inside the functions that make tensors. I
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -158,31 +160,108 @@ def torch_inputs(op: str, dtype: str, device: str) -> dict[str, Any]:
     return out
 
 
+def _run_one(key: str, outputs: tuple[str, ...], impl: Impl, make_inputs: Callable[[], dict[str, Any]], device: str,
+             tensors: dict[str, Any]) -> dict[str, Any]:
+    """Run one op (`key` = <op>.<dtype>) on its inputs; its outputs go to tensors ops.<key>.<output>; its report row."""
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            got = impl(make_inputs())
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        for name in outputs:
+            tensors[f"ops.{key}.{name}"] = got[name].detach().to("cpu").contiguous()
+        return {"status": "ok", "seconds": round(time.perf_counter() - t0, 4)}
+    except Exception as exc:  # an op that cannot run is a result (the host fails it), recorded per op
+        return {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:1000]}
+
+
 def run_battery(impls: dict[str, Impl], uncovered: dict[str, str], dtypes: tuple[str, ...],
                 device: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run every implemented op at every dtype: (tensors ops.<op>.<dtype>.<output>, the check's report)."""
-    import torch
-
     tensors: dict[str, Any] = {}
     rows: dict[str, Any] = {}
     for op in OPS:
         if op not in impls:
             continue
         for dtype in dtypes:
-            key = f"{op}.{dtype}"
-            t0 = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    got = impls[op](torch_inputs(op, dtype, device))
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                for name in OUTPUTS[op]:
-                    tensors[f"ops.{key}.{name}"] = got[name].detach().to("cpu").contiguous()
-                rows[key] = {"status": "ok", "seconds": round(time.perf_counter() - t0, 4)}
-            except Exception as exc:  # an op that cannot run is a result (the host fails it), recorded per op
-                rows[key] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:1000]}
+            rows[f"{op}.{dtype}"] = _run_one(f"{op}.{dtype}", OUTPUTS[op], impls[op],
+                                             functools.partial(torch_inputs, op, dtype, device), device, tensors)
     return tensors, {"status": "ok", "ops": rows, "uncovered": dict(sorted(uncovered.items())),
                      "dtypes": list(dtypes), "settings": precision_settings()}
+
+
+# ---------------------------------------------------------------- the model's own layers, as the engine loaded them
+
+# The module ops: each module of the model the engine loaded (its weights as loaded, its forward as the engine calls
+# it) fed seeded inputs, so a fault that lives in one loaded model -- an expert quantized at load, a module patched on
+# the instance, a router or rotary table built differently -- is measured where it lives, against float64 math of the
+# module's definition with the model's own weights on the host (gates/judge/modules.py). LT tokens each.
+LT = 32
+MODULE_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "rotary": ("cos", "sin"),  # the model's rotary table at positions LONG
+    "norm": ("out",),  # an RMSNorm with its loaded weight
+    "attention": ("out",),  # q/k/v projections, rotary at positions LONG, causal attention, o projection
+    "router": ("logits", "weights", "ids"),  # a MoE block's router: logits, top-k weights (renormalised), expert ids
+    "expert": ("out",),  # one expert's SwiGLU MLP on every token (routing weight 1)
+    "mlp": ("out",),  # a dense layer's SwiGLU MLP
+    "moe": ("out",),  # the whole MoE block: router, top-k, experts, weighted sum
+    "lm_head": ("out",),  # the output projection to the vocabulary
+}
+
+
+def module_plan(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, kind) of every module op of a model with config.json `config`, in order: the rotary table, then per
+    decoder layer its two norms and attention and its MLP (a MoE layer's router, each expert and the whole block), then
+    the final norm and lm_head. Host and probe both derive it from the config."""
+    layers, experts = int(config["num_hidden_layers"]), int(config.get("num_local_experts") or 0)
+    plan = [("rotary", "rotary")]
+    for i in range(layers):
+        p = f"layer.{i}."
+        plan += [(p + "input_norm", "norm"), (p + "attention", "attention"), (p + "post_norm", "norm")]
+        if experts:
+            plan += [(p + "router", "router"), *((f"{p}expert.{j}", "expert") for j in range(experts)), (p + "moe", "moe")]
+        else:
+            plan.append((p + "mlp", "mlp"))
+    return plan + [("final_norm", "norm"), ("lm_head", "lm_head")]
+
+
+def module_inputs(key: str, kind: str, dtype: str, hidden: int) -> dict[str, tuple[tuple[int, ...], list[float]]]:
+    """The inputs of module op `key` (of `kind`) at `dtype`: hidden states x [LT, hidden] exact in the dtype (at float32
+    past TF32's precision), and positions LONG for the rotary table and attention."""
+    salt = 50_000 + int.from_bytes(hashlib.sha256(f"{key}.{dtype}".encode()).digest()[:3], "big")
+    found: dict[str, tuple[tuple[int, ...], list[float]]] = {}
+    if kind != "rotary":
+        found["x"] = ((LT, hidden), values(LT * hidden, salt, bits=bits_of(dtype), exp=(-2, 1)))
+    if kind in ("rotary", "attention"):
+        found["positions"] = ((LT,), [float(p) for p in LONG[:LT]])
+    return found
+
+
+def run_modules(impls: dict[str, Impl], plan: list[tuple[str, str]], hidden: int, dtype: str,
+               device: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run every module op of `plan` the adapter implements at `dtype`: (tensors ops.<key>.<dtype>.<output>, report rows
+    <key>.<dtype> -> status)."""
+    tensors: dict[str, Any] = {}
+    rows: dict[str, Any] = {}
+
+    def make(key: str, kind: str) -> dict[str, Any]:  # the inputs as tensors on the device
+        import torch
+
+        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        out = {}
+        for name, (shape, vals) in module_inputs(key, kind, dtype, hidden).items():
+            t = torch.tensor(vals, dtype=torch.float64).reshape(shape)
+            out[name] = t.to(torch.int64 if name == "positions" else tdt).to(device)
+        return out
+
+    for key, kind in plan:
+        if key in impls:
+            rows[f"{key}.{dtype}"] = _run_one(f"{key}.{dtype}", MODULE_OUTPUTS[kind], impls[key],
+                                              functools.partial(make, key, kind), device, tensors)
+    return tensors, rows
 
 
 def precision_settings() -> dict[str, Any]:

@@ -251,3 +251,101 @@ def _moe_ops(block_cls: Any, config: Any, device: str, spec: Any) -> dict[str, A
         return {"out": (out[0] if isinstance(out, tuple) else out)[0]}
 
     return {"moe.route": route, "moe.block": moe}
+
+
+# ---------------------------------------------------------------- the module ops (skupin_probe_ops.py MODULE_OUTPUTS)
+
+
+def module_ops(model_dir: str, opts: Options, device: str, spec: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The modules of the model as transformers loads it (at opts["dtype"], with the gate's attention), one
+    implementation per key of spec.module_plan: (key -> implementation, key -> why it is not reached)."""
+    import json
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        plan = spec.module_plan(json.load(fh))
+    dtype = torch_dtype(opts["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=opts["attn"])
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type `.to` through a decorator
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+    def table(x: Any, positions: Any) -> tuple[Any, Any]:
+        return decoder.rotary_emb(x[None], positions[None])
+
+    def rotary(x: dict[str, Any]) -> dict[str, Any]:
+        cos, sin = table(torch.zeros(spec.LT, 1, dtype=dtype, device=device), x["positions"])
+        return {"cos": cos[0], "sin": sin[0]}
+
+    impls: dict[str, Any] = {"rotary": rotary, "final_norm": _apply(decoder.norm), "lm_head": _apply(model.lm_head)}
+    uncovered: dict[str, str] = {}
+    for key, _ in plan:
+        if key.startswith("layer."):
+            _, index, part, *rest = key.split(".")
+            found = _layer_module(decoder.layers[int(index)], part, rest, table)
+            if isinstance(found, str):
+                uncovered[key] = found
+            else:
+                impls[key] = found
+    return impls, uncovered
+
+
+def _layer_module(layer: Any, part: str, rest: list[str], table: Any) -> Any:
+    """The implementation of one part of a decoder layer (input_norm, attention, post_norm, mlp, router, expert.<j>,
+    moe), or why it cannot be reached (a string)."""
+    import torch
+
+    mlp = getattr(layer, "block_sparse_moe", None) or layer.mlp
+    if part in ("input_norm", "post_norm"):
+        return _apply(layer.input_layernorm if part == "input_norm" else layer.post_attention_layernorm)
+    if part == "attention":
+        def attention(x: dict[str, Any]) -> dict[str, Any]:
+            h = x["x"]
+            t = h.shape[0]
+            mask = torch.full((t, t), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu(1)[None, None]
+            out = layer.self_attn(hidden_states=h[None], position_embeddings=table(h, x["positions"]), attention_mask=mask)
+            return {"out": _first(out)[0]}
+        return attention
+    if part == "mlp":
+        return _apply(mlp)
+    if part == "moe":
+        return lambda x: {"out": _first(mlp(x["x"][None]))[0]}
+    if part == "router":
+        if isinstance(mlp.gate, torch.nn.Linear):
+            return "this transformers routes inside the MoE block (no router module to call)"
+        return lambda x: _routed(mlp.gate(x["x"]))
+    if part == "expert":
+        return _expert(mlp.experts, int(rest[0]))
+    return f"no module for {part}"
+
+
+def _apply(module: Any) -> Any:
+    return lambda x: {"out": _first(module(x["x"]))}
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _routed(out: Any) -> dict[str, Any]:
+    import torch
+
+    logits, weights, ids = out
+    return {"logits": logits, "weights": weights.float(), "ids": ids.to(torch.int32)}
+
+
+def _expert(experts: Any, j: int) -> Any:
+    """Expert j of a MoE block on every token with routing weight 1: the fused experts module (transformers 5) called
+    with every token routed to j, or the j-th expert module (older transformers)."""
+    import torch
+
+    def run(x: dict[str, Any]) -> dict[str, Any]:
+        h = x["x"]
+        if isinstance(experts, torch.nn.ModuleList):
+            return {"out": experts[j](h)}
+        index = torch.full((h.shape[0], 1), j, dtype=torch.long, device=h.device)
+        return {"out": experts(h, index, torch.ones((h.shape[0], 1), dtype=torch.float32, device=h.device))}
+
+    return run

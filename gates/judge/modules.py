@@ -1,0 +1,317 @@
+"""The module ops, judged on the host: each module of the model the engine loaded against float64 math of its
+definition with the model's own weights.
+
+The probe fed every module of the loaded model seeded inputs (skupin/imagetools/probe/skupin_probe_ops.py
+`module_plan`, `module_inputs`); the host regenerates the inputs and takes the weights from the fixture it generated
+itself (gates/refdata/fixture.py, never from the image), so a fault that lives in one loaded model -- an expert
+quantized at load, a norm, router, rotary table or attention patched on the instance, a weight the loader mangles --
+is measured where it lives, named by layer and expert, with the op battery's measures (gates/judge/ops.py: rms, max
+and bias in units of the dtype's rounding) and bounds of the same kind: hard bounds always, the class's calibrated
+ones where its entry has them.
+
+A router is judged in two parts so that the rounding of its logits (a correct engine may keep them in bfloat16 or
+float32) does not hide its arithmetic: its logits against x @ G^T, then its weights and expert ids against the exact
+softmax, top-k and renormalisation *of the logits it returned*.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from skupin.gates.judge.ops import HARD, NEAR_TIE, UNIT, Battery, OpResult, measure, printable_text
+from skupin.gates.refdata.fixture import SPECS, config, weights
+from skupin.gates.refdata.tensorio import bf16_round
+from skupin.imagetools.probe import skupin_probe_ops as spec
+
+# Hard (rms, max, bias) bounds per layer kind at a 16-bit dtype, in its units: the op battery's for the one-step
+# kinds; a module of several products (attention, an expert's MLP) rounds to the dtype after each of them.
+MODULE_HARD: dict[str, tuple[float, float, float]] = {
+    "rotary": HARD["rope.long"], "norm": HARD["rmsnorm"], "attention": (8.0, 48.0, 8.0),
+    "router.logits": HARD["moe.route"], "router": HARD["moe.route"], "expert": (6.0, 48.0, 6.0),
+    "mlp": (6.0, 48.0, 6.0), "moe": HARD["moe.block"], "lm_head": HARD["matmul"],
+}
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """What the host knows of the model the gate serves: its config.json and its weights in float64."""
+
+    name: str
+    config: dict[str, Any]
+    weights: Mapping[str, np.ndarray]
+
+    @property
+    def hidden(self) -> int:
+        return int(self.config["hidden_size"])
+
+    def plan(self) -> list[tuple[str, str]]:
+        return spec.module_plan(self.config)
+
+
+@functools.cache
+def host_model(fixture: str) -> HostModel | None:
+    """The HostModel of fixture `fixture` (generated here, bit for bit as shipped), or None for a model that is no
+    fixture (its module ops cannot be judged: the check says so)."""
+    if fixture not in SPECS:
+        return None
+    # stored as BF16 (gates/refdata/fixture.py): the weights the engine loads are their bfloat16 roundings
+    found = {k: bf16_round(np.asarray(v, dtype=np.float32)).astype(np.float64) for k, v in weights(SPECS[fixture]).items()}
+    for array in found.values():
+        array.setflags(write=False)
+    return HostModel(name=fixture, config=config(SPECS[fixture]), weights=found)
+
+
+def hard_bounds(kind: str, dtype: str, model: HostModel) -> dict[str, float]:
+    """The hard bounds of a module op of `kind` at `dtype`: MODULE_HARD plus float32 accumulation over the op's longest
+    reduction, and the rotary angle's size for the table and attention (p * inv_freq rounds to 2^-24 of itself)."""
+    rms, mx, bias = MODULE_HARD[kind]
+    c = model.config
+    angle = float(max(spec.LONG[: spec.LT]))
+    reduction = {"rotary": angle, "norm": math.sqrt(model.hidden),
+                 "attention": angle + math.sqrt(model.hidden * spec.LT), "router.logits": math.sqrt(model.hidden),
+                 "router": 4.0, "expert": math.sqrt(model.hidden * int(c["intermediate_size"])),
+                 "mlp": math.sqrt(model.hidden * int(c["intermediate_size"])),
+                 "moe": math.sqrt(model.hidden * int(c["intermediate_size"])), "lm_head": math.sqrt(model.hidden)}[kind]
+    cond = reduction * UNIT["float32"] / UNIT[dtype]
+    return {"rms": rms + 4 * cond, "max": mx + 16 * cond, "bias": bias + 4 * cond}
+
+
+# ---------------------------------------------------------------- definitions in float64
+
+
+def _inputs(key: str, kind: str, dtype: str, hidden: int) -> dict[str, np.ndarray]:
+    return {name: np.asarray(vals, dtype=np.float64).reshape(shape)
+            for name, (shape, vals) in spec.module_inputs(key, kind, dtype, hidden).items()}
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _table(model: HostModel, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [T, head_dim] of the neox rotary embedding at `positions` with the model's base."""
+    c = model.config
+    head = int(c.get("head_dim") or model.hidden // int(c["num_attention_heads"]))
+    theta = float((c.get("rope_parameters") or {}).get("rope_theta") or c.get("rope_theta") or 10000.0)
+    inv = theta ** (-np.arange(0, head, 2, dtype=np.float64) / head)
+    angle = positions[:, None] * inv[None, :]
+    both = np.concatenate([angle, angle], -1)
+    return np.cos(both), np.sin(both)
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return x * cos[:, None, :] + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin[:, None, :]
+
+
+def _attention(model: HostModel, p: str, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    c, w = model.config, model.weights
+    heads, kv = int(c["num_attention_heads"]), int(c["num_key_value_heads"])
+    head = int(c.get("head_dim") or model.hidden // heads)
+    t = x.shape[0]
+    q = (x @ w[p + "q_proj.weight"].T).reshape(t, heads, head)
+    k = (x @ w[p + "k_proj.weight"].T).reshape(t, kv, head)
+    v = (x @ w[p + "v_proj.weight"].T).reshape(t, kv, head)
+    cos, sin = _table(model, positions)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(head)
+    scores = np.where(np.tril(np.ones((t, t), bool))[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.einsum("hqk,khd->qhd", probs, v).reshape(t, heads * head)
+    return out @ w[p + "o_proj.weight"].T
+
+
+def _route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    z = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = z / z.sum(-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    top = np.take_along_axis(probs, ids, -1)
+    return top / top.sum(-1, keepdims=True), ids
+
+
+def _near_ties(logits: np.ndarray, k: int, dtype: str) -> np.ndarray:
+    """Rows whose k-th and (k+1)-th logits are closer than NEAR_TIE units of the dtype (of the row's largest)."""
+    ordered = -np.sort(-logits, axis=-1)
+    return np.asarray(ordered[:, k - 1] - ordered[:, k] < NEAR_TIE * UNIT[dtype] * np.abs(logits).max(-1))
+
+
+def _swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    return (_silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def reference(model: HostModel, key: str, kind: str, x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The float64 output of module op `key` on inputs `x` (the router's: its logits; its routing is judged on what the
+    engine returned, see the module docstring)."""
+    w, eps = model.weights, float(model.config.get("rms_norm_eps", 1e-5))
+    if kind == "rotary":
+        cos, sin = _table(model, x["positions"])
+        return {"cos": cos, "sin": sin}
+    if key == "final_norm":
+        return {"out": _rms(x["x"], w["model.norm.weight"], eps)}
+    if key == "lm_head":
+        return {"out": x["x"] @ w["lm_head.weight"].T}
+    _, index, part, *rest = key.split(".")
+    p = f"model.layers.{index}."
+    m = p + "block_sparse_moe."
+    if kind == "norm":
+        name = "input_layernorm" if part == "input_norm" else "post_attention_layernorm"
+        return {"out": _rms(x["x"], w[f"{p}{name}.weight"], eps)}
+    if kind == "attention":
+        return {"out": _attention(model, p + "self_attn.", x["x"], x["positions"])}
+    if kind == "mlp":
+        return {"out": _swiglu(x["x"], w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                               w[p + "mlp.down_proj.weight"])}
+    if kind == "expert":
+        e = f"{m}experts.{rest[0]}."
+        return {"out": _swiglu(x["x"], w[e + "w1.weight"], w[e + "w3.weight"], w[e + "w2.weight"])}
+    if kind == "router":
+        return {"logits": x["x"] @ w[m + "gate.weight"].T}
+    if kind == "moe":
+        k = int(model.config["num_experts_per_tok"])
+        top, ids = _route(x["x"] @ w[m + "gate.weight"].T, k)
+        out = np.zeros_like(x["x"])
+        for slot in range(k):
+            for e in np.unique(ids[:, slot]):
+                rows = ids[:, slot] == e
+                ew = f"{m}experts.{e}."
+                out[rows] += top[rows, slot, None] * _swiglu(x["x"][rows], w[ew + "w1.weight"], w[ew + "w3.weight"],
+                                                             w[ew + "w2.weight"])
+        return {"out": out}
+    raise KeyError(key)
+
+
+# ---------------------------------------------------------------- judging
+
+
+def _usable(got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]) -> str:
+    for name, r in ref.items():
+        g = got.get(name)
+        if g is None:
+            return f"no output {name}"
+        if tuple(g.shape) != tuple(r.shape):
+            return f"output {name} has shape {list(g.shape)}, not {list(r.shape)}"
+        if not np.isfinite(g.astype(np.float64)).all():
+            return f"NaN/Inf in output {name}"
+    return ""
+
+
+def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping[str, np.ndarray],
+                calibrated: Mapping[str, Mapping[str, float]] | None = None) -> list[OpResult]:
+    """One module op at `dtype`: the engine's outputs (`got`, by output name) against float64 with the model's weights
+    (a router gives two results, see _judge_router), with the calibrated bounds of `calibrated` (key.dtype -> measure
+    -> bound) where given."""
+    x = _inputs(key, kind, dtype, model.hidden)
+    ref = reference(model, key, kind, x)
+    hard = hard_bounds(kind, dtype, model)
+
+    def result(**kw: Any) -> OpResult:
+        return OpResult(op=key, dtype=dtype, hard=hard, calibrated=dict((calibrated or {}).get(f"{key}.{dtype}") or {}),
+                        **kw)
+
+    problem = _usable(got, ref)
+    if kind == "router" and not problem:
+        problem = _usable(got, {"weights": np.zeros(got["weights"].shape), "ids": np.zeros(got["weights"].shape)})
+    if problem:
+        return [result(errors={}, nmse=None, problem=problem)]
+    if kind == "router":
+        first, second = _judge_router(model, key, dtype, got, ref["logits"], result)
+        logit_bounds = (calibrated or {}).get(f"{first.key}")
+        return [replace(first, calibrated=dict(logit_bounds or {})), second]
+    keep = np.ones(x["x"].shape[0] if "x" in x else spec.LT, bool)
+    note = ""
+    if kind == "moe":
+        k = int(model.config["num_experts_per_tok"])
+        keep = ~_near_ties(x["x"] @ model.weights[f"model.layers.{key.split('.')[1]}.block_sparse_moe.gate.weight"].T,
+                           k, dtype)
+        if not keep.all():
+            note = f"{int((~keep).sum())} of {len(keep)} tokens left out: their router choice is a near-tie at {dtype}"
+    errors = dict.fromkeys(("rms", "max", "bias"), 0.0)
+    nmse = 0.0
+    for name, r in ref.items():
+        m, n = measure(got[name].astype(np.float64)[keep], r[keep], UNIT[dtype])
+        errors = {k2: max(errors[k2], m[k2]) for k2 in errors}
+        nmse = max(nmse, n)
+    return [result(errors=errors, nmse=nmse, note=note)]
+
+
+def _judge_router(model: HostModel, key: str, dtype: str, got: Mapping[str, np.ndarray], logits_ref: np.ndarray,
+                  result: Any) -> list[OpResult]:
+    """The router as two results: `<key>.logits` against x @ G^T (a product's bounds), and `<key>` -- its ids and
+    weights against the exact softmax, top-k and renormalisation of the logits it returned."""
+    k = int(model.config["num_experts_per_tok"])
+    logits = got["logits"].astype(np.float64)
+    ids = got["ids"].astype(np.int64)
+    m_logits, n_logits = measure(logits, logits_ref, UNIT[dtype])
+    first = OpResult(op=key + ".logits", dtype=dtype, errors=m_logits, nmse=n_logits,
+                     hard=hard_bounds("router.logits", dtype, model))
+    if ids.shape != (logits.shape[0], k) or not (ids.min() >= 0 and ids.max() < logits.shape[-1]):
+        return [first, result(errors={}, nmse=None,
+                              problem=f"expert ids that are not {k} ids in [0, {logits.shape[-1]}) per token")]
+    top, ref_ids = _route(logits, k)
+    keep = ~_near_ties(logits, k, dtype)
+    c_order, r_order = np.argsort(ids, -1), np.argsort(ref_ids, -1)
+    routed = int((np.take_along_axis(ids, c_order, -1) != np.take_along_axis(ref_ids, r_order, -1)).any(-1)[keep].sum())
+    if routed:
+        return [first, result(errors={}, nmse=None,
+                              problem=f"routed {routed} of {int(keep.sum())} tokens to other experts than the exact "
+                                      f"top-{k} of its own logits")]
+    weights = np.take_along_axis(got["weights"].astype(np.float64), c_order, -1)
+    m_weights, n_weights = measure(weights[keep], np.take_along_axis(top, r_order, -1)[keep], UNIT[dtype])
+    return [first, result(errors=m_weights, nmse=n_weights)]
+
+
+def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,
+                 dtype: str, calibrated: Mapping[str, Mapping[str, float]] | None = None) -> list[OpResult]:
+    """Every module op of the model's plan the probe ran at `dtype` (its report's checks.ops.modules.ops), in plan order;
+    one the engine could not run is a problem. Keys the probe returned that are not in the plan are ignored."""
+    rows = report.get("ops")
+    found: Mapping[str, Any] = rows if isinstance(rows, dict) else {}
+    results = []
+    for key, kind in model.plan():
+        row = found.get(f"{key}.{dtype}")
+        if row is None:
+            continue
+        if not isinstance(row, dict) or row.get("status") != "ok":
+            bounds = (calibrated or {}).get(f"{key}.{dtype}")
+            error = printable_text(row.get("error") if isinstance(row, dict) else row)
+            results.append(OpResult(op=key, dtype=dtype, errors={}, nmse=None, hard=hard_bounds(kind, dtype, model),
+                                    calibrated=dict(bounds or {}), problem=f"the engine's module failed: {error}"))
+            continue
+        got = {n: np.asarray(tensors[f"ops.{key}.{dtype}.{n}"]) for n in spec.MODULE_OUTPUTS[kind]
+               if f"ops.{key}.{dtype}.{n}" in tensors}
+        results += judge_module(model, key, kind, dtype, got, calibrated=calibrated)
+    return results
+
+
+def missing_modules(results: list[OpResult], model: HostModel, *, dtype: str) -> list[str]:
+    """<key>.<dtype> of every module op of the plan the candidate did not return (what the image calls unreachable
+    does not excuse it: the engine's declaration, skupin/engines, says whether its adapter reaches the layers)."""
+    ran = {r.key for r in results}
+    return [f"{key}.{dtype}" for key, _ in model.plan() if f"{key}.{dtype}" not in ran] + \
+        [f"{key}.logits.{dtype}" for key, kind in model.plan() if kind == "router" and f"{key}.logits.{dtype}" not in ran]
+
+
+def with_modules(battery: Battery, tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,
+                dtypes: tuple[str, ...], calibrated: Mapping[str, Mapping[str, float]] | None = None) -> Battery:
+    """`battery` with the module ops of the probe's ops report (its `modules`) judged at `dtypes` and added to its
+    results; a modules report that failed as a whole, or none, adds one failing result naming why."""
+    modules = report.get("modules")
+    if not isinstance(modules, dict) or modules.get("status") != "ok":
+        why = printable_text(modules.get("error") if isinstance(modules, dict) else "the probe returned no module ops")
+        failed = OpResult(op="modules", dtype=dtypes[0], errors={}, nmse=None, hard={},
+                          problem=f"the engine's model could not be probed layer by layer: {why}")
+        return Battery(results=(*battery.results, failed), uncovered=battery.uncovered)
+    results = [r for dtype in dtypes for r in judge_modules(tensors, modules, model, dtype=dtype, calibrated=calibrated)]
+    return Battery(results=(*battery.results, *results), uncovered=battery.uncovered)

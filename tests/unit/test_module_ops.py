@@ -1,0 +1,237 @@
+"""The module ops (gates/judge/modules.py): every module of the model as transformers loaded it, against float64 math of
+its definition with the fixture's own weights, on the host."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+
+import numpy as np
+import pytest
+
+from skupin.gates.judge import modules as L
+from skupin.gates.judge.ops import Battery, OpResult, derive_bounds, judge_ops
+from skupin.gates.refdata import fixture
+from skupin.imagetools.probe import skupin_probe as probe
+from skupin.imagetools.probe import skupin_probe_ops as spec
+
+pytest.importorskip("transformers")
+
+
+def test_the_plan_names_every_module_of_a_moe_and_a_dense_model() -> None:
+    moe = spec.module_plan(fixture.config(fixture.SPECS["tiny-moe"]))
+    keys = [k for k, _ in moe]
+    assert keys[0] == "rotary" and keys[-2:] == ["final_norm", "lm_head"]
+    assert {"layer.1.router", "layer.1.expert.7", "layer.3.moe", "layer.0.attention", "layer.2.post_norm"} <= set(keys)
+    assert len(keys) == 1 + 4 * (3 + 1 + 8 + 1) + 2
+    dense = dict(spec.module_plan(fixture.config(fixture.SPECS["deep-llama"])))
+    assert dense["layer.7.mlp"] == "mlp" and not any(k.endswith("router") for k in dense)
+
+
+def test_inputs_are_exact_deterministic_and_frozen() -> None:
+    """The host regenerates the inputs bit for bit; a change to them changes every calibrated layer bound's meaning,
+    so it must be deliberate (this digest moves with it)."""
+    a = spec.module_inputs("layer.1.expert.3", "expert", "bfloat16", 128)
+    assert a == spec.module_inputs("layer.1.expert.3", "expert", "bfloat16", 128)
+    assert a["x"][1] != spec.module_inputs("layer.1.expert.4", "expert", "bfloat16", 128)["x"][1]
+    bf = np.asarray(a["x"][1], dtype=np.float32)
+    assert np.array_equal(bf.view(np.uint32) & 0xFFFF, np.zeros_like(bf.view(np.uint32)))  # exact bfloat16
+    f32 = np.asarray(spec.module_inputs("layer.1.expert.3", "expert", "float32", 128)["x"][1], dtype=np.float64)
+    assert np.array_equal(f32.astype(np.float32).astype(np.float64), f32) and (f32.astype(np.float32).view(np.uint32)
+                                                                              & 0x1FFF).any()  # past TF32
+    digest = hashlib.sha256(json.dumps([spec.module_inputs(k, kind, dt, 128) for k, kind in spec.module_plan(
+        fixture.config(fixture.SPECS["tiny-moe"]))[:6] for dt in ("bfloat16", "float32")]).encode()).hexdigest()
+    assert digest[:16] == "559ce377ecdb2c40"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-moe")
+    fixture.generate_fixture(name="tiny-moe", out=out)
+    return out
+
+
+def _probe(model_dir, dtype: str, fault=None, monkeypatch=None):
+    """The probe's module ops on the tiny-moe fixture (the adapter's module_ops, as the ops check runs them), with
+    `fault(model)` applied to the loaded instance; -> (numpy tensors, layers report)."""
+    from transformers import AutoModelForCausalLM
+
+    if fault is not None:
+        loader = AutoModelForCausalLM.from_pretrained.__func__
+
+        def load(cls, *a, **kw):
+            m = loader(cls, *a, **kw)
+            fault(m)
+            return m
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(load))
+    adapter = probe.load_adapter("transformers")
+    opts = {"dtype": dtype, "attn": "sdpa", "batch_size": 8, "top_k": 20, "full_logprobs": 0, "new_tokens": 0,
+            "vocab": 0, "cpu_threads": 1}
+    impls, uncovered = adapter.module_ops(str(model_dir), opts, "cpu", spec)
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors, rows = spec.run_modules(impls, spec.module_plan(config), config["hidden_size"], dtype, "cpu")
+    arrays = {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in tensors.items()}
+    return arrays, {"status": "ok", "ops": rows, "uncovered": uncovered}
+
+
+@pytest.fixture(scope="module")
+def honest(model_dir):
+    return _probe(model_dir, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def calibrated(honest):
+    model = L.host_model("tiny-moe")
+    return derive_bounds([Battery(results=tuple(L.judge_modules(*honest, model, dtype="bfloat16")))])
+
+
+def test_an_honest_model_passes_every_layer_op_within_its_hard_bounds_at_both_dtypes(model_dir, honest) -> None:
+    model = L.host_model("tiny-moe")
+    for dtype, run in (("bfloat16", honest), ("float32", _probe(model_dir, "float32"))):
+        results = L.judge_modules(*run, model, dtype=dtype)
+        assert len(results) == len(model.plan()) + 4  # each router also judged by its logits
+        assert not [r.key for r in results if r.hard_ratio > 1.0], dtype
+        assert L.missing_modules(results, model, dtype=dtype) == []
+
+
+def test_the_definitions_are_the_modules_of_transformers_in_float64() -> None:
+    """The host's float64 definition of a module equals transformers' own module run in float32 on the same weights, to
+    float32 accuracy (transformers' fused experts take no float64)."""
+    # (one of the fixture's modules per kind that composes several products)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = L.host_model("tiny-moe")
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fixture.generate_fixture(name="tiny-moe", out=Path(tmp))
+        m = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    for key, kind in [("layer.2.attention", "attention"), ("layer.1.moe", "moe"), ("layer.0.expert.5", "expert")]:
+        x = {n: np.asarray(v, dtype=np.float64).reshape(s) for n, (s, v) in spec.module_inputs(key, kind, "float32",
+                                                                                               128).items()}
+        ref = L.reference(model, key, kind, x)["out"]
+        h = torch.from_numpy(x["x"]).float()
+        layer = m.model.layers[int(key.split(".")[1])]
+        with torch.no_grad():
+            if kind == "attention":
+                pos = torch.from_numpy(x["positions"]).long()[None]
+                mask = torch.full((32, 32), float("-inf")).triu(1)[None, None]
+                got = layer.self_attn(hidden_states=h[None], position_embeddings=m.model.rotary_emb(h[None], pos),
+                                      attention_mask=mask)[0][0]
+            elif kind == "moe":
+                got = layer.mlp(h[None])[0]
+            else:
+                got = layer.mlp.experts(h, torch.full((32, 1), 5), torch.ones((32, 1)))
+        # float32 rounding; attention also rounds its rotary angles (positions up to ~6000) to float32
+        scale = np.abs(ref).max()
+        assert np.abs(got.numpy() - ref).max() < (1e-4 if kind == "attention" else 1e-5) * scale, key
+
+
+def _int4(w):
+    import torch
+
+    g = w.float().reshape(w.shape[0], -1, 128)
+    scale = g.abs().amax(-1, keepdim=True) / 7.0
+    return (torch.clamp(torch.round(g / scale), -8, 7) * scale).reshape(w.shape).to(w.dtype)
+
+
+def _quantize_one_expert(m) -> None:
+    import torch
+
+    ex = m.model.layers[1].mlp.experts
+    with torch.no_grad():
+        ex.gate_up_proj.data[3] = _int4(ex.gate_up_proj.data[3])
+        ex.down_proj.data[3] = _int4(ex.down_proj.data[3])
+
+
+def _router_in_bf16(m) -> None:
+    import torch
+
+    def route(self, h):
+        logits = torch.nn.functional.linear(h.reshape(-1, self.hidden_dim), self.weight)
+        top, ids = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)  # no float32 upcast
+        return logits, top / top.sum(-1, keepdim=True), ids
+    for layer in m.model.layers:
+        layer.mlp.gate.forward = types.MethodType(route, layer.mlp.gate)
+
+
+def _rotary_in_bf16(m) -> None:
+    import torch
+
+    rot = m.model.rotary_emb
+
+    def table(self, x, position_ids):
+        emb = torch.cat([position_ids[..., None].to(x.dtype) * self.inv_freq.to(x.dtype)] * 2, dim=-1)
+        return emb.cos(), emb.sin()
+    rot.forward = types.MethodType(table, rot)
+
+
+@pytest.mark.parametrize("fault, named, by_hard", [
+    (_quantize_one_expert, "layer.1.expert.3.bfloat16", True),
+    (_rotary_in_bf16, "rotary.bfloat16", True),
+    (_router_in_bf16, "router.bfloat16", False),
+])
+def test_a_fault_in_the_loaded_model_fails_the_module_it_lives_in(model_dir, calibrated, monkeypatch, fault, named,
+                                                                   by_hard) -> None:
+    model = L.host_model("tiny-moe")
+    results = L.judge_modules(*_probe(model_dir, "bfloat16", fault, monkeypatch), model, dtype="bfloat16",
+                             calibrated=calibrated)
+    failed = sorted((r for r in results if r.failed), key=lambda r: -r.ratio)
+    assert failed and failed[0].key.endswith(named)
+    assert (failed[0].hard_ratio > 1.0) == by_hard
+    check = judge_ops(Battery(results=tuple(results)), calibrated=calibrated, entry_key="k")
+    assert check.status == "fail" and named in check.reason
+
+
+def test_the_honest_model_passes_its_calibration_and_layer_bounds_get_the_wider_margin(honest, calibrated) -> None:
+    model = L.host_model("tiny-moe")
+    results = L.judge_modules(*honest, model, dtype="bfloat16", calibrated=calibrated)
+    assert not [r.key for r in results if r.failed]
+    expert = next(r for r in results if r.key == "layer.0.expert.0.bfloat16")
+    assert calibrated["layer.0.expert.0.bfloat16"]["rms"] == pytest.approx(max(2.0 * expert.errors["rms"], 0.1),
+                                                                           rel=1e-3)
+
+
+def test_a_module_missing_failed_or_not_returned_fails(honest) -> None:
+    model = L.host_model("tiny-moe")
+    tensors, report = honest
+    rows = dict(report["ops"])
+    del rows["layer.2.expert.6.bfloat16"]
+    rows["layer.0.moe.bfloat16"] = {"status": "error", "error": "RuntimeError: no kernel\x1b[31m"}
+    results = L.judge_modules(tensors, {**report, "ops": rows}, model, dtype="bfloat16")
+    assert L.missing_modules(results, model, dtype="bfloat16") == ["layer.2.expert.6.bfloat16"]
+    broken = next(r for r in results if r.key == "layer.0.moe.bfloat16")
+    assert broken.failed and "no kernel" in broken.problem and "\x1b" not in broken.problem
+    nan = dict(tensors)
+    nan["ops.lm_head.bfloat16.out"] = np.full_like(tensors["ops.lm_head.bfloat16.out"], np.nan)
+    assert "NaN" in next(r for r in L.judge_modules(nan, report, model, dtype="bfloat16") if r.key == "lm_head.bfloat16").problem
+    none = L.with_modules(Battery(results=()), tensors, {"ops": {}}, model, dtypes=("bfloat16",))
+    assert none.results[0].failed and "no module ops" in none.results[0].problem
+
+
+def test_a_router_that_returns_other_experts_than_its_own_logits_rank_fails(honest) -> None:
+    model = L.host_model("tiny-moe")
+    tensors, report = dict(honest[0]), honest[1]
+    ids = tensors["ops.layer.1.router.bfloat16.ids"].copy()
+    ids[:, 1] = (ids[:, 0] + 1 + ids[:, 1]) % 8  # a second choice that is not the exact second
+    tensors["ops.layer.1.router.bfloat16.ids"] = ids
+    found = next(r for r in L.judge_modules(tensors, report, model, dtype="bfloat16") if r.key == "layer.1.router.bfloat16")
+    assert found.failed and "other experts" in found.problem
+
+
+def test_a_model_that_is_no_fixture_has_no_layer_model() -> None:
+    assert L.host_model("not-a-fixture") is None
+    assert isinstance(L.host_model("tiny-llama"), L.HostModel)
+
+
+def test_an_entry_without_layer_bounds_judges_them_by_hard_bounds_and_says_so(honest, calibrated) -> None:
+    model = L.host_model("tiny-moe")
+    results = L.judge_modules(*honest, model, dtype="bfloat16")
+    battery_row = OpResult(op="rmsnorm", dtype="bfloat16", errors={"rms": 0.1, "max": 0.1, "bias": 0.1}, nmse=0.0,
+                           hard={"rms": 2.0, "max": 6.0, "bias": 1.0}, calibrated={"rms": 1.0, "max": 1.0, "bias": 1.0})
+    check = judge_ops(Battery(results=(battery_row, *results)), calibrated={"rmsnorm.bfloat16": {"rms": 1.0}},
+                      entry_key="cpu/bfloat16/tiny-moe")
+    assert check.status == "pass" and "module ops on their hard bounds alone" in check.reason
