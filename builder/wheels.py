@@ -5,8 +5,11 @@ wheel of the lock is in the store (`.skupin/wheels/<sha256[:2]>/<sha256>/<filena
 addressed, so a file there was checked when it was written and is trusted by its path alone):
 
 - a wheel already in the store costs one `stat`;
-- a wheel found in the wheelhouse (`--wheelhouse DIR`, by file name) is hashed once and hard-linked
-  in (copied across filesystems). This is how air-gapped builders work: a wheelhouse holding
+- a wheel found in the wheelhouse (`--wheelhouse DIR` or $SKUPIN_WHEELHOUSE, by file name) is hashed once and
+  hard-linked in (copied across filesystems). A wheel there may be a symbolic link (a wheelhouse of links into a
+  pip cache or a shared folder): the wheelhouse is the operator's own folder, so the link is followed and the file it
+  names is hashed and stored, never the link itself; a link to anything but a regular file (a FIFO, a device, a
+  folder, nothing) is refused. This is how air-gapped builders work: a wheelhouse holding
   every locked file means no network at all. A wheel the lock took from a wheelhouse
   (`source: wheelhouse`) must be there, unless the lock also records its home URL (then it is
   downloaded like any other, and kept only if it hashes to the lock's sha256);
@@ -24,6 +27,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +54,31 @@ def _quiet(_: str) -> None:
 def store_path(store: Path, pkg: LockedPackage) -> Path:
     """Where the store keeps the exact file a locked package names."""
     return store / pkg.sha256[:2] / pkg.sha256 / pkg.filename
+
+
+def _stored(path: Path) -> bool:
+    """Whether the store holds `path` as a regular file (a link there, such as older versions stored for a linked
+    wheelhouse file, is replaced)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def wheelhouse_file(candidate: Path) -> Path:
+    """The regular file a wheelhouse entry is, or names through symbolic links (resolved: the path of the file
+    itself); BuildError when it is, or leads to, anything else."""
+    try:
+        real = candidate.resolve(strict=True)
+        mode = os.stat(real).st_mode
+    except (OSError, RuntimeError) as exc:  # a dangling link, a loop (RuntimeError before Python 3.13)
+        raise BuildError(f"{candidate}: a link in the wheelhouse that leads to no file ({exc}); fix: point it at the "
+                         "wheel, or remove it") from exc
+    if not stat.S_ISREG(mode):
+        via = f" (a link to {real})" if real != candidate.absolute() else ""
+        raise BuildError(f"{candidate}{via} is not a regular file; fix: put the wheel itself, or a link to it, "
+                         "in the wheelhouse")
+    return real
 
 
 def file_sha256(path: Path) -> str:
@@ -80,14 +109,17 @@ def fetch_wheels(
     """
     store = store or wheel_store()
     unique = list({p.sha256: p for p in packages}.values())
-    missing = [p for p in unique if not store_path(store, p).is_file()]
-    local: list[tuple[LockedPackage, Path]] = []
+    missing = [p for p in unique if not _stored(store_path(store, p))]
+    local: list[tuple[LockedPackage, Path, Path]] = []  # (package, the wheelhouse entry, the file it is or names)
     remote: list[LockedPackage] = []
     problems: list[str] = []
     for pkg in missing:
         candidate = wheelhouse / pkg.filename if wheelhouse is not None else None
-        if candidate is not None and candidate.is_file():
-            local.append((pkg, candidate))
+        if candidate is not None and os.path.lexists(candidate):
+            try:
+                local.append((pkg, candidate, wheelhouse_file(candidate)))
+            except BuildError as exc:
+                problems.append(str(exc))
         elif pkg.source == "wheelhouse" and not pkg.url:
             where = wheelhouse or "(no --wheelhouse given)"
             problems.append(f"{pkg.filename}: locked from a wheelhouse but not in {where}; fix: pass --wheelhouse DIR holding it")
@@ -101,28 +133,36 @@ def fetch_wheels(
     on_event(f"wheels: {len(unique)} locked, {len(unique) - len(missing)} in the store {store}"
              + (f", {len(local)} from the wheelhouse" if local else "")
              + (f", {len(remote)} to download" if remote else ""))
-    for pkg, path in local:
-        _store_local(pkg, path, store)
+    for pkg, entry, path in local:
+        _store_local(pkg, path, store, entry=entry)
     if remote:
         _download_all(remote, store=store, ca_bundle=ca_bundle, on_event=on_event, jobs=jobs, timeout=timeout, retries=retries,
                       backoff=backoff)
     return {p.sha256: store_path(store, p) for p in unique}
 
 
-def _store_local(pkg: LockedPackage, path: Path, store: Path) -> None:
-    got = file_sha256(path)
-    if got != pkg.sha256:
-        raise BuildError(f"{path}: sha256 {got}, but the lock says {pkg.sha256} for {pkg.name} {pkg.version}; "
-                         "fix: put the locked file in the wheelhouse, or relock against it")
+def _store_local(pkg: LockedPackage, path: Path, store: Path, *, entry: Path) -> None:
+    """Link (or copy) the regular file `path` (wheelhouse `entry`, or the file it links to) into the store; what is
+    stored is hashed, and kept only with the lock's sha256."""
+    shown = str(entry) if path == entry.absolute() else f"{entry} (a link to {path})"
     dest = store_path(store, pkg)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     tmp.unlink(missing_ok=True)
     try:
-        tmp.hardlink_to(path)
-    except OSError:
-        shutil.copyfile(path, tmp)
-    os.replace(tmp, dest)
+        try:
+            os.link(path, tmp, follow_symlinks=False)  # `path` is the file itself (wheelhouse_file), never a link
+        except OSError:
+            shutil.copyfile(path, tmp, follow_symlinks=False)
+        if not stat.S_ISREG(os.lstat(tmp).st_mode):
+            raise BuildError(f"{shown} changed while it was stored: it is no longer a regular file")
+        got = file_sha256(tmp)
+        if got != pkg.sha256:
+            raise BuildError(f"{shown}: sha256 {got}, but the lock says {pkg.sha256} for {pkg.name} {pkg.version}; "
+                             "fix: put the locked file in the wheelhouse, or relock against it")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _download_all(pkgs: list[LockedPackage], *, store: Path, ca_bundle: Path | None, on_event: OnEvent, jobs: int,

@@ -67,7 +67,7 @@ class RunOptions(Frozen):
     no_cache: bool = False
 
     def local_wheelhouse(self) -> Path | None:
-        """--wheelhouse, else /opt/wheels when it exists."""
+        """--wheelhouse (whose default is $SKUPIN_WHEELHOUSE), else /opt/wheels when it exists."""
         if self.wheelhouse is not None:
             return self.wheelhouse
         return DEFAULT_WHEELHOUSE if DEFAULT_WHEELHOUSE.is_dir() else None

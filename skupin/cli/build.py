@@ -350,6 +350,8 @@ def cmd_wheels(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add the build side's commands to the `skupin` parser."""
+    from skupin.common.paths import env_wheelhouse
+
     p = sub.add_parser("check", help="validate manifests, pin compatibility and locks; report every problem "
                                      "(exit 2 manifest, 3 compatibility, 4 a stale lock)")
     p.add_argument("paths", nargs="*", default=[],
@@ -361,9 +363,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render", help="print a SKU's Dockerfile (no Docker daemon needed)")
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--out", metavar="DIR", help="write the Dockerfile and its context files to DIR instead")
-    p.add_argument("--wheelhouse", type=Path, metavar="DIR",
-                   help="with --out: take locked wheels from DIR first; the rest are downloaded into the wheel store "
-                        "(.skupin/wheels), checked against the lock")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
+                   help="with --out: take locked wheels from DIR first (default $SKUPIN_WHEELHOUSE); the rest are "
+                        "downloaded into the wheel store (.skupin/wheels), checked against the lock")
     p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="with --out: CA bundle the wheel downloads trust")
     p.add_argument("--unlocked", action="store_true", help="render from the pins alone, ignoring the lock")
     p.add_argument("--json", action="store_true", help="with --out: print what was written as JSON")
@@ -372,7 +374,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lock", help="resolve each layer's Python packages (uv or pip, every file hashed) into "
                                     "skus/<sku>.lock.json")
     p.add_argument("skus", nargs="+", metavar="SKU", help="SKU names (skus/<name>.yaml) or manifest paths")
-    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels, preferred over the index (e.g. /opt/wheels)")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
+                   help="local wheels, preferred over the index (e.g. /opt/wheels; default $SKUPIN_WHEELHOUSE)")
     p.add_argument("--index-url", metavar="URL", help="a mirror used instead of PyPI")
     p.add_argument("--ca-bundle", type=Path, metavar="FILE", help="CA bundle pip trusts (default: SSL_CERT_FILE or the system's)")
     p.add_argument("--resolver", choices=("uv", "pip"), default="uv",
@@ -441,9 +444,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "per-phase times).",
     )
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
-    p.add_argument("--wheelhouse", type=Path, metavar="DIR",
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
                    help="local wheels, used before any download (needed for wheels locked from a wheelhouse; "
-                        "holding every locked wheel means no network at all)")
+                        "holding every locked wheel means no network at all; default $SKUPIN_WHEELHOUSE)")
     p.add_argument(
         "--ca-bundle", type=Path, metavar="FILE", help="extra CA bundle trusted by the wheel downloads (never by the image)"
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skupin.cli.output import err, install_missing_flag, out
+from skupin.common.paths import env_wheelhouse
 
 if TYPE_CHECKING:
     from skupin.ab.runtime import ABInput
@@ -207,7 +208,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tolerances", metavar="FILE", help="tolerance file (default gates/data/tolerances.yaml)")
     p.add_argument("--baseline", metavar="REF", help="serve check: A/B the server's speed against this image "
                                                     "(interleaved runs on this host; gate.serve.max_decode_regression bounds it)")
-    p.add_argument("--wheelhouse", metavar="DIR",
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
                    help="where locked wheels with no download URL lie (pins compares the image with every locked wheel; "
                         "default $SKUPIN_WHEELHOUSE; wheels already in the wheel store need nothing)")
     install_missing_flag(p)
@@ -272,7 +273,8 @@ could not run.""",
     p.add_argument("--out", metavar="DIR", help="where annex.md, annex.png, ab.json and both gates' outputs go")
     p.add_argument("--json", action="store_true", help="print ab.json on stdout (progress goes to stderr)")
     p.add_argument("--tolerances", metavar="FILE", help="tolerance file (default gates/data/tolerances.yaml)")
-    p.add_argument("--wheelhouse", metavar="DIR", help="local wheels for builds and pins (default $SKUPIN_WHEELHOUSE, "
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
+                   help="local wheels for builds and pins (default $SKUPIN_WHEELHOUSE, "
                                                        "else /opt/wheels when present)")
     install_missing_flag(p)
     p.set_defaults(func=cmd_ab)

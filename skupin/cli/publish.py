@@ -210,6 +210,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """`registry`, `keys`, `publish`, `verify`, `inspect`, `pull`, `run`."""
     from skupin.common.paths import REGISTRY_ADDR as DEFAULT_ADDR
+    from skupin.common.paths import env_wheelhouse
 
     p = sub.add_parser("registry", help="the default local OCI registry: up, down, status (127.0.0.1:5000)")
     rsub = p.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
@@ -302,7 +303,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("sku", nargs="?", default="cpu-x86_64", help="SKU name (default cpu-x86_64)")
     p.add_argument("--registry", metavar="URL", help="host[:port][/namespace] (default: the local registry, started if needed)")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=argparse.SUPPRESS)
-    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="local wheels (default /opt/wheels when present)")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
+                   help="local wheels (default $SKUPIN_WHEELHOUSE, else /opt/wheels when present)")
     p.add_argument("--ca-bundle", type=Path, metavar="FILE",
                    help="extra CA bundle for pip (default: the host's, when TLS is intercepted)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skupin.cli.output import out
-from skupin.common.paths import PYPI_SIMPLE
+from skupin.common.paths import PYPI_SIMPLE, env_wheelhouse
 
 if TYPE_CHECKING:
     from skupin.builder.catalog.manifest import SkuManifest
@@ -78,7 +78,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--registry-url", help="registry for base-image tags (default: the image's own registry)")
     p.add_argument("--apply", action="store_true", help="rewrite the manifests (comments kept) and relock them")
     p.add_argument("--no-lock", action="store_true", help="with --apply: do not relock; list the locks as stale")
-    p.add_argument("--wheelhouse", type=Path, metavar="DIR", help="wheelhouse for relocking wheelhouse pins")
+    p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
+                   help="wheelhouse for relocking wheelhouse pins (default $SKUPIN_WHEELHOUSE)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="the report as JSON")
     out.add_argument("--markdown", action="store_true", help="the report as a pull-request body")

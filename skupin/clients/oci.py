@@ -4,23 +4,22 @@
     `get_manifest(repo, ref)`, `get_blob(repo, digest)`, `has_blob`, `push_blob(repo, data)`
     (monolithic POST + PUT), `put_manifest(repo, ref, body, media_type)` (OCI artifacts, or a
     signed attestation under a tag such as `sha256-<hex>.att`);
-  - authentication: credentials from ~/.docker/config.json `auths` (or given explicitly), Basic
-    or the Bearer token flow (WWW-Authenticate realm/service/scope); credentials never appear in
-    errors, reprs or logs.
+  - authentication: credentials from the Docker config as Docker finds them (its credential helpers,
+    `credHelpers` and `credsStore`, then `auths`: skupin/clients/dockerauth.py), read when a registry
+    first asks for them, or given explicitly; Basic or the Bearer token flow (WWW-Authenticate
+    realm/service/scope); credentials never appear in errors, reprs or logs.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlparse
 
-from pydantic import SecretStr
-
+from skupin.clients.dockerauth import Credentials, docker_credentials
 from skupin.clients.transport import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Sleep, Transport, httpx, safe_url, server_json
 from skupin.common.errors import NetworkError
 from skupin.common.model import Frozen
@@ -74,36 +73,6 @@ def registry_url(host: str) -> str:
     return f"{'http' if loopback else 'https'}://{host}"
 
 
-class Credentials(Frozen):
-    """A registry login; the secret never shows in repr, str or logs."""
-
-    username: str
-    secret: SecretStr
-
-
-def docker_credentials(host: str, *, config: Path | None = None) -> Credentials | None:
-    """The login for `host` from a Docker config.json `auths` (username/password or base64 `auth`)."""
-    path = config or Path.home() / ".docker" / "config.json"
-    try:
-        auths = json.loads(path.read_text(encoding="utf-8")).get("auths", {})
-    except (OSError, ValueError, AttributeError):
-        return None
-    keys = {host, f"https://{host}", f"http://{host}", f"https://{host}/v1/", f"https://{host}/v2/"}
-    if host in ("registry-1.docker.io", "docker.io", "index.docker.io"):
-        keys |= {"https://index.docker.io/v1/", "index.docker.io", "docker.io"}
-    for key, entry in auths.items():
-        if key in keys and isinstance(entry, dict):
-            if entry.get("auth"):
-                try:
-                    user, _, secret = base64.b64decode(entry["auth"]).decode().partition(":")
-                except (ValueError, UnicodeDecodeError):
-                    continue
-                return Credentials(username=user, secret=SecretStr(secret))
-            if entry.get("username") and entry.get("password"):
-                return Credentials(username=entry["username"], secret=SecretStr(entry["password"]))
-    return None
-
-
 class Manifest(Frozen):
     """A manifest as the registry stored it: exact bytes, media type and digest."""
 
@@ -126,8 +95,9 @@ class RegistryClient:
     """An OCI distribution (v2) registry: tags, digests, manifests, blobs; push by digest.
 
     `url` is the registry's base URL or host (`http://127.0.0.1:5000`, `ghcr.io`); repositories
-    are passed per call (`"skupin/cpu-x86_64"`). Credentials default to the host's entry in
-    ~/.docker/config.json; anonymous access otherwise. Token auth follows the Bearer challenge
+    are passed per call (`"skupin/cpu-x86_64"`). Credentials default to the host's login in the
+    Docker config (a credential helper, or `auths`), read only when the registry asks for one;
+    anonymous access otherwise. Token auth follows the Bearer challenge
     (realm, service, scope) and caches a token per scope.
 
     >>> reg = RegistryClient("http://127.0.0.1:5000")
@@ -142,7 +112,9 @@ class RegistryClient:
                  ca_bundle: Path | str | None = None, backoff: float = 0.5, sleep: Sleep | None = None) -> None:
         self.url = registry_url(url)
         self.host = urlparse(self.url).netloc
-        self._credentials = credentials or docker_credentials(self.host, config=docker_config)
+        self._credentials = credentials
+        self._docker_config = docker_config
+        self._looked_up = credentials is not None  # the Docker config is read (its helper run) on the first challenge
         self.http = Transport(timeout=timeout, retries=retries, ca_bundle=ca_bundle, backoff=backoff, sleep=sleep,
                           what=f"registry {self.host}")
         self._tokens: dict[str, str] = {}
@@ -162,10 +134,17 @@ class RegistryClient:
 
     # -- auth
 
+    def _login(self) -> Credentials | None:
+        if not self._looked_up:
+            self._credentials = docker_credentials(self.host, config=self._docker_config)
+            self._looked_up = True
+        return self._credentials
+
     def _basic(self) -> str | None:
-        if self._credentials is None:
+        login = self._login()
+        if login is None:
             return None
-        raw = f"{self._credentials.username}:{self._credentials.secret.get_secret_value()}".encode()
+        raw = f"{login.username}:{login.secret.get_secret_value()}".encode()
         return "Basic " + base64.b64encode(raw).decode()
 
     def _token(self, challenge: str, scope: str) -> str:

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
     import httpx
 else:
+    # httpx's own command line (httpx._main: click, rich, pygments; a sixth of a second) is never used here: its import
+    # fails, and httpx then defines a `main` that says how to install it (httpx/__init__.py)
+    sys.modules.setdefault("httpx._main", None)
     httpx = lazy_module("httpx")
 
 from skupin.common.errors import NetworkError  # noqa: E402 - after the lazy httpx

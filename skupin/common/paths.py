@@ -40,6 +40,7 @@ PYPI_SIMPLE = "https://pypi.org/simple"
 REGISTRY_ADDR = "127.0.0.1:5000"  # the local registry `skupin registry up` runs
 ROOT_ENV = "SKUPIN_ROOT"
 STATE_ENV = "SKUPIN_STATE"
+WHEELHOUSE_ENV = "SKUPIN_WHEELHOUSE"  # every command's --wheelhouse defaults to it (env_wheelhouse)
 NO_CATALOG_FIX = "run it inside a catalog (a folder holding skus/, or below one), pass --root DIR, or set SKUPIN_ROOT"
 
 _root: Path | None = None  # set by `skupin --root`
@@ -143,6 +144,13 @@ def templates_dir() -> Path:
     if found is not None and (found / "templates").is_dir():
         return found / "templates"
     return SHIPPED_TEMPLATES
+
+
+def env_wheelhouse() -> Path | None:
+    """$SKUPIN_WHEELHOUSE when set and not empty: the default of --wheelhouse in every command that takes it (build,
+    gate, lock, render, run, ab, watch; not `matrix`, whose --wheelhouse is a folder the CI runners have)."""
+    value = os.environ.get(WHEELHOUSE_ENV)
+    return Path(value) if value else None
 
 
 def state_dir() -> Path:

@@ -30,18 +30,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
 from skupin.builder.catalog.lockfile import Lock, lock_path, read_lock
-from skupin.builder.catalog.manifest import SkuManifest, load_manifest
 from skupin.common.errors import BundleError, PublishError, SkupinError
 from skupin.common.model import Frozen, canonical_json
 from skupin.common.paths import data_path, find_catalog, sku_path
-from skupin.engines import engine_float32
-from skupin.gates.judge.tolerance import ToleranceKey, Tolerances, catalog_tolerances, load_tolerances
-from skupin.gates.refdata.bundle import bundle_sha256, float32_reference
 from skupin.publishing.attest import (
     BOM_PREDICATE_TYPE,
     PREDICATE_TYPE,
@@ -54,6 +50,10 @@ from skupin.publishing.attest import (
     tolerance_sha256,
 )
 from skupin.publishing.sbom import BomSummary, bom_summary
+
+if TYPE_CHECKING:
+    from skupin.builder.catalog.manifest import SkuManifest
+    from skupin.gates.judge.tolerance import Tolerances
 
 REQUIRED_CHECKS = ("pins", "model")
 
@@ -87,6 +87,11 @@ def expected_for(sku: str) -> Expected:
     if catalog is None:
         return Expected(sku=sku, lock_sha256=None, bundle_sha256=None, tolerance_key=None, tolerance_sha256=None,
                         catalog=None)
+    # the catalog's side only when there is a catalog: an operator's `verify` never imports the gate's modules
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.gates.judge.tolerance import ToleranceKey, catalog_tolerances, load_tolerances
+    from skupin.gates.refdata.bundle import bundle_sha256
+
     path = sku_path(sku)
     manifest = load_manifest(path)
     lock = read_lock(lock_path(path))
@@ -108,6 +113,10 @@ def expected_for(sku: str) -> Expected:
 def _float32_expected(manifest: SkuManifest, tolerances: Tolerances) -> dict[str, str | None]:
     """What the catalog commits for the SKU's float32 pass (the gate's `float32` check): its bundle and its entry;
     nothing when the gate runs none (the SKU serves float32, or its engine has no float32 path)."""
+    from skupin.engines import engine_float32
+    from skupin.gates.judge.tolerance import ToleranceKey
+    from skupin.gates.refdata.bundle import bundle_sha256, float32_reference
+
     if manifest.gate.dtype == "float32" or not engine_float32(manifest.stack.engine.name):
         return {}
     try:

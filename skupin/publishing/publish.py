@@ -56,17 +56,14 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 from pydantic import Field
 
-from skupin.builder.build import DOCKERFILE_LABEL, BuiltImage
 from skupin.builder.catalog.lockfile import Lock, content_tag, lock_path, read_lock, sku_image_tag
-from skupin.builder.catalog.manifest import load_manifest
-from skupin.builder.render import render_manifest
 from skupin.clients.oci import Manifest, RegistryClient, registry_url, sha256_digest
 from skupin.common import __version__
 from skupin.common.errors import BundleError, DockerError, NetworkError, PublishError
@@ -74,8 +71,6 @@ from skupin.common.model import Frozen, canonical_json
 from skupin.common.paths import NO_CATALOG_FIX, catalog, sku_path, state_dir
 from skupin.common.revision import SourcePin, catalog_source
 from skupin.common.untrusted import load_json, read_regular_file
-from skupin.dockerd import Docker, ImageInfo
-from skupin.gates.judge.verdict import GateVerdict
 from skupin.publishing.attest import (
     BOM_PREDICATE_TYPE,
     DSSE_MEDIA_TYPE,
@@ -110,8 +105,16 @@ from skupin.publishing.policy import (
 )
 from skupin.publishing.sbom import BomSummary, ImageInventory, build_bom, image_inventory
 
+if TYPE_CHECKING:  # the build side, Docker and the gate only where a publish runs: `verify` imports this module too
+    from skupin.builder.build import BuiltImage
+    from skupin.dockerd import Docker, ImageInfo
+    from skupin.gates.judge.verdict import GateVerdict
+
 VERIFIED_TAG = "verified"
 LOCK_LABEL = "io.skupin.lock-sha256"  # templates/base.Dockerfile.j2: the lock hash the build was given
+# builder/build.py's DOCKERFILE_LABEL, named here so that `verify`, which imports this module, never imports the build
+# (tests/unit/test_bomschema.py checks the two agree)
+DOCKERFILE_LABEL = "io.skupin.dockerfile-sha256"
 VERDICT_PREDICATE_TYPE = "https://skupin.dev/gate-verdict/v1"
 VERDICT_ENVELOPE_SUFFIX = ".dsse.json"  # verdict.json -> verdict.dsse.json, beside it
 PUSH_TAG_PREFIX = "skupin-push-"
@@ -258,6 +261,8 @@ def verdict_envelope_path(verdict_path: Path) -> Path:
 
 def verdict_document(verdict: GateVerdict | dict[str, Any]) -> dict[str, Any]:
     """The verdict as its verdict.json reads (the JSON the envelope signs and the attestation pins)."""
+    from skupin.gates.judge.verdict import GateVerdict
+
     return json.loads(verdict.model_dump_json()) if isinstance(verdict, GateVerdict) else verdict
 
 
@@ -934,6 +939,8 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
                 on_event: OnEvent = _quiet) -> PublishedImage:
     """`skupin publish`: the SKU's current lock, an image on this host and its verdict file (given, or the newest
     under .skupin/gates/ for this image and lock), each read once; then plan and publish."""
+    from skupin.builder.catalog.manifest import load_manifest
+    from skupin.builder.render import render_manifest
 
     path = sku_path(sku)
     signer = find_signer(signing_key)  # before anything else: a missing key is the first thing to fix

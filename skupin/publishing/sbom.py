@@ -17,7 +17,9 @@ from the layer-index cache that check filled, so a publish right after a gate re
 Everything is bounded and checked (names, versions, counts, file sizes): a name that is not a
 distribution's or a package's is an error naming the file, not a component. The document
 (`build_bom`) is made with the maintained `cyclonedx-python-lib` and validated against the CycloneDX
-1.6 JSON schema by that library. It is deterministic for one image: the serial number is a UUID
+1.6 JSON schema that library ships (skupin/publishing/bomschema.py: jsonschema's Draft 7 validator, as the library's
+own validator applies it, with a format checker of the four formats that schema uses; `verify` validates with the
+same one and never imports the library). It is deterministic for one image: the serial number is a UUID
 derived from the image's manifest digest, the timestamp is the publish time passed in, components,
 properties and dependencies are sorted, and every bom-ref is derived from the component (a purl, or
 for a Python distribution the path of its dist-info folder, which is unique).
@@ -33,14 +35,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cyclonedx.model import HashAlgorithm, HashType, Property
-from cyclonedx.model.bom import Bom, BomMetaData
-from cyclonedx.model.component import Component, ComponentType
-from cyclonedx.model.tool import ToolRepository
-from cyclonedx.output.json import JsonV1Dot6
-from cyclonedx.schema import SchemaVersion
-from cyclonedx.validation.json import JsonStrictValidator
-from packageurl import PackageURL
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 from pydantic import Field
@@ -52,9 +46,13 @@ from skupin.common.model import Frozen
 from skupin.common.untrusted import UntrustedInputError
 from skupin.imageview.debian import DEBIAN_ARCH, DEBIAN_NAME, parse_status
 from skupin.imageview.layers import FileView, image_view
+from skupin.publishing.bomschema import bom_schema_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from cyclonedx.model import Property
+    from packageurl import PackageURL
 
     from skupin.dockerd import Docker
 
@@ -192,17 +190,29 @@ def serial_number(digest: str) -> uuid.UUID:
 
 def image_purl(*, registry: str, repository: str, digest: str) -> PackageURL:
     """pkg:oci/<name>@sha256:...?repository_url=<registry>/<repository> (the purl spec's oci type)."""
+    from packageurl import PackageURL
+
     return PackageURL(type="oci", name=repository.rsplit("/", 1)[-1].lower(), version=digest,
                       qualifiers={"repository_url": f"{registry}/{repository}"})
 
 
 def _props(pairs: dict[str, str]) -> list[Property]:
+    from cyclonedx.model import Property
+
     return [Property(name=k, value=v) for k, v in sorted(pairs.items())]
 
 
 def build_bom(inventory: ImageInventory, *, registry: str, repository: str, digest: str, image_id: str,
               timestamp: str, lock: Lock | None = None, sku: str | None = None) -> dict[str, Any]:
     """The CycloneDX 1.6 JSON BOM (as a dict) of an image pushed as `registry/repository@digest` (see the module doc)."""
+    # the library only where a BOM is written: `verify` reads one back without it (skupin/publishing/bomschema.py)
+    from cyclonedx.model import HashAlgorithm, HashType
+    from cyclonedx.model.bom import Bom, BomMetaData
+    from cyclonedx.model.component import Component, ComponentType
+    from cyclonedx.model.tool import ToolRepository
+    from cyclonedx.output.json import JsonV1Dot6
+    from packageurl import PackageURL
+
     hexpart = digest.removeprefix("sha256:")
     if not digest.startswith("sha256:") or not re.fullmatch(r"[0-9a-f]{64}", hexpart):
         raise PublishError(f"not a sha256 digest: {digest!r}")
@@ -243,10 +253,11 @@ def build_bom(inventory: ImageInventory, *, registry: str, repository: str, dige
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the library warns about things this BOM does not use (licenses)
         text = JsonV1Dot6(bom).output_as_string()
-    problem = bom_schema_error(text)
+    doc: dict[str, Any] = json.loads(text)
+    problem = bom_schema_error(doc)
     if problem:
         raise PublishError(f"the SBOM made for {digest[:19]} is not valid CycloneDX {SPEC_VERSION}: {problem}")
-    return json.loads(text)
+    return doc
 
 
 def _same(a: str, b: str) -> bool:
@@ -254,12 +265,6 @@ def _same(a: str, b: str) -> bool:
         return Version(a) == Version(b)
     except InvalidVersion:
         return a == b
-
-
-def bom_schema_error(text: str) -> str:
-    """'' when `text` is valid CycloneDX 1.6 JSON (the library's validator, strict), else the first error."""
-    error = JsonStrictValidator(SchemaVersion.V1_6).validate_str(text)
-    return "" if error is None else str(error)[:300]
 
 
 # ---------------------------------------------------------------- reading a (signed) BOM back
@@ -289,7 +294,7 @@ def bom_summary(doc: Any) -> BomSummary:
         raise PublishError("the SBOM is not a CycloneDX JSON document (bomFormat)")
     if doc.get("specVersion") != SPEC_VERSION:
         raise PublishError(f"the SBOM's specVersion is {str(doc.get('specVersion'))[:20]!r}, not {SPEC_VERSION}")
-    problem = bom_schema_error(json.dumps(doc))
+    problem = bom_schema_error(doc)
     if problem:
         raise PublishError(f"the SBOM is not valid CycloneDX {SPEC_VERSION}: {problem}")
     components = doc.get("components") or []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 
@@ -98,3 +99,72 @@ def test_prune_keeps_what_the_locks_name_and_drops_the_rest(tmp_path, capsys):
     assert f"removed {old.filename}" in out and "removed 2 file(s), 0.0 MB; 1 wheel(s) kept" in out
     assert [p.name for p in kept.parent.iterdir()] == [kept.name]
     assert not stale.parent.exists() and not stale.parent.parent.exists()
+
+
+def test_a_wheelhouse_of_links_stores_the_files_they_name(tmp_path):
+    """A wheelhouse whose wheels are symbolic links (relative, absolute, a chain): the store holds the file itself, never
+    the link (a stored relative link led nowhere inside the build: "no wheel has sha256 ...")."""
+    real, house, store = tmp_path / "cache", tmp_path / "house", tmp_path / "store"
+    real.mkdir()
+    house.mkdir()
+    pkgs = [_pkg(name, f"the {name} wheel".encode(), source="wheelhouse", url=None) for name in ("rel", "abs", "chain")]
+    for pkg in pkgs:
+        (real / pkg.filename).write_bytes(f"the {pkg.name} wheel".encode())
+    (house / pkgs[0].filename).symlink_to(f"../cache/{pkgs[0].filename}")
+    (house / pkgs[1].filename).symlink_to(real / pkgs[1].filename)
+    (tmp_path / "hop").symlink_to(real / pkgs[2].filename)
+    (house / pkgs[2].filename).symlink_to(tmp_path / "hop")
+    got = fetch_wheels(pkgs, store=store, wheelhouse=house)
+    for pkg in pkgs:
+        stored = got[pkg.sha256]
+        assert not stored.is_symlink() and stored.is_file()
+        assert stored.stat().st_ino == (real / pkg.filename).stat().st_ino  # the file, hard-linked
+        assert hashlib.sha256(stored.read_bytes()).hexdigest() == pkg.sha256
+        assert [p.name for p in stored.parent.iterdir()] == [pkg.filename]
+
+
+def test_a_link_stored_by_an_older_version_is_replaced_by_the_file(tmp_path):
+    house, store = tmp_path / "house", tmp_path / "store"
+    house.mkdir()
+    pkg = _pkg("torch", b"the torch wheel", source="wheelhouse", url=None)
+    (house / pkg.filename).write_bytes(b"the torch wheel")
+    stored = store_path(store, pkg)
+    stored.parent.mkdir(parents=True)
+    stored.symlink_to(house / pkg.filename)  # what the store held before: resolves, but is a link
+    events: list[str] = []
+    fetch_wheels([pkg], store=store, wheelhouse=house, on_event=events.append)
+    assert not stored.is_symlink() and stored.read_bytes() == b"the torch wheel"
+    assert events == [f"wheels: 1 locked, 0 in the store {store}, 1 from the wheelhouse"]
+
+
+def test_a_wheelhouse_link_to_a_non_regular_file_or_nothing_is_refused(tmp_path):
+    house, store = tmp_path / "house", tmp_path / "store"
+    house.mkdir()
+    fifo, dev, folder, nothing, loop = (_pkg(n, n.encode(), source="wheelhouse", url=None)
+                                        for n in ("fifo", "dev", "folder", "nothing", "loop"))
+    os.mkfifo(tmp_path / "a-fifo")
+    (house / fifo.filename).symlink_to(tmp_path / "a-fifo")
+    (house / dev.filename).symlink_to("/dev/zero")
+    (house / folder.filename).symlink_to(tmp_path)
+    (house / nothing.filename).symlink_to(tmp_path / "gone.whl")
+    (house / loop.filename).symlink_to(house / loop.filename)
+    with pytest.raises(BuildError) as err:
+        fetch_wheels([fifo, dev, folder, nothing, loop], store=store, wheelhouse=house)
+    text = str(err.value)
+    for pkg in (fifo, dev, folder):
+        assert f"{house / pkg.filename} (a link to " in text and "is not a regular file" in text
+    for pkg in (nothing, loop):
+        assert f"{house / pkg.filename}: a link in the wheelhouse that leads to no file" in text
+    assert not store.exists()  # refused before anything was stored
+
+
+def test_a_linked_wheel_with_another_hash_is_refused_naming_the_link_and_its_file(tmp_path):
+    house, store = tmp_path / "house", tmp_path / "store"
+    house.mkdir()
+    pkg = _pkg("torch", b"locked bytes", source="wheelhouse", url=None)
+    (tmp_path / "other.whl").write_bytes(b"other bytes")
+    (house / pkg.filename).symlink_to(tmp_path / "other.whl")
+    with pytest.raises(BuildError, match=f"a link to {tmp_path / 'other.whl'}\\): sha256"):
+        fetch_wheels([pkg], store=store, wheelhouse=house)
+    assert not any(p.is_file() for p in store.rglob("*"))  # no stored file, no temporary one
+    assert (tmp_path / "other.whl").read_bytes() == b"other bytes"
