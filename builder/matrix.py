@@ -14,6 +14,11 @@ wheel locked from a wheelhouse needs its recorded download URL, or the wheelhous
 whose content-addressed version tag is already published is `current`: rebuilding it would make the same
 image, so a push rebuilds exactly the SKUs whose lock or locked Dockerfile changed, however many at once, and
 a rerun after a failure retries only what is still unpublished.
+
+A SKU whose gate would end `uncalibrated` (no calibrated tolerance for its key: exit 14, never a pass; the caller
+says which, `uncalibrated`) is kept off GPU runners, `excluded` with why, unless `include_uncalibrated`: its run
+there could publish nothing. A CPU SKU's gate runs on a hosted or Docker runner, where such a run still shows that it
+builds and boots: it stays in, marked `calibrated: false`.
 """
 
 from __future__ import annotations
@@ -102,11 +107,14 @@ def unbuildable(stack: ResolvedStack, *, wheelhouse: Path | None) -> str | None:
 
 def plan_matrix(stacks: Iterable[ResolvedStack], *, wheelhouse: Path | None = None,
                 version_tag: Callable[[ResolvedStack], str] | None = None,
-                published: Callable[[str, str], bool] | None = None) -> MatrixPlan:
+                published: Callable[[str, str], bool] | None = None,
+                uncalibrated: Callable[[ResolvedStack], str | None] | None = None,
+                include_uncalibrated: bool = False) -> MatrixPlan:
     """The matrix for `stacks` (each checked with its lock).
 
     With `published(sku, tag)` (and `version_tag(stack)`), a SKU whose version tag is already published is
-    `current`, not rebuilt.
+    `current`, not rebuilt. With `uncalibrated(stack)` (why its gate would end 'uncalibrated', or None), such a SKU is
+    excluded from GPU runners unless `include_uncalibrated`.
     """
     include: list[dict] = []
     excluded: list[Excluded] = []
@@ -122,6 +130,12 @@ def plan_matrix(stacks: Iterable[ResolvedStack], *, wheelhouse: Path | None = No
             current.append(Current(sku=m.name, tag=tag))
             continue
         labels = runner_labels(m)
+        why_uncalibrated = uncalibrated(stack) if uncalibrated is not None else None
+        if why_uncalibrated and ALL_FAMILIES[m.base.family].accelerated and not include_uncalibrated:
+            excluded.append(Excluded(sku=m.name, reason=(
+                f"its gate would end 'uncalibrated' (exit 14, never a pass), so a GPU runner would publish nothing: "
+                f"{why_uncalibrated}; to run it there anyway (a build for `skupin calibrate`): --include-uncalibrated")))
+            continue
         include.append({
             "sku": m.name,
             "vendor": m.accelerator.vendor,
@@ -132,6 +146,7 @@ def plan_matrix(stacks: Iterable[ResolvedStack], *, wheelhouse: Path | None = No
             "hosted": labels["build"] == labels["gate"] and labels["build"][0] != "self-hosted",
             "build_runner": labels["build"],
             "gate_runner": labels["gate"],
+            "calibrated": not why_uncalibrated,
         })
     return MatrixPlan(include=tuple(include), excluded=tuple(excluded), current=tuple(current))
 

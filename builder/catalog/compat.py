@@ -18,10 +18,11 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 from pydantic import ValidationError
 
-from skupin.builder.catalog.families import ALL_FAMILIES, Family
+from skupin.builder.catalog.families import ALL_FAMILIES, Family, Vendor
 from skupin.builder.catalog.manifest import Pin, SkuManifest
 from skupin.common.errors import CompatError, Problem
 from skupin.common.model import Frozen
+from skupin.common.suggest import did_you_mean
 from skupin.engines import UnknownEngine, engine_named
 
 COMPAT_PATH = Path(__file__).parents[1] / "data" / "compat.yaml"  # builder/data/
@@ -86,6 +87,17 @@ class VariantRow(Row):
     series: str | None = None
 
 
+class ArchRow(Row):
+    """An accelerator ISA (accelerator.arch) -> its vendor, the hardware class its SKUs usually calibrate as, the CUDA
+    series whose toolkits compile for it (NVIDIA) and the image platform it runs (CPUs)."""
+
+    vendor: Vendor
+    arch: str
+    hardware_class: str
+    cuda: str | None = None  # a PEP 440 specifier over CUDA series (13.0): the toolkits that still compile for it
+    platform: str | None = None  # the OCI platform of a CPU arch's images (base.platform)
+
+
 class CompatData(Frozen):
     """All compatibility rows, as loaded from builder/data/compat.yaml."""
 
@@ -96,6 +108,13 @@ class CompatData(Frozen):
     engine_torch: tuple[EngineTorchRow, ...]
     cuda_driver: tuple[CudaDriverRow, ...]
     variants: tuple[VariantRow, ...]
+    arches: tuple[ArchRow, ...] = ()
+
+    def arch(self, vendor: str, arch: str) -> ArchRow | None:
+        return next((r for r in self.arches if r.vendor == vendor and r.arch == arch), None)
+
+    def arches_of(self, vendor: str) -> tuple[str, ...]:
+        return tuple(r.arch for r in self.arches if r.vendor == vendor)
 
     def family(self, family: str) -> FamilyRow | None:
         return next((r for r in self.families if r.family == family), None)
@@ -149,6 +168,9 @@ def _validate_versions(compat: CompatData) -> None:
             SpecifierSet(engine_row.torch)
     for driver_row in compat.cuda_driver:
         Version(driver_row.cuda), Version(driver_row.min_driver)
+    for arch_row in compat.arches:
+        if arch_row.cuda is not None:
+            SpecifierSet(arch_row.cuda)
 
 
 def _validate_families(compat: CompatData) -> None:
@@ -170,7 +192,74 @@ def check_compat(*, manifest: SkuManifest, file: str, compat: CompatData | None 
     problems += _torch_compiler(manifest, file, data)
     problems += _engine_known(manifest, file) or _engine_torch(manifest, file, data)
     problems += _cuda_driver(manifest, file, data)
+    problems += _arch_toolkit(manifest, file, data)
     return problems
+
+
+ADD_ARCH = "add an `arches` row to builder/data/compat.yaml"
+
+
+def check_accelerator(*, manifest: SkuManifest, file: str, compat: CompatData | None = None) -> list[Problem]:
+    """What the build and the gate need of `accelerator`, as bad input (exit 2): an arch its vendor has (compat.yaml
+    `arches`), a CPU arch that runs base.platform, a hardware class named for its vendor, and gate.tolerance_class
+    equal to it (the gate looks tolerances up by accelerator.hardware_class)."""
+    data = compat if compat is not None else load_compat()
+    acc = manifest.accelerator
+    problems: list[Problem] = []
+    row = data.arch(acc.vendor, acc.arch)
+    known = data.arches_of(acc.vendor)
+    if row is None:
+        owner = next((r.vendor for r in data.arches if r.arch == acc.arch), None)
+        guess = did_you_mean(acc.arch, known)
+        if owner is not None:
+            message = f"{acc.arch!r} is an arch of vendor {owner}, not {acc.vendor} (whose arches are {', '.join(known)})"
+            fix = f"{guess + ' or' if guess else ''} set accelerator.vendor: {owner} (with a base family of {owner})".strip()
+        else:
+            message = f"{acc.arch!r} is no arch of vendor {acc.vendor} (known: {', '.join(known) or 'none'})"
+            fix = guess or f"name one of them, or {ADD_ARCH} if the vendor has it"
+        problems.append(Problem(file, "accelerator.arch", message, fix))
+    elif row.platform is not None and row.platform != manifest.base.platform:
+        other = next((r.arch for r in data.arches if r.vendor == acc.vendor and r.platform == manifest.base.platform), None)
+        problems.append(Problem(
+            file, "accelerator.arch", f"{acc.arch} runs {row.platform} images, not base.platform {manifest.base.platform}",
+            f"set base.platform: {row.platform}" + (f", or accelerator.arch: {other}" if other else "")))
+    cls = acc.hardware_class
+    if not cls.startswith(f"{acc.vendor}-"):
+        classes = sorted({r.hardware_class for r in data.arches if r.vendor == acc.vendor})
+        want = row.hardware_class if row is not None else f"{acc.vendor}-<name>"
+        problems.append(Problem(
+            file, "accelerator.hardware_class",
+            f"{cls!r} is not a class of vendor {acc.vendor}: a class is named <vendor>-<name> (known for {acc.vendor}: "
+            f"{', '.join(classes)}), and the gate keys its tolerances by it",
+            did_you_mean(cls, classes) or f"set accelerator.hardware_class: {want}"))
+    if manifest.gate.tolerance_class != cls:
+        problems.append(Problem(
+            file, "gate.tolerance_class",
+            f"{manifest.gate.tolerance_class!r} differs from accelerator.hardware_class {cls!r}, the class the gate "
+            f"looks its tolerances up by", f"set gate.tolerance_class: {cls}" if cls.startswith(f"{acc.vendor}-") else
+            "give it the class accelerator.hardware_class names once that is fixed"))
+    return problems
+
+
+def _arch_toolkit(m: SkuManifest, file: str, data: CompatData) -> list[Problem]:
+    """An NVIDIA arch <-> the CUDA series of the torch wheel's variant: a toolkit that no longer (or not yet) compiles
+    for the arch gives an image without kernels for it (CUDA 13 dropped sm_50..sm_72)."""
+    fw = m.stack.framework
+    row = data.arch(m.accelerator.vendor, m.accelerator.arch)
+    vrow = data.variant(fw.variant) if _is_torch(fw) and fw.variant else None
+    if row is None or row.cuda is None or vrow is None or vrow.family != "cuda" or vrow.series is None:
+        return []
+    spec = SpecifierSet(row.cuda)
+    if spec.contains(Version(vrow.series), prereleases=True):
+        return []
+    fits = sorted((r for r in data.variants if r.family == "cuda" and r.series and spec.contains(Version(r.series))),
+                  key=lambda r: Version(r.series or "0"))
+    alt = (f"set stack.framework.variant: {fits[-1].variant} (CUDA {fits[-1].series}) with a torch built for it"
+           if fits else "no torch variant in the compatibility data compiles for it: choose a newer GPU")
+    return [Problem(file, "accelerator.arch",
+                    f"{m.accelerator.arch} is not compiled for by CUDA {vrow.series} (torch variant {fw.variant}): its "
+                    f"toolkits cover CUDA {row.cuda}, so the image would hold no kernels for it",
+                    f"{alt}, or an arch CUDA {vrow.series} supports")]
 
 
 def _version(pin: Pin) -> Version | None:

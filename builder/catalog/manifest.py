@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
 import hashlib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,6 +31,7 @@ from skupin.builder.catalog.grammar import (
 from skupin.common.errors import ManifestError, Problem
 from skupin.common.model import Frozen, canonical_json
 from skupin.common.paths import PYPI_SIMPLE
+from skupin.common.suggest import did_you_mean
 from skupin.common.untrusted import printable
 
 SCHEMA_VERSION = 1
@@ -488,23 +489,94 @@ def _first_model(annotation: Any) -> Any:
 
 
 def _problem(file: str, err: ErrorDetails) -> Problem:
+    """One pydantic error as a skupin problem: the dotted field, a message in our words and always a fix (with a
+    did-you-mean where the value is one of a known set)."""
     raw = err["loc"]
     # pydantic inserts the discriminator tag after `source` (source.index.url); drop only those.
     loc = tuple(p for i, p in enumerate(raw) if not (i and raw[i - 1] == "source" and p in _SOURCE_TAGS))
     field = _dotted(loc)
     kind = err["type"]
+    ctx: dict[str, Any] = dict(err.get("ctx") or {})
+    value = err.get("input")
     if kind == "extra_forbidden":
         parent = _model_at(loc[:-1])
         known = list(parent.model_fields) if parent else []
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        fix = f"did you mean '{close[0]}'?" if close else f"remove it (known keys: {', '.join(known)})"
+        fix = did_you_mean(str(loc[-1]), known) or f"remove it (known keys: {', '.join(known)})"
         return Problem(file, field, "unknown key", fix)
     if kind == "missing":
-        return Problem(file, field, "required key is missing", "add it (see `skupin schema`)")
+        return Problem(file, field, "required key is missing", f"add it{_described(loc)} (see `skupin schema`)")
+    if kind in ("literal_error", "enum"):
+        choices = _quoted(str(ctx.get("expected", ""))) or [str(ctx.get("expected", ""))]
+        return Problem(file, field, f"{value!r} is not one of {ctx.get('expected')}",
+                       did_you_mean(str(value), choices) or f"set {field} to one of: {', '.join(choices)}")
+    if kind == "union_tag_invalid":
+        choices = _quoted(str(ctx.get("expected_tags", "")))
+        tag = ctx.get("tag")
+        return Problem(file, f"{field}.kind", f"{tag!r} is not a kind of source (known: {', '.join(choices)})",
+                       did_you_mean(str(tag), choices) or f"set {field}.kind to one of: {', '.join(choices)}")
+    if kind == "union_tag_not_found":
+        choices = list(_SOURCE_TAGS)
+        return Problem(file, f"{field}.kind", "required key is missing",
+                       f"add kind: one of {', '.join(sorted(choices))}")
+    if kind in _BOUNDS:
+        return Problem(file, field, f"{value!r} is not {_BOUNDS[kind]} {ctx.get(_BOUND_KEYS[kind])}",
+                       _fix_for(kind, field, ctx, loc))
+    if kind == "string_pattern_mismatch":
+        return Problem(file, field, f"{value!r} should match pattern {ctx.get('pattern')}", _fix_for(kind, field, ctx, loc))
+    if kind in _TYPES:
+        what, fix = _TYPES[kind]
+        return Problem(file, field, f"{value!r} is not {what}", f"{fix}{_described(loc)}")
     message = err["msg"].removeprefix("Value error, ")
-    if "input" in err and not isinstance(err["input"], (dict, list)):
-        message += f" (got {err['input']!r})"
-    return Problem(file, field, message)
+    if value is not None and not isinstance(value, (dict, list)) and repr(value) not in message:
+        message += f" (got {value!r})"
+    return Problem(file, field, message, _fix_for(kind, field, ctx, loc))
+
+
+# pydantic's type errors of scalar fields: (what the value is not, the fix)
+_TYPES = {
+    "int_type": ("an integer", "write a whole number, e.g. 8"),
+    "int_parsing": ("an integer", "write a whole number, e.g. 8"),
+    "int_from_float": ("an integer", "write a whole number, e.g. 8"),
+    "float_type": ("a number", "write a number, e.g. 0.5"),
+    "float_parsing": ("a number", "write a number, e.g. 0.5"),
+    "bool_type": ("true or false", "write true or false"),
+    "bool_parsing": ("true or false", "write true or false"),
+    "string_type": ("a string", "write a string (quoted in YAML when it looks like a number, e.g. \"3.11\")"),
+}
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+_BOUND_KEYS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le"}
+
+
+def _fix_for(kind: str, field: str, ctx: dict[str, Any], loc: tuple[Any, ...]) -> str:
+    """The fix for a pydantic error that is no choice among known values."""
+    if kind in _BOUNDS:
+        return f"set {field} to a value {_BOUNDS[kind]} {ctx.get(_BOUND_KEYS[kind])}{_described(loc)}"
+    if kind == "string_pattern_mismatch":
+        return f"write {field} to match {ctx.get('pattern')}{_described(loc)}"
+    if kind in ("too_short", "too_long", "string_too_short", "string_too_long"):
+        return f"give {field} {'more' if 'short' in kind else 'fewer'} items or characters{_described(loc)}"
+    if kind.startswith(("dict_", "list_", "tuple_", "model_", "dataclass_")):
+        return f"give {field} the shape `skupin schema` names (a mapping or a list){_described(loc)}"
+    if kind == "value_error":
+        return f"write {field} as the message says{_described(loc)}"
+    return f"correct {field}{_described(loc)} (see `skupin schema`)"
+
+
+def _described(loc: tuple[Any, ...]) -> str:
+    """': <the field's description>' from the manifest model, or '' when it has none."""
+    names = [p for p in loc if not isinstance(p, int)]
+    if not names:
+        return ""
+    parent = _model_at(tuple(names[:-1]))
+    info = parent.model_fields.get(str(names[-1])) if parent is not None else None
+    return f" ({info.description})" if info is not None and info.description else ""
+
+
+def _quoted(text: str) -> list[str]:
+    """The values of pydantic's "'a', 'b' or 'c'"."""
+    return re.findall(r"'([^']*)'", text)
 
 
 _SOURCE_TAGS = {"index", "wheelhouse", "url", "git", "sdist", "apt", "base", "host", "none"}

@@ -13,21 +13,23 @@ from skupin.cli.output import err, install_missing_flag, out, progress_printer
 from skupin.common.errors import SkupinError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
-    from skupin.builder.catalog.manifest import SkuManifest
     from skupin.builder.catalog.stack import ResolvedStack
     from skupin.builder.check import SkuReport
+    from skupin.common.errors import Problem
 
 # ------------------------------------------------------------------ check / render / matrix / schema
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Every problem of every manifest at once; exit 2 (manifest), 3 (compatibility) or 4 (a stale lock), else 0."""
+    """Every problem of every manifest at once: exit 2 (the manifest, or a field its gate cannot use), 3
+    (compatibility) or 4 (a stale lock), else 0; warnings (a gate that would end 'uncalibrated') never change it."""
     from skupin.builder.check import check_paths, raise_for
     from skupin.common.errors import LockError
+    from skupin.gates.preflight import gate_checker
 
-    reports = check_paths([Path(p) for p in args.paths], with_lock=not args.no_lock)
+    reports = check_paths([Path(p) for p in args.paths], with_lock=not args.no_lock, gate_check=gate_checker())
     if not reports:
         raise SkupinError(f"no manifests found in {', '.join(args.paths) or 'skus/'}")
     stale = [r.stack for r in reports if r.stack is not None and r.stack.lock_state == "stale"]
@@ -42,9 +44,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         out(json.dumps({"exit_code": code, "manifests": [_check_json(r) for r in reports]}, indent=2))
         return code
     for report in reports:
-        for problem in report.manifest_problems + report.compat_problems:
+        for problem in report.problems:
             out(str(problem))
-    bad = sum(1 for r in reports if r.manifest_problems or r.compat_problems)
+    for report in reports:
+        for warning in report.warnings:
+            err(f"warning: {report.manifest.name if report.manifest else report.file}: {warning.message}"
+                + (f"; fix: {warning.fix}" if warning.fix else ""))
+    bad = sum(1 for r in reports if r.problems)
     if bad:
         out(f"{bad} of {len(reports)} manifest(s) have problems")
         return code
@@ -53,35 +59,22 @@ def cmd_check(args: argparse.Namespace) -> int:
         assert stack is not None
         note = f" ({stack.lock_note})" if stack.lock_note else ""
         out(f"{'ok ' if stack.lock_state != 'stale' else 'bad'} {stack.manifest.name:<24} lock: {stack.lock_state}{note}")
-    _warn_uncalibrated([r.stack.manifest for r in reports if r.stack is not None])
     if stale:
         out(f"{len(stale)} of {len(reports)} lock(s) are stale: a build would refuse them; fix: "
             f"skupin lock {' '.join(s.manifest.name for s in stale)}")
     return code
 
 
+def _problem_json(problem: Problem) -> dict:
+    return {"file": problem.file, "field": problem.field, "message": problem.message, "fix": problem.fix}
+
+
 def _check_json(report: SkuReport) -> dict:
     stack = report.stack
-    return {"file": report.file, "sku": stack.manifest.name if stack else None,
+    return {"file": report.file, "sku": report.manifest.name if report.manifest else None,
             "lock": stack.lock_state if stack else None, "lock_note": stack.lock_note if stack else "",
-            "problems": [{"file": p.file, "field": p.field, "message": p.message, "fix": p.fix}
-                         for p in report.manifest_problems + report.compat_problems]}
-
-
-def _warn_uncalibrated(manifests: Iterable[SkuManifest]) -> None:
-    """A warning (stderr, exit code unchanged) for each SKU whose tolerance key has no calibrated entry, and for each
-    whose float32 pass lacks its bundle or its calibrated float32 entry."""
-    from skupin.common.paths import data_path
-    from skupin.gates.judge.tolerance import calibration_warning, catalog_tolerances, float32_pass_warning, load_tolerances
-
-    path = catalog_tolerances()
-    tolerances = load_tolerances(path)
-    for manifest in manifests:
-        reference = data_path(manifest.gate.reference)
-        for warning in (calibration_warning(manifest=manifest, tolerances=tolerances, reference=reference, path=path),
-                        float32_pass_warning(manifest=manifest, tolerances=tolerances, reference=reference, path=path)):
-            if warning:
-                err(f"warning: {manifest.name}: {warning}")
+            "problems": [_problem_json(p) for p in report.problems],
+            "warnings": [_problem_json(w) for w in report.warnings]}
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -133,15 +126,21 @@ def _writable_folder(path: Path) -> None:
 def cmd_matrix(args: argparse.Namespace) -> int:
     from skupin.builder.check import check_paths, raise_for
     from skupin.builder.matrix import plan_matrix, summary_markdown
+    from skupin.gates.preflight import gate_checker
 
-    reports = check_paths([Path(p) for p in args.paths])
+    reports = check_paths([Path(p) for p in args.paths], gate_check=gate_checker())
     raise_for(reports)
     stacks = [r.stack for r in reports if r.stack]
+    # the gate's own warning: no calibrated tolerance for the SKU's key, so its gate would end 'uncalibrated'
+    why = {r.stack.manifest.name: "; ".join(f"{w.message}; fix: {w.fix}" if w.fix else w.message for w in r.warnings)
+           for r in reports if r.stack and r.warnings}
     version_tag = published = None
     if args.skip_published:
         version_tag, published = _published_probe(args.skip_published)
     wheelhouse = Path(args.wheelhouse) if args.wheelhouse else None
-    plan = plan_matrix(stacks, wheelhouse=wheelhouse, version_tag=version_tag, published=published)
+    plan = plan_matrix(stacks, wheelhouse=wheelhouse, version_tag=version_tag, published=published,
+                       uncalibrated=lambda stack: why.get(stack.manifest.name),
+                       include_uncalibrated=args.include_uncalibrated)
     data = {"matrix": plan.strategy(), "excluded": [e.model_dump() for e in plan.excluded],
             "current": [c.model_dump() for c in plan.current]}
     if args.github_output:
@@ -400,6 +399,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "attestation a trusted key signed for that SKU and lock (an unattested tag is squatted: rebuilt)")
     p.add_argument("--github-output", metavar="FILE", help="append matrix=<strategy JSON> and count=N (for $GITHUB_OUTPUT)")
     p.add_argument("--summary", metavar="FILE", help="append the plan as a Markdown table (for $GITHUB_STEP_SUMMARY)")
+    p.add_argument("--include-uncalibrated", action="store_true",
+                   help="also send SKUs whose gate would end 'uncalibrated' (no calibrated tolerance for their key: exit "
+                        "14, never a pass) to their GPU runners, e.g. to build them for `skupin calibrate`; by default "
+                        "they are left out, with why")
     p.set_defaults(func=cmd_matrix)
 
     p = sub.add_parser("schema", help="the manifest's JSON Schema (for editors)")

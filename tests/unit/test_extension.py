@@ -66,6 +66,7 @@ def _copy(tmp: Path) -> Copy:
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "references", "integration", ".mypy_cache")
     for folder in ("builder", "gates", "templates", "skupin", "skus", "tests"):
         shutil.copytree(REPO / folder, tmp / folder, symlinks=True, ignore=skip)  # skupin/{builder,gates,templates} links
+    (tmp / "gates/references").symlink_to(REPO / "gates/references")  # `check` verifies the bundles (45 MB: not copied)
     return Copy(tmp)
 
 
@@ -95,7 +96,8 @@ def add_engine(c: Copy) -> None:
 
 
 def add_family(c: Copy) -> None:
-    """Its row in ALL_FAMILIES, its template (here the cpu family's) and its compatibility row."""
+    """Its row in ALL_FAMILIES, its template (here the cpu family's) and its compatibility rows (its family, its
+    vendor's arches)."""
     c.edit("family", "builder/catalog/families.py", "builds_sdist=True),\n)}",
            f'builds_sdist=True),\n    FamilyInfo(name="{FAMILY}", vendors=("{FAMILY}",), driver_check="none", '
            f'torch_device="cpu", builds_sdist=True),\n)}}')
@@ -103,6 +105,9 @@ def add_family(c: Copy) -> None:
     c.edit("family", "builder/data/compat.yaml", "\nfamilies:\n",
            f'\nfamilies:\n  - {{family: {FAMILY}, compiler: none, drivers: [none], source: "tests/unit/test_extension.py", '
            f'date: 2026-11-29}}\n')
+    c.edit("family", "builder/data/compat.yaml", "\narches:\n",  # its vendor's arches (here one, a CPU's)
+           f'\narches:\n  - {{vendor: {FAMILY}, arch: x86_64, platform: linux/amd64, hardware_class: {FAMILY}-x86_64, '
+           f'source: "tests/unit/test_extension.py", date: 2026-12-02}}\n')
 
 
 def add_statistic(c: Copy) -> None:
@@ -125,7 +130,9 @@ def _dummy_sku(c: Copy) -> None:
     text = (REPO / "skus/cpu-x86_64-llamacpp.yaml").read_text(encoding="utf-8")
     for old, new in (("name: cpu-x86_64-llamacpp", f"name: {SKU}"), ("vendor: cpu", f"vendor: {FAMILY}"),
                      ("family: cpu", f"family: {FAMILY}"), ("name: llamacpp", f"name: {ENGINE}"),
-                     ("    package: llama-cpp-python\n", ""), ("version: 0.3.36", "version: 1.0.0")):
+                     ("    package: llama-cpp-python\n", ""), ("version: 0.3.36", "version: 1.0.0"),
+                     ("hardware_class: cpu-x86_64", f"hardware_class: {FAMILY}-x86_64"),
+                     ("tolerance_class: cpu-x86_64", f"tolerance_class: {FAMILY}-x86_64")):
         assert text.count(old) == 1, old
         text = text.replace(old, new)
     (c.root / f"skus/{SKU}.yaml").write_text(text, encoding="utf-8")

@@ -185,3 +185,43 @@ def test_a_wheelhouse_wheel_with_a_home_url_is_downloaded_and_must_match_the_loc
     no_url = wrong.model_copy(update={"url": None})
     with pytest.raises(BuildError, match="locked from a wheelhouse but not in"):
         fetch_wheels([no_url], store=tmp_path / "store3")
+
+
+# ---------------------------------------------------------------- SKUs whose gate would end 'uncalibrated' (issue 34)
+
+
+def test_an_uncalibrated_gpu_sku_is_left_out_with_why_unless_asked():
+    stacks = [s for s in _stacks() if s.manifest.name in ("cpu-x86_64", "nvidia-h200-vllm")]
+    why = {"nvidia-h200-vllm": "no calibrated tolerance for nvidia-hopper/bfloat16/tiny-llama/vllm",
+           "cpu-x86_64": "no calibrated tolerance for cpu-x86_64/float32/tiny-llama"}
+    plan = plan_matrix(stacks, uncalibrated=lambda s: why.get(s.manifest.name))
+    assert [e["sku"] for e in plan.include] == ["cpu-x86_64"]  # a hosted runner: it still shows it builds and boots
+    assert plan.include[0]["calibrated"] is False
+    (left,) = plan.excluded
+    assert left.sku == "nvidia-h200-vllm"
+    assert "would end 'uncalibrated'" in left.reason and why["nvidia-h200-vllm"] in left.reason
+    assert "--include-uncalibrated" in left.reason
+    assert "| `nvidia-h200-vllm` | its gate would end 'uncalibrated'" in summary_markdown(plan)
+
+    asked = plan_matrix(stacks, uncalibrated=lambda s: why.get(s.manifest.name), include_uncalibrated=True)
+    assert [e["sku"] for e in asked.include] == ["cpu-x86_64", "nvidia-h200-vllm"] and asked.excluded == ()
+    assert [e["calibrated"] for e in asked.include] == [False, False]
+    calibrated = plan_matrix(stacks, uncalibrated=lambda s: None)
+    assert [e["calibrated"] for e in calibrated.include] == [True, True]
+
+
+def test_cli_keeps_the_hopper_engine_skus_off_gpu_runners_until_asked(capsys):
+    """The committed nvidia-hopper entries were calibrated with transformers: the vLLM and SGLang SKUs would end
+    'uncalibrated', so `skupin matrix` leaves them out, saying why; --include-uncalibrated sends them."""
+    hopper = [str(SKUS / f"{name}.yaml") for name in ("nvidia-h100-vllm", "nvidia-h200-sglang", "nvidia-h200-vllm")]
+    assert main(["matrix", *hopper, str(SKUS / "cpu-x86_64.yaml")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [e["sku"] for e in printed["matrix"]["include"]] == ["cpu-x86_64"]
+    assert printed["matrix"]["include"][0]["calibrated"] is True
+    reasons = {e["sku"]: e["reason"] for e in printed["excluded"]}
+    assert sorted(reasons) == ["nvidia-h100-vllm", "nvidia-h200-sglang", "nvidia-h200-vllm"]
+    assert "calibrated with transformers only" in reasons["nvidia-h200-sglang"]
+    assert main(["matrix", "--include-uncalibrated", *hopper]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert len(printed["matrix"]["include"]) == 3 and printed["excluded"] == []
+    assert {e["calibrated"] for e in printed["matrix"]["include"]} == {False}
