@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from skupin.gates.judge.ops import HARD, NEAR_TIE, UNIT, Battery, OpResult, measure, printable_text
+from skupin.gates.judge.ops import HARD, NEAR_TIE, UNIT, Battery, OpResult, measure, not_of_dtype, printable_text
 from skupin.gates.refdata.fixture import SPECS, config, weights
 from skupin.gates.refdata.tensorio import bf16_round
 from skupin.imagetools.probe import skupin_probe_ops as spec
@@ -195,20 +195,28 @@ def reference(model: HostModel, key: str, kind: str, x: dict[str, np.ndarray]) -
 # ---------------------------------------------------------------- judging
 
 
-def _usable(got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]) -> str:
-    for name, r in ref.items():
+def _usable(got: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], dtype: str) -> str:
+    """'' or why the engine's outputs cannot be judged: one missing, misshaped or non-finite; a module's output (its
+    `out`, rotary table or router logits) that is not values of the dtype it ran at (a module computed in float64 and
+    stored as float32 is not the engine's module); expert ids that are not integers."""
+    for name, shape in shapes.items():
         g = got.get(name)
         if g is None:
             return f"no output {name}"
-        if tuple(g.shape) != tuple(r.shape):
-            return f"output {name} has shape {list(g.shape)}, not {list(r.shape)}"
+        if tuple(g.shape) != tuple(shape):
+            return f"output {name} has shape {list(g.shape)}, not {list(shape)}"
         if not np.isfinite(g.astype(np.float64)).all():
             return f"NaN/Inf in output {name}"
+        if name == "ids" and not np.array_equal(g.astype(np.float64), np.round(g.astype(np.float64))):
+            return "expert ids that are not integers"
+        wrong = not_of_dtype(g, dtype) if name in ("out", "cos", "sin", "logits") else ""
+        if wrong:
+            return f"output {name}: {wrong}"
     return ""
 
 
 def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping[str, np.ndarray],
-                calibrated: Mapping[str, Mapping[str, float]] | None = None) -> list[OpResult]:
+                 calibrated: Mapping[str, Mapping[str, float]] | None = None) -> list[OpResult]:
     """One module op at `dtype`: the engine's outputs (`got`, by output name) against float64 with the model's weights
     (a router gives two results, see _judge_router), with the calibrated bounds of `calibrated` (key.dtype -> measure
     -> bound) where given."""
@@ -220,16 +228,18 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
         return OpResult(op=key, dtype=dtype, hard=hard, calibrated=dict((calibrated or {}).get(f"{key}.{dtype}") or {}),
                         **kw)
 
-    problem = _usable(got, ref)
-    if kind == "router" and not problem:
-        problem = _usable(got, {"weights": np.zeros(got["weights"].shape), "ids": np.zeros(got["weights"].shape)})
+    shapes = {name: r.shape for name, r in ref.items()}
+    if kind == "router":
+        k = int(model.config["num_experts_per_tok"])
+        shapes |= {"weights": (spec.LT, k), "ids": (spec.LT, k)}
+    problem = _usable(got, shapes, dtype)
     if problem:
         return [result(errors={}, nmse=None, problem=problem)]
     if kind == "router":
         first, second = _judge_router(model, key, dtype, got, ref["logits"], result)
         logit_bounds = (calibrated or {}).get(f"{first.key}")
         return [replace(first, calibrated=dict(logit_bounds or {})), second]
-    keep = np.ones(x["x"].shape[0] if "x" in x else spec.LT, bool)
+    keep = np.ones(spec.LT, bool)
     note = ""
     if kind == "moe":
         k = int(model.config["num_experts_per_tok"])
@@ -248,28 +258,35 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
 
 def _judge_router(model: HostModel, key: str, dtype: str, got: Mapping[str, np.ndarray], logits_ref: np.ndarray,
                   result: Any) -> list[OpResult]:
-    """The router as two results: `<key>.logits` against x @ G^T (a product's bounds), and `<key>` -- its ids and
-    weights against the exact softmax, top-k and renormalisation of the logits it returned."""
+    """The router as two results: `<key>.logits` against x @ G^T (a product's bounds), and `<key>` -- its ids against
+    the exact top-k of x @ G^T and its weights against the exact softmax, top-k and renormalisation of the logits it
+    returned (so the rounding of its logits does not hide its arithmetic). Tokens whose exact top-k is a near-tie are
+    left out of both; which ones is the host's to say, from the exact logits, never the engine's."""
     k = int(model.config["num_experts_per_tok"])
     logits = got["logits"].astype(np.float64)
     ids = got["ids"].astype(np.int64)
     m_logits, n_logits = measure(logits, logits_ref, UNIT[dtype])
     first = OpResult(op=key + ".logits", dtype=dtype, errors=m_logits, nmse=n_logits,
                      hard=hard_bounds("router.logits", dtype, model))
-    if ids.shape != (logits.shape[0], k) or not (ids.min() >= 0 and ids.max() < logits.shape[-1]):
+    experts = logits_ref.shape[-1]
+    if ids.min() < 0 or ids.max() >= experts or (np.sort(ids, -1)[:, 1:] == np.sort(ids, -1)[:, :-1]).any():
         return [first, result(errors={}, nmse=None,
-                              problem=f"expert ids that are not {k} ids in [0, {logits.shape[-1]}) per token")]
-    top, ref_ids = _route(logits, k)
-    keep = ~_near_ties(logits, k, dtype)
-    c_order, r_order = np.argsort(ids, -1), np.argsort(ref_ids, -1)
-    routed = int((np.take_along_axis(ids, c_order, -1) != np.take_along_axis(ref_ids, r_order, -1)).any(-1)[keep].sum())
+                              problem=f"expert ids that are not {k} distinct ids in [0, {experts}) per token")]
+    keep = ~_near_ties(logits_ref, k, dtype)
+    _, exact_ids = _route(logits_ref, k)
+    routed = int((np.sort(ids, -1) != np.sort(exact_ids, -1)).any(-1)[keep].sum())
     if routed:
         return [first, result(errors={}, nmse=None,
                               problem=f"routed {routed} of {int(keep.sum())} tokens to other experts than the exact "
-                                      f"top-{k} of its own logits")]
+                                      f"top-{k}")]
+    own_top, own_ids = _route(logits, k)  # the exact routing of the logits the engine returned
+    c_order, o_order = np.argsort(ids, -1), np.argsort(own_ids, -1)
+    if (np.take_along_axis(ids, c_order, -1) != np.take_along_axis(own_ids, o_order, -1)).any(-1)[keep].any():
+        return [first, result(errors={}, nmse=None, problem="expert ids that are not the top-k of its own logits")]
     weights = np.take_along_axis(got["weights"].astype(np.float64), c_order, -1)
-    m_weights, n_weights = measure(weights[keep], np.take_along_axis(top, r_order, -1)[keep], UNIT[dtype])
-    return [first, result(errors=m_weights, nmse=n_weights)]
+    m_weights, n_weights = measure(weights[keep], np.take_along_axis(own_top, o_order, -1)[keep], UNIT[dtype])
+    note = f"{int((~keep).sum())} of {len(keep)} tokens left out: a near-tie at {dtype}" if not keep.all() else ""
+    return [first, result(errors=m_weights, nmse=n_weights, note=note)]
 
 
 def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,

@@ -256,13 +256,13 @@ def _unusable(candidate: dict[str, np.ndarray], ref: dict[str, np.ndarray], dtyp
             return f"output {name} has shape {list(got.shape)}, not {list(r.shape)}"
         if not np.isfinite(got.astype(np.float64)).all():
             return f"NaN/Inf in output {name}"
-        wrong = _not_of_dtype(got, "ids" if name == "ids" else dtype)
+        wrong = not_of_dtype(got, "ids" if name == "ids" else dtype)
         if wrong:
             return f"output {name}: {wrong}"
     return ""
 
 
-def _not_of_dtype(values: np.ndarray, dtype: str) -> str:
+def not_of_dtype(values: np.ndarray, dtype: str) -> str:
     """'' or why `values` are not what an op at `dtype` returns: values of that dtype (an op computed in float64 and
     stored as float32 is not a bfloat16 kernel), or, for expert ids, integers in [0, E)."""
     v = values.astype(np.float64)

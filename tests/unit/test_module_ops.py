@@ -212,14 +212,40 @@ def test_a_module_missing_failed_or_not_returned_fails(honest) -> None:
     assert none.results[0].failed and "no module ops" in none.results[0].problem
 
 
-def test_a_router_that_returns_other_experts_than_its_own_logits_rank_fails(honest) -> None:
+def _router_with(honest, **outputs):
     model = L.host_model("tiny-moe")
-    tensors, report = dict(honest[0]), honest[1]
-    ids = tensors["ops.layer.1.router.bfloat16.ids"].copy()
-    ids[:, 1] = (ids[:, 0] + 1 + ids[:, 1]) % 8  # a second choice that is not the exact second
-    tensors["ops.layer.1.router.bfloat16.ids"] = ids
-    found = next(r for r in L.judge_modules(tensors, report, model, dtype="bfloat16") if r.key == "layer.1.router.bfloat16")
-    assert found.failed and "other experts" in found.problem
+    tensors = dict(honest[0])
+    for name, value in outputs.items():
+        tensors[f"ops.layer.1.router.bfloat16.{name}"] = value
+    return next(r for r in L.judge_modules(tensors, honest[1], model, dtype="bfloat16") if r.key == "layer.1.router.bfloat16")
+
+
+def test_a_router_that_routes_elsewhere_repeats_an_expert_or_ties_its_logits_to_hide_fails(honest) -> None:
+    ids = honest[0]["ops.layer.1.router.bfloat16.ids"]
+    other = ids.copy()
+    other[:, 1] = [next(e for e in range(8) if e not in row) for row in ids]  # a second choice outside the exact top-2
+    assert "other experts" in _router_with(honest, ids=other).problem
+    twice = ids.copy()
+    twice[:, 1] = twice[:, 0]
+    assert "distinct" in _router_with(honest, ids=twice).problem
+    # logits flattened so that every token looks like a near-tie: which tokens are left out is the host's call
+    flat = np.zeros_like(honest[0]["ops.layer.1.router.bfloat16.logits"])
+    assert _router_with(honest, ids=other, logits=flat).failed
+    assert "integers" in _router_with(honest, ids=ids + 0.5).problem
+
+
+def test_a_module_computed_past_its_dtype_is_not_the_engines_module(honest) -> None:
+    """A bfloat16 module's output must be bfloat16 values (the battery's rule): a float64 computation stored as
+    float32 passes no bound by being exact."""
+    model = L.host_model("tiny-moe")
+    tensors = dict(honest[0])
+    x = {n: np.asarray(v, dtype=np.float64).reshape(sh) for n, (sh, v) in spec.module_inputs(
+        "layer.0.expert.1", "expert", "bfloat16", 128).items()}
+    tensors["ops.layer.0.expert.1.bfloat16.out"] = L.reference(model, "layer.0.expert.1", "expert", x)["out"].astype(
+        np.float32)
+    found = next(r for r in L.judge_modules(tensors, honest[1], model, dtype="bfloat16")
+                 if r.key == "layer.0.expert.1.bfloat16")
+    assert found.failed and "not bfloat16 values" in found.problem
 
 
 def test_a_model_that_is_no_fixture_has_no_layer_model() -> None:
