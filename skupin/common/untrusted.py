@@ -90,10 +90,11 @@ def load_yaml(data: bytes | str, *, source: str, max_bytes: int, max_depth: int 
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise UntrustedInputError(f"{source}: {len(raw)} bytes of YAML exceed the limit of {max_bytes}")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser where PyYAML has it: ~7x faster
     try:
         text = raw.decode("utf-8")
         depth = 0
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        for event in yaml.parse(text, Loader=loader):
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
                 raise UntrustedInputError(f"{source}: YAML anchors and aliases are refused here (line "
                                           f"{event.start_mark.line + 1})")
@@ -103,7 +104,7 @@ def load_yaml(data: bytes | str, *, source: str, max_bytes: int, max_depth: int 
                     raise UntrustedInputError(f"{source}: YAML nested more than {max_depth} levels deep")
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=loader)
     except (UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError, OverflowError, TypeError) as exc:
         # a value the YAML library cannot build (a date 2001-13-45, an integer of 5,000 digits) is malformed input too
         raise UntrustedInputError(f"{source}: not valid YAML: {exc}") from exc
