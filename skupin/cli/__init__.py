@@ -21,18 +21,28 @@ import sys
 from typing import TYPE_CHECKING, NoReturn
 
 from skupin.common import __version__
-from skupin.common.errors import SkupinError
+from skupin.common.errors import SkupinError, UsageError, exit_code_table
 
 if TYPE_CHECKING:
     from types import FrameType
 
+def _exit_codes() -> str:
+    """The exit-code lines of `skupin --help`, from the error classes (skupin/common/errors.py)."""
+    lines, line = [], "exit codes:"
+    for code, what in exit_code_table().items():
+        item = f" {code} {what},"
+        if len(line) + len(item) > 112:
+            lines.append(line)
+            line = " " * 11
+        line += item
+    return "\n".join([*lines, line.rstrip(",")])
+
+
 EPILOG = """\
 the flow:  check -> lock -> render -> build -> gate -> publish
-exit codes: 0 ok, 1 a file could not be read or written, 2 bad input (manifest or arguments),
-            3 incompatible pins, 4 lock, 5 build, 6 docker, 7 reference bundle, 8 publish, 9 network/index,
-            10 gate failed, 11 gate could not run,
-            14 gate uncalibrated (never a pass); skupin ab: 0 promote, 12 hold, 13 reject;
-            130 interrupted, 141 the output pipe closed
+""" + _exit_codes() + """
+            (12 hold and 13 reject are skupin ab's; with --json a failure is one JSON object on stdout:
+            {"ok": false, "error": {"code", "kind", "file", "field", "message", "fix"}, "warnings": [...]})
 the catalog:  the folder holding skus/ (found from the current folder upwards, or --root / $SKUPIN_ROOT);
             templates, compatibility data, probe and default reference bundles ship with skupin, and a
             catalog's own templates/ or gate.reference folders take precedence (docs/CATALOG.md)
@@ -45,10 +55,20 @@ examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, remembering its last complaint (so that `--json` can say it as JSON: `main`)."""
+
+    last_error = ""
+
+    def error(self, message: str) -> NoReturn:
+        _Parser.last_error = f"{self.prog}: {message}"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from skupin.cli import build, gate, publish, reference, releases
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="skupin",
         description="Per-SKU LLM inference images: pin driver, framework, compiler and engine together, "
         "build, gate the outputs against NVIDIA reference tensors, publish by digest.",
@@ -82,10 +102,45 @@ def _sigterm_as_interrupt() -> None:
         pass
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; argparse's own refusal (exit 2) is also the `--json` failure object when asked for."""
+    from skupin.cli.output import failure, out_json
+
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:  # a malformed command line (2), --help or --version (0)
+        if exc.code == 2 and "--json" in (sys.argv[1:] if argv is None else argv):
+            out_json(failure(UsageError(_Parser.last_error or "malformed command line",
+                                        fix="skupin COMMAND --help lists its arguments")))
+        raise
+
+
+def _failed(exc: BaseException, *, as_json: bool) -> int:
+    """Say why the command failed (stderr; with `--json` also the failure object on stdout); its exit code."""
+    from skupin.cli.output import failure, out_json
+
+    if isinstance(exc, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)
+        code, kind = 130, "interrupted"
+    elif isinstance(exc, SkupinError):
+        for line in exc.lines():
+            print(f"error: {line}" if not exc.problems else line, file=sys.stderr)
+        code, kind = exc.exit_code, exc.kind
+    else:  # an OSError: a file this host could not read or write (a full disk, a folder's permissions): one line
+        print(f"error: {exc}", file=sys.stderr)
+        code, kind = SkupinError.exit_code, SkupinError.kind
+    if as_json:
+        out_json(failure(exc, code=code, kind=kind))
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from skupin.cli.output import reset_warnings
+
+    reset_warnings()
+    args = _parse(build_parser(), argv)
     _sigterm_as_interrupt()
+    as_json = bool(getattr(args, "json", False))
     try:
         if args.root is not None:
             from skupin.common.paths import use_root
@@ -96,23 +151,15 @@ def main(argv: list[str] | None = None) -> int:
 
             allow_installs()
         return int(args.func(args))
-    except SkupinError as exc:
-        if args.traceback:
-            raise
-        for line in exc.lines():
-            print(f"error: {line}" if not exc.problems else line, file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # the reader went away (`skupin matrix | head -3`): stop quietly, as `ls | head` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush cannot raise
         return 141
-    except OSError as exc:  # a file this host could not read or write (a full disk, a folder's permissions): one line
+    except (SkupinError, OSError) as exc:
         if args.traceback:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return SkupinError.exit_code
+        return _failed(exc, as_json=as_json)
+    except KeyboardInterrupt as exc:
+        return _failed(exc, as_json=as_json)
     finally:
         if args.root is not None:  # main() may be called again in this process (tests): discovery is the default
             from skupin.common.paths import use_root

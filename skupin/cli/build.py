@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from skupin.cli.output import err, install_missing_flag, out, progress_printer
+from skupin.cli.output import err, failure, install_missing_flag, out, progress_printer, warnings
 from skupin.common.errors import SkupinError
 
 if TYPE_CHECKING:
@@ -26,22 +26,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Every problem of every manifest at once: exit 2 (the manifest, or a field its gate cannot use), 3
     (compatibility) or 4 (a stale lock), else 0; warnings (a gate that would end 'uncalibrated') never change it."""
     from skupin.builder.check import check_paths, raise_for
-    from skupin.common.errors import LockError
+    from skupin.common.errors import CatalogError, LockError
+    from skupin.common.paths import skus_dir
     from skupin.gates.preflight import gate_checker
 
     reports = check_paths([Path(p) for p in args.paths], with_lock=not args.no_lock, gate_check=gate_checker())
     if not reports:
-        raise SkupinError(f"no manifests found in {', '.join(args.paths) or 'skus/'}")
+        raise CatalogError(f"no manifests (*.yaml) in {', '.join(args.paths) or skus_dir()}: nothing to check",
+                           fix="write skus/<name>.yaml (docs/guide-new-accelerator.md), or name the catalog that "
+                               "holds them with --root DIR")
     stale = [r.stack for r in reports if r.stack is not None and r.stack.lock_state == "stale"]
+    failed: SkupinError | None = None
     try:
         raise_for(reports)
         if stale:
-            raise LockError(f"{len(stale)} stale lock(s)")
+            raise LockError(f"{len(stale)} stale lock(s)", fix=f"skupin lock {' '.join(s.manifest.name for s in stale)}")
         code = 0
     except SkupinError as exc:
-        code = exc.exit_code
-    if args.json:
-        out(json.dumps({"exit_code": code, "manifests": [_check_json(r) for r in reports]}, indent=2))
+        code, failed = exc.exit_code, exc
+    if args.json:  # the --json contract (skupin/cli/output.py): ok, error (every problem in error.problems), warnings
+        outcome = failure(failed) if failed is not None else {"ok": True, "error": None, "warnings": warnings()}
+        out(json.dumps({"exit_code": code, **outcome, "manifests": [_check_json(r) for r in reports]}, indent=2))
         return code
     for report in reports:
         for problem in report.problems:

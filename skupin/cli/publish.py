@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skupin.cli.output import err as _err
-from skupin.cli.output import install_missing_flag
+from skupin.cli.output import failure, install_missing_flag, warnings
 from skupin.cli.output import out as _out
 from skupin.common.errors import NetworkError, PublishError
 
@@ -34,10 +34,13 @@ def cmd_registry(args: argparse.Namespace) -> int:
         status = registry_down(registry=reg)
     else:
         status = registry_status(registry=reg)
-    _out(json.dumps(status.model_dump(mode="json")) if args.json else f"registry {status.url}: {status.action}")
-    if args.registry_command == "status" and not status.answering:
-        return 1
-    return 0
+    down = NetworkError(f"the registry {status.url} does not answer", fix="skupin registry up") \
+        if args.registry_command == "status" and not status.answering else None
+    if args.json:
+        _out(json.dumps({**status.model_dump(mode="json"), **(failure(down) if down else {})}))
+    else:
+        _out(f"registry {status.url}: {status.action}")
+    return down.exit_code if down else 0
 
 
 # ---------------------------------------------------------------- publish
@@ -84,9 +87,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         writable_file(args.sbom_out, flag="--sbom-out")  # before asking any registry
     result = verify_reference(ref=args.ref, sku=_sku_name(args.sku), trusted=args.key or None,
                               require_sbom=args.require_sbom or args.sbom_out is not None)
-    _out(json.dumps(result.model_dump(mode="json")) if args.json else f"{result.line()}\n{result.trust_line()}")
-    if not result.ok:
-        return NetworkError.exit_code if result.unreachable else PublishError.exit_code
+    refused = None if result.ok else result.error()
+    if args.json:
+        _out(json.dumps({**result.model_dump(mode="json"), **(failure(refused) if refused else {})}))
+    else:
+        _out(f"{result.line()}\n{result.trust_line()}")
+    if refused is not None:
+        return refused.exit_code
     if args.sbom_out is not None and result.bom is not None:
         write_atomic(args.sbom_out, json.dumps(result.bom, indent=2, sort_keys=True) + "\n")
         if not args.json:
@@ -99,8 +106,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from skupin.publishing.verify import inspect_reference
 
     found = inspect_reference(ref=args.ref, trusted=args.key or None)
+    trusted = any(r.predicate is not None for r in found.records)
     if args.json:
-        _out(json.dumps(found.model_dump(mode="json"), indent=2, sort_keys=True))
+        refused = {} if trusted else failure(PublishError(f"{found.reference}: no verification attestation signed by "
+                                                          "a trusted key", fix="--key FILE naming the key that "
+                                                          "signed it, if you trust it"))
+        _out(json.dumps({**found.model_dump(mode="json"), **refused}, indent=2, sort_keys=True))
     else:
         _out(f"{found.ref} -> {found.reference}")
         _out(f"trust anchors: {_shown('; '.join(found.trust) or 'none', 2000)}")
@@ -127,7 +138,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                   if p.source else "not recorded (the catalog was not a git checkout)"),
                                  ("checks", ", ".join(f"{c.name} {c.status}" for c in p.checks))):
                 _out(f"  {label:<17}{_shown(str(value))}")
-    return 0 if any(r.predicate is not None for r in found.records) else PublishError.exit_code
+    return 0 if trusted else PublishError.exit_code
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -162,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         error = summary.error
         _out(json.dumps({"sku": summary.sku, "reference": summary.reference, "interrupted": summary.interrupted,
                          "stages": [s.model_dump(mode="json") for s in summary.stages],
-                         "error": None if error is None else {"exit_code": error.exit_code, "lines": error.lines()}}))
+                         **({"ok": True, "error": None, "warnings": warnings()} if error is None else failure(error))}))
         return 0 if error is None else error.exit_code
     for line in summary.table():
         _out(line)
@@ -193,14 +204,19 @@ def cmd_keys(args: argparse.Namespace) -> int:
              "keys/trusted/<name>.pub")
         return 0
     keys = trusted_keys(args.key or None)
+    none = None if len(keys) else PublishError(
+        "no trusted keys: keys/trusted/*.pub, .skupin/keys/trusted/*.pub",
+        fix="skupin keys generate, or commit the publisher's public key as keys/trusted/<name>.pub")
     if args.json:
-        _out(json.dumps([{"keyid": k, "source": src} for k, (_key, src) in sorted(keys.keys.items())]))
-        return 0 if len(keys) else 1
+        listed = [{"keyid": k, "source": src} for k, (_key, src) in sorted(keys.keys.items())]
+        # a list when there are keys (as before); the failure object when there are none
+        _out(json.dumps({"keys": [], **failure(none)} if none else listed))
+        return none.exit_code if none else 0
     for keyid, (_key, source) in sorted(keys.keys.items()):
         _out(f"{keyid}  {source}")
-    if not len(keys):
-        _err("no trusted keys: keys/trusted/*.pub, .skupin/keys/trusted/*.pub")
-        return 1
+    if none:
+        _err(f"error: {none.lines()[0]}")
+        return none.exit_code
     return 0
 
 
@@ -217,7 +233,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     for action, text in (("up", "start it (Debian's docker-registry; --install-missing installs it); never touches a "
                                 "running one"),
                          ("down", "stop the registry skupin started (data kept)"),
-                         ("status", "does it answer, and did skupin start it (exit 1 when it does not answer)")):
+                         ("status", "does it answer, and did skupin start it (exit 9 when it does not answer)")):
         q = rsub.add_parser(action, help=text)
         q.add_argument("--addr", default=DEFAULT_ADDR, help=f"loopback host:port (default {DEFAULT_ADDR})")
         q.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -234,7 +250,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="folder for signing.key and signing.pub (not inside the repository; not trusted automatically)")
     q.add_argument("--json", action="store_true", help="print the paths and key id as JSON")
     q.set_defaults(func=cmd_keys)
-    q = ksub.add_parser("list", help="the trusted public keys verify and pull use (exit 1 when there are none)")
+    q = ksub.add_parser("list", help="the trusted public keys verify and pull use (exit 8 when there are none)")
     q.add_argument("--key", type=Path, action="append", metavar="FILE", help="list these files' keys instead")
     q.add_argument("--json", action="store_true", help="print the key ids and their files as JSON")
     q.set_defaults(func=cmd_keys)
@@ -259,8 +275,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="operators: does REF resolve to a digest with a signed attestation that passes "
                                       "publish's policy (trusted key, this digest, this SKU, required checks, committed "
                                       "bundle and tolerance, current lock), and a signed SBOM about that digest when one "
-                                      "is stored? exit 8 when not. A catalog found by walking up from here counts "
-                                      "only when you (or root) own it and no one else can write it (--root names one "
+                                      "is stored? exit 8 when not, 15 when the registry has no such tag, 9 when it cannot "
+                                      "be reached, 2 when REF is not an image reference. A catalog found by walking up from "
+                                      "here counts only when you (or root) own it and no one else can write it (--root names one "
                                       "you trust); the answer lists the trust anchors it used")
     p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
     p.add_argument("--sku", help="the SKU the image must be attested for, by name or manifest path (default: the "
@@ -278,7 +295,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="operators: print the signed records (attestations) stored for REF's digest: SKU, "
                                        "gate decision and checks, lock, reference bundle, tolerance, dates, and the "
                                        "SBOM's package counts; only what a "
-                                       "trusted key signed is shown; exit 8 when nothing is, 9 when the registry fails")
+                                       "trusted key signed is shown; exit 8 when nothing is, 15 when the registry has no "
+                                       "such tag, 9 when it cannot be reached")
     p.add_argument("ref", help="host/repo:tag or host/repo@sha256:..., e.g. 127.0.0.1:5000/cpu-x86_64:verified")
     p.add_argument("--key", type=Path, action="append", metavar="FILE",
                    help="trusted public key (PEM); repeatable; replaces the default keys/trusted/*.pub and "

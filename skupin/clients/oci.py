@@ -21,7 +21,7 @@ from urllib.parse import urljoin, urlparse
 
 from skupin.clients.dockerauth import Credentials, docker_credentials
 from skupin.clients.transport import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Sleep, Transport, httpx, safe_url, server_json
-from skupin.common.errors import NetworkError
+from skupin.common.errors import ImageRefError, NetworkError, NotFoundError
 from skupin.common.model import Frozen
 
 MANIFEST_TYPES = (
@@ -46,8 +46,19 @@ class ImageName(Frozen):
         return self.digest or self.tag or "latest"
 
 
+# the distribution spec's grammar (distribution/reference): a repository path, a tag, a digest; a registry host[:port]
+_HOST = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+                   r"|\[[0-9A-Fa-f:]+\])(?::[0-9]{1,5})?")
+_PATH = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128}")
+MAX_REF = 1024
+
+
 def parse_image_ref(ref: str) -> ImageName:
-    """`[registry/]repo[:tag][@sha256:..]` -> ImageName; docker.io names get library/ and registry-1.docker.io."""
+    """`[registry/]repo[:tag][@sha256:..]` -> ImageName; docker.io names get library/ and registry-1.docker.io.
+    ImageRefError (bad input, exit 2) when `ref` is not a reference by the distribution spec's grammar."""
+    _check_ref(ref)
     rest, _, digest = ref.partition("@")
     first, sep, remainder = rest.partition("/")
     if sep and ("." in first or ":" in first or first == "localhost"):
@@ -62,6 +73,32 @@ def parse_image_ref(ref: str) -> ImageName:
         if "/" not in path:
             path = f"library/{path}"
     return ImageName(registry=registry, repository=path, tag=tag, digest=digest or None)
+
+
+def _check_ref(ref: str) -> None:
+    """ImageRefError naming the part of `ref` that is not an image reference."""
+    def bad(why: str) -> ImageRefError:
+        return ImageRefError(f"{ref[:200]!r} is not an image reference: {why}", field="image reference",
+                             fix="write host[:port]/repository:tag or host[:port]/repository@sha256:<64 hex digits>, "
+                                 "e.g. 127.0.0.1:5000/cpu-x86_64:verified")
+
+    if not ref or len(ref) > MAX_REF or not ref.isprintable() or any(c.isspace() for c in ref):
+        raise bad("empty, too long, or it holds spaces or control characters")
+    rest, at, digest = ref.partition("@")
+    if at and not _DIGEST.fullmatch(digest):
+        raise bad(f"the digest {digest[:80]!r} is not sha256:<64 lowercase hex digits>")
+    first, sep, remainder = rest.partition("/")
+    has_host = bool(sep) and ("." in first or ":" in first or first == "localhost")
+    path = remainder if has_host else rest
+    if has_host and not _HOST.fullmatch(first):
+        raise bad(f"the registry {first[:80]!r} is not host[:port]")
+    last = path.rsplit("/", 1)[-1]
+    if ":" in last:
+        path, tag = path.rsplit(":", 1)
+        if not _TAG.fullmatch(tag):
+            raise bad(f"the tag {tag[:80]!r} is not a tag (letters, digits, _ . -; at most 128; not starting with . or -)")
+    if not _PATH.fullmatch(path):
+        raise bad(f"the repository {path[:80]!r} is not lowercase path parts (a-z 0-9, separated by . _ __ - or /)")
 
 
 def registry_url(host: str) -> str:
@@ -213,7 +250,9 @@ class RegistryClient:
     def resolve(self, repo: str, ref: str) -> str:
         """Tag (or digest) -> the manifest digest the registry reports (HEAD, Docker-Content-Digest)."""
         response = self._send("HEAD", f"/v2/{repo}/manifests/{ref}", scope=self._scope(repo),
-                              headers={"Accept": ", ".join(MANIFEST_TYPES)})
+                              headers={"Accept": ", ".join(MANIFEST_TYPES)}, ok=(200, 404))
+        if response.status_code == 404:
+            raise self._absent(repo, ref)
         digest = response.headers.get("Docker-Content-Digest")
         if digest:
             return digest
@@ -223,8 +262,15 @@ class RegistryClient:
         """The manifest's exact bytes; its digest is checked against Docker-Content-Digest and a digest ref."""
         found = self.find_manifest(repo, ref, accept=accept)
         if found is None:
-            raise NetworkError(f"registry {self.host}: no manifest {repo}:{ref} (HTTP 404)")
+            raise self._absent(repo, ref)
         return found
+
+    def _absent(self, repo: str, ref: str) -> NotFoundError:
+        """The registry answered 404 for a manifest: it was reached, and has no such tag, digest or repository."""
+        sep = "@" if ref.startswith("sha256:") else ":"
+        return NotFoundError(f"registry {self.host}: no manifest {repo}{sep}{ref} (HTTP 404: the registry answers, "
+                             "and holds no such tag, digest or repository)",
+                             fix=f"check the name and tag (skupin inspect, or GET /v2/{repo}/tags/list), or publish it")
 
     def find_manifest(self, repo: str, ref: str, *, accept: tuple[str, ...] = MANIFEST_TYPES,
                       push: bool = False) -> Manifest | None:

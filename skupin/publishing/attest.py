@@ -1,7 +1,8 @@
 """The signed verification attestation: an in-toto Statement v1 in a DSSE envelope, signed with ECDSA P-256.
 
     envelope  {"payloadType": "application/vnd.in-toto+json", "payload": base64(statement),
-               "signatures": [{"keyid": <sha256 hex of the public key's DER>, "sig": base64(DER ECDSA)}]}
+               "signatures": [{"keyid": "" (as cosign writes it), "sig": base64(DER ECDSA),
+                               "publicKey": base64(DER SubjectPublicKeyInfo): the claimed signer, never trusted}]}
     statement {"_type": "https://in-toto.io/Statement/v1",
                "subject": [{"name": <repository>, "digest": {"sha256": <image manifest digest hex>}}],
                "predicateType": "https://skupin.dev/verification/v1", "predicate": VerificationPredicate}
@@ -163,6 +164,9 @@ def pae(payload_type: str, payload: bytes) -> bytes:
     return b"DSSEv1 %d %s %d %s" % (len(t), t, len(payload), payload)
 
 
+CLAIMED_KEY = "publicKey"  # a signature's claimed signing key: base64 DER SubjectPublicKeyInfo (see Signer.sign_statement)
+
+
 def keyid_of(public_key: ec.EllipticCurvePublicKey) -> str:
     der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return hashlib.sha256(der).hexdigest()
@@ -180,10 +184,18 @@ class Signer:
         payload = canonical_json(data)
         sig = self.key.sign(pae(PAYLOAD_TYPE, payload), ec.ECDSA(hashes.SHA256()))
         # keyid "" as `cosign attest` writes it: cosign's verifier skips a signature whose keyid differs from the one it
-        # derives (an SSH-style fingerprint); open_envelope then tries every trusted key
+        # derives (an SSH-style fingerprint); open_envelope then tries every trusted key. The public key rides beside
+        # the signature (CLAIMED_KEY, unauthenticated, ignored by DSSE verifiers that do not know it): never trusted for
+        # what it is, it only lets a refusal say which key signed ("a key this catalog does not trust: <keyid>") apart
+        # from a signature that the key claiming it does not verify ("tampered or re-signed")
         envelope = {"payloadType": PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode(),
-                    "signatures": [{"keyid": "", "sig": base64.b64encode(sig).decode()}]}
+                    "signatures": [{"keyid": "", "sig": base64.b64encode(sig).decode(),
+                                    CLAIMED_KEY: base64.b64encode(self.public_der()).decode()}]}
         return canonical_json(envelope)
+
+    def public_der(self) -> bytes:
+        return self.key.public_key().public_bytes(serialization.Encoding.DER,
+                                                  serialization.PublicFormat.SubjectPublicKeyInfo)
 
     def public_pem(self) -> bytes:
         return self.key.public_key().public_bytes(serialization.Encoding.PEM,
@@ -313,17 +325,56 @@ def _verifies(key: ec.EllipticCurvePublicKey, sig: str, message: bytes) -> bool:
     return True
 
 
+def _claimed_key(sig: dict[str, Any]) -> tuple[str, ec.EllipticCurvePublicKey] | None:
+    """(key id, key) of the public key a signature says made it (CLAIMED_KEY), or None: none, or not a P-256 key."""
+    text = sig.get(CLAIMED_KEY)
+    if not isinstance(text, str) or len(text) > 1024:
+        return None
+    try:
+        key = serialization.load_der_public_key(base64.b64decode(text, validate=True))
+    except (ValueError, TypeError, binascii.Error):
+        return None
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
+        return None
+    return keyid_of(key), key
+
+
+def _why_not(sigs: list[dict[str, Any]], message: bytes, trusted: TrustedKeys) -> EnvelopeError:
+    """Why no signature verified with a trusted key: a key this catalog does not trust made it (its claimed key
+    verifies it), or it does not verify with the key that claims it (tampered or re-signed), or it names no key."""
+    foreign: list[str] = []
+    broken: list[str] = []
+    named: list[str] = []
+    for sig in sigs:
+        keyid, claimed = str(sig.get("keyid") or ""), _claimed_key(sig)
+        if claimed is not None and claimed[0] not in trusted and _verifies(claimed[1], sig["sig"], message):
+            foreign.append(claimed[0])
+        elif claimed is not None or keyid in trusted:
+            broken.append((claimed[0] if claimed is not None else keyid)[:12])
+        elif keyid:
+            named.append(keyid[:12])
+    fix = "; fix: trust that key (keys/trusted/<name>.pub, or --key FILE) only if you trust whoever holds it"
+    if foreign:
+        return EnvelopeError(f"the attestation is signed by a key this catalog does not trust: {', '.join(foreign)} "
+                             f"(trusted: {trusted.describe()}){fix}")
+    if broken:
+        return EnvelopeError(f"the attestation's signature does not verify with the key that claims it "
+                             f"({', '.join(broken)}): tampered or re-signed")
+    if named:
+        return EnvelopeError(f"the attestation names a signing key this catalog does not trust: {', '.join(named)} "
+                             f"(trusted: {trusted.describe()}){fix}")
+    return EnvelopeError("the attestation's signature does not verify with any trusted key and names no key: signed by "
+                         f"a key this catalog does not trust, or tampered (trusted: {trusted.describe()})")
+
+
 def open_envelope(data: bytes, trusted: TrustedKeys) -> tuple[dict[str, Any], str]:
     """(the statement, the key id that signed it) of a DSSE envelope; EnvelopeError when it is not one,
-    is unsigned, is signed by no trusted key or its signature does not verify."""
+    is unsigned, is signed by no trusted key or its signature does not verify (`_why_not` says which)."""
     payload, sigs = _parse_envelope(data)
     message = pae(PAYLOAD_TYPE, payload)
-    unknown: list[str] = []
     for sig in sigs:
         keyid = sig.get("keyid")
         candidates = [str(keyid)] if keyid in trusted else ([] if keyid else list(trusted.keys))
-        if not candidates:
-            unknown.append(str(keyid)[:12])
         signed_by = next((k for k in candidates if _verifies(trusted.keys[k][0], sig["sig"], message)), None)
         if signed_by is None:
             continue
@@ -334,10 +385,7 @@ def open_envelope(data: bytes, trusted: TrustedKeys) -> tuple[dict[str, Any], st
         if not isinstance(stmt, dict):
             raise EnvelopeError("the signed payload is not an in-toto statement")
         return stmt, signed_by
-    if len(unknown) == len(sigs):
-        raise EnvelopeError(f"the attestation is signed by an unknown key ({', '.join(unknown)}); "
-                            f"trusted: {trusted.describe()}")
-    raise EnvelopeError("the attestation's signature does not verify with any trusted key (tampered or re-signed)")
+    raise _why_not(sigs, message, trusted)
 
 
 # ---------------------------------------------------------------- key files

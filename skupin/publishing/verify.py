@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from skupin.clients.oci import ImageName, RegistryClient, parse_image_ref
-from skupin.common.errors import NetworkError, PublishError, SkupinError
+from skupin.common.errors import ImageRefError, NetworkError, NotFoundError, PublishError, SkupinError
 from skupin.common.model import Frozen
 from skupin.common.paths import find_catalog, operator_trust, passed_over
 from skupin.common.untrusted import json_depth, printable
@@ -61,12 +61,19 @@ class Verification(Frozen):
     catalog: str | None = Field(None, description="The catalog whose lock, bundle and tolerance were compared; None: "
                                                   "no catalog, so signature, subject, SKU and gate only")
     unreachable: bool = Field(False, description="The registry could not be reached or answered wrongly (exit 9)")
+    absent: bool = Field(False, description="The registry answered that the tag or digest does not exist (exit 15)")
     image_id: str | None = Field(None, exclude=True)  # the attestation's image id; not part of `verify --json`
     sbom: BomSummary | None = Field(None, description="The verified SBOM's counts; None: no SBOM was stored")
     sbom_signer: str | None = Field(None, description="Key id of the trusted key that signed the SBOM")
     bom: dict[str, Any] | None = Field(None, exclude=True, repr=False)  # the verified CycloneDX document
     trust: tuple[str, ...] = Field((), description="The trust anchors this answer used: each trusted key and its file, "
                                                   "the catalog compared with (or none), catalogs passed over and why")
+
+    def error(self) -> SkupinError:
+        """The error a refusal is: NotFoundError (exit 15) when the registry has no such tag or digest, NetworkError
+        (exit 9) when it cannot be reached, PublishError (exit 8) when the policy refuses what it holds."""
+        cls = NotFoundError if self.absent else NetworkError if self.unreachable else PublishError
+        return cls(self.line())
 
     def trust_line(self) -> str:
         return f"trust anchors: {printable('; '.join(self.trust) or 'none', 2000)}"
@@ -83,6 +90,15 @@ class Verification(Frozen):
 
 
 MAX_MANIFEST_BYTES = 4 * 1024**2  # an image manifest is a few KB
+
+
+def _tagged(ref: str) -> ImageName:
+    """`ref` parsed; ImageRefError (bad input, exit 2) when it is not an image reference or names no tag or digest."""
+    name = parse_image_ref(ref)
+    if not name.tag and not name.digest:
+        raise ImageRefError(f"{ref}: give a tag or a digest", field="image reference",
+                            fix=f"{ref}:verified, or {ref}@sha256:<digest>")
+    return name
 
 
 def _default_client(host: str) -> RegistryClient:
@@ -112,7 +128,9 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
                      client_for: ClientFor = _default_client, require_sbom: bool = False) -> Verification:
     """Resolve `ref` (host/repo:tag or host/repo@sha256:...) and apply the policy to its attestations; then the SBOM's
     policy to its SBOM attestation (none: "no SBOM", refused only with `require_sbom`). Trust comes from the keys
-    given, or from a catalog only as `operator_trust()` allows (skupin/common/paths.py); the answer names it all."""
+    given, or from a catalog only as `operator_trust()` allows (skupin/common/paths.py); the answer names it all.
+    A refusal's `error()` is the exception it exits as (8, 9 or 15); ImageRefError (exit 2) is raised, not answered,
+    when `ref` is not an image reference or names neither tag nor digest."""
     with operator_trust():
         find_catalog()  # which catalog counts is settled first, so even an early refusal names it
         try:
@@ -126,10 +144,8 @@ def verify_reference(*, ref: str, sku: str | None = None, expect: ExpectFor = ex
 
 def _verify(*, ref: str, sku: str | None, expect: ExpectFor, trusted: TrustedKeys | list[Path] | None,
             client_for: ClientFor, require_sbom: bool) -> Verification:
-    name = parse_image_ref(ref)
+    name = _tagged(ref)
     no = lambda why, **kw: Verification(ok=False, ref=ref, reason=why, **kw)  # noqa: E731
-    if not name.tag and not name.digest:
-        return no("give a tag or a digest (host/repo:tag)")
     asked = sku or name.repository.rsplit("/", 1)[-1]
     try:
         keys = _trusted(trusted)
@@ -142,6 +158,8 @@ def _verify(*, ref: str, sku: str | None, expect: ExpectFor, trusted: TrustedKey
     try:
         try:
             digest = client.resolve(name.repository, name.digest or name.tag or VERIFIED_TAG)
+        except NotFoundError as exc:
+            return no(f"cannot resolve it: {exc}", absent=True)
         except NetworkError as exc:
             return no(f"cannot resolve it: {exc}", unreachable=True)
         if name.digest and digest != name.digest:
@@ -151,7 +169,8 @@ def _verify(*, ref: str, sku: str | None, expect: ExpectFor, trusted: TrustedKey
             layers = read_attestation_layers(client=client, repository=name.repository, digest=digest)
             image = client.get_manifest(name.repository, digest)
         except (PublishError, NetworkError) as exc:
-            return no(str(exc), digest=digest, reference=pinned, unreachable=isinstance(exc, NetworkError))
+            return no(str(exc), digest=digest, reference=pinned, absent=isinstance(exc, NotFoundError),
+                      unreachable=isinstance(exc, NetworkError) and not isinstance(exc, NotFoundError))
         try:
             body = image.json() if len(image.body) <= MAX_MANIFEST_BYTES and json_depth(image.body) <= 16 else None
         except (ValueError, RecursionError):
@@ -251,9 +270,7 @@ def inspect_reference(*, ref: str, trusted: TrustedKeys | list[Path] | None = No
     no key is trusted, or the registry holds no attestation for the digest. The SKU, lock and gate are
     reported as signed, not compared with a catalog (`verify` does that); trust as `verify_reference` takes it.
     """
-    name = parse_image_ref(ref)
-    if not name.tag and not name.digest:
-        raise PublishError(f"{ref}: give a tag or a digest (host/repo:tag)")
+    name = _tagged(ref)
     with operator_trust():
         keys = _trusted(trusted)
         found = _inspect(ref=ref, name=name, keys=keys, client_for=client_for)
@@ -287,12 +304,13 @@ def pull_verified(*, sku: str, target: RegistryTarget, docker: Docker, expect: E
                   trusted: TrustedKeys | list[Path] | None = None,
                   client_for: ClientFor = _default_client, require_sbom: bool = False) -> tuple[Verification, str]:
     """Verify `<sku>:verified` for SKU `sku` and pull its digest; (verification, local image id). PublishError when
-    not verified, NetworkError when the registry cannot be reached (exit 9, as `verify`)."""
+    not verified, NetworkError when the registry cannot be reached (exit 9, as `verify`), NotFoundError (exit 15)
+    when it has no such tag."""
     ref = target.reference(sku, tag=VERIFIED_TAG)
     result = verify_reference(ref=ref, sku=sku, expect=expect, trusted=trusted,
                               client_for=lambda _host: client_for(target.url), require_sbom=require_sbom)
     if not result.ok or result.reference is None:
-        raise (NetworkError if result.unreachable else PublishError)(result.line())
+        raise result.error()
     image_id = docker.pull(result.reference)
     if image_id != result.image_id:
         raise PublishError(f"pulled {result.reference} but the engine has image {image_id}, "

@@ -154,9 +154,9 @@ def test_every_exit_code_is_documented_the_same_in_help_and_readme():
 
     codes = {cls.exit_code: cls.__name__ for cls in vars(errors).values()
              if isinstance(cls, type) and issubclass(cls, errors.SkupinError) and cls is not errors.SkupinError}
-    assert codes[2] in ("ManifestError", "UsageError") and len(codes) == 11  # 2-11 and 14
+    assert codes[2] in ("ManifestError", "UsageError", "CatalogError", "ImageRefError") and len(codes) == 12  # 2-11, 14, 15
     readme = (REPO / "README.md").read_text()
-    help_codes = {int(c) for c in re.findall(r"\b(\d{1,3}) [a-z]", EPILOG.split("exit codes:")[1].split("the catalog")[0])}
+    help_codes = {int(c) for c in re.findall(r"\b(\d{1,3}) [a-zA-Z]", EPILOG.split("exit codes:")[1].split("the catalog")[0])}
     readme_codes = {int(c) for c in re.findall(r"\b(\d{1,3}) [a-zA-Z]", readme.split("Exit codes:")[1].split("`--traceback`")[0])}
     for code, name in codes.items():
         assert code in help_codes, f"{name} exits {code}, which `skupin --help` does not list"

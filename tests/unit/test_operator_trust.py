@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from skupin.common import paths
-from skupin.common.errors import PublishError
+from skupin.common.errors import ImageRefError, NetworkError, PublishError
 from skupin.publishing import attest
 from skupin.publishing.verify import verify_reference
 
@@ -138,13 +138,28 @@ def test_a_key_named_with_key_may_be_a_link_the_operator_chose(tmp_path: Path) -
     assert len(attest.trusted_keys([tmp_path / "link.pub"])) == 1
 
 
+class _Unreachable:
+    """A registry client whose registry does not answer (no request is sent)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+
+    def resolve(self, repo: str, ref: str) -> str:
+        raise NetworkError(f"registry {self.host}: GET /v2/{repo}/manifests/{ref} failed: connection refused")
+
+    def close(self) -> None:
+        pass
+
+
 @as_root
 def test_every_verify_answer_names_its_trust_anchors(operator: Path, tmp_path: Path) -> None:
     _catalog(operator, owner=STRANGER)
     key = tmp_path / "operator.pub"
     key.write_bytes(SIGNER.public_pem())
-    answer = verify_reference(ref="127.0.0.1:9/cpu-x86_64", trusted=[key])  # no tag: refused before any request
-    assert not answer.ok and "give a tag or a digest" in answer.reason
+    with pytest.raises(ImageRefError, match="give a tag or a digest"):  # bad input (exit 2), before any request
+        verify_reference(ref="127.0.0.1:9/cpu-x86_64", trusted=[key])
+    answer = verify_reference(ref="127.0.0.1:9/cpu-x86_64:verified", trusted=[key], client_for=_Unreachable)
+    assert not answer.ok and answer.unreachable and "cannot resolve it" in answer.reason
     assert answer.trust[0] == f"key {SIGNER.keyid[:12]} ({key})"
     assert "no catalog (signature, subject, SKU and gate only)" in answer.trust
     assert any(a.startswith(f"catalog {operator.resolve()} passed over: ") and "--root" in a for a in answer.trust)
