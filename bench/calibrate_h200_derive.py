@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.detection import analysis  # noqa: E402
+from bench.modules.derive import entry_with_module_bounds  # noqa: E402
+from bench.modules.derive import load as load_module_records  # noqa: E402
 from skupin.calibration.calibrate import Measurement, derive_entry_from_measurements  # noqa: E402
 from skupin.gates.judge.compare import ModelStatistics  # noqa: E402
 from skupin.gates.judge.ops import spec_sha256  # noqa: E402
@@ -126,9 +128,7 @@ def entry_for(model: str, dtype: str, calib: list[dict], env: dict) -> Tolerance
             "gates.calibrate.derive_entry_from_measurements")
     provenance = entry.provenance.model_copy(update={"method": entry.provenance.method + note + OPS_NOTE})
     entry = entry.model_copy(update={"ops": op_bounds(dtype), "ops_spec": spec_sha256(), "provenance": provenance})
-    from bench.modules.derive import load, with_modules  # the module ops' bounds from their own H200 records
-
-    return with_modules(entry, load().get(HW, []))
+    return entry_with_module_bounds(entry, load_module_records().get(HW, []))  # from their own H200 records
 
 
 OPS = ROOT / "bench/results/ops.json"

@@ -634,9 +634,12 @@ def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult)
     missing = missing_ops(battery, expected=expected, dtypes=dtypes)
     model = host_model(m.gate.model) if engine_modules(engine) else None
     if model is not None:  # the modules of the model as the engine loaded it, with the fixture's own weights
-        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=dtypes, calibrated=calibrated)
+        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=dtypes, calibrated=calibrated,
+                               tf32=tf32)
         if not any(r.op == "modules" for r in battery.results):  # else that result says why none came back
-            missing += [k for dtype in dtypes for k in missing_modules(list(battery.results), model, dtype=dtype)]
+            said = _dict(_dict(report.get("modules")).get("uncovered"))
+            missing += [k for dtype in dtypes
+                        for k in missing_modules(list(battery.results), model, dtype=dtype, uncovered=said)]
     result = judge_ops(battery, calibrated=calibrated, entry_key=ToleranceKey.of(m).label(),
                        why=tolerance.problem if entry is None else "", tf32_declared=tf32, settings=settings,
                        engine=engine, missing=missing)

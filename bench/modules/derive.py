@@ -78,7 +78,7 @@ def bounds_by_model(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, dic
     return out
 
 
-def with_modules(entry: ToleranceEntry, docs: list[dict[str, Any]]) -> ToleranceEntry:
+def entry_with_module_bounds(entry: ToleranceEntry, docs: list[dict[str, Any]]) -> ToleranceEntry:
     """`entry` with the module bounds its class's records give its model (unchanged when they have none, or the entry
     has no calibrated battery bounds)."""
     found = bounds_by_model([d for d in docs if d["model"] == entry.key.model]).get(entry.key.model)
@@ -96,7 +96,7 @@ def with_modules(entry: ToleranceEntry, docs: list[dict[str, Any]]) -> Tolerance
 
 def updated(tolerances: Tolerances, records: dict[str, list[dict[str, Any]]]) -> Tolerances:
     return tolerances.model_copy(update={"entries": tuple(
-        with_modules(e, records[e.key.hardware_class]) if e.key.hardware_class in records else e
+        entry_with_module_bounds(e, records[e.key.hardware_class]) if e.key.hardware_class in records else e
         for e in tolerances.entries)})
 
 

@@ -18,13 +18,24 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from skupin.gates.judge.ops import HARD, NEAR_TIE, UNIT, Battery, OpResult, measure, not_of_dtype, printable_text
+from skupin.gates.judge.ops import (
+    HARD,
+    NEAR_TIE,
+    TF32_ALLOWANCE,
+    TF32_UNIT,
+    UNIT,
+    Battery,
+    OpResult,
+    measure,
+    not_of_dtype,
+    printable_text,
+)
 from skupin.gates.refdata.fixture import SPECS, config, weights
 from skupin.gates.refdata.tensorio import bf16_round
 from skupin.imagetools.probe import skupin_probe_ops as spec
@@ -38,9 +49,12 @@ MODULE_HARD: dict[str, tuple[float, float, float]] = {
 }
 
 
+PRODUCTS = ("attention", "router.logits", "expert", "mlp", "moe", "lm_head")  # kinds whose float32 products TF32 takes
+
+
 @dataclass(frozen=True)
 class HostModel:
-    """What the host knows of the model the gate serves: its config.json and its weights in float64."""
+    """What the host knows of the model the gate serves: its config.json and its weights (bfloat16 values, float32)."""
 
     name: str
     config: dict[str, Any]
@@ -54,22 +68,26 @@ class HostModel:
         return spec.module_plan(self.config)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=2)
 def host_model(fixture: str) -> HostModel | None:
     """The HostModel of fixture `fixture` (generated here, bit for bit as shipped), or None for a model that is no
     fixture (its module ops cannot be judged: the check says so)."""
     if fixture not in SPECS:
         return None
-    # stored as BF16 (gates/refdata/fixture.py): the weights the engine loads are their bfloat16 roundings
-    found = {k: bf16_round(np.asarray(v, dtype=np.float32)).astype(np.float64) for k, v in weights(SPECS[fixture]).items()}
+    # stored as BF16 (gates/refdata/fixture.py): the weights the engine loads are their bfloat16 roundings, kept as
+    # float32 (exact for them; the definitions compute in float64); the embedding is no module op's
+    found = {k: bf16_round(np.asarray(v, dtype=np.float32)) for k, v in weights(SPECS[fixture]).items()
+             if k != "model.embed_tokens.weight"}
     for array in found.values():
         array.setflags(write=False)
     return HostModel(name=fixture, config=config(SPECS[fixture]), weights=found)
 
 
-def hard_bounds(kind: str, dtype: str, model: HostModel) -> dict[str, float]:
+def hard_bounds(kind: str, dtype: str, model: HostModel, *, tf32: bool = False) -> dict[str, float]:
     """The hard bounds of a module op of `kind` at `dtype`: MODULE_HARD plus float32 accumulation over the op's longest
-    reduction, and the rotary angle's size for the table and attention (p * inv_freq rounds to 2^-24 of itself)."""
+    reduction, and the rotary angle's size for the table and attention (p * inv_freq rounds to 2^-24 of itself). With
+    TF32 declared (gate.reduced_precision) a float32 module of products may carry TF32's input rounding, as the
+    battery's products may."""
     rms, mx, bias = MODULE_HARD[kind]
     c = model.config
     angle = float(max(spec.LONG[: spec.LT]))
@@ -79,7 +97,11 @@ def hard_bounds(kind: str, dtype: str, model: HostModel) -> dict[str, float]:
                  "mlp": math.sqrt(model.hidden * int(c["intermediate_size"])),
                  "moe": math.sqrt(model.hidden * int(c["intermediate_size"])), "lm_head": math.sqrt(model.hidden)}[kind]
     cond = reduction * UNIT["float32"] / UNIT[dtype]
-    return {"rms": rms + 4 * cond, "max": mx + 16 * cond, "bias": bias + 4 * cond}
+    bounds = {"rms": rms + 4 * cond, "max": mx + 16 * cond, "bias": bias + 4 * cond}
+    if dtype == "float32" and tf32 and kind in PRODUCTS:
+        units = TF32_UNIT / UNIT["float32"]
+        bounds = {m: b + TF32_ALLOWANCE[m] * units for m, b in bounds.items()}
+    return bounds
 
 
 # ---------------------------------------------------------------- definitions in float64
@@ -216,13 +238,13 @@ def _usable(got: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
 
 
 def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping[str, np.ndarray],
-                 calibrated: Mapping[str, Mapping[str, float]] | None = None) -> list[OpResult]:
+                 calibrated: Mapping[str, Mapping[str, float]] | None = None, *, tf32: bool = False) -> list[OpResult]:
     """One module op at `dtype`: the engine's outputs (`got`, by output name) against float64 with the model's weights
     (a router gives two results, see _judge_router), with the calibrated bounds of `calibrated` (key.dtype -> measure
     -> bound) where given."""
     x = _inputs(key, kind, dtype, model.hidden)
     ref = reference(model, key, kind, x)
-    hard = hard_bounds(kind, dtype, model)
+    hard = hard_bounds(kind, dtype, model, tf32=tf32)
 
     def result(**kw: Any) -> OpResult:
         return OpResult(op=key, dtype=dtype, hard=hard, calibrated=dict((calibrated or {}).get(f"{key}.{dtype}") or {}),
@@ -234,9 +256,11 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
         shapes |= {"weights": (spec.LT, k), "ids": (spec.LT, k)}
     problem = _usable(got, shapes, dtype)
     if problem:
-        return [result(errors={}, nmse=None, problem=problem)]
+        return [result(errors={}, nmse=None, problem=problem)] + ([
+            OpResult(op=key + ".logits", dtype=dtype, errors={}, nmse=None, problem=problem,
+                     hard=hard_bounds("router.logits", dtype, model, tf32=tf32))] if kind == "router" else [])
     if kind == "router":
-        first, second = _judge_router(model, key, dtype, got, ref["logits"], result)
+        first, second = _judge_router(model, key, dtype, got, ref["logits"], result, tf32=tf32)
         logit_bounds = (calibrated or {}).get(f"{first.key}")
         return [replace(first, calibrated=dict(logit_bounds or {})), second]
     keep = np.ones(spec.LT, bool)
@@ -257,7 +281,7 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
 
 
 def _judge_router(model: HostModel, key: str, dtype: str, got: Mapping[str, np.ndarray], logits_ref: np.ndarray,
-                  result: Any) -> list[OpResult]:
+                  result: Callable[..., OpResult], *, tf32: bool = False) -> list[OpResult]:
     """The router as two results: `<key>.logits` against x @ G^T (a product's bounds), and `<key>` -- its ids against
     the exact top-k of x @ G^T and its weights against the exact softmax, top-k and renormalisation of the logits it
     returned (so the rounding of its logits does not hide its arithmetic). Tokens whose exact top-k is a near-tie are
@@ -267,7 +291,7 @@ def _judge_router(model: HostModel, key: str, dtype: str, got: Mapping[str, np.n
     ids = got["ids"].astype(np.int64)
     m_logits, n_logits = measure(logits, logits_ref, UNIT[dtype])
     first = OpResult(op=key + ".logits", dtype=dtype, errors=m_logits, nmse=n_logits,
-                     hard=hard_bounds("router.logits", dtype, model))
+                     hard=hard_bounds("router.logits", dtype, model, tf32=tf32))
     experts = logits_ref.shape[-1]
     if ids.min() < 0 or ids.max() >= experts or (np.sort(ids, -1)[:, 1:] == np.sort(ids, -1)[:, :-1]).any():
         return [first, result(errors={}, nmse=None,
@@ -290,7 +314,8 @@ def _judge_router(model: HostModel, key: str, dtype: str, got: Mapping[str, np.n
 
 
 def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,
-                 dtype: str, calibrated: Mapping[str, Mapping[str, float]] | None = None) -> list[OpResult]:
+                  dtype: str, calibrated: Mapping[str, Mapping[str, float]] | None = None,
+                  tf32: bool = False) -> list[OpResult]:
     """Every module op of the model's plan the probe ran at `dtype` (its report's checks.ops.modules.ops), in plan order;
     one the engine could not run is a problem. Keys the probe returned that are not in the plan are ignored."""
     rows = report.get("ops")
@@ -301,34 +326,41 @@ def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], 
         if row is None:
             continue
         if not isinstance(row, dict) or row.get("status") != "ok":
-            bounds = (calibrated or {}).get(f"{key}.{dtype}")
             error = printable_text(row.get("error") if isinstance(row, dict) else row)
-            results.append(OpResult(op=key, dtype=dtype, errors={}, nmse=None, hard=hard_bounds(kind, dtype, model),
-                                    calibrated=dict(bounds or {}), problem=f"the engine's module failed: {error}"))
+            for op, hard_kind in [(key, kind)] + ([(key + ".logits", "router.logits")] if kind == "router" else []):
+                results.append(OpResult(op=op, dtype=dtype, errors={}, nmse=None,
+                                        hard=hard_bounds(hard_kind, dtype, model, tf32=tf32),
+                                        calibrated=dict((calibrated or {}).get(f"{op}.{dtype}") or {}),
+                                        problem=f"the engine's module failed: {error}"))
             continue
         got = {n: np.asarray(tensors[f"ops.{key}.{dtype}.{n}"]) for n in spec.MODULE_OUTPUTS[kind]
                if f"ops.{key}.{dtype}.{n}" in tensors}
-        results += judge_module(model, key, kind, dtype, got, calibrated=calibrated)
+        results += judge_module(model, key, kind, dtype, got, calibrated=calibrated, tf32=tf32)
     return results
 
 
-def missing_modules(results: list[OpResult], model: HostModel, *, dtype: str) -> list[str]:
+def missing_modules(results: list[OpResult], model: HostModel, *, dtype: str,
+                    uncovered: Mapping[str, Any] | None = None) -> list[str]:
     """<key>.<dtype> of every module op of the plan the candidate did not return (what the image calls unreachable
-    does not excuse it: the engine's declaration, skupin/engines, says whether its adapter reaches the layers)."""
+    does not excuse it: the engine's declaration, skupin/engines MODULES, says its adapter reaches every module), with
+    the image's own account of why where it gave one (shown, not trusted)."""
     ran = {r.key for r in results}
-    return [f"{key}.{dtype}" for key, _ in model.plan() if f"{key}.{dtype}" not in ran] + \
-        [f"{key}.logits.{dtype}" for key, kind in model.plan() if kind == "router" and f"{key}.logits.{dtype}" not in ran]
+    why = {str(k): printable_text(v, 120) for k, v in (uncovered or {}).items()}
+    return [f"{key}.{dtype}" + (f" (the probe says: {why[key]})" if key in why else "")
+            for key, _ in model.plan() if f"{key}.{dtype}" not in ran]
 
 
 def with_modules(battery: Battery, tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,
-                dtypes: tuple[str, ...], calibrated: Mapping[str, Mapping[str, float]] | None = None) -> Battery:
+                 dtypes: tuple[str, ...], calibrated: Mapping[str, Mapping[str, float]] | None = None,
+                 tf32: bool = False) -> Battery:
     """`battery` with the module ops of the probe's ops report (its `modules`) judged at `dtypes` and added to its
     results; a modules report that failed as a whole, or none, adds one failing result naming why."""
     modules = report.get("modules")
     if not isinstance(modules, dict) or modules.get("status") != "ok":
         why = printable_text(modules.get("error") if isinstance(modules, dict) else "the probe returned no module ops")
         failed = OpResult(op="modules", dtype=dtypes[0], errors={}, nmse=None, hard={},
-                          problem=f"the engine's model could not be probed layer by layer: {why}")
+                          problem=f"the engine's model could not be probed module by module: {why}")
         return Battery(results=(*battery.results, failed), uncovered=battery.uncovered)
-    results = [r for dtype in dtypes for r in judge_modules(tensors, modules, model, dtype=dtype, calibrated=calibrated)]
+    results = [r for dtype in dtypes
+               for r in judge_modules(tensors, modules, model, dtype=dtype, calibrated=calibrated, tf32=tf32)]
     return Battery(results=(*battery.results, *results), uncovered=battery.uncovered)

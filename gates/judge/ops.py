@@ -63,6 +63,10 @@ OP_MARGINS = {"rms": 1.1, "max": 1.5, "bias": 2.0}
 # than one op's: a wider margin. Every layer fault of the bench that needs calibration stands >= 4x over the honest
 # value (an RMSNorm without its upcast, a router softmax in bfloat16; docs/BENCHMARKS.md "The module ops").
 MODULE_MARGINS = {"rms": 2.0, "max": 2.0, "bias": 2.0}
+# ... and never under a quarter of the module's hard bound: one host's runs are bit-identical, so 2x its value would
+# hold another CPU's kernel blocking (AVX2, AMX) to this host's rounding (an honest lm_head moved 2.3x between this
+# CPU and the H200 at float32)
+MODULE_FLOOR = 0.25
 OP_FLOORS = {"rms": 0.1, "max": 0.5, "bias": 0.1}
 TF32_ALLOWANCE = {"rms": 2.0, "max": 16.0, "bias": 4.0}  # in TF32 roundings, for a SKU that declares TF32
 REDUCED_FP32 = ("matmul", "attention.prefill", "attention.decode", "moe.block")  # float32 products TF32 would take
@@ -409,14 +413,16 @@ def reduced_precision(result: OpResult) -> str:
 
 
 def derive_bounds(batteries: list[Battery]) -> dict[str, dict[str, float]]:
-    """Calibrated bounds from honest runs' batteries: per op.dtype and measure, OP_MARGINS (MODULE_MARGINS for a
-    module op) x the largest honest error, at least OP_FLOORS (an op exact on the calibration host still tolerates a
-    last-bit difference elsewhere in its class). ValueError when an honest run has an op that could not be compared or
-    breaks a hard bound."""
+    """Calibrated bounds from honest runs' batteries: per op.dtype and measure, OP_MARGINS x the largest honest error
+    (MODULE_MARGINS for a module op, and at least MODULE_FLOOR of its hard bound), at least OP_FLOORS (an op exact on
+    the calibration host still tolerates a last-bit difference elsewhere in its class). ValueError when an honest run
+    has an op that could not be compared or breaks a hard bound."""
     worst: dict[str, dict[str, float]] = {}
-    battery_keys = {r.key for battery in batteries for r in battery.results if r.op in spec.OUTPUTS}
+    floors: dict[str, dict[str, float]] = {}  # module ops: at least MODULE_FLOOR of the hard bound
     for battery in batteries:
         for r in battery.results:
+            if r.op not in spec.OUTPUTS:
+                floors[r.key] = {m: MODULE_FLOOR * b for m, b in r.hard.items()}
             if r.problem or not r.errors:
                 raise ValueError(f"honest run: op {r.key}: {r.problem or 'not compared'}")
             if r.hard_ratio > 1.0:
@@ -424,9 +430,11 @@ def derive_bounds(batteries: list[Battery]) -> dict[str, dict[str, float]]:
             row = worst.setdefault(r.key, {})
             for m, v in r.errors.items():
                 row[m] = max(row.get(m, 0.0), v)
-    return {key: {m: float(f"{max(v * (OP_MARGINS if key in battery_keys else MODULE_MARGINS)[m], OP_FLOORS[m]):.4g}")
-                  for m, v in row.items()}
-            for key, row in sorted(worst.items())}
+    def bound(key: str, m: str, v: float) -> float:
+        value = max(v * (MODULE_MARGINS if key in floors else OP_MARGINS)[m], OP_FLOORS[m], floors.get(key, {}).get(m, 0.0))
+        return float(f"{value:.4g}")
+
+    return {key: {m: bound(key, m, v) for m, v in row.items()} for key, row in sorted(worst.items())}
 
 
 def _r(x: float | None) -> float | None:
@@ -503,13 +511,16 @@ def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]]
         return CheckResult(name="ops", status="pass",
                            reason=f"{summary}; hard bounds only: {entry_key} has no calibrated op bounds (skupin "
                                   f"calibrate adds them){tail}", details=details)
-    missing = [r.key for r in battery.results if not r.calibrated and r.op in spec.OUTPUTS]
+    # a module op without a bound of its own is uncalibrated where the entry has module bounds at all; an entry made
+    # before the module ops has none, and its modules are judged by their hard bounds (said below)
+    has_modules = any(key.rpartition(".")[0] not in spec.OUTPUTS for key in calibrated)
+    missing = [r.key for r in battery.results if not r.calibrated and (r.op in spec.OUTPUTS or has_modules)]
     if missing:
         gap = f"{entry_key} has no calibrated op bound for {', '.join(missing[:6])}; fix: skupin calibrate"
         return CheckResult(name="ops", status="uncalibrated", reason=f"{gap} ({summary} of the hard bounds){tail}",
                            details={**details, "why": gap, "calibration_free": CALIBRATION_FREE["ops"]})
     hard_only = [r.key for r in battery.results if not r.calibrated]
-    if hard_only:  # module ops an entry calibrated before them has no bounds for: their hard bounds decided
+    if hard_only:  # the module ops of an entry calibrated before them: their hard bounds decided
         tail = f"; {len(hard_only)} module ops on their hard bounds alone ({entry_key} predates them){tail}"
     return CheckResult(name="ops", status="pass", reason=f"{summary}{tail}", details=details)
 

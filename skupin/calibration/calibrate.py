@@ -114,7 +114,8 @@ def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bo
     ops = judge_battery(run.tensors, run.ops, tf32=tf32) if run.ops.get("ops") else None
     model = host_model(key.model) if key is not None and ops is not None and "modules" in run.ops else None
     if ops is not None and model is not None and key is not None:
-        ops = with_modules(ops, run.tensors, run.ops, model, dtypes=tuple(dict.fromkeys((key.dtype, "float32"))))
+        ops = with_modules(ops, run.tensors, run.ops, model, dtypes=tuple(dict.fromkeys((key.dtype, "float32"))),
+                           tf32=tf32)
     return Measurement(label=run.label, stats=model_statistics(reference, run.tensors),
                        kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env, ops=ops)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import importlib
 import importlib.metadata
 import importlib.util
@@ -643,16 +644,17 @@ def ops_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], 
             with open(os.path.join(args.model, "config.json"), encoding="utf-8") as fh:
                 config = json.load(fh)
             rows: dict[str, Any] = {}
-            layer_uncovered: dict[str, str] = {}
+            module_uncovered: dict[str, str] = {}
             for dtype in dtypes:
-                layer_impls, why = modules(args.model, {**opts, "dtype": dtype}, device, spec)
-                ltensors, found = spec.run_modules(layer_impls, spec.module_plan(config), int(config["hidden_size"]),
+                module_impls, why = modules(args.model, {**opts, "dtype": dtype}, device, spec)
+                ltensors, found = spec.run_modules(module_impls, spec.module_plan(config), int(config["hidden_size"]),
                                                   dtype, device)
                 tensors.update(ltensors)
                 rows.update(found)
-                layer_uncovered.update(why)
-                del layer_impls
-            info["modules"] = {"status": "ok", "ops": rows, "uncovered": dict(sorted(layer_uncovered.items())),
+                module_uncovered.update(why)
+                del module_impls  # the loaded model goes with its modules before the next dtype's load
+                gc.collect()
+            info["modules"] = {"status": "ok", "ops": rows, "uncovered": dict(sorted(module_uncovered.items())),
                               "dtypes": list(dtypes), "wall_s": round(time.perf_counter() - t0, 3)}
         except Exception as exc:
             info["modules"] = _error(exc)

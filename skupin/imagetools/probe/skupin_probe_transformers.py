@@ -297,7 +297,6 @@ def _layer_module(layer: Any, part: str, rest: list[str], table: Any) -> Any:
     moe), or why it cannot be reached (a string)."""
     import torch
 
-    mlp = getattr(layer, "block_sparse_moe", None) or layer.mlp
     if part in ("input_norm", "post_norm"):
         return _apply(layer.input_layernorm if part == "input_norm" else layer.post_attention_layernorm)
     if part == "attention":
@@ -308,6 +307,9 @@ def _layer_module(layer: Any, part: str, rest: list[str], table: Any) -> Any:
             out = layer.self_attn(hidden_states=h[None], position_embeddings=table(h, x["positions"]), attention_mask=mask)
             return {"out": _first(out)[0]}
         return attention
+    mlp = getattr(layer, "block_sparse_moe", None) or getattr(layer, "mlp", None)
+    if mlp is None:
+        return f"the layer has no MLP module to call for {part}"
     if part == "mlp":
         return _apply(mlp)
     if part == "moe":
