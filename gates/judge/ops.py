@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -378,7 +379,8 @@ def judge_battery(tensors: dict[str, np.ndarray], report: dict[str, Any], *, tf3
 
 def printable_text(value: Any, limit: int = 300) -> str:
     """Text the image wrote, shortened and stripped of control characters (it is shown, never trusted)."""
-    return "".join(ch if ch.isprintable() else " " for ch in str(value))[:limit]
+    text = value if isinstance(value, str) else reprlib.repr(value)  # a container is not rendered whole
+    return "".join(ch if ch.isprintable() else " " for ch in text[:limit])
 
 
 SETTINGS = ("cuda_matmul_allow_tf32", "float32_matmul_precision", "mkldnn_matmul_fp32_precision")
