@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from skupin.cli.keyless import add_keyless_flags, check_keyless_flags, cmd_verify_keyless
 from skupin.cli.output import err as _err
 from skupin.cli.output import failure, install_missing_flag, warnings
 from skupin.cli.output import out as _out
@@ -83,6 +84,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from skupin.common.files import writable_file, write_atomic
     from skupin.publishing.verify import verify_reference
 
+    check_keyless_flags(args)
+    if args.sigstore_bundle is not None:  # the keyless (Sigstore) attestation instead (skupin/cli/keyless.py)
+        return cmd_verify_keyless(args, sku=_sku_name(args.sku))
     if args.sbom_out is not None:
         writable_file(args.sbom_out, flag="--sbom-out")  # before asking any registry
     result = verify_reference(ref=args.ref, sku=_sku_name(args.sku), trusted=args.key or None,
@@ -290,6 +294,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sbom-out", type=Path, metavar="FILE",
                    help="write the verified CycloneDX SBOM (JSON) to FILE; implies --require-sbom")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    add_keyless_flags(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("inspect", help="operators: print the signed records (attestations) stored for REF's digest: SKU, "
