@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from skupin.gates.judge.modules import hard_bounds, host_model
-from skupin.gates.judge.ops import Battery, OpResult, derive_bounds
+from skupin.gates.judge.ops import Battery, OpResult, derive_bounds, spec_sha256
 from skupin.gates.judge.tolerance import DEFAULT_PATH, ToleranceEntry, Tolerances, dump_tolerances, load_tolerances
 from skupin.imagetools.probe import skupin_probe_ops as spec
 
@@ -90,7 +90,8 @@ def entry_with_module_bounds(entry: ToleranceEntry, docs: list[dict[str, Any]]) 
     modules = {k: v for k, v in bounds.items() if k.rpartition(".")[2] in dtypes}
     method = entry.provenance.method.split("; module ops:")[0]
     note = NOTE.format(where=docs[0]["where"], variants=", ".join(variants))
-    return entry.model_copy(update={"ops": {**battery, **modules},
+    # the battery's inputs are unchanged by a module spec change: its bounds keep, under the spec hash of both
+    return entry.model_copy(update={"ops": {**battery, **modules}, "ops_spec": spec_sha256(),
                                     "provenance": entry.provenance.model_copy(update={"method": method + note})})
 
 

@@ -26,6 +26,8 @@ FAULTS = {
     "expert-scale": "expert 5 of MoE layer 2 scaled by 1.02 after load",
     "norm-no-upcast": "every RMSNorm instance of the loaded model computes its variance and product in bfloat16",
     "rope-table-bf16": "the loaded model's rotary embedding computes its angles and cos/sin in the model's dtype",
+    "rope-served-bf16": "the same, only at positions below max_position_embeddings (where the model serves)",
+    "embed-int4": "the embedding table quantized INT4 RTN g128 after load",
     "router-no-upcast": "every router instance computes its softmax, top-k and renormalisation in the model's dtype",
     "router-no-renorm": "every router instance leaves its top-k weights unnormalised",
     "attn-scale": "every attention module's softmax scale 1% too large",
@@ -104,6 +106,29 @@ def _routers(model: Any, fault: str) -> None:
         layer.mlp.gate.forward = types.MethodType(route, layer.mlp.gate)
 
 
+def _rope_served(model: Any, fault: str) -> None:
+    import torch
+
+    rot, limit = model.model.rotary_emb, model.config.max_position_embeddings
+    honest = rot.forward
+
+    def table(x: Any, position_ids: Any) -> Any:
+        freqs = position_ids[..., None].to(x.dtype) * rot.inv_freq.to(x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        low = (position_ids < limit)[..., None]
+        return tuple(torch.where(low, bad.to(good.dtype), good)
+                     for bad, good in zip((emb.cos(), emb.sin()), honest(x, position_ids), strict=True))
+    rot.forward = table
+
+
+def _embedding(model: Any, fault: str) -> None:
+    import torch
+
+    table = model.get_input_embeddings().weight
+    with torch.no_grad():
+        table.data = _int4(table.data)
+
+
 def _attention(model: Any, fault: str) -> None:
     for layer in model.model.layers:
         layer.self_attn.scaling *= 1.01
@@ -119,7 +144,8 @@ def _dense(model: Any, fault: str) -> None:
 
 
 MAKE = {"expert-int4": _experts, "expert-int8": _experts, "expert-scale": _experts, "norm-no-upcast": _norms,
-        "rope-table-bf16": _rope, "router-no-upcast": _routers, "router-no-renorm": _routers,
+        "rope-table-bf16": _rope, "rope-served-bf16": _rope_served, "embed-int4": _embedding,
+        "router-no-upcast": _routers, "router-no-renorm": _routers,
         "attn-scale": _attention, "dense-int8": _dense}
 
 

@@ -43,6 +43,7 @@ from skupin.imagetools.probe import skupin_probe_ops as spec
 # Hard (rms, max, bias) bounds per layer kind at a 16-bit dtype, in its units: the op battery's for the one-step
 # kinds; a module of several products (attention, an expert's MLP) rounds to the dtype after each of them.
 MODULE_HARD: dict[str, tuple[float, float, float]] = {
+    "embed": (1e-3, 1e-3, 1e-3),  # a lookup: the stored rows exactly
     "rotary": HARD["rope.long"], "norm": HARD["rmsnorm"], "attention": (8.0, 48.0, 8.0),
     "router.logits": HARD["moe.route"], "router": HARD["moe.route"], "expert": (6.0, 48.0, 6.0),
     "mlp": (6.0, 48.0, 6.0), "moe": HARD["moe.block"], "lm_head": HARD["matmul"],
@@ -75,9 +76,8 @@ def host_model(fixture: str) -> HostModel | None:
     if fixture not in SPECS:
         return None
     # stored as BF16 (gates/refdata/fixture.py): the weights the engine loads are their bfloat16 roundings, kept as
-    # float32 (exact for them; the definitions compute in float64); the embedding is no module op's
-    found = {k: bf16_round(np.asarray(v, dtype=np.float32)) for k, v in weights(SPECS[fixture]).items()
-             if k != "model.embed_tokens.weight"}
+    # float32 (exact for them; the definitions compute in float64)
+    found = {k: bf16_round(np.asarray(v, dtype=np.float32)) for k, v in weights(SPECS[fixture]).items()}
     for array in found.values():
         array.setflags(write=False)
     return HostModel(name=fixture, config=config(SPECS[fixture]), weights=found)
@@ -91,7 +91,7 @@ def hard_bounds(kind: str, dtype: str, model: HostModel, *, tf32: bool = False) 
     rms, mx, bias = MODULE_HARD[kind]
     c = model.config
     angle = float(max(spec.LONG[: spec.LT]))
-    reduction = {"rotary": angle, "norm": math.sqrt(model.hidden),
+    reduction = {"embed": 0.0, "rotary": float(max(spec.ROTARY_POSITIONS)), "norm": math.sqrt(model.hidden),
                  "attention": angle + math.sqrt(model.hidden * spec.LT), "router.logits": math.sqrt(model.hidden),
                  "router": 4.0, "expert": math.sqrt(model.hidden * int(c["intermediate_size"])),
                  "mlp": math.sqrt(model.hidden * int(c["intermediate_size"])),
@@ -107,9 +107,9 @@ def hard_bounds(kind: str, dtype: str, model: HostModel, *, tf32: bool = False) 
 # ---------------------------------------------------------------- definitions in float64
 
 
-def _inputs(key: str, kind: str, dtype: str, hidden: int) -> dict[str, np.ndarray]:
+def _inputs(key: str, kind: str, dtype: str, config: dict[str, Any]) -> dict[str, np.ndarray]:
     return {name: np.asarray(vals, dtype=np.float64).reshape(shape)
-            for name, (shape, vals) in spec.module_inputs(key, kind, dtype, hidden).items()}
+            for name, (shape, vals) in spec.module_inputs(key, kind, dtype, config).items()}
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -177,6 +177,8 @@ def reference(model: HostModel, key: str, kind: str, x: dict[str, np.ndarray]) -
     """The float64 output of module op `key` on inputs `x` (the router's: its logits; its routing is judged on what the
     engine returned, see the module docstring)."""
     w, eps = model.weights, float(model.config.get("rms_norm_eps", 1e-5))
+    if kind == "embed":
+        return {"out": w["model.embed_tokens.weight"][x["ids"].astype(np.int64)].astype(np.float64)}
     if kind == "rotary":
         cos, sin = _table(model, x["positions"])
         return {"cos": cos, "sin": sin}
@@ -201,17 +203,46 @@ def reference(model: HostModel, key: str, kind: str, x: dict[str, np.ndarray]) -
     if kind == "router":
         return {"logits": x["x"] @ w[m + "gate.weight"].T}
     if kind == "moe":
-        k = int(model.config["num_experts_per_tok"])
-        top, ids = _route(x["x"] @ w[m + "gate.weight"].T, k)
-        out = np.zeros_like(x["x"])
-        for slot in range(k):
-            for e in np.unique(ids[:, slot]):
-                rows = ids[:, slot] == e
-                ew = f"{m}experts.{e}."
-                out[rows] += top[rows, slot, None] * _swiglu(x["x"][rows], w[ew + "w1.weight"], w[ew + "w3.weight"],
-                                                             w[ew + "w2.weight"])
-        return {"out": out}
+        _, ids = _route(x["x"] @ w[m + "gate.weight"].T, int(model.config["num_experts_per_tok"]))
+        return {"out": _moe_block(model, m, x["x"], ids)}
     raise KeyError(key)
+
+
+def _moe_block(model: HostModel, m: str, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The MoE block's output in float64 with each token routed to `ids` (its weights: the softmax of its logits over
+    those experts, renormalised, as top-k then renormalisation gives)."""
+    w = model.weights
+    logits = x @ w[m + "gate.weight"].T
+    chosen = np.take_along_axis(logits, ids, -1)
+    top = np.exp(chosen - chosen.max(-1, keepdims=True))
+    top /= top.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for slot in range(ids.shape[1]):
+        for e in np.unique(ids[:, slot]):
+            rows = ids[:, slot] == e
+            ew = f"{m}experts.{e}."
+            out[rows] += top[rows, slot, None] * _swiglu(x[rows], w[ew + "w1.weight"], w[ew + "w3.weight"],
+                                                         w[ew + "w2.weight"])
+    return out
+
+
+def _moe_nearest(model: HostModel, key: str, x: np.ndarray, got: np.ndarray, dtype: str) -> tuple[dict[str, np.ndarray], int]:
+    """The MoE block's reference where each near-tie token (its k-th and (k+1)-th exact logits within NEAR_TIE units)
+    takes whichever of its two routings -- the exact top-k, or the same with the k-th expert swapped for the (k+1)-th
+    -- is nearer to what the engine returned; and how many tokens were near-ties."""
+    m = f"model.layers.{key.split('.')[1]}.block_sparse_moe."
+    k = int(model.config["num_experts_per_tok"])
+    logits = x @ model.weights[m + "gate.weight"].T
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    exact = _moe_block(model, m, x, order[:, :k])
+    ties = _near_ties(logits, k, dtype)
+    if not ties.any():
+        return {"out": exact}, 0
+    swapped = order[:, :k].copy()
+    swapped[:, k - 1] = order[:, k]
+    other = _moe_block(model, m, x, swapped)
+    nearer = ties & (np.abs(got - other).sum(-1) < np.abs(got - exact).sum(-1))
+    return {"out": np.where(nearer[:, None], other, exact)}, int(ties.sum())
 
 
 # ---------------------------------------------------------------- judging
@@ -242,7 +273,7 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
     """One module op at `dtype`: the engine's outputs (`got`, by output name) against float64 with the model's weights
     (a router gives two results, see _judge_router), with the calibrated bounds of `calibrated` (key.dtype -> measure
     -> bound) where given."""
-    x = _inputs(key, kind, dtype, model.hidden)
+    x = _inputs(key, kind, dtype, model.config)
     ref = reference(model, key, kind, x)
     hard = hard_bounds(kind, dtype, model, tf32=tf32)
 
@@ -265,12 +296,9 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
         return [replace(first, calibrated=dict(logit_bounds or {})), second]
     keep = np.ones(spec.LT, bool)
     note = ""
-    if kind == "moe":
-        k = int(model.config["num_experts_per_tok"])
-        keep = ~_near_ties(x["x"] @ model.weights[f"model.layers.{key.split('.')[1]}.block_sparse_moe.gate.weight"].T,
-                           k, dtype)
-        if not keep.all():
-            note = f"{int((~keep).sum())} of {len(keep)} tokens left out: their router choice is a near-tie at {dtype}"
+    if kind == "moe":  # a token whose exact top-k is a near-tie is judged against the routing it is closest to
+        ref, ties = _moe_nearest(model, key, x["x"], got["out"].astype(np.float64), dtype)
+        note = f"{ties} of {spec.LT} tokens judged against the nearer of two routings (a near-tie at {dtype})" if ties else ""
     errors = dict.fromkeys(("rms", "max", "bias"), 0.0)
     nmse = 0.0
     for name, r in ref.items():
@@ -282,10 +310,11 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
 
 def _judge_router(model: HostModel, key: str, dtype: str, got: Mapping[str, np.ndarray], logits_ref: np.ndarray,
                   result: Callable[..., OpResult], *, tf32: bool = False) -> list[OpResult]:
-    """The router as two results: `<key>.logits` against x @ G^T (a product's bounds), and `<key>` -- its ids against
-    the exact top-k of x @ G^T and its weights against the exact softmax, top-k and renormalisation of the logits it
-    returned (so the rounding of its logits does not hide its arithmetic). Tokens whose exact top-k is a near-tie are
-    left out of both; which ones is the host's to say, from the exact logits, never the engine's."""
+    """The router as two results: `<key>.logits` against x @ G^T (a product's bounds), and `<key>` -- its expert ids
+    against the exact top-k of x @ G^T and against the top-k of the logits it returned, and its weights against the
+    exact softmax of its own logits over the experts it chose, renormalised (so the rounding of its logits does not
+    hide its arithmetic). Every token is judged: where the exact k-th and (k+1)-th logits are a near-tie (the host's
+    call, from the exact logits), either of the two is accepted."""
     k = int(model.config["num_experts_per_tok"])
     logits = got["logits"].astype(np.float64)
     ids = got["ids"].astype(np.int64)
@@ -293,24 +322,33 @@ def _judge_router(model: HostModel, key: str, dtype: str, got: Mapping[str, np.n
     first = OpResult(op=key + ".logits", dtype=dtype, errors=m_logits, nmse=n_logits,
                      hard=hard_bounds("router.logits", dtype, model, tf32=tf32))
     experts = logits_ref.shape[-1]
-    if ids.min() < 0 or ids.max() >= experts or (np.sort(ids, -1)[:, 1:] == np.sort(ids, -1)[:, :-1]).any():
+    chosen = np.sort(ids, -1)
+    if ids.min() < 0 or ids.max() >= experts or (chosen[:, 1:] == chosen[:, :-1]).any():
         return [first, result(errors={}, nmse=None,
                               problem=f"expert ids that are not {k} distinct ids in [0, {experts}) per token")]
-    keep = ~_near_ties(logits_ref, k, dtype)
-    _, exact_ids = _route(logits_ref, k)
-    routed = int((np.sort(ids, -1) != np.sort(exact_ids, -1)).any(-1)[keep].sum())
-    if routed:
+    off = ~_top_k_either(chosen, logits_ref, k, _near_ties(logits_ref, k, dtype))
+    if off.any():
         return [first, result(errors={}, nmse=None,
-                              problem=f"routed {routed} of {int(keep.sum())} tokens to other experts than the exact "
+                              problem=f"routed {int(off.sum())} of {len(ids)} tokens to other experts than the exact "
                                       f"top-{k}")]
-    own_top, own_ids = _route(logits, k)  # the exact routing of the logits the engine returned
-    c_order, o_order = np.argsort(ids, -1), np.argsort(own_ids, -1)
-    if (np.take_along_axis(ids, c_order, -1) != np.take_along_axis(own_ids, o_order, -1)).any(-1)[keep].any():
+    own = np.sort(logits, -1)[:, ::-1]
+    if (~_top_k_either(chosen, logits, k, own[:, k - 1] == own[:, k])).any():
         return [first, result(errors={}, nmse=None, problem="expert ids that are not the top-k of its own logits")]
-    weights = np.take_along_axis(got["weights"].astype(np.float64), c_order, -1)
-    m_weights, n_weights = measure(weights[keep], np.take_along_axis(own_top, o_order, -1)[keep], UNIT[dtype])
-    note = f"{int((~keep).sum())} of {len(keep)} tokens left out: a near-tie at {dtype}" if not keep.all() else ""
-    return [first, result(errors=m_weights, nmse=n_weights, note=note)]
+    picked = np.take_along_axis(logits, ids, -1)
+    expected = np.exp(picked - picked.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    m_weights, n_weights = measure(got["weights"].astype(np.float64), expected, UNIT[dtype])
+    return [first, result(errors=m_weights, nmse=n_weights)]
+
+
+def _top_k_either(chosen: np.ndarray, logits: np.ndarray, k: int, tied: np.ndarray) -> np.ndarray:
+    """Per token: whether the sorted ids `chosen` are the top-k of `logits`, or, where `tied`, that set with its k-th
+    expert swapped for the (k+1)-th."""
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    exact = np.sort(order[:, :k], -1)
+    swapped = order[:, :k].copy()
+    swapped[:, k - 1] = order[:, k]
+    return (chosen == exact).all(-1) | (tied & (chosen == np.sort(swapped, -1)).all(-1))
 
 
 def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,

@@ -141,11 +141,19 @@ class Battery:
 @functools.cache
 def spec_sha256() -> str:
     """sha256 of the battery's spec as the host regenerates it: every op's inputs at every dtype, bit for bit, and the
-    constants of its definitions. A calibrated `ops` table records it (ToleranceEntry.ops_spec); bounds calibrated on
-    other inputs are not applied."""
+    constants of its definitions, with the module ops' spec (gates/judge/modules.py). A calibrated `ops` table records
+    it (ToleranceEntry.ops_spec); bounds calibrated on other inputs are not applied."""
     h = hashlib.sha256()
     h.update(json.dumps({"EPS": spec.EPS, "THETA": spec.THETA, "TOPK": spec.TOPK, "LONG": spec.LONG,
                          "OUTPUTS": spec.OUTPUTS}, sort_keys=True).encode())
+    # the module ops' spec too (their bounds live in the same table): its version, sizes and outputs, and the inputs
+    # the generator gives a small model of every module kind (a generator change shows here)
+    probe = {"num_hidden_layers": 1, "num_local_experts": 2, "num_experts_per_tok": 1, "hidden_size": 8,
+             "vocab_size": 97}
+    h.update(json.dumps({"MODULES_VERSION": spec.MODULES_VERSION, "LT": spec.LT, "ROTARY": spec.ROTARY_POSITIONS,
+                         "MODULE_OUTPUTS": spec.MODULE_OUTPUTS,
+                         "inputs": [spec.module_inputs(key, kind, dtype, probe) for key, kind in spec.module_plan(probe)
+                                    for dtype in UNIT]}, sort_keys=True).encode())
     for op in spec.OPS:
         for dtype in UNIT:
             for name, array in sorted(host_inputs(op, dtype).items()):

@@ -22,9 +22,9 @@ pytest.importorskip("transformers")
 def test_the_plan_names_every_module_of_a_moe_and_a_dense_model() -> None:
     moe = spec.module_plan(fixture.config(fixture.SPECS["tiny-moe"]))
     keys = [k for k, _ in moe]
-    assert keys[0] == "rotary" and keys[-2:] == ["final_norm", "lm_head"]
+    assert keys[:2] == ["embed", "rotary"] and keys[-2:] == ["final_norm", "lm_head"]
     assert {"layer.1.router", "layer.1.expert.7", "layer.3.moe", "layer.0.attention", "layer.2.post_norm"} <= set(keys)
-    assert len(keys) == 1 + 4 * (3 + 1 + 8 + 1) + 2
+    assert len(keys) == 2 + 4 * (3 + 1 + 8 + 1) + 2
     dense = dict(spec.module_plan(fixture.config(fixture.SPECS["deep-llama"])))
     assert dense["layer.7.mlp"] == "mlp" and not any(k.endswith("router") for k in dense)
 
@@ -32,17 +32,18 @@ def test_the_plan_names_every_module_of_a_moe_and_a_dense_model() -> None:
 def test_inputs_are_exact_deterministic_and_frozen() -> None:
     """The host regenerates the inputs bit for bit; a change to them changes every calibrated layer bound's meaning,
     so it must be deliberate (this digest moves with it)."""
-    a = spec.module_inputs("layer.1.expert.3", "expert", "bfloat16", 128)
-    assert a == spec.module_inputs("layer.1.expert.3", "expert", "bfloat16", 128)
-    assert a["x"][1] != spec.module_inputs("layer.1.expert.4", "expert", "bfloat16", 128)["x"][1]
+    config = fixture.config(fixture.SPECS["tiny-moe"])
+    a = spec.module_inputs("layer.1.expert.3", "expert", "bfloat16", config)
+    assert a == spec.module_inputs("layer.1.expert.3", "expert", "bfloat16", config)
+    assert a["x"][1] != spec.module_inputs("layer.1.expert.4", "expert", "bfloat16", config)["x"][1]
     bf = np.asarray(a["x"][1], dtype=np.float32)
     assert np.array_equal(bf.view(np.uint32) & 0xFFFF, np.zeros_like(bf.view(np.uint32)))  # exact bfloat16
-    f32 = np.asarray(spec.module_inputs("layer.1.expert.3", "expert", "float32", 128)["x"][1], dtype=np.float64)
+    f32 = np.asarray(spec.module_inputs("layer.1.expert.3", "expert", "float32", config)["x"][1], dtype=np.float64)
     assert np.array_equal(f32.astype(np.float32).astype(np.float64), f32) and (f32.astype(np.float32).view(np.uint32)
                                                                               & 0x1FFF).any()  # past TF32
-    digest = hashlib.sha256(json.dumps([spec.module_inputs(k, kind, dt, 128) for k, kind in spec.module_plan(
-        fixture.config(fixture.SPECS["tiny-moe"]))[:6] for dt in ("bfloat16", "float32")]).encode()).hexdigest()
-    assert digest[:16] == "559ce377ecdb2c40"
+    digest = hashlib.sha256(json.dumps([spec.module_inputs(k, kind, dt, config) for k, kind in spec.module_plan(
+        config)[:6] for dt in ("bfloat16", "float32")]).encode()).hexdigest()
+    assert digest[:16] == "f7a67f549d129ee1"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def _probe(model_dir, dtype: str, fault=None, monkeypatch=None, attn: str = "sdp
             "vocab": 0, "cpu_threads": 1}
     impls, uncovered = adapter.module_ops(str(model_dir), opts, "cpu", spec)
     config = json.loads((model_dir / "config.json").read_text())
-    tensors, rows = spec.run_modules(impls, spec.module_plan(config), config["hidden_size"], dtype, "cpu")
+    tensors, rows = spec.run_modules(impls, spec.module_plan(config), config, dtype, "cpu")
     arrays = {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in tensors.items()}
     return arrays, {"status": "ok", "ops": rows, "uncovered": uncovered}
 
@@ -110,8 +111,8 @@ def test_the_definitions_are_the_modules_of_transformers_in_float64() -> None:
         fixture.generate_fixture(name="tiny-moe", out=Path(tmp))
         m = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     for key, kind in [("layer.2.attention", "attention"), ("layer.1.moe", "moe"), ("layer.0.expert.5", "expert")]:
-        x = {n: np.asarray(v, dtype=np.float64).reshape(s) for n, (s, v) in spec.module_inputs(key, kind, "float32",
-                                                                                               128).items()}
+        x = {n: np.asarray(v, dtype=np.float64).reshape(s) for n, (s, v) in spec.module_inputs(
+            key, kind, "float32", model.config).items()}
         ref = L.reference(model, key, kind, x)["out"]
         h = torch.from_numpy(x["x"]).float()
         layer = m.model.layers[int(key.split(".")[1])]
@@ -169,7 +170,31 @@ def _rotary_in_bf16(m) -> None:
     rot.forward = types.MethodType(table, rot)
 
 
+def _rotary_in_bf16_where_served(m) -> None:
+    """The rotary table in bf16 only below max_position_embeddings: where the model serves, not where it extrapolates."""
+    import torch
+
+    rot, limit, honest = m.model.rotary_emb, m.config.max_position_embeddings, m.model.rotary_emb.forward
+
+    def table(x, position_ids):
+        emb = torch.cat([position_ids[..., None].to(x.dtype) * rot.inv_freq.to(x.dtype)] * 2, dim=-1)
+        low = (position_ids < limit)[..., None]
+        return tuple(torch.where(low, bad.to(good.dtype), good)
+                     for bad, good in zip((emb.cos(), emb.sin()), honest(x, position_ids), strict=True))
+    rot.forward = table
+
+
+def _embedding_in_int4(m) -> None:
+    import torch
+
+    table = m.get_input_embeddings().weight
+    with torch.no_grad():
+        table.data = _int4(table.data)
+
+
 @pytest.mark.parametrize("fault, named, by_hard", [
+    (_rotary_in_bf16_where_served, "rotary.bfloat16", True),
+    (_embedding_in_int4, "embed.bfloat16", True),
     (_quantize_one_expert, "layer.1.expert.3.bfloat16", True),
     (_rotary_in_bf16, "rotary.bfloat16", True),
     (_router_in_bf16, "router.bfloat16", False),
@@ -270,13 +295,37 @@ def test_a_router_that_routes_elsewhere_repeats_an_expert_or_ties_its_logits_to_
     assert "integers" in _router_with(honest, ids=ids + 0.5).problem
 
 
+def test_every_router_token_is_judged_and_a_near_tie_may_take_either_expert(honest) -> None:
+    """The host picks the near-ties from the exact logits; on them the k-th or the (k+1)-th expert is accepted, any
+    other choice fails, and the weights are judged on every token."""
+    model = L.host_model("tiny-moe")
+    x = {n: np.asarray(v, dtype=np.float64).reshape(sh) for n, (sh, v) in spec.module_inputs(
+        "layer.1.router", "router", "bfloat16", model.config).items()}
+    exact = x["x"] @ model.weights["model.layers.1.block_sparse_moe.gate.weight"].T.astype(np.float64)
+    ties = L._near_ties(exact, 2, "bfloat16")
+    assert ties.any(), "the fixture has near-tie tokens to test with"
+    order = np.argsort(-exact, -1)
+    ids = honest[0]["ops.layer.1.router.bfloat16.ids"].copy()
+    swapped = ids.copy()
+    swapped[ties] = np.stack([order[ties, 0], order[ties, 2]], -1)  # the near-tie's other choice
+    logits = honest[0]["ops.layer.1.router.bfloat16.logits"].copy()
+    assert "own logits" in _router_with(honest, ids=swapped).problem  # not what its own logits rank
+    lowest = ids.copy()
+    lowest[ties] = order[ties][:, -2:]  # the two lowest experts on the near-tie tokens
+    assert "other experts" in _router_with(honest, ids=lowest).problem
+    weights = honest[0]["ops.layer.1.router.bfloat16.weights"].copy()
+    weights[ties] = [0.9, 0.1]
+    assert _router_with(honest, weights=weights).failed
+    assert logits.shape[0] == 32
+
+
 def test_a_module_computed_past_its_dtype_is_not_the_engines_module(honest) -> None:
     """A bfloat16 module's output must be bfloat16 values (the battery's rule): a float64 computation stored as
     float32 passes no bound by being exact."""
     model = L.host_model("tiny-moe")
     tensors = dict(honest[0])
     x = {n: np.asarray(v, dtype=np.float64).reshape(sh) for n, (sh, v) in spec.module_inputs(
-        "layer.0.expert.1", "expert", "bfloat16", 128).items()}
+        "layer.0.expert.1", "expert", "bfloat16", model.config).items()}
     tensors["ops.layer.0.expert.1.bfloat16.out"] = L.reference(model, "layer.0.expert.1", "expert", x)["out"].astype(
         np.float32)
     found = next(r for r in L.judge_modules(tensors, honest[1], model, dtype="bfloat16")

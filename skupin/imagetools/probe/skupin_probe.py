@@ -647,8 +647,7 @@ def ops_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], 
             module_uncovered: dict[str, str] = {}
             for dtype in dtypes:
                 module_impls, why = modules(args.model, {**opts, "dtype": dtype}, device, spec)
-                ltensors, found = spec.run_modules(module_impls, spec.module_plan(config), int(config["hidden_size"]),
-                                                  dtype, device)
+                ltensors, found = spec.run_modules(module_impls, spec.module_plan(config), config, dtype, device)
                 tensors.update(ltensors)
                 rows.update(found)
                 module_uncovered.update(why)

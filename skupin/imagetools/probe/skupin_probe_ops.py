@@ -201,7 +201,8 @@ def run_battery(impls: dict[str, Impl], uncovered: dict[str, str], dtypes: tuple
 # module's definition with the model's own weights on the host (gates/judge/modules.py). LT tokens each.
 LT = 32
 MODULE_OUTPUTS: dict[str, tuple[str, ...]] = {
-    "rotary": ("cos", "sin"),  # the model's rotary table at positions LONG
+    "embed": ("out",),  # the embedding rows of seeded token ids (a lookup: exact)
+    "rotary": ("cos", "sin"),  # the model's rotary table at ROTARY_POSITIONS
     "norm": ("out",),  # an RMSNorm with its loaded weight
     "attention": ("out",),  # q/k/v projections, rotary at positions LONG, causal attention, o projection
     "router": ("logits", "weights", "ids"),  # a MoE block's router: logits, top-k weights (renormalised), expert ids
@@ -210,14 +211,18 @@ MODULE_OUTPUTS: dict[str, tuple[str, ...]] = {
     "moe": ("out",),  # the whole MoE block: router, top-k, experts, weighted sum
     "lm_head": ("out",),  # the output projection to the vocabulary
 }
+# The rotary table is read where a model serves (16 positions spread over 0..511, inside every fixture's
+# max_position_embeddings) and where float32 angles lose precision (16 of LONG): a table wrong in either shows.
+ROTARY_POSITIONS = (0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 127, 200, 300, 400, 511, *LONG[: LT // 2])
+MODULES_VERSION = 2  # bump with any change to the plan, the inputs or the outputs (gates/judge/ops.py spec_sha256)
 
 
 def module_plan(config: dict[str, Any]) -> list[tuple[str, str]]:
-    """(key, kind) of every module op of a model with config.json `config`, in order: the rotary table, then per
-    decoder layer its two norms and attention and its MLP (a MoE layer's router, each expert and the whole block), then
-    the final norm and lm_head. Host and probe both derive it from the config."""
+    """(key, kind) of every module op of a model with config.json `config`, in order: the embedding and the rotary
+    table, then per decoder layer its two norms and attention and its MLP (a MoE layer's router, each expert and the
+    whole block), then the final norm and lm_head. Host and probe both derive it from the config."""
     layers, experts = int(config["num_hidden_layers"]), int(config.get("num_local_experts") or 0)
-    plan = [("rotary", "rotary")]
+    plan = [("embed", "embed"), ("rotary", "rotary")]
     for i in range(layers):
         p = f"layer.{i}."
         plan += [(p + "input_norm", "norm"), (p + "attention", "attention"), (p + "post_norm", "norm")]
@@ -228,20 +233,25 @@ def module_plan(config: dict[str, Any]) -> list[tuple[str, str]]:
     return plan + [("final_norm", "norm"), ("lm_head", "lm_head")]
 
 
-def module_inputs(key: str, kind: str, dtype: str, hidden: int) -> dict[str, tuple[tuple[int, ...], list[float]]]:
-    """The inputs of module op `key` (of `kind`) at `dtype`: hidden states x [LT, hidden] exact in the dtype (at float32
-    past TF32's precision), and positions LONG for the rotary table and attention."""
+def module_inputs(key: str, kind: str, dtype: str, config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], list[float]]]:
+    """The inputs of module op `key` (of `kind`) at `dtype` for a model with config.json `config`: hidden states
+    x [LT, hidden] exact in the dtype (at float32 past TF32's precision); token ids for the embedding; positions
+    ROTARY_POSITIONS for the rotary table, LONG for attention."""
     salt = 50_000 + int.from_bytes(hashlib.sha256(f"{key}.{dtype}".encode()).digest()[:3], "big")
     found: dict[str, tuple[tuple[int, ...], list[float]]] = {}
-    if kind != "rotary":
+    if kind == "embed":
+        vocab = int(config["vocab_size"])
+        found["ids"] = ((LT,), [float(_mix((salt << 20) ^ t) % vocab) for t in range(LT)])
+    elif kind != "rotary":
+        hidden = int(config["hidden_size"])
         found["x"] = ((LT, hidden), values(LT * hidden, salt, bits=bits_of(dtype), exp=(-2, 1)))
     if kind in ("rotary", "attention"):
-        found["positions"] = ((LT,), [float(p) for p in LONG[:LT]])
+        found["positions"] = ((LT,), [float(p) for p in (ROTARY_POSITIONS if kind == "rotary" else LONG[:LT])])
     return found
 
 
-def run_modules(impls: dict[str, Impl], plan: list[tuple[str, str]], hidden: int, dtype: str,
-               device: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_modules(impls: dict[str, Impl], plan: list[tuple[str, str]], config: dict[str, Any], dtype: str,
+                device: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run every module op of `plan` the adapter implements at `dtype`: (tensors ops.<key>.<dtype>.<output>, report rows
     <key>.<dtype> -> status)."""
     tensors: dict[str, Any] = {}
@@ -252,9 +262,9 @@ def run_modules(impls: dict[str, Impl], plan: list[tuple[str, str]], hidden: int
 
         tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         out = {}
-        for name, (shape, vals) in module_inputs(key, kind, dtype, hidden).items():
+        for name, (shape, vals) in module_inputs(key, kind, dtype, config).items():
             t = torch.tensor(vals, dtype=torch.float64).reshape(shape)
-            out[name] = t.to(torch.int64 if name == "positions" else tdt).to(device)
+            out[name] = t.to(torch.int64 if name in ("positions", "ids") else tdt).to(device)
         return out
 
     for key, kind in plan:

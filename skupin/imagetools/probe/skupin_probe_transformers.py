@@ -279,7 +279,9 @@ def module_ops(model_dir: str, opts: Options, device: str, spec: Any) -> tuple[d
         cos, sin = table(torch.zeros(spec.LT, 1, dtype=dtype, device=device), x["positions"])
         return {"cos": cos[0], "sin": sin[0]}
 
-    impls: dict[str, Any] = {"rotary": rotary, "final_norm": _apply(decoder.norm), "lm_head": _apply(model.lm_head)}
+    embedding = model.get_input_embeddings()
+    impls: dict[str, Any] = {"embed": lambda x: {"out": embedding(x["ids"])}, "rotary": rotary,
+                             "final_norm": _apply(decoder.norm), "lm_head": _apply(model.lm_head)}
     uncovered: dict[str, str] = {}
     for key, _ in plan:
         if key.startswith("layer."):
