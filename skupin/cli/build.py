@@ -46,6 +46,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         code, failed = exc.exit_code, exc
     if args.json:  # the --json contract (skupin/cli/output.py): ok, error (every problem in error.problems), warnings
         outcome = failure(failed) if failed is not None else {"ok": True, "error": None, "warnings": warnings()}
+        outcome["warnings"] = [*warnings(), *(  # each manifest's too (also under its own entry)
+            f"{r.manifest.name if r.manifest else r.file}: {w.message}" + (f"; fix: {w.fix}" if w.fix else "")
+            for r in reports for w in r.warnings)]
         out(json.dumps({"exit_code": code, **outcome, "manifests": [_check_json(r) for r in reports]}, indent=2))
         return code
     for report in reports:

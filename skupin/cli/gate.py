@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skupin.cli.output import err, install_missing_flag, out
+from skupin.cli.output import err, failure, install_missing_flag, out, warnings
 from skupin.common.paths import env_wheelhouse
 
 if TYPE_CHECKING:
@@ -52,14 +52,28 @@ def cmd_gate(args: argparse.Namespace) -> int:
                          wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
     envelope = write_verdict_envelope(folder, verdict, signer)
     err(f"verdict signed by this host's key {signer.keyid[:12]}: {envelope}")
-    if args.json:
-        out(verdict.model_dump_json(indent=1))
+    if args.json:  # the verdict, with the --json contract's fields (skupin/cli/output.py) beside it
+        contract = {"ok": True, "error": None, "warnings": warnings()} if verdict.exit_code == 0 else failure(
+            _verdict_error(verdict.exit_code, verdict.reason))
+        out(json.dumps({**json.loads(verdict.model_dump_json()), **contract}, indent=1))
     else:
         for check in verdict.checks:
             out(f"{check.status:<8} {check.name:<9} {check.reason}")
         out(f"{verdict.decision.upper()}: {verdict.reason}")
         out(f"report: {folder / 'report.md'}  verdict: {folder / 'verdict.json'}  ({verdict.timings.get('total_s', 0):.1f} s)")
     return verdict.exit_code
+
+
+def _verdict_error(code: int, reason: str) -> Exception:
+    """The error a verdict's exit code stands for (skupin/common/errors.py), carrying its reason."""
+    from skupin.common.errors import GateCouldNotRun, GateFailed, GateUncalibrated, SkupinError
+
+    for cls in (GateFailed, GateCouldNotRun, GateUncalibrated):
+        if cls.exit_code == code:
+            return cls(reason)
+    exc = SkupinError(reason)
+    exc.exit_code = code
+    return exc
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -272,3 +272,24 @@ def test_the_trusted_key_still_verifies_and_the_claim_is_never_trusted():
     env["signatures"][0]["publicKey"] = base64.b64encode(STRANGER.public_der()).decode()  # a false claim
     with pytest.raises(EnvelopeError, match="tampered or re-signed"):
         open_envelope(canonical_json(env), lone)
+
+
+def test_check_json_lists_each_manifests_warnings_at_the_top_too(capsys) -> None:
+    """The contract's `warnings` holds every warning the command gave, a manifest's included (it also stays under the
+    manifest's own entry)."""
+    from skupin.cli import main
+
+    code = main(["check", "--json", "--no-lock"])
+    doc = json.loads(capsys.readouterr().out)
+    per_manifest = [w for m in doc["manifests"] for w in m.get("warnings", [])]
+    assert code == 0 and doc["ok"] is True and per_manifest
+    assert len(doc["warnings"]) >= len(per_manifest) and any("uncalibrated" in w for w in doc["warnings"])
+
+
+@pytest.mark.parametrize("code", [10, 11, 14])
+def test_a_gate_verdicts_exit_code_is_its_error_class(code: int) -> None:
+    from skupin.cli.gate import _verdict_error
+    from skupin.cli.output import failure
+
+    doc = failure(_verdict_error(code, "the reason"))
+    assert doc["ok"] is False and doc["error"]["code"] == code and doc["error"]["message"] == "the reason"
