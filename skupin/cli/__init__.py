@@ -8,6 +8,7 @@ so `skupin --help` loads none of them):
     skupin/cli/gate.py       gate, calibrate, ab
     skupin/cli/publish.py    registry up|down|status, keys, publish, verify, inspect, pull, run
     skupin/cli/releases.py   compat refresh, watch
+    skupin/cli/init.py       init (a starter catalog)
 
 Nothing imports this package: it sits on top of the build side (builder/), the gate side
 (gates/) and the rooms they share (docs/ARCHITECTURE.md).
@@ -47,6 +48,7 @@ the catalog:  the folder holding skus/ (found from the current folder upwards, o
             templates, compatibility data, probe and default reference bundles ship with skupin, and a
             catalog's own templates/ or gate.reference folders take precedence (docs/CATALOG.md)
 examples:
+  skupin init my-catalog            a starter catalog: the CPU SKU's manifest, CI workflows, .gitignore
   skupin check                      check every manifest in the catalog's skus/
   skupin render cpu-x86_64          print the CPU SKU's Dockerfile (no Docker needed)
   skupin run cpu-x86_64             check, lock, build, gate, publish and verify the CPU SKU
@@ -66,7 +68,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from skupin.cli import build, gate, publish, reference, releases
+    from skupin.cli import build, gate, init, publish, reference, releases
 
     parser = _Parser(
         prog="skupin",
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the catalog to act on (a folder holding skus/); default: $SKUPIN_ROOT, else the current "
                              "folder or its nearest parent holding skus/. verify, pull and inspect need none")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for group in (build, reference, gate, publish, releases):
+    for group in (init, build, reference, gate, publish, releases):
         group.add_commands(sub)
     return parser
 

@@ -41,26 +41,56 @@ def cmd_reference_capture(args: argparse.Namespace) -> int:
     return 0
 
 
+def bundle_folder(folder: str) -> Path:
+    """The bundle a `reference verify` argument names: the folder as given when it exists, else a catalog-relative path
+    ("gates/references/tiny-llama/h200-bfloat16") read as a manifest's gate.reference is: the catalog's copy when the
+    catalog holds one, else the bundle shipped inside skupin (skupin.common.paths.data_path)."""
+    from skupin.common.paths import data_path
+
+    given = Path(folder)
+    if given.exists() or given.is_symlink() or given.is_absolute():
+        return given
+    return data_path(given)
+
+
 def cmd_reference_verify(args: argparse.Namespace) -> int:
     from skupin.gates.refdata.bundle import check_fits, verify
 
-    meta = verify(folder=Path(args.folder))
+    folder = bundle_folder(args.folder)
+    meta = verify(folder=folder)
     if args.sku:
         check_fits(meta=meta, manifest=_sku_manifest(args.sku))
     if args.json:
-        print(json.dumps({"bundle": str(args.folder), "ok": True, "meta": meta}))
+        print(json.dumps({"bundle": str(folder), "ok": True, "meta": meta}))
         return 0
-    print(f"ok  {args.folder}: {meta['model']['name']} {meta['dtype']} on {meta['gpu']['name']} "
+    print(f"ok  {folder}: {meta['model']['name']} {meta['dtype']} on {meta['gpu']['name']} "
           f"(driver {meta['driver']}, torch {meta['torch']}, {meta['engine']['name']} {meta['engine']['version']}, "
           f"captured {meta['created']})")
     return 0
 
 
+def fixture_destination(name: str, out: str | None, *, check: bool) -> Path:
+    """Where `fixture generate` writes (or `--check` reads): `--out`, else the catalog's gates/fixtures/<name>, never the
+    installed package's folder. `--check` without `--out` checks the catalog's copy when it holds one, else the shipped one."""
+    from skupin.common.errors import UsageError
+    from skupin.common.paths import NO_CATALOG_FIX, data_path, find_catalog
+
+    if out:
+        return Path(out)
+    rel = Path("gates") / "fixtures" / name
+    if check:
+        return data_path(rel)
+    found = find_catalog()
+    if found is None:
+        raise UsageError(f"no catalog to write gates/fixtures/{name} into (no skus/ folder in {Path.cwd()} or any parent)",
+                         fix=f"pass --out DIR, or {NO_CATALOG_FIX}")
+    return found / rel
+
+
 def cmd_fixture_generate(args: argparse.Namespace) -> int:
     from skupin.gates.refdata import fixture
-    from skupin.gates.refdata.bundle import FIXTURES
 
-    out = Path(args.out) if args.out else FIXTURES / args.name
+    out = fixture_destination(args.name, args.out, check=args.check)
     if args.check:
         hashes = fixture.check_fixture(name=args.name, folder=out)
         if args.json:
@@ -102,7 +132,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the bundle's folder and meta.json as JSON")
     p.set_defaults(func=cmd_reference_capture)
     p = ref_sub.add_parser("verify", help="check a bundle's SHA256SUMS (and optionally its fit to a SKU)")
-    p.add_argument("folder", metavar="DIR")
+    p.add_argument("folder", metavar="DIR", help="the bundle's folder; a catalog-relative path that is not here "
+                   "(gates/references/<model>/<bundle>) is the catalog's, else the one shipped with skupin")
     p.add_argument("--sku", help="also check model, prompt set and dtype against this SKU's gate")
     p.add_argument("--json", action="store_true", help="print the bundle's meta.json as JSON")
     p.set_defaults(func=cmd_reference_verify)
@@ -111,7 +142,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     fx_sub = fx.add_subparsers(dest="fixture_command", metavar="ACTION", required=True)
     p = fx_sub.add_parser("generate", help="regenerate a fixture bit-identically (sha256 checked)")
     p.add_argument("--name", default="tiny-llama", choices=FIXTURE_NAMES)
-    p.add_argument("--out", metavar="DIR", help="folder (default: gates/fixtures/<name>)")
+    p.add_argument("--out", metavar="DIR", help="folder (default: the catalog's gates/fixtures/<name>; "
+                   "with --check, the catalog's copy when it has one, else the shipped one)")
     p.add_argument("--check", action="store_true", help="only check an existing folder against the recorded sha256")
     p.add_argument("--json", action="store_true", help="print the fixture's files and their sha256 as JSON")
     p.set_defaults(func=cmd_fixture_generate)
