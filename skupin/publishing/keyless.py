@@ -58,13 +58,20 @@ INSTALL_FIX = "pip install 'skupin[keyless]' (the sigstore package)"
 
 
 class KeylessIdentity(Frozen):
-    """Who must have signed: the Fulcio certificate's subject alternative name, exactly, and its OIDC issuer."""
+    """Who must have signed: the Fulcio certificate's subject alternative name, exactly, and its OIDC issuer; for a
+    GitHub Actions identity also the repository and ref whose run it was (the SAN names the *workflow file*, which a
+    reusable workflow's callers in other repositories would share)."""
 
     identity: str = Field(description="e.g. https://github.com/<owner>/<repo>/.github/workflows/images.yml@refs/heads/main")
     issuer: str = GITHUB_ISSUER
+    source_repository: str = Field("", description="the certificate's OIDC source repository URI (Fulcio OID "
+                                                   "1.3.6.1.4.1.57264.1.12) that must have run it; empty: not checked")
+    source_ref: str = Field("", description="the certificate's OIDC source repository ref (OID ...1.14); empty: not "
+                                            "checked")
 
     def line(self) -> str:
-        return f"{self.identity} (issuer {self.issuer})"
+        run = f", run by {self.source_repository}@{self.source_ref}" if self.source_repository else ""
+        return f"{self.identity} (issuer {self.issuer}{run})"
 
 
 def workflow_identity(repository: str) -> KeylessIdentity:
@@ -72,7 +79,8 @@ def workflow_identity(repository: str) -> KeylessIdentity:
     if not _REPO.fullmatch(repository) or repository.endswith((".", "/")) or ".." in repository:
         raise UsageError(f"--keyless-identity {printable(repository, 120)}: not a GitHub OWNER/REPO",
                          field="--keyless-identity", fix="--keyless-identity <owner>/<repo>, e.g. acme/skupin")
-    return KeylessIdentity(identity=f"https://github.com/{repository}/{WORKFLOW}@{WORKFLOW_REF}")
+    return KeylessIdentity(identity=f"https://github.com/{repository}/{WORKFLOW}@{WORKFLOW_REF}",
+                           source_repository=f"https://github.com/{repository}", source_ref=WORKFLOW_REF)
 
 
 def identity_from(*, identity: str | None, issuer: str | None, repository: str | None) -> KeylessIdentity:
@@ -204,11 +212,15 @@ def verified_statement(bundle_json: str, *, verifier: DsseVerifier, identity: Ke
     """Steps 2 and 3: the in-toto statement a bundle signs, once sigstore verified it against the verifier's trust root
     and `identity`; PublishError naming what failed otherwise."""
     from sigstore.models import Bundle
-    from sigstore.verify.policy import Identity
+    from sigstore.verify.policy import AllOf, Identity, OIDCSourceRepositoryRef, OIDCSourceRepositoryURI
 
+    policy: Any = Identity(identity=identity.identity, issuer=identity.issuer)
+    if identity.source_repository:
+        policy = AllOf([policy, OIDCSourceRepositoryURI(identity.source_repository),
+                        *([OIDCSourceRepositoryRef(identity.source_ref)] if identity.source_ref else [])])
     try:
         bundle = Bundle.from_json(bundle_json)
-        payload_type, payload = verifier.verify_dsse(bundle, Identity(identity=identity.identity, issuer=identity.issuer))
+        payload_type, payload = verifier.verify_dsse(bundle, policy)
     except Exception as exc:  # hostile input reaches sigstore's parsers and checks: whatever they raise is a refusal
         raise PublishError(f"the Sigstore bundle does not verify: {printable(' '.join(str(exc).split()), 400)} "
                            f"(required signer: {identity.line()})") from exc
@@ -234,8 +246,10 @@ def statement_predicate(statement: dict[str, Any], *, digest: str, predicate_typ
         raise PublishError(f"the statement's predicateType is {printable(str(statement.get('predicateType')), 120)!r}, "
                            f"not {predicate_type}")
     algorithm, _, hexpart = digest.partition(":")
-    subjects = [s["digest"].get("sha256") for s in statement.get("subject") or () if isinstance(s, dict)
-                and isinstance(s.get("digest"), dict)]
+    listed = statement.get("subject")
+    if not isinstance(listed, list):
+        raise PublishError("the statement's subject is not a list of artifacts (an in-toto Statement v1 has one)")
+    subjects = [s["digest"].get("sha256") for s in listed if isinstance(s, dict) and isinstance(s.get("digest"), dict)]
     if algorithm != "sha256" or not hexpart or hexpart not in subjects:
         shown = ", ".join(f"sha256:{printable(str(s), 12)}" for s in subjects) or "none"
         raise PublishError(f"the keyless attestation's subject is {shown}, not {digest[:19]} (a signature over "

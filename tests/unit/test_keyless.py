@@ -86,6 +86,24 @@ def test_another_identity_is_refused(verifier: Any, identity: KeylessIdentity) -
     assert caught.value.exit_code == 8 and "\n" not in str(caught.value)
 
 
+def test_the_run_must_be_the_named_repositorys_not_a_caller_of_its_workflow(verifier: Any) -> None:
+    """The SAN names the workflow file; a reusable workflow called from another repository carries the same SAN.
+    The certificate's source repository and ref (Fulcio's OIDs ...1.12 and ...1.14) must be the named ones too."""
+    [text] = read_bundles(BUNDLE)
+    repo = "https://github.com/sigstore-conformance/extremely-dangerous-public-oidc-beacon"
+    own = SIGNER.model_copy(update={"source_repository": repo, "source_ref": "refs/heads/main"})
+    assert verified_statement(text, verifier=verifier, identity=own)["_type"]
+    for caller in ({"source_repository": "https://github.com/attacker/caller"}, {"source_ref": "refs/heads/dev"}):
+        with pytest.raises(PublishError, match="does not verify"):
+            verified_statement(text, verifier=verifier, identity=own.model_copy(update=caller))
+
+
+def test_a_statement_whose_subject_is_not_a_list_is_refused_not_a_traceback() -> None:
+    statement = {"_type": "https://in-toto.io/Statement/v1", "predicateType": SLSA, "subject": 5, "predicate": {}}
+    with pytest.raises(PublishError, match="not a list"):
+        statement_predicate(statement, digest=ASSET_DIGEST, predicate_type=SLSA)
+
+
 def test_a_statement_about_another_digest_or_of_another_type_is_refused(verifier: Any) -> None:
     statement = verified_statement(read_bundles(BUNDLE)[0], verifier=verifier, identity=SIGNER)
     with pytest.raises(PublishError, match=r"subject is sha256:a0cfc71271d6.*not sha256:eeeeeeeeeeee"):
@@ -238,7 +256,8 @@ def test_a_file_that_is_no_trusted_root_is_refused(tmp_path: Path) -> None:
 
 def test_the_identity_is_always_named_and_the_shorthand_is_ci_s_workflow() -> None:
     assert workflow_identity("acme/skupin") == KeylessIdentity(
-        identity="https://github.com/acme/skupin/.github/workflows/images.yml@refs/heads/main", issuer=GITHUB_ISSUER)
+        identity="https://github.com/acme/skupin/.github/workflows/images.yml@refs/heads/main", issuer=GITHUB_ISSUER,
+        source_repository="https://github.com/acme/skupin", source_ref="refs/heads/main")
     assert identity_from(identity=None, issuer=None, repository="acme/skupin") == workflow_identity("acme/skupin")
     assert identity_from(identity="https://x/y", issuer="https://issuer", repository=None).issuer == "https://issuer"
     for bad in (dict(identity=None, issuer=None, repository=None), dict(identity="u", issuer=None, repository="a/b"),
@@ -396,3 +415,13 @@ def test_verify_help_teaches_the_keyless_flags(capsys: pytest.CaptureFixture[str
     for needle in ("--sigstore-bundle FILE", "--keyless-identity OWNER/REPO", "--certificate-identity URI",
                    "--trusted-root FILE", "gh attestation download", "skupin[keyless]"):
         assert needle in text, needle
+
+
+def test_images_yml_cannot_be_called_from_another_repository() -> None:
+    """A `workflow_call` trigger would let any repository run images.yml and sign with its SAN; the source-repository
+    check refuses such records, and this keeps the trigger out in the first place."""
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / ".github/workflows/images.yml").read_text())
+    triggers = doc.get("on", doc.get(True))  # YAML 1.1 reads a bare `on` as True
+    assert "workflow_call" not in (triggers if isinstance(triggers, dict) else {t: None for t in triggers or []})
