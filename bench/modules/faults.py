@@ -33,7 +33,7 @@ FAULTS = {
     "attn-scale": "every attention module's softmax scale 1% too large",
     "dense-int8": "layer 2's dense MLP (or, on a MoE model, its attention's o projection) INT8 per channel after load",
 }
-HONEST = ("honest", "honest-eager", "honest-threads")
+HONEST = ("honest", "honest-eager", "honest-threads", "honest-deterministic")
 
 
 def _int4(w: Any, group: int = 128) -> Any:
@@ -185,6 +185,9 @@ def main() -> int:
                 return m
             AutoModelForCausalLM.from_pretrained = classmethod(load)  # type: ignore[method-assign]
             torch.set_num_threads(1 if variant == "honest-threads" else (os.cpu_count() or 1))
+            # deterministic algorithms (cuBLAS then needs a fixed workspace): other kernels on a GPU, the same on a CPU
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(variant == "honest-deterministic")
             args = probe.parse_args(["--model", str(Path(a.fixtures) / model), "--out", "-", "--dtype", a.dtype,
                                      "--checks", "ops", "--attn", "eager" if variant == "honest-eager" else "sdpa"])
             t0 = time.perf_counter()
