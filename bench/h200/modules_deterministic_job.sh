@@ -1,3 +1,7 @@
+#!/bin/bash
+# One call of the `run` tool on the lent H200: honest module-op runs with deterministic algorithms (and plain), judged
+# against the committed nvidia-hopper entries by bench/modules/judge_committed.py.
+#     bash bench/h200/modules_deterministic_job.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
 pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
