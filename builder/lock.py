@@ -38,6 +38,7 @@ from packaging.version import InvalidVersion, Version
 from skupin.builder.aptlock import HostFacts
 from skupin.builder.catalog.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from skupin.builder.catalog.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
+from skupin.builder.catalog.pylock import pylock_problem, write_pylock
 from skupin.builder.catalog.stack import LockState
 from skupin.builder.render import BUILD_STAGE, apt_roots, render_manifest
 from skupin.builder.sdist import SdistFetcher, applicable, fetch_sdist, read_sdist
@@ -740,11 +741,12 @@ def _request(manifest: SkuManifest, *, layer: str, plans: Sequence[LayerPlan], w
 def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | None = None, index_url: str | None = None,
            progress: Progress | None = None, ca_bundle: Path | None = None, resolve: Resolver | None = None,
            host: HostFacts | None = None) -> Lock:
-    """`lock_sku` and write the lock next to the manifest (what `skupin lock`, `skupin run` and
-    `skupin watch --apply` do)."""
+    """`lock_sku` and write the lock next to the manifest, with its PEP 751 form pylock.<sku>.toml (what `skupin
+    lock`, `skupin run` and `skupin watch --apply` do)."""
     lock = lock_sku(manifest=manifest, manifest_path=manifest_path, wheelhouse=wheelhouse, index_url=index_url,
                     progress=progress, ca_bundle=ca_bundle, resolve=resolve, host=host)
     write_lock(lock, lock_path(manifest_path))
+    write_pylock(lock, lock_path(manifest_path))  # its PEP 751 form beside it: pylock.<sku>.toml
     return lock
 
 
@@ -761,6 +763,8 @@ def lock_status(*, manifest: SkuManifest, manifest_path: Path) -> tuple[LockStat
     except LockError as exc:
         return "stale", f"{exc}; run `skupin lock {manifest.name}`", None
     reasons = stale_reasons(manifest=manifest, lock=lock)
+    if (problem := pylock_problem(lock, path)) is not None:  # the PEP 751 form is the lock's, or the lock is stale
+        reasons.append(problem)
     if reasons:
         return "stale", "; ".join(reasons) + f"; run `skupin lock {manifest.name}`", lock
     return "ok", f"{path.name} {lock.content_hash()[:12]}", lock

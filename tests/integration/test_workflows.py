@@ -321,7 +321,8 @@ def test_an_engine_point_release_rebuilds_and_publishes_only_its_sku(docker, tmp
     assert leg.status == "success", leg.steps
     pull = json.loads((tmp_path / "watch" / "pulls" / "skupin_watch_cpu-x86_64").read_text())
     assert pull["branch"] == "skupin/watch/cpu-x86_64" and pull["title"] == "Point release: cpu-x86_64"
-    assert sorted(pull["files"]) == ["skus/cpu-x86_64.lock.json", "skus/cpu-x86_64.yaml"]  # one SKU per pull request
+    assert sorted(pull["files"]) == ["skus/cpu-x86_64.lock.json", "skus/cpu-x86_64.yaml",  # one SKU per pull request
+                                     "skus/pylock.cpu-x86_64.toml"]
     merged = git(repo, "rev-parse", "skupin/watch/cpu-x86_64")
     git(repo, "checkout", "-q", released)
     before = {sku: tag for sku, tag in version_tags(repo).items() if sku != "cpu-x86_64"}

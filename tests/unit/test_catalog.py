@@ -30,6 +30,7 @@ def _catalog(root: Path) -> Path:
     (root / "skus").mkdir(parents=True)
     shutil.copy(REPO / "skus" / "cpu-x86_64.yaml", root / "skus")
     shutil.copy(REPO / "skus" / "cpu-x86_64.lock.json", root / "skus")
+    shutil.copy(REPO / "skus" / "pylock.cpu-x86_64.toml", root / "skus")
     return root
 
 

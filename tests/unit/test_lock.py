@@ -13,6 +13,7 @@ from packaging.utils import canonicalize_name
 
 from skupin.builder.catalog.lockfile import PY_LAYERS, lock_path, read_lock, write_lock
 from skupin.builder.catalog.manifest import load_manifest
+from skupin.builder.catalog.pylock import write_pylock
 from skupin.builder.lock import (
     PipRequest,
     Resolved,
@@ -354,13 +355,20 @@ def test_lock_status(tmp_path, wheelhouse):
     lock, _ = _lock_cpu(wheelhouse)
     write_lock(lock, lock_path(manifest_path))
     assert read_lock(lock_path(manifest_path)) == lock
+    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path)  # its PEP 751 form is missing
+    assert state == "stale" and "no pylock.cpu-x86_64.toml" in why and "skupin lock cpu-x86_64" in why
+    write_pylock(lock, lock_path(manifest_path))
     assert lock_status(manifest=manifest, manifest_path=manifest_path)[0] == "ok"
 
     legacy = lock.model_copy(update={"dockerfile_sha256": "e" * 64})  # a template edit since: still the same set
     write_lock(legacy, lock_path(manifest_path))
+    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path)  # the pylock names the lock's hash
+    assert state == "stale" and "pylock.cpu-x86_64.toml differs from the lock" in why
+    write_pylock(legacy, lock_path(manifest_path))
     assert lock_status(manifest=manifest, manifest_path=manifest_path)[0] == "ok"
     assert read_lock(lock_path(manifest_path)).content_hash() == legacy.content_hash()
     write_lock(lock, lock_path(manifest_path))
+    write_pylock(lock, lock_path(manifest_path))
     assert "dockerfile_sha256" not in lock_path(manifest_path).read_text()
 
     bumped = manifest.stack.engine.model_copy(update={"version": "5.25.0"})

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from skupin.builder.catalog.lockfile import lock_path, read_lock
+from skupin.builder.catalog.pylock import write_pylock
 from skupin.builder.check import check_paths
 from skupin.builder.matrix import plan_matrix, runner_labels, summary_markdown
 from skupin.cli import main
@@ -71,7 +72,7 @@ def test_a_wheelhouse_on_the_runner_brings_a_url_less_wheel_back(tmp_path):
 
 
 def _cpu_catalog_with_lock(tmp_path: Path, edit) -> Path:
-    """A catalog holding the CPU SKU, its lock's JSON changed by `edit` (in place)."""
+    """A catalog holding the CPU SKU, its lock's JSON changed by `edit` (in place) and the pylock of the changed lock."""
     skus = tmp_path / "skus"
     skus.mkdir()
     for name in ("cpu-x86_64.yaml", "cpu-x86_64.lock.json"):
@@ -80,6 +81,7 @@ def _cpu_catalog_with_lock(tmp_path: Path, edit) -> Path:
     data = json.loads(lock.read_text())
     edit(data)
     lock.write_text(json.dumps(data))
+    write_pylock(read_lock(lock), lock)
     return skus
 
 
