@@ -38,7 +38,7 @@ from packaging.version import InvalidVersion, Version
 from skupin.builder.aptlock import HostFacts
 from skupin.builder.catalog.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from skupin.builder.catalog.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
-from skupin.builder.catalog.pylock import pylock_problem, write_pylock
+from skupin.builder.catalog.pylock import pylock_missing, pylock_problem, write_pylock
 from skupin.builder.catalog.stack import LockState
 from skupin.builder.render import BUILD_STAGE, apt_roots, render_manifest
 from skupin.builder.sdist import SdistFetcher, applicable, fetch_sdist, read_sdist
@@ -763,11 +763,12 @@ def lock_status(*, manifest: SkuManifest, manifest_path: Path) -> tuple[LockStat
     except LockError as exc:
         return "stale", f"{exc}; run `skupin lock {manifest.name}`", None
     reasons = stale_reasons(manifest=manifest, lock=lock)
-    if (problem := pylock_problem(lock, path)) is not None:  # the PEP 751 form is the lock's, or the lock is stale
+    if (problem := pylock_problem(lock, path)) is not None:  # a PEP 751 form beside it is the lock's, or it is stale
         reasons.append(problem)
     if reasons:
         return "stale", "; ".join(reasons) + f"; run `skupin lock {manifest.name}`", lock
-    return "ok", f"{path.name} {lock.content_hash()[:12]}", lock
+    missing = pylock_missing(path)  # a lock copied alone is still current: the note says how to add its PEP 751 form
+    return "ok", f"{path.name} {lock.content_hash()[:12]}" + (f"; {missing}" if missing else ""), lock
 
 
 def stale_reasons(*, manifest: SkuManifest, lock: Lock) -> list[str]:

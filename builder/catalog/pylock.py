@@ -9,7 +9,9 @@ other PEP 751 readers can install the same set. Pure: the same lock gives the sa
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
@@ -68,12 +70,24 @@ def pylock_text(lock: Lock) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pylock_missing(lock_file: Path) -> str | None:
+    """A note when no pylock lies beside `lock_file` (a lock copied alone is still the lock: the note says how to make
+    its PEP 751 form), else None."""
+    path = pylock_path(lock_file)
+    if path.is_symlink() or path.exists():
+        return None
+    return f"no {path.name} beside it (python -m skupin.builder.catalog.pylock {lock_file} writes it)"
+
+
 def pylock_problem(lock: Lock, lock_file: Path) -> str | None:
-    """Why the pylock beside `lock_file` is not `lock`'s (missing, a link, or other text), or None when it is."""
+    """Why the pylock beside `lock_file` is not `lock`'s (a link, not a file, or other text), or None when it is or
+    when there is none (pylock_missing says so)."""
     path = pylock_path(lock_file)
     fix = f"(rewrite it from the lock: python -m skupin.builder.catalog.pylock {lock_file})"
+    if not path.is_symlink() and not path.exists():
+        return None
     if path.is_symlink() or not path.is_file():
-        return f"no {path.name}, the lock's PEP 751 form {fix}"
+        return f"{path.name} is not a regular file {fix}"
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -84,9 +98,14 @@ def pylock_problem(lock: Lock, lock_file: Path) -> str | None:
 def write_pylock(lock: Lock, lock_file: Path) -> Path:
     """Write `lock`'s pylock beside `lock_file` (atomic replace); returns its path."""
     path = pylock_path(lock_file)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(pylock_text(lock), encoding="utf-8")
-    tmp.replace(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # a unique name: never a
+    try:                                                                                 # planted link written through
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(pylock_text(lock))
+        os.replace(name, path)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
     return path
 
 

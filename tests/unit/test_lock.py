@@ -355,8 +355,8 @@ def test_lock_status(tmp_path, wheelhouse):
     lock, _ = _lock_cpu(wheelhouse)
     write_lock(lock, lock_path(manifest_path))
     assert read_lock(lock_path(manifest_path)) == lock
-    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path)  # its PEP 751 form is missing
-    assert state == "stale" and "no pylock.cpu-x86_64.toml" in why and "skupin lock cpu-x86_64" in why
+    state, why, _ = lock_status(manifest=manifest, manifest_path=manifest_path)  # its PEP 751 form is missing: a note
+    assert state == "ok" and "no pylock.cpu-x86_64.toml" in why and "skupin.builder.catalog.pylock" in why
     write_pylock(lock, lock_path(manifest_path))
     assert lock_status(manifest=manifest, manifest_path=manifest_path)[0] == "ok"
 

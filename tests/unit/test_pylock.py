@@ -112,7 +112,7 @@ def test_every_committed_lock_has_its_pylock(lock_file):
     assert {str(p.name) for p in pylock.packages} == set(lock.packages())
 
 
-def test_check_reports_a_missing_or_different_pylock_as_a_stale_lock(tmp_path):
+def test_check_reports_a_different_pylock_as_a_stale_lock_and_a_missing_one_in_its_note(tmp_path):
     for name in ("cpu-x86_64.yaml", "cpu-x86_64.lock.json", "pylock.cpu-x86_64.toml"):
         shutil.copy(SKUS / name, tmp_path / name)
     manifest, pylock = tmp_path / "cpu-x86_64.yaml", tmp_path / "pylock.cpu-x86_64.toml"
@@ -120,11 +120,14 @@ def test_check_reports_a_missing_or_different_pylock_as_a_stale_lock(tmp_path):
     pylock.write_text(pylock.read_text().replace('created-by = "skupin"', 'created-by = "someone"'))
     stack = check_file(manifest).stack
     assert stack is not None and stack.lock_state == "stale" and "pylock.cpu-x86_64.toml differs from the lock" in stack.lock_note
-    pylock.unlink()
+    pylock.unlink()  # a lock copied alone is still the lock: its note says how to write the PEP 751 form
     stack = check_file(manifest).stack
-    assert stack is not None and stack.lock_state == "stale" and "no pylock.cpu-x86_64.toml" in stack.lock_note
+    assert stack is not None and stack.lock_state == "ok" and "no pylock.cpu-x86_64.toml" in stack.lock_note
     lock = read_lock(tmp_path / "cpu-x86_64.lock.json")
-    assert pylock_problem(lock, tmp_path / "cpu-x86_64.lock.json") is not None
+    assert pylock_problem(lock, tmp_path / "cpu-x86_64.lock.json") is None
+    pylock.mkdir()  # not a regular file: stale
+    assert "not a regular file" in (pylock_problem(lock, tmp_path / "cpu-x86_64.lock.json") or "")
+    pylock.rmdir()
     write_pylock(lock, tmp_path / "cpu-x86_64.lock.json")
     assert pylock_problem(lock, tmp_path / "cpu-x86_64.lock.json") is None
 
@@ -133,11 +136,18 @@ def test_check_exits_4_on_a_stale_pylock(tmp_path, monkeypatch, capsys):
     from skupin.cli import main
 
     (tmp_path / "skus").mkdir()
-    for name in ("cpu-x86_64.yaml", "cpu-x86_64.lock.json"):
+    for name in ("cpu-x86_64.yaml", "cpu-x86_64.lock.json", "pylock.cpu-x86_64.toml"):
         shutil.copy(SKUS / name, tmp_path / "skus" / name)
+    pylock = tmp_path / "skus" / "pylock.cpu-x86_64.toml"
+    pylock.write_text(pylock.read_text().replace("==3.11.*", "==3.12.*"))
     monkeypatch.chdir(tmp_path)
     assert main(["--root", str(tmp_path), "check", "cpu-x86_64"]) == 4
-    assert "no pylock.cpu-x86_64.toml" in capsys.readouterr().out
+    assert "pylock.cpu-x86_64.toml differs from the lock" in capsys.readouterr().out
+
+
+def test_every_committed_lock_has_its_pylock_beside_it():
+    locks = sorted(SKUS.glob("*.lock.json"))
+    assert locks and all((SKUS / f"pylock.{p.name.removesuffix('.lock.json')}.toml").is_file() for p in locks)
 
 
 def test_relock_writes_the_pylock_beside_the_lock(tmp_path, monkeypatch):
