@@ -44,7 +44,7 @@ from skupin.publishing.attest import PREDICATE_TYPE, STATEMENT_TYPE, Verificatio
 from skupin.publishing.freshness import freshness_problems, load_policy, remember, rollback_problem
 from skupin.publishing.policy import ExpectFor, expectations, expected_for, predicate_problems
 from skupin.publishing.publish import VERIFIED_TAG
-from skupin.publishing.verify import MAX_MANIFEST_BYTES, ClientFor, trust_anchors
+from skupin.publishing.verify import MAX_MANIFEST_BYTES, ClientFor, refusal, trust_anchors, trust_line
 
 GITHUB_ISSUER = "https://token.actions.githubusercontent.com"
 WORKFLOW = ".github/workflows/images.yml"  # the workflow whose publish job signs keylessly
@@ -278,11 +278,10 @@ class KeylessVerification(Frozen):
     trust: tuple[str, ...] = ()
 
     def error(self) -> SkupinError:
-        cls = NotFoundError if self.absent else NetworkError if self.unreachable else PublishError
-        return cls(self.line())
+        return refusal(self.line(), absent=self.absent, unreachable=self.unreachable)
 
     def trust_line(self) -> str:
-        return f"trust anchors: {printable('; '.join(self.trust) or 'none', 2000)}"
+        return trust_line(self.trust)
 
     def line(self) -> str:
         if self.ok:

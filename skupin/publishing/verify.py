@@ -46,6 +46,18 @@ if TYPE_CHECKING:
 ClientFor = Callable[[str], RegistryClient]  # registry host -> client
 
 
+def refusal(line: str, *, absent: bool, unreachable: bool) -> SkupinError:
+    """The error a refused verify is: NotFoundError (exit 15) when the registry has no such tag or digest,
+    NetworkError (exit 9) when it cannot be reached, PublishError (exit 8) when the policy refuses what it holds."""
+    cls = NotFoundError if absent else NetworkError if unreachable else PublishError
+    return cls(line)
+
+
+def trust_line(trust: tuple[str, ...]) -> str:
+    """The line naming the trust anchors a verify used."""
+    return f"trust anchors: {printable('; '.join(trust) or 'none', 2000)}"
+
+
 class Verification(Frozen):
     """The answer for one reference."""
 
@@ -70,13 +82,10 @@ class Verification(Frozen):
                                                   "the catalog compared with (or none), catalogs passed over and why")
 
     def error(self) -> SkupinError:
-        """The error a refusal is: NotFoundError (exit 15) when the registry has no such tag or digest, NetworkError
-        (exit 9) when it cannot be reached, PublishError (exit 8) when the policy refuses what it holds."""
-        cls = NotFoundError if self.absent else NetworkError if self.unreachable else PublishError
-        return cls(self.line())
+        return refusal(self.line(), absent=self.absent, unreachable=self.unreachable)
 
     def trust_line(self) -> str:
-        return f"trust anchors: {printable('; '.join(self.trust) or 'none', 2000)}"
+        return trust_line(self.trust)
 
     def line(self) -> str:
         if self.ok:
