@@ -81,8 +81,8 @@ def test_a_quality_failure_blocks_promote(stack, honest_image, honest_verdict, d
                         wheelhouse=int4.wheelhouse, gate_serve_perf=GATE_LOAD, on_event=print)
     assert _no_ab_containers(docker)
     cand = result.candidate
-    assert (cand.gate, cand.failing_check) == ("fail", "model"), cand.gate_reason
+    assert (cand.gate, cand.failing_check) == ("fail", "ops"), cand.gate_reason  # the module ops see INT4 weights
     assert cand.measured and cand.served_by == (cand.image_id,)  # it booted and served: its speed is shown
     assert (result.decision, result.decision_line, result.exit_code) == ("reject", "reject: quality gate failed", 13)
     annex = (tmp_path / "annex.md").read_text()
-    assert "**FAIL** at `model`" in annex and "- [ ] quality gates: baseline pass, candidate fail" in annex
+    assert "**FAIL** at `ops`" in annex and "- [ ] quality gates: baseline pass, candidate fail" in annex
