@@ -63,8 +63,9 @@ if TYPE_CHECKING:
     from skupin.engines import ServerLaunch
 
 OnEvent = Callable[[str], None]
-# Checks after which an image has booted and served in the gate's sandbox: a failure there still allows measuring it.
-BOOTED_FAILURES = ("model", "serve")
+# Checks that run after the image booted in the gate's sandbox (its numbers judged, not its start): a failure there
+# still allows measuring it, so a buyer sees the speed of what was rejected.
+BOOTED_FAILURES = ("kernels", "ops", "model", "float32", "serve")
 ISOLATION = ("while one side is measured, the other side's container is paused (cgroup freezer): it gets no CPU, "
              "whatever it runs when idle")
 # The noise floor when the rounds cannot show one (a single round, or nothing measured).
