@@ -33,13 +33,34 @@ def docker() -> Iterator[Docker]:
         if os.environ.get("SKUPIN_REQUIRE_ENGINE") == "1":  # CI: a missing engine is a failure, not a skip
             pytest.fail(why)
         pytest.skip(why)
+    before = _image_tags(eng)
     yield eng
     # Only containers this session's Docker made: other people may use the same engine right now.
     leftover = eng.containers(label=f"{SESSION_LABEL}={eng.session}")
     for cid in leftover:  # should be none: every run removes its container
         subprocess.run([eng.cli(), "rm", "-f", cid], capture_output=True, check=False)
+    # Image tags this session made that nothing after it can use: pushes and pulls through the loopback registries the
+    # tests start (gone with them), and skupin/* images the tests built (the honest images, point-release replays).
+    for tag in sorted(_image_tags(eng) - before):
+        if tag.startswith(("127.0.0.1:", "skupin/")):
+            subprocess.run([eng.cli(), "rmi", tag], capture_output=True, check=False)
     eng.close()
     assert not leftover, f"containers left behind by the tests: {sorted(leftover)}"
+
+
+def _image_tags(eng: Docker) -> set[str]:
+    """Every reference the engine holds an image under: repository:tag, or repository@digest for an image pulled by
+    digest (none for a dangling image)."""
+    listed = subprocess.run([eng.cli(), "image", "ls", "--digests", "--format",
+                             "{{.Repository}} {{.Tag}} {{.Digest}}"], capture_output=True, text=True, check=False)
+    refs = set()
+    for line in listed.stdout.splitlines():
+        repo, tag, digest = (line.split() + ["<none>"] * 3)[:3]
+        if repo != "<none>" and tag != "<none>":
+            refs.add(f"{repo}:{tag}")
+        elif repo != "<none>" and digest != "<none>":
+            refs.add(f"{repo}@{digest}")
+    return refs
 
 
 @pytest.fixture
