@@ -177,7 +177,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         error = summary.error
         _out(json.dumps({"sku": summary.sku, "reference": summary.reference, "interrupted": summary.interrupted,
                          "stages": [s.model_dump(mode="json") for s in summary.stages],
-                         **({"ok": True, "error": None, "warnings": warnings()} if error is None else failure(error))}))
+                         **({"ok": True, "error": None, "warnings": warnings()} if error is None else
+                            failure(error, kind="interrupted" if summary.interrupted else None))}))
         return 0 if error is None else error.exit_code
     for line in summary.table():
         _out(line)

@@ -293,3 +293,19 @@ def test_a_gate_verdicts_exit_code_is_its_error_class(code: int) -> None:
 
     doc = failure(_verdict_error(code, "the reason"))
     assert doc["ok"] is False and doc["error"]["code"] == code and doc["error"]["message"] == "the reason"
+
+
+def test_run_json_reports_an_interrupt_as_interrupted(monkeypatch, capsys) -> None:
+    """`run --json` ends an interrupt in its summary (exit 130); the contract's kind says "interrupted", not "file"."""
+    import skupin.pipeline as pipeline
+    from skupin.cli import main
+
+    def stop(options, rows):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "ensure_state", lambda: None)
+    monkeypatch.setattr(pipeline, "_flow", stop)
+    code = main(["run", "cpu-x86_64", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 130 and doc["interrupted"] is True and doc["ok"] is False
+    assert (doc["error"]["code"], doc["error"]["kind"]) == (130, "interrupted")
