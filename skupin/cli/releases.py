@@ -32,7 +32,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
             finally:
                 docker.close()
     report = watch(paths=[Path(p) for p in args.paths], index_url=args.index_url, registry_url=args.registry_url,
-                   apply=args.apply, relock_fn=relock_fn, ca_bundle=default_ca_bundle())
+                   apply=args.apply, relock_fn=relock_fn, ca_bundle=default_ca_bundle(),
+                   compat_path=Path(args.compat) if args.compat else None)
     if args.json:
         out(json.dumps(report.model_dump(), indent=2))
     elif args.markdown:
@@ -78,6 +79,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--registry-url", help="registry for base-image tags (default: the image's own registry)")
     p.add_argument("--apply", action="store_true", help="rewrite the manifests (comments kept) and relock them")
     p.add_argument("--no-lock", action="store_true", help="with --apply: do not relock; list the locks as stale")
+    p.add_argument("--compat", metavar="FILE",
+                   help="the compatibility file a bump's missing rows are read from and, with --apply, added to (derived "
+                        "from the release's own Requires-Dist, as `compat refresh` does; default: builder/data/compat.yaml)")
     p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
                    help="wheelhouse for relocking wheelhouse pins (default $SKUPIN_WHEELHOUSE)")
     out = p.add_mutually_exclusive_group()

@@ -121,11 +121,36 @@ def _wheel_requiring(index: IndexClient, name: str, version: Version, dependency
 DEFAULT_SPEC = RefreshSpec()
 
 
+def torch_compiler_row(index: IndexClient, version: Version, *, today: datetime.date, python: str,
+                       skipped: list[str]) -> dict | None:
+    """The `torch_compiler` row (family cuda) of one torch release, from its Linux x86_64 wheel's Requires-Dist;
+    None (the reason appended to `skipped`) when the wheel is missing or requires no triton."""
+    found = _wheel_requiring(index, "torch", version, "triton", python=python, skipped=skipped)
+    if found is None:
+        return None
+    wheel, reqs = found
+    row = {"torch": str(version), "family": "cuda", "compiler": "triton", "requires": str(reqs["triton"].specifier),
+           "cuda_runtime": cuda_runtime(reqs),
+           "source": f"{_label(index.base_url)} torch {version} Requires-Dist ({wheel.filename})", "date": today}
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def engine_torch_row(index: IndexClient, engine: str, version: Version, *, today: datetime.date, python: str,
+                     skipped: list[str]) -> dict | None:
+    """The `engine_torch` row of one engine release, from its Linux x86_64 wheel's Requires-Dist; None (the reason
+    appended to `skipped`) when the wheel is missing or requires no torch."""
+    found = _wheel_requiring(index, engine, version, "torch", python=python, skipped=skipped)
+    if found is None:
+        return None
+    wheel, reqs = found
+    return {"engine": engine, "version": str(version), "torch": str(reqs["torch"].specifier),
+            "source": f"{_label(index.base_url)} {engine} {version} Requires-Dist ({wheel.filename})", "date": today}
+
+
 def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec = DEFAULT_SPEC,
                 progress: Progress | None = None) -> Refreshed:
     """Read every covered release's wheel metadata from the index and turn it into compat rows."""
     say = progress or (lambda _m: None)
-    label = _label(index.base_url)
     _prefetch(index, spec)
     torch_rows: list[dict] = []
     engine_rows: list[dict] = []
@@ -133,28 +158,18 @@ def derive_rows(*, index: IndexClient, today: datetime.date, spec: RefreshSpec =
     for version in index.versions("torch"):
         if version < Version(spec.torch_min):
             continue
-        found = _wheel_requiring(index, "torch", version, "triton", python=spec.python, skipped=skipped)
-        if found is None:
-            continue
-        wheel, reqs = found
-        rt = cuda_runtime(reqs)
-        row = {"torch": str(version), "family": "cuda", "compiler": "triton", "requires": str(reqs["triton"].specifier),
-               "cuda_runtime": rt, "source": f"{label} torch {version} Requires-Dist ({wheel.filename})",
-               "date": today}
-        torch_rows.append({k: v for k, v in row.items() if v is not None})
-        say(f"torch {version}: triton{row['requires']}, CUDA {rt}")
+        row = torch_compiler_row(index, version, today=today, python=spec.python, skipped=skipped)
+        if row is not None:
+            torch_rows.append(row)
+            say(f"torch {version}: triton{row['requires']}, CUDA {row.get('cuda_runtime')}")
     for engine, low in spec.engines:
         for version in index.versions(engine):
             if version < Version(low):
                 continue
-            found = _wheel_requiring(index, engine, version, "torch", python=spec.python, skipped=skipped)
-            if found is None:
-                continue
-            wheel, reqs = found
-            engine_rows.append({"engine": engine, "version": str(version), "torch": str(reqs["torch"].specifier),
-                                "source": f"{label} {engine} {version} Requires-Dist ({wheel.filename})",
-                                "date": today})
-            say(f"{engine} {version}: torch{reqs['torch'].specifier}")
+            row = engine_torch_row(index, engine, version, today=today, python=spec.python, skipped=skipped)
+            if row is not None:
+                engine_rows.append(row)
+                say(f"{engine} {version}: torch{row['torch']}")
     return Refreshed(torch_compiler=tuple(torch_rows), engine_torch=tuple(engine_rows), skipped=tuple(skipped))
 
 
@@ -246,6 +261,46 @@ def merge_rows(*, text: str, refreshed: Refreshed, spec: RefreshSpec = DEFAULT_S
                           lambda r: r.get("engine") in engines and Version(str(r["version"])) >= Version(floors[r["engine"]]),
                           eng_new)
     return "\n".join(lines) + "\n"
+
+
+def _same_release(section: str, a: dict, b: dict) -> bool:
+    if section == "torch_compiler":
+        return a.get("family") == b.get("family") and Version(str(a["torch"])) == Version(str(b["torch"]))
+    return a.get("engine") == b.get("engine") and Version(str(a["version"])) == Version(str(b["version"]))
+
+
+def _group_version(section: str, row: dict) -> tuple[str, Version]:
+    if section == "torch_compiler":
+        return str(row.get("family")), Version(str(row["torch"]))
+    return str(row.get("engine")), Version(str(row["version"]))
+
+
+def add_row(*, text: str, section: str, row: dict) -> str:
+    """compat.yaml text with one derived row put in: in place of the row of the same release, else after the last row
+    of its family (torch_compiler) or engine (engine_torch) with an older version; comments and other rows untouched."""
+    keys = TORCH_KEYS if section == "torch_compiler" else ENGINE_KEYS
+    line = format_row(row, keys)
+    lines = text.splitlines()
+    bounds = _sections(lines).get(section)
+    if bounds is None:
+        return "\n".join([*lines, f"{section}:", line]) + "\n"
+    start, end = bounds
+    group, version = _group_version(section, row)
+    after = last = start
+    for i in range(start + 1, end):
+        if not lines[i].lstrip().startswith("- {"):
+            continue
+        old = yaml.safe_load(lines[i].strip()[2:])
+        if not isinstance(old, dict):
+            continue
+        last = i
+        if _same_release(section, old, row):
+            return "\n".join([*lines[:i], line, *lines[i + 1:]]) + "\n"
+        old_group, old_version = _group_version(section, old)
+        if old_group == group and old_version < version:
+            after = i
+    at = (after if after != start else last) + 1
+    return "\n".join([*lines[:at], line, *lines[at:]]) + "\n"
 
 
 class RefreshReport(Frozen):

@@ -14,13 +14,19 @@ For every manifest, from the index (and a registry for base images):
     digest the registry reports, with the driver version moved along.
 Policy levels: none; patch (same major.minor); minor (same major); major (anything newer).
 
+A bump to a torch or engine release the compatibility data does not know yet carries the rows it needs, derived
+from the release's own Requires-Dist exactly as `skupin compat refresh` derives them (releases.compat_refresh), so
+the same pull request adds them; a row that cannot be derived is listed as missing.
+
 `--apply` edits the manifests in place (releases.yamledit: only the version scalars change;
-comments and layout stay), then relocks the SKUs whose sources are reachable (builder.lock) and
-lists the locks it left stale. `--json` prints the report for machines, `--markdown` a PR body.
+comments and layout stay), adds the proposals' compatibility rows to builder/data/compat.yaml, then relocks the
+SKUs whose sources are reachable (builder.lock) and lists the locks it left stale. `--json` prints the report for
+machines, `--markdown` a PR body.
 """
 
 from __future__ import annotations
 
+import datetime
 import re
 import tempfile
 from collections.abc import Callable
@@ -39,7 +45,7 @@ from skupin.clients.pypi import IndexClient
 from skupin.common.errors import ManifestError, SkupinError
 from skupin.common.model import Frozen
 from skupin.common.paths import PYPI_SIMPLE, manifest_files
-from skupin.releases.compat_refresh import applicable
+from skupin.releases.compat_refresh import applicable, engine_torch_row, torch_compiler_row
 from skupin.releases.yamledit import get_scalar, set_scalars
 
 Progress = Callable[[str], None]
@@ -54,13 +60,24 @@ class Bump(Frozen):
     new: str
 
 
+class CompatRow(Frozen):
+    """A compatibility row a bump needs that the compatibility data lacks, derived from the package's own
+    Requires-Dist (releases.compat_refresh, as `skupin compat refresh` derives it); --apply writes it."""
+
+    section: str  # torch_compiler | engine_torch
+    row: dict[str, str]  # the row's keys in the file's order; date as YYYY-MM-DD
+
+
 class Proposal(Frozen):
-    """What watch proposes for one SKU: bumps to apply together, or a blocked release with why."""
+    """What watch proposes for one SKU: bumps to apply together (with the compatibility rows they need), or a blocked
+    release with why."""
 
     sku: str
     manifest: str
     state: str  # bump | blocked | error
     bumps: tuple[Bump, ...] = ()
+    compat: tuple[CompatRow, ...] = ()
+    compat_missing: tuple[str, ...] = ()  # rows the bump needs that could not be derived, with why
     why: str = ""
 
 
@@ -69,6 +86,7 @@ class WatchReport(Frozen):
     applied: tuple[str, ...] = ()
     relocked: tuple[str, ...] = ()
     stale_locks: tuple[str, ...] = ()
+    compat_file: str = ""  # the compatibility file --apply added the proposals' rows to ("" when none was needed)
     notes: tuple[str, ...] = ()
 
 
@@ -99,8 +117,9 @@ class _Context:
     """The index (and registry) a watch run reads, with small caches."""
 
     def __init__(self, *, index_url: str | None, registry_url: str | None, ca_bundle: Path | None,
-                 timeout: float) -> None:
+                 timeout: float, compat_path: Path | None = None) -> None:
         self.index_url, self.registry_url, self.ca_bundle, self.timeout = index_url, registry_url, ca_bundle, timeout
+        self.compat_path = compat_path
         self._indexes: dict[str, IndexClient] = {}
         self._registries: dict[str, RegistryClient] = {}
 
@@ -150,9 +169,9 @@ def _compiler_for(ctx: _Context, m: SkuManifest, torch: Version) -> tuple[str | 
         return None, ""
     spec = ctx.requires(fw, torch, comp.distribution)
     if spec is None:
-        from skupin.builder.catalog.compat import load_compat
+        from skupin.builder.catalog.compat import COMPAT_PATH, load_compat
 
-        row = load_compat().torch_row(torch, m.base.family)
+        row = load_compat(ctx.compat_path or COMPAT_PATH).torch_row(torch, m.base.family)
         if row is None or canonicalize_name(row.compiler) != canonicalize_name(comp.distribution):
             return None, f"no requirement of torch {torch} on {comp.distribution} (metadata or compatibility data)"
         spec = SpecifierSet(row.requires)
@@ -306,6 +325,57 @@ def plan_base(ctx: _Context, m: SkuManifest) -> list[Bump]:
     return bumps
 
 
+def plan_compat(ctx: _Context, m: SkuManifest, bumps: list[Bump]) -> tuple[list[CompatRow], list[str]]:
+    """(rows, missing): the compatibility rows the bumped torch and engine releases need that the data lacks, derived
+    from each release's own Requires-Dist as `skupin compat refresh` derives them; `missing`: those it could not
+    derive, with why (then `skupin check` stops the bump with exit 3 until a row is added by hand)."""
+    from skupin.builder.catalog.compat import COMPAT_PATH, load_compat
+
+    data = load_compat(ctx.compat_path or COMPAT_PATH)
+    moved = {b.field: b.new for b in bumps}
+    fw, _, eng = _torch_pins(m)
+    today = datetime.date.today()
+    rows: list[CompatRow] = []
+    missing: list[str] = []
+    if "stack.framework.version" in moved and fw.distribution == "torch" and m.base.family == "cuda":
+        torch = _public(moved["stack.framework.version"])
+        if data.torch_row(torch, "cuda") is None:
+            row = torch_compiler_row(ctx.index(fw), torch, today=today, python="3.12", skipped=missing)
+            if row is not None:
+                rows.append(CompatRow(section="torch_compiler", row={k: str(v) for k, v in row.items()}))
+    if "stack.engine.version" in moved and _watchable(eng):
+        version = Version(moved["stack.engine.version"])
+        if data.engine_row(eng.distribution, version) is None:
+            row = engine_torch_row(ctx.index(eng), eng.distribution, version, today=today, python="3.12",
+                                   skipped=missing)
+            if row is not None:
+                rows.append(CompatRow(section="engine_torch", row={k: str(v) for k, v in row.items()}))
+    return rows, missing
+
+
+def write_compat(path: Path, rows: tuple[CompatRow, ...]) -> None:
+    """Put `rows` into the compatibility file at `path` (comments and other rows kept), validated before it is
+    written; the process's cached compatibility data is dropped so that relock and check read the new rows."""
+    import yaml
+    from pydantic import ValidationError
+
+    from skupin.builder.catalog.compat import CompatData, load_compat
+    from skupin.common.errors import CompatError
+    from skupin.releases.compat_refresh import add_row
+
+    text = path.read_text(encoding="utf-8")
+    for r in rows:
+        row: dict[str, object] = dict(r.row)
+        row["date"] = datetime.date.fromisoformat(r.row["date"])
+        text = add_row(text=text, section=r.section, row=row)
+    try:
+        CompatData.model_validate(yaml.safe_load(text))
+    except ValidationError as exc:
+        raise CompatError(f"{path}: the derived rows would not validate: {exc}") from exc
+    path.write_text(text, encoding="utf-8")
+    load_compat.cache_clear()
+
+
 def plan_sku(ctx: _Context, m: SkuManifest, path: Path) -> Proposal:
     """Everything the policy allows for one SKU, as one proposal (or blocked / error with why)."""
     try:
@@ -326,7 +396,12 @@ def plan_sku(ctx: _Context, m: SkuManifest, path: Path) -> Proposal:
             return Proposal(sku=m.name, manifest=str(path), state="error", why=f"base image: {exc}")
         blocked = "; ".join(filter(None, [blocked, f"base image not checked: {exc}"]))
     if bumps:
-        return Proposal(sku=m.name, manifest=str(path), state="bump", bumps=tuple(bumps), why=blocked)
+        try:
+            compat, missing = plan_compat(ctx, m, bumps)
+        except SkupinError as exc:
+            compat, missing = [], [f"compatibility rows not derived: {exc}"]
+        return Proposal(sku=m.name, manifest=str(path), state="bump", bumps=tuple(bumps), compat=tuple(compat),
+                        compat_missing=tuple(missing), why=blocked)
     return Proposal(sku=m.name, manifest=str(path), state="blocked" if blocked else "current", why=blocked)
 
 
@@ -378,12 +453,25 @@ def relock(manifest: SkuManifest, path: Path, *, wheelhouse: Path | None = None,
     lock_and_write(manifest=manifest, manifest_path=path, wheelhouse=wheelhouse, index_url=index_url, host=host)
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the current folder when it is under it (a pull-request body names repository paths)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str | None = None,
           apply: bool = False, relock_fn: Relock | None = None, ca_bundle: Path | None = None,
-          timeout: float = 30.0) -> WatchReport:
-    """Plan every SKU under `paths`; with `apply`, edit manifests and relock with `relock_fn` (None: leave stale)."""
+          timeout: float = 30.0, compat_path: Path | None = None) -> WatchReport:
+    """Plan every SKU under `paths`; with `apply`, edit manifests, add the compatibility rows the bumps need to
+    `compat_path` (default builder/data/compat.yaml) and relock with `relock_fn` (None: leave stale)."""
 
-    ctx = _Context(index_url=index_url, registry_url=registry_url, ca_bundle=ca_bundle, timeout=timeout)
+    from skupin.builder.catalog.compat import COMPAT_PATH
+
+    compat_path = compat_path or COMPAT_PATH
+    ctx = _Context(index_url=index_url, registry_url=registry_url, ca_bundle=ca_bundle, timeout=timeout,
+                   compat_path=compat_path)
     proposals: list[Proposal] = []
     notes: list[str] = []
     try:
@@ -396,12 +484,16 @@ def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str 
     finally:
         ctx.close()
     applied, relocked, stale = [], [], []
+    compat_file = ""
     if apply:
         for p in proposals:
             if p.state != "bump":
                 continue
             path, manifest = apply_proposal(p)
             applied.append(p.sku)
+            if p.compat:
+                write_compat(compat_path, p.compat)
+                compat_file = _shown(compat_path)
             if relock_fn is None:
                 stale.append(f"{p.sku}: not relocked (run `skupin lock {p.sku}`)")
                 continue
@@ -411,7 +503,7 @@ def watch(*, paths: list[Path], index_url: str | None = None, registry_url: str 
             except SkupinError as exc:
                 stale.append(f"{p.sku}: {str(exc).splitlines()[0]}")
     return WatchReport(proposals=tuple(proposals), applied=tuple(applied), relocked=tuple(relocked),
-                       stale_locks=tuple(stale), notes=tuple(notes))
+                       stale_locks=tuple(stale), compat_file=compat_file, notes=tuple(notes))
 
 
 # ------------------------------------------------------------------ reports
@@ -426,6 +518,13 @@ def markdown(report: WatchReport) -> str:
     for p in bumps:
         lines += [f"### `{p.sku}`", "", "| component | from | to | field |", "|---|---|---|---|"]
         lines += [f"| {b.component} | `{b.old}` | `{b.new}` | `{b.field}` |" for b in p.bumps]
+        if p.compat:
+            lines += ["", "Compatibility rows the bump needs, from each release's own Requires-Dist "
+                          "(as `skupin compat refresh` derives them):", ""]
+            lines += [f"- `{r.section}`: {_row_text(r)}" for r in p.compat]
+        if p.compat_missing:
+            lines += ["", "Compatibility rows still missing (add them by hand; `skupin check` exits 3 until then):", ""]
+            lines += [f"- {m}" for m in p.compat_missing]
         if p.why:
             lines += ["", f"Not taken: {p.why}"]
         lines.append("")
@@ -434,6 +533,8 @@ def markdown(report: WatchReport) -> str:
         lines += ["### Blocked or failed", ""] + [f"- `{p.sku}` ({p.state}): {p.why}" for p in blocked] + [""]
     if report.applied:
         lines += [f"Applied to: {', '.join(report.applied)}.", ""]
+    if report.compat_file:
+        lines += [f"Compatibility rows added to `{report.compat_file}`.", ""]
     if report.relocked:
         lines += [f"Relocked: {', '.join(report.relocked)}.", ""]
     if report.stale_locks:
@@ -441,6 +542,12 @@ def markdown(report: WatchReport) -> str:
         lines += [f"- {s}" for s in report.stale_locks] + [""]
     lines += ["Every image is rebuilt and re-gated against the reference before it is published."]
     return "\n".join(lines) + "\n"
+
+
+def _row_text(r: CompatRow) -> str:
+    what = f"torch {r.row['torch']} -> triton{r.row['requires']}" if r.section == "torch_compiler" else \
+        f"{r.row['engine']} {r.row['version']} -> torch{r.row['torch']}"
+    return f"{what} ({r.row['source']})"
 
 
 def text_report(report: WatchReport) -> list[str]:
@@ -451,6 +558,8 @@ def text_report(report: WatchReport) -> list[str]:
             if any(b.field == "base.image" for b in p.bumps):
                 moves += (", " if moves else "") + "base image re-pinned"
             lines.append(f"bump     {p.sku:<24} {moves}" + (f"  (not taken: {p.why})" if p.why else ""))
+            lines += [f"compat   {p.sku:<24} {r.section}: {_row_text(r)}" for r in p.compat]
+            lines += [f"compat   {p.sku:<24} missing: {m}" for m in p.compat_missing]
         else:
             lines.append(f"{p.state:<8} {p.sku:<24} {p.why}".rstrip())
     lines += [f"applied  {s}" for s in report.applied] + [f"relocked {s}" for s in report.relocked]
