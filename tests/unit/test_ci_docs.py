@@ -52,3 +52,32 @@ def test_no_run_step_interpolates_an_expression():
             found += [(path.name, job, step.get("name")) for step in spec.get("steps", [])
                       if "${{" in str(step.get("run", ""))]
     assert found == []
+
+
+@pytest.mark.parametrize("value, passed", [("true", True), ("false", False), ("", False)])
+def test_images_dispatch_input_include_uncalibrated_reaches_the_matrix(tmp_path, value, passed):
+    """images.yml's workflow_dispatch boolean `include_uncalibrated` (default off; empty on a push) adds
+    `--include-uncalibrated` to `skupin matrix`: the matrix step's script, run with a stub skupin that records its
+    arguments."""
+    import os
+    import subprocess
+
+    data = yaml.safe_load((WORKFLOWS / "images.yml").read_text())
+    spec = data[True]["workflow_dispatch"]["inputs"]["include_uncalibrated"]  # YAML 1.1 reads `on` as True
+    assert spec["type"] == "boolean" and spec["default"] is False and spec["required"] is False
+    assert "include_uncalibrated" in GUIDE
+    (step,) = [s for s in data["jobs"]["matrix"]["steps"] if s.get("id") == "matrix"]
+    assert step["env"]["INCLUDE_UNCALIBRATED"] == "${{ inputs.include_uncalibrated }}"
+    stub = tmp_path / "bin" / "skupin"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path / "args"}\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{stub.parent}:{os.environ['PATH']}", "INCLUDE_UNCALIBRATED": value, "SKUS": "skus/a.yaml",
+           "REGISTRY": "r.example/o/skupin", "SKUPIN_WHEELHOUSE": "", "GITHUB_OUTPUT": str(tmp_path / "out"),
+           "GITHUB_STEP_SUMMARY": str(tmp_path / "summary")}
+    run = subprocess.run(["bash", "-eo", "pipefail", "-c", step["run"]], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 0, run.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    assert ("--include-uncalibrated" in args) is passed
+    assert args[0] == "matrix" and args[-1] == "skus/a.yaml" and "" not in args
