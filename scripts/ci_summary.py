@@ -4,6 +4,12 @@
     ci_summary.py gate SKU --verdict verdict.json --out gate-out [--run-url URL]
     ci_summary.py publish SKU --published published.json --verified verified.txt
     ci_summary.py junit TITLE --junit junit.xml
+    ci_summary.py step TITLE --json out.json
+
+A command's `--json` output that is the failure object of skupin's contract (skupin/cli/output.py:
+`{"ok": false, "error": {"code", "kind", "file", "field", "message", "fix", "problems"}, "warnings"}`) is shown as
+the error itself: its exit code and kind, file, field, message and fix, and each problem as a row, not just "failed"
+(`step` does that for any command's `--json` output, e.g. the build record).
 
 The gate table is one row per check (status and reason); the plots are in the `verdict-SKU` artifact
 (gate-out/plot.png, report.md), linked through the run's page. Text from the verdict is the gate's own
@@ -26,13 +32,73 @@ def cell(value: object) -> str:
     return text if len(text) <= MAX else text[: MAX - 1] + "…"
 
 
+def _text(value: object) -> str:
+    return "" if value is None else cell(value)
+
+
+def failure(data: object) -> list[str]:
+    """The lines showing a `--json` failure object's error (empty when `data` is no failure): code, kind, file,
+    field, message and fix, then one table row per problem and the warnings."""
+    if not isinstance(data, dict) or data.get("ok") is not False or not isinstance(data.get("error"), dict):
+        return []
+    error = data["error"]
+    lines = [f"**failed** (exit {_text(error.get('code'))}, {_text(error.get('kind'))}): {_text(error.get('message'))}",
+             ""]
+    for key in ("file", "field"):
+        if error.get(key):
+            lines.append(f"- {key}: `{cell(error[key])}`")
+    if error.get("fix"):
+        lines.append(f"- fix: {cell(error['fix'])}")
+    problems = [p for p in error.get("problems") or [] if isinstance(p, dict)]
+    if problems:
+        lines += ["", "| file | field | problem | fix |", "|---|---|---|---|"]
+        lines += [f"| {_text(p.get('file'))} | {_text(p.get('field'))} | {_text(p.get('message'))} | {_text(p.get('fix'))} |"
+                  for p in problems[:50]]
+        if len(problems) > 50:
+            lines.append(f"| … | | {len(problems) - 50} more | |")
+    warnings = [w for w in data.get("warnings") or [] if isinstance(w, str)]
+    if warnings:
+        lines += ["", "Warnings:", ""] + [f"- {cell(w)}" for w in warnings[:20]]
+    return lines
+
+
+def _read_json(path: Path) -> object:
+    """The JSON object a command wrote (the last line that is one, for commands that write a line per item first)."""
+    text = path.read_text(encoding="utf-8", errors="replace")[:4_000_000]
+    try:
+        return json.loads(text)
+    except ValueError:
+        for line in reversed(text.splitlines()):
+            if line.startswith("{"):
+                return json.loads(line)
+        raise
+
+
+def step(title: str, path: Path) -> str:
+    """A step's `--json` output: its error when it failed, else that it succeeded."""
+    lines = [f"## {cell(title)}", ""]
+    try:
+        data = _read_json(path)
+    except (OSError, ValueError) as exc:
+        return "\n".join([*lines, f"No JSON output ({cell(exc)}): the command did not finish; see the job log.", ""])
+    shown = failure(data)
+    lines += shown or ["ok"]
+    return "\n".join(lines) + "\n"
+
+
 def gate(sku: str, verdict_path: Path, out: Path, run_url: str | None) -> str:
     lines = [f"## Gate: `{cell(sku)}`", ""]
     try:
         verdict = json.loads(verdict_path.read_text(encoding="utf-8")[:4_000_000])
     except (OSError, ValueError) as exc:
         return "\n".join([*lines, f"No verdict ({cell(exc)}): the gate did not finish; see the job log.", ""])
+    if not isinstance(verdict, dict):
+        return "\n".join([*lines, "No verdict (not a JSON object): see the job log.", ""])
+    if "decision" not in verdict:  # the gate could not run: the failure object alone
+        return "\n".join([*lines, *(failure(verdict) or ["No verdict: see the job log."])]) + "\n"
     lines.append(f"**{cell(verdict.get('decision', '?'))}**: {cell(verdict.get('reason', ''))}")
+    if shown := failure(verdict):
+        lines += ["", *shown]
     lines += ["", "| check | status | reason |", "|---|---|---|"]
     for check in verdict.get("checks") or []:
         if isinstance(check, dict):
@@ -48,10 +114,13 @@ def publish(sku: str, published: Path, verified: Path) -> str:
     lines = [f"## Published: `{cell(sku)}`", ""]
     try:
         data = json.loads(published.read_text(encoding="utf-8"))
-        lines.append(f"- reference: `{cell(data.get('reference'))}`")
-        lines.append(f"- tags: {', '.join('`' + cell(t) + '`' for t in data.get('tags') or [])}")
     except (OSError, ValueError) as exc:
         lines.append(f"- no publish record ({cell(exc)})")
+    else:
+        if shown := failure(data):
+            return "\n".join([f"## Publish failed: `{cell(sku)}`", "", *shown]) + "\n"
+        lines.append(f"- reference: `{cell(data.get('reference'))}`")
+        lines.append(f"- tags: {', '.join('`' + cell(t) + '`' for t in data.get('tags') or [])}")
     text = verified.read_text(encoding="utf-8", errors="replace").strip() if verified.is_file() else "(not verified)"
     lines.append(f"- verify: `{cell(text.splitlines()[-1] if text else '')}`")
     return "\n".join(lines) + "\n"
@@ -90,8 +159,13 @@ def main(argv: list[str]) -> int:
     j = sub.add_parser("junit")
     j.add_argument("title")
     j.add_argument("--junit", type=Path, required=True)
+    s = sub.add_parser("step")
+    s.add_argument("title")
+    s.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
-    if args.what == "junit":
+    if args.what == "step":
+        sys.stdout.write(step(args.title, args.json))
+    elif args.what == "junit":
         sys.stdout.write(junit(args.title, args.junit))
     elif args.what == "gate":
         sys.stdout.write(gate(args.sku, args.verdict, args.out, args.run_url))
