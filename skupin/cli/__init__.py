@@ -42,7 +42,8 @@ def _exit_codes() -> str:
 EPILOG = """\
 the flow:  check -> lock -> render -> build -> gate -> publish
 """ + _exit_codes() + """
-            (12 hold and 13 reject are skupin ab's; with --json a failure is one JSON object on stdout:
+            (12 hold and 13 reject are skupin ab's; with --json every command writes one JSON object on
+            stdout: {"ok": true, "error": null, <its result>, "warnings": [...]} on success, and on failure
             {"ok": false, "error": {"code", "kind", "file", "field", "message", "fix"}, "warnings": [...]})
 the catalog:  the folder holding skus/ (found from the current folder upwards, or --root / $SKUPIN_ROOT);
             templates, compatibility data, probe and default reference bundles ship with skupin, and a

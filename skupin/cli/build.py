@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from skupin.cli.output import err, failure, install_missing_flag, out, progress_printer, warnings
+from skupin.cli.output import emit, err, failure, install_missing_flag, out, progress_printer, warnings
 from skupin.common.errors import SkupinError
 
 if TYPE_CHECKING:
@@ -104,8 +104,8 @@ def cmd_render(args: argparse.Namespace) -> int:
                                   ca_bundle=args.ca_bundle, on_event=lambda line: print(line, file=sys.stderr))
         folder = write_context(rendered=rendered, out=Path(args.out), wheels=stored)
         if args.json:
-            out(json.dumps({"sku": stack.manifest.name, "dockerfile": str(folder / "Dockerfile"),
-                            "sha256": rendered.sha256, "files": len(rendered.files), "wheels": len(stored)}))
+            emit({"sku": stack.manifest.name, "dockerfile": str(folder / "Dockerfile"), "sha256": rendered.sha256,
+                  "files": len(rendered.files), "wheels": len(stored)})
             return 0
         out(f"wrote {folder / 'Dockerfile'} and {len(rendered.files)} context file(s) and {len(stored)} wheel(s); "
              f"sha256 {rendered.sha256}")
@@ -247,9 +247,9 @@ def cmd_lock(args: argparse.Namespace) -> int:
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
         tag = sku_image_tag(manifest, lock=lock, dockerfile_sha256=render_manifest(manifest=manifest, lock=lock).sha256)
         if args.json:
-            out(json.dumps({"sku": manifest.name, "lock": str(lock_path(path)), "lock_sha256": lock.content_hash(),
-                            "packages": len(lock.packages()), "layers": {k: len(v) for k, v in lock.layers.items()},
-                            "image": tag}))
+            emit({"sku": manifest.name, "lock": str(lock_path(path)), "lock_sha256": lock.content_hash(),
+                  "packages": len(lock.packages()), "layers": {k: len(v) for k, v in lock.layers.items()},
+                  "image": tag})  # one object per SKU, each under the contract
         else:
             out(f"locked {manifest.name}: {len(lock.packages())} packages ({counts}) -> {lock_path(path)}; image {tag}")
     return 0
@@ -268,7 +268,7 @@ def cmd_docker_up(args: argparse.Namespace) -> int:
     finally:
         docker.close()
     if args.json:
-        out(json.dumps({**status.model_dump(mode="json"), "reaped": [r.model_dump(mode="json") for r in reaped]}))
+        emit({**status.model_dump(mode="json"), "reaped": [r.model_dump(mode="json") for r in reaped]})
         return 0
     out(f"engine {status.server_version} on {status.socket}: {status.action}")
     for leftover in reaped:
@@ -286,8 +286,10 @@ def cmd_base(args: argparse.Namespace) -> int:
 
     manifest = load_manifest(sku_path(args.sku))
     image_id = ensure_base(manifest=manifest, docker=connect(), on_event=progress_printer("plain"))
-    out(json.dumps({"sku": manifest.name, "base": manifest.base.reference, "image_id": image_id}) if args.json
-        else image_id)
+    if args.json:
+        emit({"sku": manifest.name, "base": manifest.base.reference, "image_id": image_id})
+    else:
+        out(image_id)
     return 0
 
 
@@ -310,7 +312,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if mode == "tty":
         sys.stderr.write("\n")
     if args.json:
-        out(json.dumps(built.model_dump(mode="json"), indent=2, sort_keys=True))
+        emit(built.model_dump(mode="json"), indent=2, sort_keys=True)
     else:
         for layer in built.layers:
             out(f"  {layer.name:<10} {layer.seconds:8.1f} s  {'cached' if layer.cached else 'built'}")
@@ -341,8 +343,8 @@ def cmd_wheels(args: argparse.Namespace) -> int:
     stored = sum(1 for _ in store.glob("??/*/*"))
     removed, size = prune_store(store, keep=keep, dry_run=args.dry_run)
     if args.json:
-        out(json.dumps({"store": str(store), "dry_run": args.dry_run, "removed": [p.name for p in removed],
-                        "bytes": size, "kept": stored - len(removed), "locks": sum(1 for p in locks if p.is_file())}))
+        emit({"store": str(store), "dry_run": args.dry_run, "removed": [p.name for p in removed], "bytes": size,
+              "kept": stored - len(removed), "locks": sum(1 for p in locks if p.is_file())})
         return 0
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:

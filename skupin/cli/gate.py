@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skupin.cli.output import err, failure, install_missing_flag, out, warnings
+from skupin.cli.output import emit, err, failure, install_missing_flag, out, warnings
 from skupin.common.paths import env_wheelhouse
 
 if TYPE_CHECKING:
@@ -188,8 +188,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
     result = runtime_ab(baseline=baseline, candidate=candidate, docker=connect(), out=folder, settings=settings,
                         tolerances_path=Path(args.tolerances) if args.tolerances else catalog_tolerances(),
                         wheelhouse=_run_options(args.baseline, args).local_wheelhouse(), on_event=err)
-    if args.json:
-        out(result.model_dump_json(indent=1))
+    if args.json:  # promote is ok; hold (12) and reject (13) are the contract's error, with the A/B's reason
+        decided = None if result.exit_code == 0 else RuntimeError(result.reason)
+        emit(json.loads(result.model_dump_json()), decided, indent=1, code=result.exit_code,
+             kind=f"ab_{result.decision}" if decided else None)
     else:
         for k in result.kpis:
             out(f"{k.name:<10} baseline {k.baseline:12.4g}  candidate {k.candidate:12.4g}  ratio {k.ratio:6.3f}")
@@ -285,7 +287,8 @@ could not run.""",
     p.add_argument("--baseline-image", metavar="REF", help="local image for the baseline (default: build the SKU here)")
     p.add_argument("--candidate-image", metavar="REF", help="local image for the candidate (default: build the SKU here)")
     p.add_argument("--out", metavar="DIR", help="where annex.md, annex.png, ab.json and both gates' outputs go")
-    p.add_argument("--json", action="store_true", help="print ab.json on stdout (progress goes to stderr)")
+    p.add_argument("--json", action="store_true", help="print ab.json's record on stdout with ok/error/warnings "
+                   "(hold and reject are the error, codes 12 and 13; progress goes to stderr)")
     p.add_argument("--tolerances", metavar="FILE", help="tolerance file (default gates/data/tolerances.yaml)")
     p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
                    help="local wheels for builds and pins (default $SKUPIN_WHEELHOUSE, "

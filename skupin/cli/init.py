@@ -17,7 +17,6 @@ through a link: a link anywhere below DIR on the way to a file it would write is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import stat
 from pathlib import Path
@@ -154,7 +153,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     written = init_catalog(root, force=args.force)
     if args.json:
-        print(json.dumps({"ok": True, "catalog": str(root.resolve()), "written": [str(p) for p in written]}))
+        from skupin.cli.output import emit
+
+        emit({"catalog": str(root.resolve()), "written": [str(p) for p in written]})
         return 0
     for path in written:
         print(f"wrote {path}")

@@ -7,10 +7,9 @@ The flags are added to `verify`'s parser by `add_keyless_flags`; `cmd_verify` ha
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from skupin.cli.output import failure
+from skupin.cli.output import emit
 from skupin.cli.output import out as _out
 from skupin.common.errors import UsageError
 
@@ -81,7 +80,7 @@ def cmd_verify_keyless(args: argparse.Namespace, *, sku: str | None) -> int:
                             offline=args.offline, sku=sku)
     refused = None if result.ok else result.error()
     if args.json:
-        _out(json.dumps({**result.model_dump(mode="json"), **(failure(refused) if refused else {})}))
+        emit(result.model_dump(mode="json"), refused)
     else:
         _out(f"{result.line()}\n{result.trust_line()}")
     return refused.exit_code if refused is not None else 0

@@ -2,7 +2,13 @@
 handlers, the flags several commands share, and the machine-output contract of `--json`.
 
 The `--json` contract, for every command that takes `--json`: stdout holds one JSON object (a command that writes one
-line per item, such as `lock --json`, ends with it). On success it is the command's own result. On failure it is
+line per item, such as `lock --json`, ends with it), with the same three keys whatever happened. On success
+
+    {"ok": true, "error": null, <the command's result fields>, "warnings": [<each warning the command gave>, ...]}
+
+where a result that is an object (a build record, `verify`'s answer, a verdict) keeps its fields at the top level,
+and a result that is a list is under the key its command names (`keys list`: "keys"; `check`: "manifests"). On
+failure it is
 
     {"ok": false,
      "error": {"code": <the exit code>, "kind": <the error class's kind: manifest, usage, catalog, image_reference,
@@ -12,8 +18,9 @@ line per item, such as `lock --json`, ends with it). On success it is the comman
      "warnings": [<each warning the command gave>, ...]}
 
 with the command's own fields beside them where it has a partial result (`verify`'s answer, `run`'s stages).
-`failure()` builds that object and `skupin.cli.main` writes it for every error; a command that fails without
-raising writes `failure()` merged into its result. The human lines still go to stderr.
+`emit()` writes a command's result under the contract (success, or `failure()` merged in when the command fails
+without raising); `skupin.cli.main` writes `failure()` for every error raised. The human lines still go to stderr.
+tests/unit/test_json_contract.py holds every `--json` command to it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from skupin.common.errors import SkupinError
@@ -116,6 +123,25 @@ def error_json(exc: BaseException, *, code: int | None = None, kind: str | None 
 def failure(exc: BaseException, *, code: int | None = None, kind: str | None = None) -> dict[str, Any]:
     """The whole failure object of the contract: {"ok": false, "error": {...}, "warnings": [...]}."""
     return {"ok": False, "error": error_json(exc, code=code, kind=kind), "warnings": warnings()}
+
+
+CONTRACT_KEYS = ("ok", "error", "warnings")
+
+
+def contract(result: Mapping[str, Any] | None = None, failed: BaseException | None = None, *,
+             code: int | None = None, kind: str | None = None) -> dict[str, Any]:
+    """A command's result under the contract: "ok", "error" and "warnings" around the result's own fields (the
+    success object), or `failure(failed)` with them beside it. A result's own "ok" (verify's) is the contract's."""
+    status = failure(failed, code=code, kind=kind) if failed is not None else \
+        {"ok": True, "error": None, "warnings": warnings()}
+    fields = {k: v for k, v in (result or {}).items() if k not in CONTRACT_KEYS}
+    return {"ok": status["ok"], "error": status["error"], **fields, "warnings": status["warnings"]}
+
+
+def emit(result: Mapping[str, Any] | None = None, failed: BaseException | None = None, *, indent: int | None = None,
+         sort_keys: bool = False, code: int | None = None, kind: str | None = None) -> None:
+    """Write a command's `--json` result under the contract (see `contract`) as one JSON object on stdout."""
+    out(json.dumps(contract(result, failed, code=code, kind=kind), indent=indent, sort_keys=sort_keys))
 
 
 def out_json(data: Any) -> None:

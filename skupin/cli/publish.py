@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skupin.cli.keyless import add_keyless_flags, check_keyless_flags, cmd_verify_keyless
+from skupin.cli.output import emit, install_missing_flag
 from skupin.cli.output import err as _err
-from skupin.cli.output import failure, install_missing_flag, warnings
 from skupin.cli.output import out as _out
 from skupin.common.errors import NetworkError, PublishError
 
@@ -38,7 +38,7 @@ def cmd_registry(args: argparse.Namespace) -> int:
     down = NetworkError(f"the registry {status.url} does not answer", fix="skupin registry up") \
         if args.registry_command == "status" and not status.answering else None
     if args.json:
-        _out(json.dumps({**status.model_dump(mode="json"), **(failure(down) if down else {})}))
+        emit(status.model_dump(mode="json"), down)
     else:
         _out(f"registry {status.url}: {status.action}")
     return down.exit_code if down else 0
@@ -54,7 +54,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     published = publish_sku(sku=args.sku, registry=args.registry, addr=args.addr, verdict_path=args.verdict,
                             image=args.image, docker=connect(), signing_key=args.signing_key, on_event=_err)
     if args.json:
-        _out(json.dumps(published.model_dump(mode="json"), indent=2, sort_keys=True))
+        emit(published.model_dump(mode="json"), indent=2, sort_keys=True)
         return 0
     for tag in published.tags:
         _out(f"  {published.registry}/{published.repository}:{tag}")
@@ -93,7 +93,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                               require_sbom=args.require_sbom or args.sbom_out is not None)
     refused = None if result.ok else result.error()
     if args.json:
-        _out(json.dumps({**result.model_dump(mode="json"), **(failure(refused) if refused else {})}))
+        emit(result.model_dump(mode="json"), refused)
     else:
         _out(f"{result.line()}\n{result.trust_line()}")
     if refused is not None:
@@ -112,10 +112,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     found = inspect_reference(ref=args.ref, trusted=args.key or None)
     trusted = any(r.predicate is not None for r in found.records)
     if args.json:
-        refused = {} if trusted else failure(PublishError(f"{found.reference}: no verification attestation signed by "
-                                                          "a trusted key", fix="--key FILE naming the key that "
-                                                          "signed it, if you trust it"))
-        _out(json.dumps({**found.model_dump(mode="json"), **refused}, indent=2, sort_keys=True))
+        refused = None if trusted else PublishError(f"{found.reference}: no verification attestation signed by a "
+                                                    "trusted key", fix="--key FILE naming the key that signed it, if "
+                                                    "you trust it")
+        emit(found.model_dump(mode="json"), refused, indent=2, sort_keys=True)
     else:
         _out(f"{found.ref} -> {found.reference}")
         _out(f"trust anchors: {_shown('; '.join(found.trust) or 'none', 2000)}")
@@ -155,7 +155,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     result, image_id = pull_verified(sku=str(_sku_name(args.sku)), target=target, docker=connect(),
                                      trusted=args.key or None, require_sbom=args.require_sbom)
     if args.json:
-        _out(json.dumps({**result.model_dump(mode="json"), "image_id": image_id}))
+        emit({**result.model_dump(mode="json"), "image_id": image_id})
         return 0
     _out(result.line())
     _out(result.trust_line())
@@ -175,10 +175,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = run_pipeline(options=options, on_event=_err)
     if args.json:
         error = summary.error
-        _out(json.dumps({"sku": summary.sku, "reference": summary.reference, "interrupted": summary.interrupted,
-                         "stages": [s.model_dump(mode="json") for s in summary.stages],
-                         **({"ok": True, "error": None, "warnings": warnings()} if error is None else
-                            failure(error, kind="interrupted" if summary.interrupted else None))}))
+        emit({"sku": summary.sku, "reference": summary.reference, "interrupted": summary.interrupted,
+              "stages": [s.model_dump(mode="json") for s in summary.stages]}, error,
+             kind="interrupted" if summary.interrupted and error is not None else None)
         return 0 if error is None else error.exit_code
     for line in summary.table():
         _out(line)
@@ -199,7 +198,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if args.keys_command == "generate":
         pair = generate_keys(out=args.out)
         if args.json:
-            _out(json.dumps(pair.model_dump(mode="json"), indent=2, sort_keys=True))
+            emit(pair.model_dump(mode="json"), indent=2, sort_keys=True)
             return 0
         _out(f"private key {pair.private} (mode 0600; keep it out of git)")
         _out(f"public key  {pair.public} (key id {pair.keyid})")
@@ -214,8 +213,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
         fix="skupin keys generate, or commit the publisher's public key as keys/trusted/<name>.pub")
     if args.json:
         listed = [{"keyid": k, "source": src} for k, (_key, src) in sorted(keys.keys.items())]
-        # a list when there are keys (as before); the failure object when there are none
-        _out(json.dumps({"keys": [], **failure(none)} if none else listed))
+        emit({"keys": listed}, none)  # the list under "keys", with the failure beside it when there are none
         return none.exit_code if none else 0
     for keyid, (_key, source) in sorted(keys.keys.items()):
         _out(f"{keyid}  {source}")
@@ -257,7 +255,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_keys)
     q = ksub.add_parser("list", help="the trusted public keys verify and pull use (exit 8 when there are none)")
     q.add_argument("--key", type=Path, action="append", metavar="FILE", help="list these files' keys instead")
-    q.add_argument("--json", action="store_true", help="print the key ids and their files as JSON")
+    q.add_argument("--json", action="store_true", help="print the key ids and their files as JSON (a list under \"keys\")")
     q.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("publish", help="push a gated image by digest, store its signed attestation, move its tags")

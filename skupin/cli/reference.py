@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from skupin.cli.output import emit
 from skupin.common.errors import SkupinError
 from skupin.engines import ALL_ENGINES, DEFAULT_ENGINE, probe_adapter
 
@@ -32,7 +33,7 @@ def cmd_reference_capture(args: argparse.Namespace) -> int:
                   full_logprobs=args.full_logprobs, threads=args.threads, model=args.model, command=["skupin", *sys.argv[1:]])
     meta = json.loads((out / "meta.json").read_text())  # capture() has just verified the bundle
     if args.json:
-        print(json.dumps({"bundle": str(out), "meta": meta}))
+        emit({"bundle": str(out), "meta": meta})
         return 0
     gpu = meta["gpu"]
     print(f"captured {out}: {meta['model']['name']} {meta['dtype']} batch {meta['batch_size']} on {gpu['name']} "
@@ -61,7 +62,7 @@ def cmd_reference_verify(args: argparse.Namespace) -> int:
     if args.sku:
         check_fits(meta=meta, manifest=_sku_manifest(args.sku))
     if args.json:
-        print(json.dumps({"bundle": str(folder), "ok": True, "meta": meta}))
+        emit({"bundle": str(folder), "meta": meta})
         return 0
     print(f"ok  {folder}: {meta['model']['name']} {meta['dtype']} on {meta['gpu']['name']} "
           f"(driver {meta['driver']}, torch {meta['torch']}, {meta['engine']['name']} {meta['engine']['version']}, "
@@ -94,13 +95,13 @@ def cmd_fixture_generate(args: argparse.Namespace) -> int:
     if args.check:
         hashes = fixture.check_fixture(name=args.name, folder=out)
         if args.json:
-            print(json.dumps({"fixture": args.name, "folder": str(out), "files": hashes, "written": False}))
+            emit({"fixture": args.name, "folder": str(out), "files": hashes, "written": False})
             return 0
         print(f"ok  {out}: fixture {args.name} matches its recorded sha256 ({fixture.digest_of(hashes)})")
         return 0
     hashes = fixture.generate_fixture(name=args.name, out=out)
     if args.json:
-        print(json.dumps({"fixture": args.name, "folder": str(out), "files": hashes, "written": True}))
+        emit({"fixture": args.name, "folder": str(out), "files": hashes, "written": True})
         return 0
     for name, digest in sorted(hashes.items()):
         print(f"{digest}  {name}")

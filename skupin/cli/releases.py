@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skupin.cli.output import out
+from skupin.cli.output import emit, out
 from skupin.common.paths import PYPI_SIMPLE, env_wheelhouse
 
 if TYPE_CHECKING:
@@ -35,7 +34,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
                    apply=args.apply, relock_fn=relock_fn, ca_bundle=default_ca_bundle(),
                    compat_path=Path(args.compat) if args.compat else None)
     if args.json:
-        out(json.dumps(report.model_dump(), indent=2))
+        emit(report.model_dump(mode="json"), indent=2)
     elif args.markdown:
         out(markdown(report).rstrip("\n"))
     else:
@@ -52,7 +51,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     report = refresh(index_url=args.index_url, out=Path(args.out) if args.out else compat, compat_path=compat,
                      ca_bundle=default_ca_bundle())
     if args.json:
-        out(json.dumps(report.model_dump(), indent=2))
+        emit(report.model_dump(mode="json"), indent=2)
         return 0
     for line in report.skipped:
         out(f"skipped: {line}")
