@@ -112,10 +112,11 @@ def decide_runs(records: list[dict], entry: ToleranceEntry, *, size: int, hidden
 
 def entry_for(model: str, dtype: str, calib: list[dict], env: dict) -> ToleranceEntry:
     """The project's calibration of (nvidia-hopper, dtype, model) from the calibration split."""
-    measured = [Measurement(label=analysis.label(r), stats=analysis.to_stats(r), kernels=analysis.to_kernels(r), env=env)
-                for r in calib]
-    key = ToleranceKey(hardware_class=HW, dtype=dtype, model=model, engine=ENGINE)
     engines = env.get("engines") or {}
+    # every run used the H200's transformers: the entry's provenance.engines (it holds for that release alone)
+    measured = [Measurement(label=analysis.label(r), stats=analysis.to_stats(r), kernels=analysis.to_kernels(r), env=env,
+                            engine=ENGINE, engine_version=str(engines.get(ENGINE))) for r in calib]
+    key = ToleranceKey(hardware_class=HW, dtype=dtype, model=model, engine=ENGINE)
     sha = bundle_sha256(ROOT / f"gates/references/{model}/h200-{dtype}") if model in COMMITTED else "0" * 64
     entry = derive_entry_from_measurements(
         key=key, measurements=measured, margin=MARGIN, date=DATE[model], reference_sha256=sha,

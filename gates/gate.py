@@ -54,7 +54,14 @@ from skupin.gates.integrity.static import inspect_image_files
 from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics
 from skupin.gates.judge.modules import host_model, missing_modules, with_modules
 from skupin.gates.judge.ops import judge_battery, judge_ops, missing_ops, spec_sha256
-from skupin.gates.judge.tolerance import ToleranceEntry, ToleranceKey, Tolerances, catalog_tolerances, load_tolerances
+from skupin.gates.judge.tolerance import (
+    ToleranceEntry,
+    ToleranceKey,
+    Tolerances,
+    calibration_for,
+    catalog_tolerances,
+    load_tolerances,
+)
 from skupin.gates.judge.verdict import (
     CheckResult,
     GateVerdict,
@@ -477,28 +484,25 @@ def _check_reference(inputs: GateInputs) -> ReferenceResult:
                            info=info, tensors=ref)
 
 
-def _entry_for(tolerances: Tolerances, path: Path, key: ToleranceKey, ref_sha: str, *, calibrate: str
+def _entry_for(inputs: GateInputs, tolerances: Tolerances, ref_sha: str, *, float32: bool = False
                ) -> tuple[ToleranceEntry | None, str]:
-    """The calibrated entry of `key` in `tolerances` (read from `path`) measured against the bundle `ref_sha`, or None
-    and why there is none (with the `calibrate` command that fixes it)."""
-    entry = tolerances.find(key)
-    if entry is None:
-        return None, (f"no calibrated tolerance for {key.label()} in {path}{tolerances.missing(key)}; fix: {calibrate} "
-                      "on that hardware")
-    if entry.provenance.reference_sha256 != ref_sha:
-        return None, (f"the tolerance of {key.label()} was calibrated against bundle "
-                      f"{entry.provenance.reference_sha256[:12]}, not {ref_sha[:12]}; fix: {calibrate}")
-    return entry, ""
+    """The entry that holds for the SKU's gate (or its float32 pass) against the bundle `ref_sha`, or None and why
+    there is none, ending in the exact `skupin calibrate` command to run on this hardware for this image: the one
+    decision `skupin check` and the matrix make too (gates/judge/tolerance.py: calibration_for)."""
+    found = calibration_for(inputs.manifest, tolerances, reference_sha256=ref_sha, float32=float32,
+                            image=inputs.display or inputs.image, path=inputs.tolerances_path)
+    return found.entry, found.why
 
 
 def _find_tolerance(inputs: GateInputs, reference: ReferenceResult) -> ToleranceResult:
-    """The calibrated entry of the SKU's class x dtype x model; a missing one (or one of another bundle) is not fatal:
-    every check then runs what it can without calibration and the run ends `uncalibrated`, never pass."""
+    """The calibrated entry of the SKU's class x dtype x model; a missing one (or one of another bundle or, on an
+    accelerator, of another engine release) is not fatal: every check then runs what it can without calibration and
+    the run ends `uncalibrated`, never pass."""
     tolerances = load_tolerances(inputs.tolerances_path)
     m = inputs.manifest
     key = ToleranceKey.of(m)
     ref_sha = reference.info.sha256 if reference.info is not None else ""
-    entry, problem = _entry_for(tolerances, inputs.tolerances_path, key, ref_sha, calibrate=f"skupin calibrate {m.name}")
+    entry, problem = _entry_for(inputs, tolerances, ref_sha)
     info = ToleranceInfo(key=key.label(), source=str(inputs.tolerances_path),
                          entry=entry.model_dump(mode="json") if entry else None,
                          hard_bounds=tolerances.hard_bounds.model_dump())
@@ -743,8 +747,7 @@ def _check_float32(inputs: GateInputs, pins: PinsResult, tolerance: ToleranceRes
     except CompareError as exc:
         return Judged(CheckResult(name="float32", status="error", reason=str(exc)))
     key = ToleranceKey.of(m, float32=True)
-    entry, why = _entry_for(tolerance.tolerances, inputs.tolerances_path, key, ref_sha,
-                            calibrate=f"skupin calibrate {m.name} --float32")
+    entry, why = _entry_for(inputs, tolerance.tolerances, ref_sha, float32=True)
     tf32 = "tf32" in m.gate.reduced_precision
     result, _, _ = judge_model(stats=stats, entry=entry, hard=tolerance.tolerances.hard_bounds, dtype="float32", why=why,
                                name="float32", tf32=tf32)

@@ -112,7 +112,9 @@ def gate_problems(manifest: SkuManifest, file: str) -> list[Problem]:
 
 def uncalibrated(manifest: SkuManifest, *, tolerances: Tolerances, path: Path) -> str | None:
     """Why the SKU's gate would end 'uncalibrated' (exit 14, never a pass): no calibrated entry for its key (class,
-    dtype, model and, on an accelerator, engine) against its bundle, or none for its float32 pass; None when calibrated."""
+    dtype, model and, on an accelerator, engine and engine release) against its bundle, or none for its float32 pass;
+    None when calibrated. The gate's own decision (gates/judge/tolerance.py: calibration_for), so the matrix keeps off
+    GPU runners exactly the SKUs whose gate would end 'uncalibrated'."""
     reference = data_path(manifest.gate.reference)
     return (calibration_warning(manifest=manifest, tolerances=tolerances, reference=reference, path=path)
             or float32_pass_warning(manifest=manifest, tolerances=tolerances, reference=reference, path=path))

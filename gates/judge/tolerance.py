@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from packaging.version import InvalidVersion, Version
 from pydantic import Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
 from skupin.builder.catalog.families import ALL_FAMILIES
@@ -51,6 +54,8 @@ def writable_tolerances() -> Path:
     return catalog() / CATALOG_PATH
 # A threshold is a finite positive number: `.inf` would let anything pass, `.nan` compares false with everything.
 Threshold = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+ENGINE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+ENGINE_VERSION = r"^[A-Za-z0-9][A-Za-z0-9.+!_-]{0,127}$"
 Measured = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
@@ -162,6 +167,11 @@ class Provenance(Frozen):
     prompts_per_run: int = Field(ge=1)
     hosts: tuple[str, ...]
     versions: dict[str, str]
+    engines: dict[Annotated[str, Field(pattern=ENGINE_NAME)], Annotated[str, Field(pattern=ENGINE_VERSION)]] = Field(
+        default_factory=dict, description="Engine -> the exact version the honest runs were computed with (what the "
+        "probe reported: its checks.model engine and engine_version). On a class whose SKUs need an accelerator the "
+        "entry holds for that engine's release series alone (`same_engine_release`); empty in an entry calibrated "
+        "before engines were recorded, which then holds for no accelerated gate. Left out of the entry when empty")
     variations: tuple[str, ...] = Field(description="What varied between the honest runs (batch size, threads, boots)")
     date: str
     method: str
@@ -169,6 +179,14 @@ class Provenance(Frozen):
     reference_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Bundle the honest runs were compared with")
     image: str = Field(description="Image id the honest runs used")
     honest_max: dict[str, Measured] = Field(description="Largest honest value per statistic and per kernel op")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_engines(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """An entry calibrated before engines were recorded serialises as it did: the same tolerance_sha256."""
+        data = handler(self)
+        if not self.engines:
+            data.pop("engines", None)
+        return data
 
 
 class ToleranceEntry(Frozen):
@@ -207,12 +225,102 @@ class Tolerances(Frozen):
 
     def missing(self, key: ToleranceKey) -> str:
         """Why `key` has no entry, when entries of the same class, dtype and model exist for other engines."""
-        others = sorted(e.key.engine for e in self.entries if e.key.engine and e.key != key and
+        others = sorted(_engines_label(e) for e in self.entries if e.key.engine and e.key != key and
                         e.key.model_copy(update={"engine": key.engine}) == key)
         if not others:
             return ""
         return (f" (calibrated with {', '.join(others)} only: on accelerator hardware every engine brings its own "
                 f"kernels and its own honest noise, so an entry holds for the engine it was calibrated with)")
+
+
+def _engines_label(entry: ToleranceEntry) -> str:
+    """`vllm 0.32.0`: the engine of an engine-keyed entry with the version its honest runs used, where recorded."""
+    version = entry.provenance.engines.get(entry.key.engine)
+    return f"{entry.key.engine} {version}" if version else entry.key.engine
+
+
+def engine_release(version: str) -> str:
+    """The release series of an engine version: its PEP 440 major.minor (`0.32.0` and `0.32.1.post1` -> `0.32`), or the
+    version itself when it is not PEP 440 (then only the same version is the same series)."""
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return version
+    return ".".join(str(part) for part in (*release, 0)[:2])
+
+
+def same_engine_release(calibrated: str, running: str) -> bool:
+    """Whether an entry calibrated with engine version `calibrated` holds for a gate of engine version `running` on an
+    accelerator: the same release series (major.minor), point releases included.
+
+    Why the series and not the exact version: the gate exists to judge a point release against a fixed bound (a point
+    release of the engine, torch or the compiler can change kernel selection and with it the numbers: DESIGN.md).
+    Keyed by exact version, every point-release bump would end 'uncalibrated' and its fix, `skupin calibrate` on the
+    bumped image, would derive the bound from the very candidate it should judge, calibrating a regression in. Why
+    not the name alone: a new minor series brings new default kernels (attention backends, MoE and quantized paths,
+    compiled graphs), so its honest noise is its own, as another engine's is. Recalibrating a new series replaces the
+    entry of the same key (the key names the engine, not its version), so `merge_entry` refuses a looser bound than
+    the previous series' without --allow-looser: a new series cannot silently widen the class."""
+    return bool(calibrated and running) and engine_release(calibrated) == engine_release(running)
+
+
+def calibrate_command(sku: str, *, float32: bool = False, image: str | None = None) -> str:
+    """The exact `skupin calibrate` command line that calibrates the entry `sku`'s gate lacks, to run on the hardware
+    that gates it: `--float32` for its float32 pass, `--image` the image the gate ran (without it, calibrate takes the
+    SKU's build record, as the gate does)."""
+    words = ["skupin", "calibrate", sku, *(["--float32"] if float32 else []), *(["--image", image] if image else [])]
+    return shlex.join(words)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Whether a SKU's gate (or its float32 pass) is calibrated: the key and its entry when that holds for the SKU,
+    else None, what is missing (`problem`) and the command that fixes it (`skupin check`, the matrix and the gate all
+    say both)."""
+
+    key: ToleranceKey
+    entry: ToleranceEntry | None
+    problem: str
+    command: str
+
+    @property
+    def fix(self) -> str:
+        return f"{self.command} on that hardware (an honest image of the SKU)"
+
+    @property
+    def why(self) -> str:
+        """Why the gate has no entry, with the fix; empty when it has one."""
+        return f"{self.problem}; fix: {self.fix}" if self.entry is None else ""
+
+
+def calibration_for(manifest: SkuManifest, tolerances: Tolerances, *, reference_sha256: str | None,
+                    float32: bool = False, image: str | None = None, path: Path = DEFAULT_PATH) -> Calibration:
+    """The one decision "is this SKU's gate calibrated", shared by the gate (`gates/gate.py: _entry_for`), `skupin
+    check` (`calibration_warning`, `float32_pass_warning`) and the matrix (through gates/preflight.py: uncalibrated).
+
+    An entry holds for the SKU when its key (class, dtype, model and, on an accelerator, engine) has one, it was
+    measured against the SKU's bundle (`reference_sha256`; None: not checked, the bundle is not at hand) and, on an
+    accelerator, its honest runs used the SKU's engine in the same release series (`same_engine_release`). The CPU
+    class's engine-free entries hold for every engine: their cross-engine evidence is gates/data/evidence/."""
+    key = ToleranceKey.of(manifest, float32=float32)
+    command = calibrate_command(manifest.name, float32=float32, image=image)
+    entry = tolerances.find(key)
+    if entry is None:
+        return Calibration(key, None, f"no calibrated tolerance for {key.label()} in {path}{tolerances.missing(key)}",
+                           command)
+    if reference_sha256 is not None and entry.provenance.reference_sha256 != reference_sha256:
+        return Calibration(key, None, f"the tolerance of {key.label()} was calibrated against bundle "
+                                      f"{entry.provenance.reference_sha256[:12]}, not {reference_sha256[:12]}", command)
+    version = manifest.stack.engine.version
+    calibrated = entry.provenance.engines.get(key.engine, "")
+    if key.engine and not same_engine_release(calibrated, version):
+        was = (f"{key.engine} {calibrated} (release {engine_release(calibrated)})" if calibrated
+               else "an engine version it does not record")
+        return Calibration(key, None, (
+            f"the tolerance of {key.label()} was calibrated with {was}, not {key.engine} {version} (release "
+            f"{engine_release(version)}): on accelerator hardware an engine's release series brings its own kernels "
+            f"and its own honest noise, so an entry holds for the series it was calibrated with"), command)
+    return Calibration(key, entry, "", command)
 
 
 def statistics_problems(entry: ToleranceEntry) -> list[str]:
@@ -258,6 +366,12 @@ def load_tolerances(path: Path = DEFAULT_PATH) -> Tolerances:
     if mixed:
         raise GateCouldNotRun(f"{path}: {', '.join(mixed)} has an entry for every engine and entries for single engines; "
                               "fix: keep one kind (a class whose SKUs need an accelerator keys its entries by engine)")
+    foreign = [f"{e.key.label()}: provenance.engines names {', '.join(sorted(e.provenance.engines))}, not its key's "
+               f"engine {e.key.engine}" for e in tolerances.entries
+               if e.key.engine and e.provenance.engines and e.key.engine not in e.provenance.engines]
+    if foreign:
+        raise GateCouldNotRun(f"{path}: invalid tolerance file: {'; '.join(foreign)}; fix: an entry keyed by an engine "
+                              "records the version of that engine its honest runs used (skupin calibrate writes it)")
     problems = [line for e in tolerances.entries for line in statistics_problems(e)]
     if problems:
         raise GateCouldNotRun(f"{path}: invalid tolerance file: {'; '.join(problems)}; fix: skupin calibrate the "
@@ -277,26 +391,24 @@ def lookup(tolerances: Tolerances, key: ToleranceKey, *, path: Path = DEFAULT_PA
 
 def calibration_warning(*, manifest: SkuManifest, tolerances: Tolerances, reference: Path, path: Path = DEFAULT_PATH
                         ) -> str | None:
-    """Why the gate of `manifest` would end `uncalibrated` (its key has no entry, or the entry was measured against
-    another reference bundle than the SKU's), with the fix; None when its entry is there (`skupin check` warns)."""
-    key = ToleranceKey.of(manifest)
-    fix = f"fix: skupin calibrate {manifest.name} on that hardware (an honest image of it)"
-    entry = tolerances.find(key)
-    if entry is None:
-        return (f"no calibrated tolerance for {key.label()} in {path}{tolerances.missing(key)}: its gate runs the "
-                f"calibration-free checks only and ends 'uncalibrated' (exit 14), never pass; {fix}")
+    """Why the gate of `manifest` would end `uncalibrated` (`calibration_for`: no entry for its key, one measured
+    against another reference bundle than the SKU's, or on an accelerator one of another engine release), with the
+    exact command that fixes it; None when its entry holds (`skupin check` warns, the matrix keeps it off GPU runners)."""
     folder = Path(reference)
-    if (folder / "SHA256SUMS").is_file() and bundle_sha256(folder) != entry.provenance.reference_sha256:
-        return (f"the tolerance of {key.label()} was calibrated against bundle {entry.provenance.reference_sha256[:12]}, "
-                f"not {manifest.gate.reference}: its gate ends 'uncalibrated' (exit 14), never pass; {fix}")
-    return None
+    sha = bundle_sha256(folder) if (folder / "SHA256SUMS").is_file() else None
+    found = calibration_for(manifest, tolerances, reference_sha256=sha, path=path)
+    if found.entry is not None:
+        return None
+    return (f"{found.problem}: its gate runs the calibration-free checks only and ends 'uncalibrated' (exit 14), never "
+            f"pass; fix: {found.fix}")
 
 
 def float32_pass_warning(*, manifest: SkuManifest, tolerances: Tolerances, reference: Path, path: Path = DEFAULT_PATH
                          ) -> str | None:
     """What weakens the float32 pass of a SKU that serves another dtype (docs/GATE.md, "The float32 pass"): no float32
-    bundle beside its reference (the gate then ends 'could not run'), or no calibrated float32 entry for it (the pass
-    then runs its hard bounds only and the gate ends 'uncalibrated' at best); None when nothing does."""
+    bundle beside its reference (the gate then ends 'could not run'), or no calibrated float32 entry for it
+    (`calibration_for`; the pass then runs its hard bounds only and the gate ends 'uncalibrated' at best); None when
+    nothing does."""
     from skupin.engines import engine_float32
 
     if manifest.gate.dtype == "float32" or not engine_float32(manifest.stack.engine.name):
@@ -309,14 +421,11 @@ def float32_pass_warning(*, manifest: SkuManifest, tolerances: Tolerances, refer
         return (f"its float32 pass needs the bundle {folder} "
                 f"beside its reference, which is missing: its gate would end 'could not run' (exit 11); fix: capture it "
                 f"(docs/REFERENCES.md)")
-    key = ToleranceKey.of(manifest, float32=True)
-    entry = tolerances.find(key)
-    if entry is None or entry.provenance.reference_sha256 != bundle_sha256(folder):
-        return (f"no calibrated tolerance for {key.label()} against {folder.name} in {path}{tolerances.missing(key)}: "
-                f"its float32 pass runs the "
-                f"hard bounds only and the gate ends 'uncalibrated' (exit 14) at best; fix: skupin calibrate "
-                f"{manifest.name} --float32 on that hardware")
-    return None
+    found = calibration_for(manifest, tolerances, reference_sha256=bundle_sha256(folder), float32=True, path=path)
+    if found.entry is not None:
+        return None
+    return (f"{found.problem} (float32 bundle {folder.name}): its float32 pass runs the hard bounds only and the gate "
+            f"ends 'uncalibrated' (exit 14) at best; fix: {found.fix}")
 
 
 def looser(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:

@@ -54,7 +54,15 @@ from skupin.gates.judge.compare import (
 )
 from skupin.gates.judge.modules import host_model, with_modules
 from skupin.gates.judge.ops import Battery, derive_bounds, judge_battery, spec_sha256
-from skupin.gates.judge.tolerance import HardBounds, ModelThresholds, Provenance, ToleranceEntry, ToleranceKey, Tolerances
+from skupin.gates.judge.tolerance import (
+    HardBounds,
+    ModelThresholds,
+    Provenance,
+    ToleranceEntry,
+    ToleranceKey,
+    Tolerances,
+    calibration_for,
+)
 from skupin.gates.judge.verdict import (
     clopper_pearson_upper,
     hard_bound_failures,
@@ -87,6 +95,8 @@ class HonestRun:
     tensors: dict[str, np.ndarray]
     env: dict[str, Any]
     ops: dict[str, Any] = field(default_factory=dict)  # the probe's checks.ops report (empty: no op battery ran)
+    engine: str = ""  # the engine the probe ran and its version (its checks.model engine, engine_version); "": unknown
+    engine_version: str = ""
 
 
 def op_dtype(op: str) -> str:
@@ -104,6 +114,8 @@ class Measurement:
     kernels: tuple[KernelResult, ...]
     env: dict[str, Any]
     ops: Battery | None = None  # the engine op battery against float64 (None: no op battery ran)
+    engine: str = ""  # the engine the run was computed with and its exact version (HonestRun); "": not reported
+    engine_version: str = ""
 
 
 def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bool = True,
@@ -117,7 +129,8 @@ def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bo
         ops = with_modules(ops, run.tensors, run.ops, model, dtypes=tuple(dict.fromkeys((key.dtype, "float32"))),
                            tf32=tf32)
     return Measurement(label=run.label, stats=model_statistics(reference, run.tensors),
-                       kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env, ops=ops)
+                       kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env, ops=ops,
+                       engine=run.engine, engine_version=run.engine_version)
 
 
 def derive_entry(*, key: ToleranceKey, reference: dict[str, np.ndarray], reference_sha256: str,
@@ -190,6 +203,7 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
         runs=len(measurements), prompts_per_run=prompts,
         hosts=tuple(sorted({_host(r.env) for r in measurements})),
         versions=_versions(measurements[0].env),
+        engines=engines_used(measurements, key=key),
         variations=tuple(r.label for r in measurements),
         date=date or _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
         method=(f"skupin calibrate {__version__}: honest runs of the image vs the reference bundle; threshold = "
@@ -219,6 +233,35 @@ def _op_bounds(measurements: list[Measurement]) -> dict[str, dict[str, float]]:
         return derive_bounds(batteries)
     except ValueError as exc:
         raise GateFailed(f"calibration refused: {exc}") from exc
+
+
+def engines_used(measurements: list[Measurement], *, key: ToleranceKey) -> dict[str, str]:
+    """Engine -> exact version, as the honest runs reported them (the entry's `provenance.engines`). On an accelerator
+    the entry holds for that engine's release alone (gates/judge/tolerance.py: calibration_for), so there every run
+    must report the key's engine, at one version: GateCouldNotRun otherwise, before an entry exists."""
+    if key.engine:
+        unreported = [m.label for m in measurements if m.engine != key.engine or not m.engine_version]
+        if unreported:
+            raise GateCouldNotRun(f"calibration refused: {key.label()} holds for {key.engine} alone, and not every "
+                                  f"honest run reported it with its version ({', '.join(unreported)})")
+    used: dict[str, set[str]] = {}
+    for m in measurements:
+        if m.engine and m.engine_version:
+            used.setdefault(m.engine, set()).add(m.engine_version)
+    split = sorted(f"{name} {', '.join(sorted(versions))}" for name, versions in used.items() if len(versions) > 1)
+    if split:
+        raise GateCouldNotRun(f"calibration refused: the honest runs report several versions of one engine "
+                              f"({'; '.join(split)})")
+    return {name: next(iter(versions)) for name, versions in sorted(used.items())}
+
+
+def _engine_used(report: dict[str, Any]) -> tuple[str, str]:
+    """(engine, exact version) the probe reports it ran (checks.model's engine and engine_version); empty when not."""
+    checks = report.get("checks")
+    model = checks.get("model") if isinstance(checks, dict) else None
+    if not isinstance(model, dict):
+        return "", ""
+    return str(model.get("engine") or ""), str(model.get("engine_version") or "")
 
 
 def _host(env: dict[str, Any]) -> str:
@@ -304,16 +347,14 @@ def refuse_float32_failure(*, manifest: SkuManifest, image_id: str, docker: Dock
     model = (probe.report.get("checks") or {}).get("model") if isinstance(probe.report.get("checks"), dict) else None
     if probe.error or probe.report.get("status") != "ok" or (isinstance(model, dict) and model.get("status") != "ok"):
         raise GateCouldNotRun(f"calibration refused: the float32 probe failed: {probe.error or probe.report.get('checks')}")
-    key = ToleranceKey.of(manifest, float32=True)
-    entry = tolerances.find(key)
-    if entry is not None and entry.provenance.reference_sha256 != ref_sha:
-        entry = None  # calibrated against another bundle: the hard bounds alone, as the gate does
+    # the gate's own decision (another bundle, engine or engine release: the hard bounds alone, as the gate does)
+    found = calibration_for(manifest, tolerances, reference_sha256=ref_sha, float32=True)
     try:
         stats = model_statistics(ref, probe.tensors)
     except CompareError as exc:
         raise GateCouldNotRun(f"calibration refused: the float32 pass could not compare: {exc}") from exc
-    result, _, _ = judge_model(stats=stats, entry=entry, hard=tolerances.hard_bounds, dtype="float32",
-                               why=f"no calibrated entry for {key.label()}", name="float32")
+    result, _, _ = judge_model(stats=stats, entry=found.entry, hard=tolerances.hard_bounds, dtype="float32",
+                               why=found.problem, name="float32")
     if result.status == "fail":
         raise GateFailed(f"calibration refused: the float32 pass failed: {result.reason}")
     if result.status == "error":
@@ -355,8 +396,10 @@ def calibrate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Pa
                     on_event(f"honest run: {label}: reusing the finished run in {run_out}")
                 assert tensors is not None  # read with its report, or run just now
                 ops = (report.get("checks") or {}).get("ops") or {}
+                engine, engine_version = _engine_used(report)
                 runs.append(HonestRun(label=label, tensors=tensors, env=report.get("env", {}),
-                                      ops=ops if isinstance(ops, dict) else {}))
+                                      ops=ops if isinstance(ops, dict) else {}, engine=engine,
+                                      engine_version=engine_version))
         if len(runs) < 2:
             raise GateCouldNotRun("calibration needs at least two honest runs")
         kernels = "kernels" in manifest.gate.checks

@@ -26,6 +26,7 @@ from skupin.gates.judge.tolerance import (
     HardBounds,
     ToleranceKey,
     Tolerances,
+    calibration_for,
     load_tolerances,
     merge_entry,
     write_tolerances,
@@ -69,9 +70,11 @@ class World:
             self.pins_checked += 1
             return report if report is not None else IntegrityReport()
 
-        def honest_run(*, label, **_):
+        def honest_run(*, label, manifest, **_):
             self.runs.append(label)
-            return {"status": "ok", "env": {"python": "3.11"}}, honest
+            engine = manifest.stack.engine  # what the probe reports it ran (checks.model), as a real run does
+            return {"status": "ok", "env": {"python": "3.11"}, "checks": {"model": {
+                "engine": engine.name, "engine_version": engine.version}}}, honest
 
         def probe(*, manifest, **_):
             assert manifest.gate.dtype == "float32" and "kernels" not in manifest.gate.checks
@@ -110,6 +113,7 @@ def test_an_honest_image_is_calibrated_after_pins_passes(monkeypatch, tmp_path, 
     entry = _calibrate(_stack("cpu-x86_64"), tmp_path)
     assert world.pins_checked == 1 and len(world.runs) == 2
     assert entry.key.label() == "cpu-x86_64/float32/tiny-llama" and entry.provenance.runs == 2
+    assert entry.provenance.engines == {"transformers": "5.24.0"}  # issue 31: what the probe reported it ran
 
 
 def test_an_image_that_fails_pins_is_refused_before_any_run_and_nothing_is_written(monkeypatch, tmp_path, reference):
@@ -207,6 +211,22 @@ def test_a_bf16_sku_whose_float32_pass_passes_is_calibrated(monkeypatch, tmp_pat
     world = World(monkeypatch, reference)
     entry = _calibrate(_stack("nvidia-h200-vllm"), tmp_path)
     assert world.float32_runs == 1 and entry.key.label() == "nvidia-hopper/bfloat16/tiny-llama/vllm"
+    # issue 31: the entry records the engine and exact version its honest runs used, and it holds for the SKU
+    assert entry.provenance.engines == {"vllm": "0.32.0"}
+    found = calibration_for(_stack("nvidia-h200-vllm").manifest, merge_entry(Tolerances(), entry),
+                            reference_sha256="a" * 64)
+    assert found.entry == entry and found.why == ""
+
+
+def test_an_accelerated_calibration_whose_runs_do_not_report_the_keys_engine_is_refused(monkeypatch, tmp_path,
+                                                                                          reference):
+    """The entry of an accelerated key holds for its engine's release alone, so calibration refuses (nothing written)
+    honest runs that do not say which engine and version computed them."""
+    world = World(monkeypatch, reference)
+    monkeypatch.setattr(calibrate, "_engine_used", lambda report: ("", ""))
+    with pytest.raises(GateCouldNotRun, match=r"holds for vllm alone, and not every honest run reported it with its version"):
+        _calibrate(_stack("nvidia-h200-vllm"), tmp_path)
+    assert len(world.runs) == 2
 
 
 def test_deriving_an_entry_with_hard_bounds_refuses_runs_that_break_one(reference):

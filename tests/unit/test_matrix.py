@@ -222,7 +222,8 @@ def test_cli_keeps_the_hopper_engine_skus_off_gpu_runners_until_asked(capsys):
     assert printed["matrix"]["include"][0]["calibrated"] is True
     reasons = {e["sku"]: e["reason"] for e in printed["excluded"]}
     assert sorted(reasons) == ["nvidia-h100-vllm", "nvidia-h200-sglang", "nvidia-h200-vllm"]
-    assert "calibrated with transformers only" in reasons["nvidia-h200-sglang"]
+    assert "calibrated with transformers 5.17.0 only" in reasons["nvidia-h200-sglang"]
+    assert "fix: skupin calibrate nvidia-h200-sglang on that hardware" in reasons["nvidia-h200-sglang"]
     assert main(["matrix", "--include-uncalibrated", *hopper]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert len(printed["matrix"]["include"]) == 3 and printed["excluded"] == []

@@ -110,7 +110,7 @@ def test_no_entry_runs_every_calibration_free_check_and_ends_uncalibrated_never_
                         "ops": "skipped", "model": "uncalibrated", "float32": "skipped", "serve": "uncalibrated"}
     assert verdict.decision == "uncalibrated" and verdict.exit_code == 14 == GateUncalibrated.exit_code
     assert "no calibrated tolerance for cpu-x86_64/float32/tiny-llama" in verdict.reason
-    assert "skupin calibrate cpu-x86_64 on that hardware" in verdict.reason
+    assert "fix: skupin calibrate cpu-x86_64 --image img on that hardware" in verdict.reason  # the image it gated
     assert "calibration-free checks passed: reference, pins, boot, kernels (hard bounds only), model (hard bounds only)" \
         in verdict.reason and "not run without calibration: serve" in verdict.reason
     assert verdict.calibration_free == {name: CALIBRATION_FREE[name] for name in ("kernels", "model", "serve")}
@@ -234,10 +234,10 @@ def test_an_accelerated_classs_entry_holds_for_the_engine_it_was_calibrated_with
                 continue  # SGLang has no float32 pass
             warning = _warn(warn, manifest, tolerances)
             assert warning is not None and f"/tiny-llama/{engine} " in warning, path.name
-            assert "calibrated with transformers only" in warning and "'uncalibrated' (exit 14)" in warning
+            assert "calibrated with transformers 5.17.0 only" in warning and "'uncalibrated' (exit 14)" in warning
             assert f"fix: skupin calibrate {manifest.name}{flag} on that hardware" in warning
         on_transformers = manifest.model_copy(update={"stack": manifest.stack.model_copy(update={
-            "engine": manifest.stack.engine.model_copy(update={"name": "transformers"})})})
+            "engine": manifest.stack.engine.model_copy(update={"name": "transformers", "version": "5.17.2"})})})
         assert _warn(calibration_warning, on_transformers, tolerances) is None, path.name
         assert _warn(float32_pass_warning, on_transformers, tolerances) is None, path.name
     for name in ("cpu-x86_64", "cpu-x86_64-vllm", "cpu-x86_64-llamacpp", "cpu-x86_64-bf16"):
@@ -289,7 +289,7 @@ def float32_run(tmp_path: Path, monkeypatch, candidate: dict, *, tolerances_path
     monkeypatch.setattr(gate, "probe_in_container", fake_probe)
     manifest = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
     manifest = manifest.model_copy(update={"stack": manifest.stack.model_copy(update={
-        "engine": manifest.stack.engine.model_copy(update={"name": "transformers"})})})
+        "engine": manifest.stack.engine.model_copy(update={"name": "transformers", "version": "5.17.0"})})})
     inputs = GateInputs(stack=ResolvedStack(manifest=manifest, manifest_path=SKUS / "nvidia-h200-vllm.yaml"),
                         image="img", docker=None, out=tmp_path / "out", on_event=lambda _: None,  # type: ignore[arg-type]
                         tolerances_path=tolerances_path, reference=reference, baseline=None, serve_perf=None,
@@ -345,8 +345,8 @@ def test_the_gate_of_a_hopper_sku_whose_engine_the_class_never_calibrated_finds_
                         tolerances_path=DEFAULT_PATH, reference=None, baseline=None, serve_perf=None, scratch=tmp_path)
     found = gate._find_tolerance(inputs, gate._check_reference(inputs))
     assert found.entry is None and found.info.key == "nvidia-hopper/bfloat16/tiny-llama/vllm"
-    assert "calibrated with transformers only" in found.problem
-    assert "fix: skupin calibrate nvidia-h200-vllm on that hardware" in found.problem
+    assert "calibrated with transformers 5.17.0 only" in found.problem
+    assert "fix: skupin calibrate nvidia-h200-vllm --image img on that hardware" in found.problem
 
 
 def test_a_tolerance_file_mixing_an_engine_free_and_an_engine_keyed_entry_of_one_key_is_refused(tmp_path):
