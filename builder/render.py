@@ -15,6 +15,7 @@ import jinja2
 from packaging.utils import canonicalize_name
 
 from skupin import imagetools
+from skupin.builder.catalog.compat import load_compat
 from skupin.builder.catalog.families import ALL_FAMILIES
 from skupin.builder.catalog.lockfile import PY_LAYERS, Lock, LockedPackage
 from skupin.builder.catalog.manifest import GitSource, Pin, SdistSource, SkuManifest
@@ -302,6 +303,14 @@ def source_date_epoch(lock: Lock) -> int:
         raise BuildError(f"the lock of {lock.sku}: created {lock.created!r} is not YYYY-MM-DDTHH:MM:SSZ") from exc
 
 
+def cuda_series(manifest: SkuManifest) -> str | None:
+    """The CUDA series of the torch wheel's variant (cu130 -> "13.0", builder/data/compat.yaml `variants`), or None for a
+    variant of no CUDA series (cpu, rocm*, xpu) or none at all."""
+    variant = manifest.stack.framework.variant
+    row = load_compat().variant(variant) if variant else None
+    return row.series if row is not None and row.family == "cuda" else None
+
+
 def render(stack: ResolvedStack) -> RenderedDockerfile:
     """The render stage: the stack's Dockerfile and context, from its lock when that lock is current (else the pins)."""
     rendered = render_manifest(manifest=stack.manifest, lock=stack.current_lock)
@@ -336,6 +345,7 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
         "source_date_epoch": source_date_epoch(lock) if lock is not None else None,
         "base_digest": manifest.base.image.rsplit("@", 1)[1] if manifest.base.image else None,
         "base_diff_id": lock.base.diff_id if lock is not None else None,
+        "cuda_series": cuda_series(manifest),
     }
     name = ALL_FAMILIES[manifest.base.family].template
     try:

@@ -31,6 +31,7 @@ def test_the_committed_catalog_plans_exactly_this():
         "nvidia-h100-vllm": hopper,
         "nvidia-h200-sglang": hopper,
         "nvidia-h200-vllm": hopper,
+        "nvidia-h200-vllm-debian": hopper,
     }
     reasons = {e.sku: e.reason for e in plan.excluded}
     assert set(reasons) == {"amd-mi300x-vllm", "amd-mi355x-vllm", "intel-max1550-vllm", "cpu-x86_64-vllm"}
