@@ -50,7 +50,8 @@ from skupin.common.paths import data_path, env_wheelhouse, state_dir
 from skupin.common.untrusted import open_folder, printable, write_new_file
 from skupin.dockerd import BindMount, ContainerSpec, Docker, ImageInfo, RunResult
 from skupin.engines import MODEL_MOUNT, engine_float32, engine_modules, engine_ops, engine_outputs, probe_adapter
-from skupin.gates.integrity.static import inspect_image_files
+from skupin.gates.integrity.binaries import check_binaries, load_rules
+from skupin.gates.integrity.static import ImageFiles, inspect_image
 from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics
 from skupin.gates.judge.modules import host_model, missing_modules, with_modules
 from skupin.gates.judge.ops import judge_battery, judge_ops, missing_ops, spec_sha256
@@ -70,6 +71,7 @@ from skupin.gates.judge.verdict import (
     StatDecision,
     ToleranceInfo,
     decide,
+    judge_binaries,
     judge_kernels,
     judge_model,
     judge_pins,
@@ -105,6 +107,7 @@ RUN_LABEL = "io.skupin.gate-run"
 # The host-only files probe_in_container writes into OUT/probe/ (each created exclusively).
 PROBE_FILES = ("probe.json", "tensors.safetensors", "container.log")
 MAX_LOG_CHARS = 40_000
+BINARY_RULES = "gates/data/binaries.yaml"  # the binaries check's declared exceptions (catalog-relative)
 
 
 
@@ -406,11 +409,13 @@ class ToleranceResult:
 
 @dataclass(frozen=True)
 class PinsResult:
-    """pins: the id of the image that is gated from then on, and its io.skupin.lock-sha256 label."""
+    """pins: the id of the image that is gated from then on, its io.skupin.lock-sha256 label, and the files it read
+    (the binaries check reads the same view, never the image again)."""
 
     check: CheckResult
     image_id: str = ""
     lock_label: str | None = None
+    files: ImageFiles | None = None
 
 
 @dataclass(frozen=True)
@@ -556,32 +561,51 @@ def _check_pins(inputs: GateInputs) -> PinsResult:
         info = resolve_image(docker=inputs.docker, image=inputs.image)
     except (GateCouldNotRun, DockerError) as exc:
         return PinsResult(CheckResult(name="pins", status="error", reason=str(exc)))
+    files: ImageFiles | None = None
     try:
-        result = _check_pinned_files(inputs, info, since=t0)
+        result, files = _check_pinned_files(inputs, info, since=t0)
     except Exception as exc:  # as _guarded would, keeping the image's id
         result = _internal_error("pins", exc)
-    return PinsResult(result, image_id=info.id, lock_label=(info.labels or {}).get("io.skupin.lock-sha256"))
+    return PinsResult(result, image_id=info.id, lock_label=(info.labels or {}).get("io.skupin.lock-sha256"),
+                      files=files)
 
 
-def _check_pinned_files(inputs: GateInputs, info: ImageInfo, *, since: float) -> CheckResult:
+def _check_pinned_files(inputs: GateInputs, info: ImageInfo, *, since: float
+                        ) -> tuple[CheckResult, ImageFiles | None]:
     """The pins check of the resolved image `info`: its files against the lock, the host's driver (`pins_s` counts
-    from `since`, the check's start)."""
+    from `since`, the check's start); and the files it read, for the binaries check."""
     m, lock = inputs.manifest, inputs.lock
     if lock is None:
         return CheckResult(name="pins", status="error",
                            reason=f"{m.name} has no current lock, so the image's files cannot be checked against one; "
-                                  f"fix: skupin lock {m.name}")
+                                  f"fix: skupin lock {m.name}"), None
     inputs.on_event(f"pins: checking the files of {inputs.shown} ({info.id[:19]}) against lock "
                     f"{lock.content_hash()[:12]}")
     try:
         dockerfile = render(inputs.stack).text  # what the image's config must be (builder/imageconfig.py)
-        report = inspect_image_files(docker=inputs.docker, image_id=info.id, lock=lock, state=state_dir(),
-                                     dockerfile=dockerfile, wheelhouse=inputs.wheelhouse, on_event=inputs.on_event)
+        report, files = inspect_image(docker=inputs.docker, image_id=info.id, lock=lock, state=state_dir(),
+                                      dockerfile=dockerfile, wheelhouse=inputs.wheelhouse, on_event=inputs.on_event)
     except SkupinError as exc:
-        return CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}")
+        return CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}"), None
     inputs.clock.time("pins_s", since)
     gpu_host = ALL_FAMILIES[m.base.family].accelerated
-    return judge_pins(report=report, manifest=m, host_driver=host_driver() if gpu_host else None, gpu_host=gpu_host)
+    return judge_pins(report=report, manifest=m, host_driver=host_driver() if gpu_host else None, gpu_host=gpu_host), files
+
+
+def _check_binaries(inputs: GateInputs, pins: PinsResult) -> Judged:
+    """Before anything runs: every ELF file the build added resolves its NEEDED inside the image (or on the host,
+    for the family's host-injected driver libraries), and its device code runs on the SKU's arch
+    (gates/integrity/binaries.py); read from the view pins read, headers only."""
+    if pins.files is None:
+        return Judged(CheckResult(name="binaries", status="error",
+                                  reason="the pins check read no file view of the image to check binaries in"))
+    t0 = time.monotonic()
+    m = inputs.manifest
+    report = check_binaries(view=pins.files.view, base_layers=pins.files.base_layers, env=pins.files.env,
+                            family=ALL_FAMILIES[m.base.family], arch=m.accelerator.arch, platform=m.base.platform,
+                            rules=load_rules(data_path(BINARY_RULES)))
+    inputs.clock.time("binaries_s", t0)
+    return Judged(judge_binaries(report))
 
 
 def _check_kernels(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, boot: BootResult
@@ -819,6 +843,7 @@ CHECKS: tuple[GateCheck, ...] = (
     GateCheck("reference", _check_reference),
     GateCheck("", _find_tolerance, needs=(ReferenceResult,)),
     GateCheck("pins", _check_pins),
+    GateCheck("binaries", _check_binaries, needs=(PinsResult,)),
     GateCheck("boot", _check_boot, needs=(PinsResult,)),
     GateCheck("kernels", _check_kernels, needs=(ReferenceResult, ToleranceResult, BootResult), enabled_by="kernels"),
     GateCheck("ops", _check_ops, needs=(ToleranceResult, BootResult), enabled_by="model"),

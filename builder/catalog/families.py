@@ -25,6 +25,20 @@ from typing import TYPE_CHECKING, Final, Literal
 #   release's (compat.yaml torch_rocm: ROCm);
 # - "none": nothing beyond the driver pin's name (the variant's `driver`).
 DriverCheck = Literal["minimum", "series", "none"]
+# The device code its binaries carry, which the gate's binaries check reads (skupin/imageview/fatbin.py): CUDA
+# fatbins (.nv_fatbin), HIP offload bundles (.hip_fatbin), or none it can read ("": the ELF closure alone).
+DeviceCode = Literal["cuda", "hip", ""]
+# What the NVIDIA Container Toolkit mounts into a container from the host's driver, for the capabilities the gate's
+# sandbox and production ask for (compute, utility): libnvidia-container's src/nvc_info.c, `utility_libs` and
+# `compute_libs`, by soname (a NEEDED names the soname). The image must not carry them (they must match the host's
+# kernel driver), so a NEEDED of one resolves on the host, not in the image.
+NVIDIA_HOST_LIBRARIES = (
+    "libnvidia-ml.so.1", "libnvidia-cfg.so.1", "libnvidia-nscq.so.*",  # utility
+    "libcuda.so.1", "libcudadebugger.so.1", "libnvidia-opencl.so.1", "libnvidia-gpucomp.so.*",  # compute
+    "libnvidia-ptxjitcompiler.so.1", "libnvidia-fatbinaryloader.so.*", "libnvidia-allocator.so.1",
+    "libnvidia-compiler.so.*", "libnvidia-pkcs11.so.*", "libnvidia-pkcs11-openssl3.so.*", "libnvidia-nvvm.so.4",
+    "libnvidia-tileiras.so.*",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +50,10 @@ class FamilyInfo:
     driver_check: DriverCheck
     torch_device: str  # the torch device its SKUs compute on ("cuda" serves ROCm too: torch's HIP build keeps the name)
     builds_sdist: bool = False  # its template has the build stage of stack.engine.source kind sdist
+    device_code: DeviceCode = ""
+    # sonames (fnmatch patterns) the container runtime mounts from the host: a NEEDED the image lacks is accepted
+    # only when it is one of its family's (ROCm's, Intel's and CPU images carry their whole userspace: none)
+    host_libraries: tuple[str, ...] = ()
 
     @property
     def accelerated(self) -> bool:
@@ -49,8 +67,9 @@ class FamilyInfo:
 
 
 ALL_FAMILIES: Final[dict[str, FamilyInfo]] = {row.name: row for row in (
-    FamilyInfo(name="cuda", vendors=("nvidia",), driver_check="minimum", torch_device="cuda"),
-    FamilyInfo(name="rocm", vendors=("amd",), driver_check="series", torch_device="cuda"),
+    FamilyInfo(name="cuda", vendors=("nvidia",), driver_check="minimum", torch_device="cuda", device_code="cuda",
+               host_libraries=NVIDIA_HOST_LIBRARIES),
+    FamilyInfo(name="rocm", vendors=("amd",), driver_check="series", torch_device="cuda", device_code="hip"),
     FamilyInfo(name="xpu", vendors=("intel",), driver_check="none", torch_device="xpu"),
     FamilyInfo(name="cpu", vendors=("cpu",), driver_check="none", torch_device="cpu", builds_sdist=True),
 )}

@@ -1053,19 +1053,42 @@ def built_wheels(*, lock: Lock, record: BuiltWheel | None, store: Path) -> tuple
     return found, problems
 
 
+@dataclass(frozen=True)
+class ImageFiles:
+    """What the static check read of an image and the checks after it reuse (the binaries check): its merged file
+    view, how many of its bottom layers are the locked base's, and its config's environment."""
+
+    view: FileView
+    base_layers: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def config_env(config: dict[str, Any]) -> dict[str, str]:
+    """The environment of an image config (`Env`: NAME=value strings)."""
+    return dict(item.split("=", 1) for item in config.get("Env") or () if isinstance(item, str) and "=" in item)
+
+
 def inspect_image_files(*, docker: Docker, image_id: str, lock: Lock, state: Path, dockerfile: str,
                         wheelhouse: Path | None = None,
                         on_event: Callable[[str], None] = lambda _: None) -> IntegrityReport:
     """The static check of a local image against `lock` and `dockerfile` (the text the lock renders to): layers
     indexed (cached under `state`), wheels gathered into the wheel store, bytecode recompiled by a host interpreter;
     see the module docstring."""
+    return inspect_image(docker=docker, image_id=image_id, lock=lock, state=state, dockerfile=dockerfile,
+                         wheelhouse=wheelhouse, on_event=on_event)[0]
+
+
+def inspect_image(*, docker: Docker, image_id: str, lock: Lock, state: Path, dockerfile: str,
+                  wheelhouse: Path | None = None, on_event: Callable[[str], None] = lambda _: None
+                  ) -> tuple[IntegrityReport, ImageFiles | None]:
+    """`inspect_image_files`, and the files it read (None when it stopped before reading the image's layers)."""
 
     info = docker.inspect_image(image_id)
     if info is None:
         raise UntrustedInputError(f"image {image_id} is not on this engine")
     base = locked_base_layers(docker=docker, lock=lock, layers=info.layers, state=state)
     if base.unverifiable:
-        return IntegrityReport(unverifiable=(base.unverifiable,))
+        return IntegrityReport(unverifiable=(base.unverifiable,)), None
     expected: ImageConfig | None = None
     roots: tuple[str, ...] = ()
     unknown = ""
@@ -1082,14 +1105,15 @@ def inspect_image_files(*, docker: Docker, image_id: str, lock: Lock, state: Pat
     try:
         record = read_built(lock, folder=state / "built")
     except SkupinError as exc:
-        return IntegrityReport(unverifiable=(str(exc),))
+        return IntegrityReport(unverifiable=(str(exc),)), None
     built, problems = built_wheels(lock=lock, record=record, store=wheel_store())
     if problems:
-        return IntegrityReport(unverifiable=tuple(problems))
+        return IntegrityReport(unverifiable=tuple(problems)), None
     wheels.update(built)
     view = image_view(docker=docker, image=info.id, layers=info.layers, cache=state / "cache", bottom=base.layers,
                       on_event=on_event)
-    report = check_integrity(view=view, base_view=view.bottom_view(base.layers), config=docker.image_config(info.id),
+    config = docker.image_config(info.id)
+    report = check_integrity(view=view, base_view=view.bottom_view(base.layers), config=config,
                              labels=info.labels, lock=lock, expected=expected, apt_roots=roots,
                              wheels=wheels, base_layers=base.layers, host=host_dpkg(),
                              verify_bytecode=bytecode_verifier(cache=state / "cache"),
@@ -1098,4 +1122,4 @@ def inspect_image_files(*, docker: Docker, image_id: str, lock: Lock, state: Pat
         report = report.model_copy(update={"unverifiable": (unknown, *report.unverifiable)})
     if base.problem:
         report = report.model_copy(update={"findings": (Finding(kind="base", detail=base.problem), *report.findings)})
-    return report
+    return report, ImageFiles(view=view, base_layers=base.layers, env=config_env(config))

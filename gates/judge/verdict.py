@@ -22,6 +22,7 @@ from pydantic import Field
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.common.errors import GateCouldNotRun, GateFailed, GateUncalibrated
 from skupin.common.model import Frozen
+from skupin.gates.integrity.binaries import MAX_LISTED, BinariesReport
 from skupin.gates.integrity.static import IntegrityReport
 from skupin.gates.integrity.static import summary as integrity_summary
 from skupin.gates.judge.compare import DECISION_STATS, STATISTICS, KernelResult, ModelStatistics
@@ -243,6 +244,31 @@ def judge_pins(*, report: IntegrityReport, manifest: SkuManifest, host_driver: d
     if report.unverifiable:
         return CheckResult(name="pins", status="error", reason=report.unverifiable[0], details=details)
     return CheckResult(name="pins", status="pass", reason=f"the image's files are the lock: {integrity_summary(report)}",
+                       details=details)
+
+
+def judge_binaries(report: BinariesReport) -> CheckResult:
+    """The image's native binaries (gates/integrity/binaries.py): any finding fails, naming the first failing file;
+    a file that could not be read makes the check unable to run (it fails closed, as pins does)."""
+    kinds: dict[str, int] = {}
+    for finding in report.findings:
+        kinds[finding.kind] = kinds.get(finding.kind, 0) + 1
+    details: dict[str, Any] = {
+        "checked": report.checked, "needed_resolved": report.needed, "finding_kinds": kinds,
+        "findings": [f.line() for f in report.findings[:MAX_LISTED]], "unverifiable": list(report.unverifiable[:MAX_LISTED]),
+        "archs": {f"/{p}": list(a) for p, a in sorted(report.archs.items())[:200]}, "host_libraries": list(report.host),
+        "preloaded": len(report.preloaded), "preloaded_first": list(report.preloaded[:MAX_LISTED]),
+        "declared": list(report.declared), "skipped": report.skipped, "seconds": report.seconds}
+    summary = (f"{report.checked} ELF files above the base, {report.needed} NEEDED resolved "
+               f"({len(report.preloaded)} by a library loaded earlier), {len(report.archs)} with device code")
+    if report.findings:
+        more = f" (+{len(report.findings) - 1} more)" if len(report.findings) > 1 else ""
+        return CheckResult(name="binaries", status="fail", reason=f"{report.findings[0].line()}{more}", details=details)
+    if report.unverifiable:
+        more = f" (+{len(report.unverifiable) - 1} more)" if len(report.unverifiable) > 1 else ""
+        return CheckResult(name="binaries", status="error", reason=f"{report.unverifiable[0]}{more}", details=details)
+    declared = f"; {len(report.declared)} declared exception(s) applied" if report.declared else ""
+    return CheckResult(name="binaries", status="pass", reason=f"every binary loads and fits: {summary}{declared}",
                        details=details)
 
 

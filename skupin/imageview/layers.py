@@ -329,22 +329,46 @@ class BlobStore:
 # ---------------------------------------------------------------- the merged view
 
 
+ReadAt = Callable[[int, int], bytes]  # (offset, size) -> at most `size` bytes of one file
+RangeOpener = Callable[[str, Entry], contextlib.AbstractContextManager[ReadAt]]
+
+
 @dataclass
 class FileView:
-    """The merged file system of an image: path -> Entry (with the index of the layer it came from)."""
+    """The merged file system of an image: path -> Entry (with the index of the layer it came from).
+
+    `ranges`, when the layers are on this disk, opens one file for reads at offsets (`open_ranges`): the binaries
+    check reads a few kilobytes of headers of files of gigabytes. Without it a file is read whole (bounded).
+    """
 
     entries: dict[str, Entry]
     layers: tuple[str, ...]
     read: Callable[[str, Entry, int], bytes] = field(repr=False, default=lambda *_: b"")
     bottom: dict[str, Entry] | None = field(repr=False, default=None)  # the bottom layers alone (`image_view(bottom=)`)
+    ranges: RangeOpener | None = field(repr=False, default=None)
 
     def bottom_view(self, count: int) -> FileView:
         """The file system of the bottom `count` layers alone, as they were before any upper layer changed them."""
         if count == 0:
-            return FileView(entries={}, layers=(), read=self.read)
+            return FileView(entries={}, layers=(), read=self.read, ranges=self.ranges)
         if self.bottom is None:
             raise UntrustedInputError("the view was made without its bottom layers")
-        return FileView(entries=self.bottom, layers=self.layers[:count], read=self.read)
+        return FileView(entries=self.bottom, layers=self.layers[:count], read=self.read, ranges=self.ranges)
+
+    @contextlib.contextmanager
+    def open_ranges(self, path: str) -> Iterator[ReadAt]:
+        """`read_at(offset, size)` over regular file `path` of the image, while the context lasts (UntrustedInputError
+        when it is not one, or when it cannot be read here: a file a streamed layer did not keep)."""
+        rel = path.lstrip("/")
+        entry = self.entries.get(rel)
+        if entry is None or entry.kind != "f":
+            raise UntrustedInputError(f"/{rel}: not a regular file of the image")
+        if self.ranges is None:
+            data = self.read_file(rel)
+            yield lambda offset, size: data[offset:offset + size]
+            return
+        with self.ranges(rel, entry) as read_at:
+            yield read_at
 
     def get(self, path: str) -> Entry | None:
         return self.entries.get(path.lstrip("/"))
@@ -475,7 +499,8 @@ def image_view(*, docker: ImageLayers, image: str, layers: tuple[str, ...], cach
     entries = merge(found[d] for d in layers)
     read = _dir_reader(dirs) if dirs is not None else _store_reader(store)
     lower = merge(found[d] for d in layers[:bottom]) if bottom else None
-    return FileView(entries=entries, layers=tuple(layers), read=read, bottom=lower)
+    return FileView(entries=entries, layers=tuple(layers), read=read, bottom=lower,
+                    ranges=_dir_ranges(dirs) if dirs is not None else None)
 
 
 def _cached(folder: Path, diff_id: str, mode: str) -> LayerIndex | None:
@@ -509,6 +534,20 @@ def _dir_reader(dirs: tuple[Path, ...]) -> Callable[[str, Entry, int], bytes]:
             raise UntrustedInputError(f"/{rel}: more than {max_bytes} bytes")
         return data
     return read
+
+
+def _dir_ranges(dirs: tuple[Path, ...]) -> RangeOpener:
+    """Open a file of the view in its layer folder (O_NOFOLLOW at every step) for `pread`s at offsets."""
+    @contextlib.contextmanager
+    def opened(rel: str, entry: Entry) -> Iterator[ReadAt]:
+        fd = open_in_layer(dirs[entry.layer], rel)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UntrustedInputError(f"/{rel}: not a regular file in its layer")
+            yield lambda offset, size: os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+    return opened
 
 
 def _store_reader(store: BlobStore) -> Callable[[str, Entry, int], bytes]:
