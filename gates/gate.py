@@ -50,11 +50,13 @@ from skupin.common.paths import data_path, env_wheelhouse, state_dir
 from skupin.common.untrusted import open_folder, printable, write_new_file
 from skupin.dockerd import BindMount, ContainerSpec, Docker, ImageInfo, RunResult
 from skupin.engines import MODEL_MOUNT, engine_float32, engine_modules, engine_ops, engine_outputs, probe_adapter
+from skupin.gates.host import HostAccelerator, host_accelerator
 from skupin.gates.integrity.binaries import check_binaries, load_rules
 from skupin.gates.integrity.static import ImageFiles, inspect_image
 from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics
 from skupin.gates.judge.modules import host_model, missing_modules, with_modules
 from skupin.gates.judge.ops import judge_battery, judge_ops, missing_ops, spec_sha256
+from skupin.gates.judge.smoke import judge_smoke
 from skupin.gates.judge.tolerance import (
     ToleranceEntry,
     ToleranceKey,
@@ -94,7 +96,6 @@ from skupin.gates.report import write_report
 from skupin.gates.sandbox import sandbox_spec
 from skupin.gates.serving.perf import PerfSettings
 from skupin.gates.serving.serve import serve_check
-from skupin.imagetools.probe import host_driver
 
 OnEvent = Callable[[str], None]
 # The probe's folder (skupin/imagetools/probe/, bind-mounted read-only: its entry script's sys.path[0]) and that script.
@@ -349,6 +350,8 @@ class GateInputs:
     scratch: Path  # one fixture folder for the whole run (boot resolves it, serve reuses it)
     wheelhouse: Path | None = None
     display: str = ""  # the name reports show for `image` when not `image` itself (the build's tag for its id)
+    accelerator: HostAccelerator | None = None  # what this host has for the SKU's family (None: look when asked)
+    pre_gate: bool = False  # stop before boot: only the checks that need no accelerator (`skupin gate --pre-gate`)
     clock: Stopwatch = field(default_factory=Stopwatch)
 
     @property
@@ -366,6 +369,10 @@ class GateInputs:
 
     def wanted(self, check: str) -> bool:
         return check in self.manifest.gate.checks
+
+    def host(self) -> HostAccelerator:
+        """This host's accelerator for the SKU's family (gates/host.py), as the run was given it or looked at now."""
+        return self.accelerator or host_accelerator(self.manifest.base.family)
 
 
 # What each check returns: its CheckResult and what later checks (and the verdict) take of it. A check returns its
@@ -527,8 +534,17 @@ def _summarise_probe(probe: ProbeRun) -> dict[str, Any]:
 
 
 def _check_boot(inputs: GateInputs, pins: PinsResult) -> BootResult:
-    """Run the probe once in the sandbox: the image starts and reports its environment."""
+    """Run the probe once in the sandbox: the image starts and reports its environment. A GPU image on a host without
+    its accelerator is not booted: the run ends "could not run" after the checks that need none."""
     t0 = time.monotonic()
+    m = inputs.manifest
+    host = inputs.host()
+    if not host.present:
+        return BootResult(CheckResult(
+            name="boot", status="error",
+            reason=f"could not run: no {m.accelerator.hardware_class} accelerator here ({host.evidence}); what needs "
+                   f"none ran first (reference, pins, binaries, smoke); run the gate on a {m.accelerator.device} host",
+            details={"accelerator": host.evidence, "no_accelerator": True}))
     try:
         inputs.on_event(f"booting {inputs.shown} ({pins.image_id[:19]}) with the probe "
                         f"(deadline {inputs.manifest.gate.deadline_s} s)")
@@ -588,8 +604,9 @@ def _check_pinned_files(inputs: GateInputs, info: ImageInfo, *, since: float
     except SkupinError as exc:
         return CheckResult(name="pins", status="error", reason=f"the image's files could not be checked: {exc}"), None
     inputs.clock.time("pins_s", since)
-    gpu_host = ALL_FAMILIES[m.base.family].accelerated
-    return judge_pins(report=report, manifest=m, host_driver=host_driver() if gpu_host else None, gpu_host=gpu_host), files
+    host = inputs.host()  # the driver's series is checked where the accelerator is (a GPU host)
+    gpu_host = ALL_FAMILIES[m.base.family].accelerated and host.present
+    return judge_pins(report=report, manifest=m, host_driver=host.driver if gpu_host else None, gpu_host=gpu_host), files
 
 
 def _check_binaries(inputs: GateInputs, pins: PinsResult) -> Judged:
@@ -606,6 +623,46 @@ def _check_binaries(inputs: GateInputs, pins: PinsResult) -> Judged:
                             rules=load_rules(data_path(BINARY_RULES)))
     inputs.clock.time("binaries_s", t0)
     return Judged(judge_binaries(report))
+
+
+def smoke_spec(*, manifest: SkuManifest, image: str, out: Path) -> ContainerSpec:
+    """The sandboxed container of the import smoke test: the probe's `env,smoke` checks, no model, and no accelerator
+    (no GPU request, none of the SKU's devices), whatever the host has."""
+    args = ["--out", "-", "--device", "cpu", "--engine", probe_adapter(manifest.stack.engine.name), "--checks", "env,smoke"]
+    spec = sandbox_spec(
+        manifest=manifest, image=image, entrypoint=(PROBE_PYTHON,), command=(PROBE_MOUNT, *args),
+        mounts=(BindMount(source=PROBE.parent.resolve(), target=PROBE_DIR_MOUNT, read_only=True),),
+        labels={"io.skupin.role": "gate-smoke", "io.skupin.sku": manifest.name, RUN_LABEL: run_label(out)},
+        max_stdout_bytes=MAX_FRAME_BYTES)
+    return spec.model_copy(update={"gpus": False, "devices": (), "group_add": ()})
+
+
+def _check_smoke(inputs: GateInputs, pins: PinsResult) -> Judged:
+    """The import smoke test with no accelerator attached (skupin_probe_smoke.py, judged by gates/judge/smoke.py), for
+    the families that compute on one; a CPU image's boot check is its import test."""
+    m = inputs.manifest
+    family = ALL_FAMILIES[m.base.family]
+    if not family.accelerated:
+        return Judged(CheckResult(name="smoke", status="skipped",
+                                  reason="a CPU image needs no accelerator: its boot check is its import test"))
+    t0 = time.monotonic()
+    out = inputs.out / "smoke"
+    inputs.on_event(f"smoke: importing {m.stack.engine.name} and loading its runtime libraries with no accelerator")
+    out_fd = _host_folder(out)
+    try:
+        result = inputs.docker.run(smoke_spec(manifest=m, image=pins.image_id, out=out))
+        probe = _probe_run(result, deadline=float(m.gate.deadline_s), out_fd=out_fd)
+    except DockerError as exc:
+        return Judged(CheckResult(name="smoke", status="error", reason=f"the smoke container could not run: {exc}"))
+    finally:
+        os.close(out_fd)
+    inputs.clock.time("smoke_s", t0)
+    report = (probe.report.get("checks") or {}).get("smoke")
+    if probe.error or not isinstance(report, dict) or report.get("status") != "ok":
+        why = probe.error or _probe_check_error(probe.report, "smoke") or "no smoke report"
+        return Judged(CheckResult(name="smoke", status="error", reason=f"the smoke test did not run: {printable(why, 600)}",
+                                  details={"logs_tail": probe.logs_tail[-2000:]}))
+    return Judged(judge_smoke(report, host_libraries=family.host_libraries, family=family.name))
 
 
 def _check_kernels(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, boot: BootResult
@@ -844,6 +901,7 @@ CHECKS: tuple[GateCheck, ...] = (
     GateCheck("", _find_tolerance, needs=(ReferenceResult,)),
     GateCheck("pins", _check_pins),
     GateCheck("binaries", _check_binaries, needs=(PinsResult,)),
+    GateCheck("smoke", _check_smoke, needs=(PinsResult,)),
     GateCheck("boot", _check_boot, needs=(PinsResult,)),
     GateCheck("kernels", _check_kernels, needs=(ReferenceResult, ToleranceResult, BootResult), enabled_by="kernels"),
     GateCheck("ops", _check_ops, needs=(ToleranceResult, BootResult), enabled_by="model"),
@@ -853,6 +911,19 @@ CHECKS: tuple[GateCheck, ...] = (
               enabled_by="serve"),
 )
 CHECK_NAMES = tuple(check.name for check in CHECKS if check.name)
+# `skupin gate --pre-gate` (a build runner, before an image goes to staging) runs every check before this one: those
+# that need no accelerator. Its verdict is never a pass (publish refuses it): the stop is recorded as boot's error.
+PRE_GATE_STOP = "boot"
+PRE_GATE_REASON = ("pre-gate only: the checks that need no accelerator ran; boot and the numeric checks need the "
+                   "SKU's accelerator (run the full gate on such a host)")
+
+
+def pre_gate_passed(verdict: GateVerdict) -> bool:
+    """Whether a `--pre-gate` run's checks all passed (or were skipped) up to its stop before boot."""
+    stop = next((c for c in verdict.checks if c.name == PRE_GATE_STOP), None)
+    before = [c for c in verdict.checks if c.name in CHECK_NAMES[:CHECK_NAMES.index(PRE_GATE_STOP)]]
+    return (stop is not None and stop.reason == PRE_GATE_REASON and bool(before)
+            and all(c.status in ("pass", "skipped") for c in before))
 
 
 def _run_checks(inputs: GateInputs) -> Results:
@@ -860,6 +931,10 @@ def _run_checks(inputs: GateInputs) -> Results:
     (`uncalibrated` goes on: with no calibrated entry every check still runs its calibration-free part)."""
     results = Results()
     for check in CHECKS:
+        if inputs.pre_gate and check.name == PRE_GATE_STOP:
+            inputs.on_event(f"pre-gate: stopping before {PRE_GATE_STOP}")
+            return results.then(Judged(CheckResult(name=PRE_GATE_STOP, status="error", reason=PRE_GATE_REASON,
+                                                   details={"pre_gate": True})))
         if check.enabled_by is not None and not inputs.wanted(check.enabled_by):
             outcome: Outcome = Judged(CheckResult(name=check.name, status="skipped",
                                                   reason=f"{check.enabled_by} is not in the SKU's gate.checks"))
@@ -912,14 +987,14 @@ def gate(built: BuiltImage, docker: Docker, *, out: Path, on_event: OnEvent = _q
 def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, on_event: OnEvent = _quiet,
                tolerances_path: Path | None = None, reference: Path | None = None, baseline: str | None = None,
                serve_perf: PerfSettings | None = None, wheelhouse: Path | None = None,
-               display: str | None = None) -> GateVerdict:
+               display: str | None = None, pre_gate: bool = False) -> GateVerdict:
     """Gate any local image `image` for the SKU of `stack` and write verdict.json, report.md and plot.png to `out`.
 
     `gate` is the stage for an image built here; this is the same gate for one that was not (`skupin
     gate --image`, a third-party image, the tests' tampered images). Checks run in
     order and the first one that does not pass stops the rest. `baseline` (an image) adds the serve
     check's interleaved A/B; `serve_perf` overrides its load. `display` is the name reports give `image`
-    (verdict.json's `image`; its `image_id` is always the id that ran).
+    (verdict.json's `image`; its `image_id` is always the id that ran). `pre_gate`: stop before boot (PRE_GATE_STOP).
     """
     started = time.monotonic()
     created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
@@ -931,7 +1006,8 @@ def gate_image(*, stack: ResolvedStack, image: str, docker: Docker, out: Path, o
                             tolerances_path=tolerances_path or catalog_tolerances(), reference=reference,
                             baseline=baseline, serve_perf=serve_perf, scratch=Path(scratch),
                             wheelhouse=wheelhouse if wheelhouse is not None else default_wheelhouse(),
-                            display=display or "")
+                            display=display or "", accelerator=host_accelerator(stack.manifest.base.family),
+                            pre_gate=pre_gate)
         results = _run_checks(inputs)
     return _finish(inputs, results, started=started, created=created)
 

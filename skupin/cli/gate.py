@@ -35,7 +35,7 @@ def _default_out(kind: str, sku: str) -> Path:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from skupin.gates.gate import gate_image, image_from_build_record
+    from skupin.gates.gate import gate_image, image_from_build_record, pre_gate_passed
     from skupin.gates.judge.tolerance import catalog_tolerances
     from skupin.publishing.attest import find_signer
     from skupin.publishing.publish import write_verdict_envelope
@@ -49,19 +49,21 @@ def cmd_gate(args: argparse.Namespace) -> int:
                          tolerances_path=Path(args.tolerances) if args.tolerances else catalog_tolerances(),
                          reference=Path(args.reference) if args.reference else None,
                          baseline=getattr(args, "baseline", None),
-                         wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
+                         wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None,
+                         pre_gate=bool(getattr(args, "pre_gate", False)))
+    code = 0 if getattr(args, "pre_gate", False) and pre_gate_passed(verdict) else verdict.exit_code
     envelope = write_verdict_envelope(folder, verdict, signer)
     err(f"verdict signed by this host's key {signer.keyid[:12]}: {envelope}")
     if args.json:  # the verdict, with the --json contract's fields (skupin/cli/output.py) beside it
-        contract = {"ok": True, "error": None, "warnings": warnings()} if verdict.exit_code == 0 else failure(
+        contract = {"ok": True, "error": None, "warnings": warnings()} if code == 0 else failure(
             _verdict_error(verdict.exit_code, verdict.reason))
         out(json.dumps({**json.loads(verdict.model_dump_json()), **contract}, indent=1))
     else:
         for check in verdict.checks:
             out(f"{check.status:<8} {check.name:<9} {check.reason}")
-        out(f"{verdict.decision.upper()}: {verdict.reason}")
+        out(f"{'PRE-GATE PASSED' if code == 0 and args.pre_gate else verdict.decision.upper()}: {verdict.reason}")
         out(f"report: {folder / 'report.md'}  verdict: {folder / 'verdict.json'}  ({verdict.timings.get('total_s', 0):.1f} s)")
-    return verdict.exit_code
+    return code
 
 
 def _verdict_error(code: int, reason: str) -> Exception:
@@ -206,11 +208,15 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "gate",
         help="check an image's files against its lock, boot it, compare its outputs with the NVIDIA reference",
         description="Checks, in order: reference, pins (static: the image's files are its lock, "
-        "read from its layers before anything runs), boot, kernels, ops (the engine's own ops against float64 math "
+        "read from its layers before anything runs), binaries (static: every GPU binary carries machine code for the "
+        "SKU's arch, every shared object's libraries resolve inside the image), smoke (a GPU image imports its engine "
+        "and loads its runtime libraries with no accelerator attached), boot (on a host without the SKU's "
+        "accelerator the run ends here: could not run, never a pass), kernels, ops (the engine's own ops against float64 math "
         "on the host), model, float32 (a SKU serving bf16/fp16 is "
         "probed again at float32 against the float32 bundle beside its reference), serve. "
         "Exit 0: pass; 10: the image failed the gate; 11: the gate could not run; 14: uncalibrated (no "
-        "calibrated tolerance for the SKU's class: the calibration-free checks passed; never a pass).",
+        "calibrated tolerance for the SKU's class: the calibration-free checks passed; never a pass). "
+        "With --pre-gate: exit 0 when every check before boot passed.",
     )
     p.add_argument("sku", help="SKU name (skus/<name>.yaml) or manifest path")
     p.add_argument("--image", metavar="REF", help="image to gate (default: the SKU's build record); any local image works")
@@ -227,6 +233,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--wheelhouse", type=Path, metavar="DIR", default=env_wheelhouse(),
                    help="where locked wheels with no download URL lie (pins compares the image with every locked wheel; "
                         "default $SKUPIN_WHEELHOUSE; wheels already in the wheel store need nothing)")
+    p.add_argument("--pre-gate", action="store_true",
+                   help="run only the checks that need no accelerator (reference, pins, binaries, smoke) and stop before "
+                        "boot: what a build runner runs before an image goes to staging. Exit 0 when they all passed; "
+                        "the verdict still says could_not_run (a pre-gate is never a pass; publish refuses it)")
     install_missing_flag(p)
     p.set_defaults(func=cmd_gate)
 

@@ -91,7 +91,8 @@ def test_every_registered_check_takes_the_outcomes_it_needs_and_earlier_checks_g
         assert tuple(hints[p] for p in params[1:]) == check.needs, check.label
         assert set(check.needs) <= given, check.label
         given.add(hints["return"])
-    assert gate.CHECK_NAMES == ("reference", "pins", "binaries", "boot", "kernels", "ops", "model", "float32", "serve")
+    assert gate.CHECK_NAMES == ("reference", "pins", "binaries", "smoke", "boot", "kernels", "ops", "model", "float32",
+                                "serve")
 
 
 def test_a_misshaped_candidate_tensor_is_a_model_error_naming_it_not_a_traceback() -> None:

@@ -108,7 +108,7 @@ def test_no_entry_runs_every_calibration_free_check_and_ends_uncalibrated_never_
     statuses = {c.name: c.status for c in verdict.checks}
     assert statuses == {"reference": "pass", "pins": "pass", "boot": "pass", "kernels": "uncalibrated",
                         "ops": "skipped", "model": "uncalibrated", "float32": "skipped", "serve": "uncalibrated",
-                        "binaries": "skipped"}  # not in run_gate's checks: recorded as not evaluated
+                        "binaries": "skipped", "smoke": "skipped"}  # not in run_gate's checks: not evaluated
     assert verdict.decision == "uncalibrated" and verdict.exit_code == 14 == GateUncalibrated.exit_code
     assert "no calibrated tolerance for cpu-x86_64/float32/tiny-llama" in verdict.reason
     assert "fix: skupin calibrate cpu-x86_64 --image img on that hardware" in verdict.reason  # the image it gated

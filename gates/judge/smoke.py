@@ -1,0 +1,81 @@
+"""Judge the import smoke test (the probe's `smoke` check, skupin/imagetools/probe/skupin_probe_smoke.py) on the host.
+
+The probe loaded torch, the engine, every extension module of the engine's package and every runtime library the
+image carries as wheels, in the sandbox with no accelerator attached, and reported each outcome as "ok" or the
+loader's message. Here each outcome becomes one of:
+
+- **ok**: it loaded;
+- **host**: it could not load only because a library the host's driver injects at run time is missing (the
+  family's declared `host_libraries`, builder/catalog/families.py: libcuda.so.1 and the like): deferred to a host
+  with the accelerator, where the boot check loads it for real;
+- **broken**: anything else (a missing library the image should carry, an undefined symbol, an extension built for
+  another torch or Python, an exception at import). One broken item fails the check, named.
+
+torch and the engine's top-level package must import: a failure there is broken whatever the message says (the
+engine cannot even be asked what it needs). The test cannot see what only runs on the accelerator: kernels, the
+driver's JIT of PTX, the collective library's transport; the boot and later checks do.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from skupin.gates.judge.verdict import CheckResult
+
+# The loader's words for a library it did not find ("libcuda.so.1: cannot open shared object file: ..."), in dlopen's
+# messages and in the ImportError of an extension module that links it.
+_NOT_FOUND = re.compile(r"([\w.+-]+\.so(?:\.[\w]+)*): cannot open shared object file")
+_SHOWN = 12  # broken items listed in the details
+
+
+def classify(outcome: str, host_libraries: Iterable[str]) -> tuple[str, str]:
+    """("ok" | "host" | "broken", the library the host must bring for "host", else '')."""
+    if outcome == "ok":
+        return "ok", ""
+    missing = _NOT_FOUND.findall(outcome)
+    if missing and all(name in set(host_libraries) for name in missing):
+        return "host", missing[0]
+    return "broken", ""
+
+
+def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], family: str) -> CheckResult:
+    """The smoke CheckResult from the probe's smoke report: pass when every item loaded or needs only the host's
+    driver; fail naming the first broken one; error when the report is not one."""
+    imports, extensions, libraries = (report.get(k) for k in ("imports", "extensions", "libraries"))
+    if not all(isinstance(x, dict) for x in (imports, extensions, libraries)):
+        return CheckResult(name="smoke", status="error", reason="the probe's smoke report is malformed")
+    assert isinstance(imports, dict) and isinstance(extensions, dict) and isinstance(libraries, dict)
+    broken: list[str] = []
+    deferred: dict[str, str] = {}
+    for name, outcome in imports.items():
+        if str(outcome) != "ok":  # torch and the engine itself: nothing is deferred
+            broken.append(f"import {name}: {str(outcome)[:300]}")
+    counts = {"ok": 0, "host": 0, "broken": 0}
+    for kind, items in (("extension", extensions), ("library", libraries)):
+        for name, outcome in sorted(items.items()):
+            verdict, needs = classify(str(outcome), host_libraries)
+            counts[verdict] += 1
+            if verdict == "host":
+                deferred[str(name)] = needs
+            elif verdict == "broken":
+                broken.append(f"{kind} {name}: {str(outcome)[:300]}")
+    details: dict[str, Any] = {
+        "imports": {str(k): str(v)[:300] for k, v in imports.items()}, "extensions": len(extensions),
+        "libraries": len(libraries), "counts": counts, "broken": broken[:_SHOWN],
+        "needs_host_driver": dict(sorted(deferred.items())[:50]), "host_libraries": list(host_libraries),
+        "accelerator_visible": report.get("accelerator_visible"), "truncated": bool(report.get("truncated")),
+        "wall_s": report.get("wall_s")}
+    if broken:
+        more = f" (+{len(broken) - 1} more)" if len(broken) > 1 else ""
+        return CheckResult(name="smoke", status="fail",
+                           reason=f"with no accelerator attached the image does not load: {broken[0]}{more}",
+                           details=details)
+    if report.get("truncated"):
+        return CheckResult(name="smoke", status="error", details=details,
+                           reason="the smoke test stopped at its item or time limit before it loaded everything")
+    return CheckResult(name="smoke", status="pass", details=details,
+                       reason=f"with no accelerator attached: torch and the engine import, {counts['ok']} extension "
+                              f"modules and runtime libraries load, {counts['host']} wait only for the host's "
+                              f"{family} driver ({', '.join(sorted(set(deferred.values()))) or 'none'})")
