@@ -20,6 +20,7 @@ from skupin.gates.judge.smoke import judge_smoke
 
 pytestmark = pytest.mark.integration
 CUDA_HOST = ALL_FAMILIES["cuda"].host_libraries
+BASE_TAG = "skupin-test/smoke-base:latest"
 
 
 def _smoke(docker: Docker, stack, image: str, out: Path) -> dict:
@@ -45,12 +46,20 @@ def test_the_honest_image_loads_with_no_accelerator_and_a_broken_library_is_name
     context = tmp_path / "broken"
     context.mkdir()
     (context / "Dockerfile").write_text(
-        f"FROM {honest_image}\nUSER root\n"
+        f"FROM {BASE_TAG}\nUSER root\n"
         f"RUN lib=$(ls -d {VENV}/lib/python3*/site-packages/torch/lib) && printf 'broken' > \"$lib/libshm.so\"\n")
-    broken = docker.build(context=context, dockerfile=context / "Dockerfile")
+    docker.tag(honest_image, BASE_TAG)
+    lines: list[str] = []
     try:
-        result = judge_smoke(_smoke(docker, stack, broken, tmp_path / "broken-out"), host_libraries=CUDA_HOST,
-                             family="cuda")
+        broken = docker.build(context=context, dockerfile=context / "Dockerfile", on_line=lines.append)
+        try:
+            result = judge_smoke(_smoke(docker, stack, broken, tmp_path / "broken-out"), host_libraries=CUDA_HOST,
+                                 family="cuda")
+        finally:
+            docker.remove_image(broken, force=True)
+    except Exception:
+        print("\n".join(lines[-30:]))
+        raise
     finally:
-        docker.remove_image(broken, force=True)
+        docker.remove_image(BASE_TAG)
     assert result.status == "fail" and "torch/lib/libshm.so" in result.reason, result.reason

@@ -732,8 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
     except Exception as exc:
         if _adapter_needs_torch(args.engine):
-            report["checks"] = {c: {"status": "error", "error": f"torch import failed: {exc}"} for c in args.checks}
-            return _finish(args, report, tensors, started, frame_fd)
+            return _finish(args, _torch_failed(args, report, exc), tensors, started, frame_fd)
         has_torch = False  # an adapter without torch (llama.cpp); the kernel battery needs it
     if args.threads and has_torch:
         torch.set_num_threads(args.threads)
@@ -774,11 +773,20 @@ def run_ops_check(args: argparse.Namespace, device: str, tensors: dict[str, Arra
     return {**info, "wall_s": time.perf_counter() - t0}
 
 
+def _torch_failed(args: argparse.Namespace, report: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+    """The report of a run whose torch does not import: every check an error, but the smoke test, which reports it."""
+    report["checks"] = {c: {"status": "error", "error": f"torch import failed: {exc}"} for c in args.checks}
+    if "smoke" in args.checks:
+        report["checks"]["smoke"] = smoke_check(args)
+    return report
+
+
 def smoke_check(args: argparse.Namespace) -> dict[str, Any]:
     """The import smoke test's report (skupin_probe_smoke.py): "ok" as a check whatever it found (the gate host judges
     each item); an error only when the test itself could not run."""
     try:
-        found = load_sibling("skupin_probe_smoke").smoke(ENGINE_IMPORTS[args.engine])
+        found = load_sibling("skupin_probe_smoke").smoke(ENGINE_IMPORTS[args.engine],
+                                                         with_torch=_adapter_needs_torch(args.engine))
     except Exception as exc:
         return _error(exc)
     return {"status": "ok", **found}

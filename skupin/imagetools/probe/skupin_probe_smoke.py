@@ -85,13 +85,15 @@ def _load(path: str) -> str:
     return "ok"
 
 
-def smoke(engine_import: str, *, site_packages: list[str] | None = None, budget_s: float = 300.0) -> dict[str, Any]:
-    """Import torch and `engine_import`, then every extension module of that package and every runtime library of
-    the site-packages folders: {"imports": {name: outcome}, "extensions": {module: outcome}, "libraries":
-    {path: outcome}, "accelerator_visible": ..., "truncated": ...}; an outcome is "ok" or the loader's message."""
+def smoke(engine_import: str, *, with_torch: bool = True, site_packages: list[str] | None = None,
+          budget_s: float = 300.0) -> dict[str, Any]:
+    """Import torch (unless the engine runs without it: `with_torch`) and `engine_import`, then every extension
+    module of that package and every runtime library of the site-packages folders: {"imports": {name: outcome},
+    "extensions": {module: outcome}, "libraries": {path: outcome}, "accelerator_visible": ..., "truncated": ...};
+    an outcome is "ok" or the loader's message."""
     t0 = time.perf_counter()
     report: dict[str, Any] = {"imports": {}, "extensions": {}, "libraries": {}, "truncated": False}
-    for name in ("torch", engine_import):
+    for name in (("torch",) if with_torch else ()) + (engine_import,):
         report["imports"][name] = _import(name)
     torch = sys.modules.get("torch")
     if torch is not None:
