@@ -49,10 +49,12 @@ from skupin.gates.sandbox import SANDBOX_ENV  # noqa: E402
 FRAMES = {"boot": "boot.frame", "float32": "float32.frame"}
 
 
-def manifest_for(sku: str, *, engine: str, model: str | None) -> SkuManifest:
-    """The SKU's manifest with its engine (what the H200 has installed) and, optionally, its gate model replaced."""
+def manifest_for(sku: str, *, engine: str, model: str | None, version: str | None = None) -> SkuManifest:
+    """The SKU's manifest with its engine (what the H200 has installed: its name and, when known, the version that
+    ran, which the engine rule of an accelerated class's entry compares) and, optionally, its gate model replaced."""
     manifest = load_manifest(ROOT / "skus" / f"{sku}.yaml")
-    stack = manifest.stack.model_copy(update={"engine": manifest.stack.engine.model_copy(update={"name": engine})})
+    pin = {"name": engine, **({"version": version} if version else {})}
+    stack = manifest.stack.model_copy(update={"engine": manifest.stack.engine.model_copy(update=pin)})
     gate_ = manifest.gate
     if model:
         gate_ = gate_.model_copy(update={"model": model, "reference": f"gates/references/{model}/h200-{gate_.dtype}"})
@@ -104,8 +106,9 @@ def probe_run(frame: Path) -> gate.ProbeRun:
 
 
 def judge(args: argparse.Namespace) -> int:
-    manifest = manifest_for(args.sku, engine=args.engine, model=args.model)
     boot_probe, float32_probe = probe_run(args.frames / FRAMES["boot"]), probe_run(args.frames / FRAMES["float32"])
+    ran = ((boot_probe.report.get("env") or {}).get("engines") or {}).get(args.engine)  # the version the H200 has
+    manifest = manifest_for(args.sku, engine=args.engine, model=args.model, version=ran)
     expected = host_command(float32_probe_manifest(manifest), Path(MODEL_MOUNT), ops=False)[2:]
     recorded = json.loads((args.frames / "rehearsal.json").read_text(encoding="utf-8"))["float32"]["command"][1:]
 
