@@ -4,9 +4,11 @@ Run from the repository root:  python bench/lock_bench.py [--sku nvidia-h200-vll
                                                         [--out bench/results/lock.json]
 Each round times, back to back and in one process tree: `uv pip compile` of the SKU's pins for its
 Python and platform (wheels only, the lock's own index strategy), then `skupin lock SKU` into a copy
-of the catalog (the committed lock is never rewritten). One `skupin lock --resolver pip` follows.
+of the catalog (the committed lock is never rewritten; `--apt manifest`: the Python resolution is what is compared,
+not reading the base's apt versions on a Docker engine). One `skupin lock --resolver pip` follows.
 Both hit PyPI: numbers move with the network, which is why they are taken in the same run.
-Target (issue 20): the default lock within 2x of `uv pip compile`.
+Target (issue 34): the default lock within 1.2x of `uv pip compile` (issue 20 asked for 2x). `--no-pip` leaves out
+the pip resolver's run (about a minute).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET_RATIO = 2.0
+TARGET_RATIO = 1.2  # issue 34 (issue 20 asked for 2x)
 
 
 def _timed(cmd: list[str], *, cwd: Path) -> float:
@@ -40,6 +42,7 @@ def main() -> int:
     parser.add_argument("--sku", default="nvidia-h200-vllm")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/lock.json")
+    parser.add_argument("--no-pip", action="store_true", help="do not time `skupin lock --resolver pip`")
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -67,16 +70,19 @@ def main() -> int:
         rounds = []
         for number in range(1, args.rounds + 1):
             uv_s = _timed(compile_cmd, cwd=work)
-            lock_s = _timed([skupin, "lock", args.sku], cwd=catalog)
+            lock_s = _timed([skupin, "lock", args.sku, "--apt", "manifest"], cwd=catalog)
             rounds.append({"uv_pip_compile_s": round(uv_s, 2), "skupin_lock_s": round(lock_s, 2),
                            "ratio": round(lock_s / uv_s, 2)})
             print(f"round {number}: uv pip compile {uv_s:.1f} s, skupin lock {lock_s:.1f} s ({lock_s / uv_s:.2f}x)")
-        pip_s = _timed([skupin, "lock", args.sku, "--resolver", "pip"], cwd=catalog)
-        print(f"skupin lock --resolver pip {pip_s:.1f} s")
+        pip_s = None if args.no_pip else _timed([skupin, "lock", args.sku, "--apt", "manifest", "--resolver", "pip"],
+                                                cwd=catalog)
+        if pip_s is not None:
+            print(f"skupin lock --resolver pip {pip_s:.1f} s")
         packages = len(json.loads((catalog / "skus" / f"{args.sku}.lock.json").read_text())["layers"]["engine"])
     ratio = statistics.median(r["ratio"] for r in rounds)
     result = {"sku": args.sku, "date": datetime.now(UTC).strftime("%Y-%m-%d"), "rounds": rounds,
-              "median_ratio": ratio, "target_ratio": TARGET_RATIO, "pip_resolver_s": round(pip_s, 2),
+              "median_ratio": ratio, "target_ratio": TARGET_RATIO,
+              "pip_resolver_s": round(pip_s, 2) if pip_s is not None else None,
               "engine_layer_packages": packages, "uv": subprocess.run([uv, "--version"], capture_output=True,
                                                                      text=True, check=False).stdout.strip()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

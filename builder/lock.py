@@ -29,13 +29,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote, urlparse
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from skupin.builder.aptlock import HostFacts
 from skupin.builder.catalog.lockfile import PY_LAYERS, Lock, LockedBase, LockedPackage, lock_path, read_lock, write_lock
 from skupin.builder.catalog.manifest import PYPI, Pin, SkuManifest, display_path, manifest_digest
 from skupin.builder.catalog.pylock import pylock_missing, pylock_problem, write_pylock
@@ -46,6 +46,9 @@ from skupin.builder.wheels import file_sha256
 from skupin.common import __version__
 from skupin.common.errors import LockError, Problem
 from skupin.common.model import Frozen
+
+if TYPE_CHECKING:
+    from skupin.builder.aptlock import HostFacts
 
 DEFAULT_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # glibc of each base distribution: the highest manylinux tag its wheels may carry.

@@ -2,10 +2,12 @@
 
 uv resolves for the target itself (`--python-version`, `--python-platform`: markers are evaluated for the
 image, not this host); the lock took 19-24 s with it against pip's 61 s here (docs/BENCHMARKS.md, "Locking").
-It runs twice on the same inputs: once writing a PEP 751 `pylock.toml` (each package's version and its
-wheels with their sha256, already filtered to the target), once writing annotated requirements whose
-`# via` comments give the dependency graph. `run_uv` turns both into the dict `builder.lock` reads from
-pip's `--report` (install[].metadata and download_info), so everything after the resolution is shared.
+It runs twice on the same inputs: once against the index writing a PEP 751 `pylock.toml` (each package's version
+and its wheels with their sha256, already filtered to the target), and once `--offline` from uv's cache, writing
+annotated requirements whose `# via` comments give the dependency graph (side by side when the cache already answers
+with the same versions, else after the first run has filled it; see `run_uv`). `run_uv` turns both into the
+dict `builder.lock` reads from pip's `--report` (install[].metadata and download_info), so everything after the
+resolution is shared.
 
 Of a package's wheels the one pip would install is kept: the first in the target's tag priority
 (packaging.tags for CPython X.Y on the target's platforms). Requires-Dist is replaced by the edges uv
@@ -141,11 +143,15 @@ def via_graph(annotated: str) -> Graph:
     return Graph(versions=versions, children={k: tuple(sorted(v)) for k, v in children.items()})
 
 
+def _versions(pylock: Mapping[str, Any]) -> dict[str, str]:
+    return {str(canonicalize_name(p["name"])): str(p["version"]) for p in pylock.get("packages", ())}
+
+
 def report_from(pylock: Mapping[str, Any], graph: Graph, *, tags: Sequence[Tag],
                 base: Path, uv_version: str, layer: str) -> dict[str, Any]:
     """pip's --report shape (install[]: metadata, download_info) for uv's pylock and dependency graph; LockError when
     the two runs did not resolve the same set (an index that changed between them)."""
-    locked = {str(canonicalize_name(p["name"])): str(p["version"]) for p in pylock.get("packages", ())}
+    locked = _versions(pylock)
     if locked != graph.versions:
         differ = sorted(set(locked.items()) ^ set(graph.versions.items()))
         raise LockError(f"{layer}: uv's two runs resolved different sets ({', '.join(f'{n} {v}' for n, v in differ[:6])}"
@@ -224,6 +230,39 @@ def _command(request: UvRequest, *, uv: str, platform: str, work: Path) -> list[
     return cmd
 
 
+def _start(layer: str, cmd: list[str], *, env: Mapping[str, str], work: Path) -> subprocess.Popen[str]:
+    try:
+        return subprocess.Popen(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as exc:
+        raise LockError(f"{layer}: cannot run uv ({cmd[0]}): {exc}") from exc
+
+
+def _finish(layer: str, proc: subprocess.Popen[str], *, timeout_s: float) -> None:
+    """Wait for one `uv pip compile`; LockError (uv's own words) when it failed or ran past `timeout_s` (then killed)."""
+    try:
+        output = proc.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired as exc:
+        raise LockError(f"{layer}: uv did not finish within {timeout_s:.0f} s") from exc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise LockError(_explain(layer, output))
+
+
+def _uv(layer: str, cmd: list[str], *, env: Mapping[str, str], work: Path, timeout_s: float) -> None:
+    _finish(layer, _start(layer, cmd, env=env, work=work), timeout_s=timeout_s)
+
+
+def _read_graph(path: Path) -> Graph | None:
+    """The graph uv wrote to `path`; None when there is none (a line it cannot read stays an error: via_graph)."""
+    try:
+        return via_graph(path.read_text(encoding="utf-8"))
+    except OSError:
+        return None
+
+
 def run_uv(request: UvRequest, *, uv: str, ca_bundle: Path | None = None, timeout_s: float = 1800.0,
            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Resolve one `builder.lock.PipRequest` with uv; pip's report shape (see the module doc). LockError on failure."""
@@ -239,30 +278,42 @@ def run_uv(request: UvRequest, *, uv: str, ca_bundle: Path | None = None, timeou
     with tempfile.TemporaryDirectory(prefix="skupin-uv-") as tmp:
         work = Path(tmp)
         cmd = _command(request, uv=uv, platform=platform, work=work)
-        runs = [["--format", "pylock.toml", "-o", str(work / "pylock.toml")],  # both at once: each is mostly waiting
-                ["--annotation-style", "line", "-o", str(work / "graph.txt")]]  # on the index's answers
+        # One resolution against the index (pylock.toml) and, beside it, the graph from uv's cache alone
+        # (`--offline`: no request, ~2 s of resolving here). When the cache held what the index now answers, the graph
+        # resolves the same versions and is used; else (a cold cache, or releases the cache had not seen) it is made
+        # again offline from the cache the first run has just filled, and from the index only when that is refused.
+        # Two runs against the index side by side competed for it and for the cores: 1.5-2.2x one run
+        # (docs/BENCHMARKS.md, "Locking").
+        online = _start(request.layer, [*cmd, "--format", "pylock.toml", "-o", str(work / "pylock.toml")], env=env,
+                        work=work)
+        graph_out = work / "graph.txt"
+        graph_cmd = [*cmd, "--annotation-style", "line", "-o", str(graph_out)]
         try:
-            procs = [subprocess.Popen([*cmd, *extra], env=env, cwd=work, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True) for extra in runs]
-        except OSError as exc:
-            raise LockError(f"{request.layer}: cannot run uv ({uv}): {exc}") from exc
+            early = _start(request.layer, [*graph_cmd, "--offline"], env=env, work=work)
+        except LockError:
+            online.kill()
+            online.wait()
+            raise
         try:
-            answers = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
-        except subprocess.TimeoutExpired as exc:
-            raise LockError(f"{request.layer}: uv did not finish within {timeout_s:.0f} s") from exc
+            _finish(request.layer, online, timeout_s=timeout_s)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        for proc, answer in zip(procs, answers, strict=True):
-            if proc.returncode != 0:
-                raise LockError(_explain(request.layer, answer))
+            try:
+                _finish(request.layer, early, timeout_s=timeout_s)
+                graph = _read_graph(graph_out)
+            except LockError:  # the cache could not answer offline (or what it answered is unreadable): made below
+                graph = None
         try:
             pylock = tomllib.loads((work / "pylock.toml").read_text(encoding="utf-8"))
-            graph = via_graph((work / "graph.txt").read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise LockError(f"{request.layer}: uv wrote no readable lock: {exc}") from exc
+        if graph is None or graph.versions != _versions(pylock):
+            try:
+                _uv(request.layer, [*graph_cmd, "--offline"], env=env, work=work, timeout_s=timeout_s)
+            except LockError:
+                _uv(request.layer, graph_cmd, env=env, work=work, timeout_s=timeout_s)
+            graph = _read_graph(graph_out)
+            if graph is None:
+                raise LockError(f"{request.layer}: uv wrote no readable dependency graph ({graph_out.name})")
         tags = target_tags(python=request.python, abis=request.abis, platforms=request.platforms)
         return report_from(pylock, graph, tags=tags, base=work, uv_version=_installed_version(), layer=request.layer)
 

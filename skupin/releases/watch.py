@@ -31,13 +31,13 @@ import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from skupin.builder.aptlock import HostFacts
 from skupin.builder.catalog.manifest import Pin, SkuManifest, parse_manifest
 from skupin.builder.lock import relock as lock_and_write
 from skupin.clients.oci import RegistryClient, parse_image_ref
@@ -47,6 +47,9 @@ from skupin.common.model import Frozen
 from skupin.common.paths import PYPI_SIMPLE, manifest_files
 from skupin.releases.compat_refresh import applicable, engine_torch_row, torch_compiler_row
 from skupin.releases.yamledit import get_scalar, set_scalars
+
+if TYPE_CHECKING:
+    from skupin.builder.aptlock import HostFacts
 
 Progress = Callable[[str], None]
 

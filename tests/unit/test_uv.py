@@ -83,3 +83,52 @@ def test_what_uv_is_given():
     assert uv_platform(("macosx_14_0_arm64",)) is None
     assert usable(("torch==2.13.0", "vllm==0.32.0"), PLATFORMS)
     assert not usable(("vllm @ https://example/vllm.tar.gz",), PLATFORMS)  # direct URLs go to pip
+
+
+FAKE_UV = """#!{python}
+import json, pathlib, sys
+args = sys.argv[1:]
+log = pathlib.Path({log!r})
+with log.open("a") as f:
+    f.write(json.dumps(args) + "\\n")
+offline_runs = sum("--offline" in line for line in log.read_text().splitlines())
+if "--offline" in args and {cache!r} == "cold":
+    print("error: Network connectivity is disabled, but the requested data wasn't found in the cache"); sys.exit(2)
+out = pathlib.Path(args[args.index("-o") + 1])
+if "pylock.toml" in args:
+    out.write_text({pylock!r})
+elif "--offline" in args and offline_runs == 1 and {cache!r} == "stale":  # an older release than the index has now
+    out.write_text({annotated!r}.replace("aiohttp==3.14.5", "aiohttp==3.14.4"))
+else:
+    out.write_text({annotated!r})
+"""
+
+
+@pytest.mark.parametrize("cache, after", [
+    ("warm", []),  # the cache answers what the index answers: the graph made beside the resolution is used
+    ("stale", [("graph", True)]),  # it answered older releases: made again from the cache the first run filled
+    ("cold", [("graph", True), ("graph", False)]),  # it cannot answer offline: from the index
+])
+def test_one_resolution_against_the_index_and_the_graph_from_the_cache(tmp_path, cache, after):
+    """uv resolves against the index once (pylock.toml); the dependency graph comes from uv's cache (`--offline`),
+    beside that run when the cache already resolves the same versions, else after it: two runs against the index side
+    by side competed for it and for the cores (docs/BENCHMARKS.md, "Locking")."""
+    import json
+    import sys
+
+    from skupin.builder.lock import PipRequest
+    from skupin.builder.uv import run_uv
+
+    log = tmp_path / "calls.jsonl"
+    uv = tmp_path / "uv"
+    uv.write_text(FAKE_UV.format(python=sys.executable, log=str(log), cache=cache, pylock=PYLOCK, annotated=ANNOTATED))
+    uv.chmod(0o755)
+    request = PipRequest(layer="all", requirements=("torch==2.13.0",), index_url="https://pypi.org/simple",
+                         python="3.11", abis=("cp311", "abi3", "none"), platforms=PLATFORMS)
+    report = run_uv(request, uv=str(uv), environ={"PATH": "/usr/bin:/bin"})
+    assert {p["metadata"]["name"]: p["metadata"]["version"] for p in report["install"]}["aiohttp"] == "3.14.5"
+    assert sorted(p["metadata"]["name"] for p in report["install"]) == ["aiohttp", "filelock", "nvidia-nvtx", "torch"]
+    calls = [("pylock" if "pylock.toml" in c else "graph", "--offline" in c)
+             for c in (json.loads(line) for line in log.read_text().splitlines())]
+    assert sorted(calls[:2]) == [("graph", True), ("pylock", False)]  # side by side
+    assert calls[2:] == after
