@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 MAX = 200
 
@@ -126,6 +127,15 @@ def publish(sku: str, published: Path, verified: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _why(case: Any) -> str:
+    """A failed test case's first line of why: its failure's (or error's) message, else the first line of its text."""
+    found = case.find("failure")
+    if found is None:
+        found = case.find("error")
+    text = (found.get("message") or found.text or "").strip()
+    return text.splitlines()[0] if text else ""
+
+
 def junit(title: str, path: Path) -> str:
     import xml.etree.ElementTree as ET  # pytest's own file, on the runner that wrote it
 
@@ -139,8 +149,8 @@ def junit(title: str, path: Path) -> str:
     lines.append(f"{total['tests']} tests: {total['failures']} failed, {total['errors']} errors, {total['skipped']} skipped")
     failed = [c for s in suites for c in s.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
     if failed:
-        lines += ["", "| failed test |", "|---|"] + [f"| `{cell(c.get('classname'))}::{cell(c.get('name'))}` |"
-                                                     for c in failed[:50]]
+        lines += ["", "| failed test | why |", "|---|---|"]
+        lines += [f"| `{cell(c.get('classname'))}::{cell(c.get('name'))}` | {cell(_why(c))} |" for c in failed[:50]]
     return "\n".join(lines) + "\n"
 
 

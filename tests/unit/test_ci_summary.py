@@ -39,10 +39,12 @@ def test_no_verdict_and_junit_counts(tmp_path: Path):
     assert "No verdict" in ci_summary.gate("s", tmp_path / "missing.json", tmp_path, None)
     junit = tmp_path / "j.xml"
     junit.write_text('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
-                     '<testcase classname="t.m" name="ok"/><testcase classname="t.m" name="bad"><failure/></testcase>'
+                     '<testcase classname="t.m" name="ok"/><testcase classname="t.m" name="bad">'
+                     '<failure message="AssertionError: assert 2 == 3">long traceback</failure></testcase>'
                      '<testcase classname="t.m" name="skip"><skipped/></testcase></testsuite></testsuites>')
     text = ci_summary.junit("unit", junit)
-    assert "3 tests: 1 failed, 0 errors, 1 skipped" in text and "| `t.m::bad` |" in text and "ok" not in text
+    assert "3 tests: 1 failed, 0 errors, 1 skipped" in text and "ok" not in text
+    assert "| `t.m::bad` | AssertionError: assert 2 == 3 |" in text  # why it failed, not only that it did
 
 
 FAILED = {"ok": False, "error": {
