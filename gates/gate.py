@@ -96,6 +96,7 @@ from skupin.gates.report import write_report
 from skupin.gates.sandbox import sandbox_spec
 from skupin.gates.serving.perf import PerfSettings
 from skupin.gates.serving.serve import serve_check
+from skupin.imagetools.probe.skupin_probe import ENGINE_IMPORTS, _adapter_needs_torch
 
 OnEvent = Callable[[str], None]
 # The probe's folder (skupin/imagetools/probe/, bind-mounted read-only: its entry script's sys.path[0]) and that script.
@@ -625,15 +626,21 @@ def _check_binaries(inputs: GateInputs, pins: PinsResult) -> Judged:
     return Judged(judge_binaries(report))
 
 
+# What the smoke container's environment says of GPUs, over the image's: CUDA base images set NVIDIA_VISIBLE_DEVICES=all
+# in their config, and where nvidia is Docker's default runtime that variable alone attaches every GPU, no --gpus
+# asked; `void` makes the NVIDIA runtime act as runc (no devices, no driver libraries), as the smoke test promises.
+NO_ACCELERATOR_ENV = {"NVIDIA_VISIBLE_DEVICES": "void"}
+
+
 def smoke_spec(*, manifest: SkuManifest, image: str, out: Path) -> ContainerSpec:
     """The sandboxed container of the import smoke test: the probe's `env,smoke` checks, no model, and no accelerator
-    (no GPU request, none of the SKU's devices), whatever the host has."""
+    (no GPU request, none of the SKU's devices, NO_ACCELERATOR_ENV over the image's), whatever the host has."""
     args = ["--out", "-", "--device", "cpu", "--engine", probe_adapter(manifest.stack.engine.name), "--checks", "env,smoke"]
     spec = sandbox_spec(
         manifest=manifest, image=image, entrypoint=(PROBE_PYTHON,), command=(PROBE_MOUNT, *args),
         mounts=(BindMount(source=PROBE.parent.resolve(), target=PROBE_DIR_MOUNT, read_only=True),),
         labels={"io.skupin.role": "gate-smoke", "io.skupin.sku": manifest.name, RUN_LABEL: run_label(out)},
-        max_stdout_bytes=MAX_FRAME_BYTES)
+        env=dict(NO_ACCELERATOR_ENV), max_stdout_bytes=MAX_FRAME_BYTES)
     return spec.model_copy(update={"gpus": False, "devices": (), "group_add": ()})
 
 
@@ -662,7 +669,9 @@ def _check_smoke(inputs: GateInputs, pins: PinsResult) -> Judged:
         why = probe.error or _probe_check_error(probe.report, "smoke") or "no smoke report"
         return Judged(CheckResult(name="smoke", status="error", reason=f"the smoke test did not run: {printable(why, 600)}",
                                   details={"logs_tail": probe.logs_tail[-2000:]}))
-    return Judged(judge_smoke(report, host_libraries=family.host_libraries, family=family.name))
+    adapter = probe_adapter(m.stack.engine.name)  # what the probe was asked to import (skupin_probe.smoke_check)
+    expected = (("torch",) if _adapter_needs_torch(adapter) else ()) + (ENGINE_IMPORTS[adapter],)
+    return Judged(judge_smoke(report, host_libraries=family.host_libraries, family=family.name, expected=expected))
 
 
 def _check_kernels(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, boot: BootResult

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import fnmatch
 import posixpath
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,12 @@ LD_SO_CONF = "etc/ld.so.conf"
 MAX_CONF_FILES = 256
 MAX_CONF_BYTES = 64 << 10
 MAX_CONF_DEPTH = 8
+MAX_CONF_PATTERNS = 256  # `include` globs, all files together (each lists a folder of the view)
+MAX_CONF_LISTED = 100_000  # paths those globs look at, all together (a folder may hold millions)
+MAX_CONF_FOLDERS = 1024  # folders of ld.so.conf and LD_LIBRARY_PATH (each searched for every NEEDED of every file)
 MAX_LISTED = 50
+MAX_FINDINGS = 1000  # the check stops once it has this many: the verdict is a fail already
+MAX_SECONDS = 300.0  # the whole check (measured: 0.4-1.3 s for the NVIDIA SKU's 5 GB of wheels); past it: error
 PYTHON_FOLDERS = ("/site-packages/", "/dist-packages/")
 MAX_RULES_BYTES = 1 << 20
 
@@ -69,15 +75,26 @@ Kind = Literal["unresolved", "arch", "malformed", "unreadable"]
 
 @dataclass(frozen=True)
 class Declared:
-    """One declared exception of gates/data/binaries.yaml: the binaries it covers (an fnmatch pattern of image
-    paths, no leading slash), for `unresolved` the NEEDED names it covers, and why it is honest."""
+    """One declared exception of gates/data/binaries.yaml: the binaries it covers (a pattern of image paths, no
+    leading slash, matched folder by folder: `*`, `?` and `[...]` within one name, `**` any folders), for
+    `unresolved` the NEEDED names it covers, and why it is honest."""
 
     path: str
     why: str
     needed: str = "*"
 
     def covers(self, path: str, needed: str = "*") -> bool:
-        return fnmatch.fnmatchcase(path, self.path) and fnmatch.fnmatchcase(needed, self.needed)
+        return _path_match(path.split("/"), self.path.split("/")) and fnmatch.fnmatchcase(needed, self.needed)
+
+
+def _path_match(parts: list[str], patterns: list[str]) -> bool:
+    """Whether path `parts` match `patterns` name by name (fnmatch's `*` alone would cross folders: a pattern of a
+    file name would cover anything below a folder of that name)."""
+    if not patterns:
+        return not parts
+    if patterns[0] == "**":
+        return any(_path_match(parts[i:], patterns[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], patterns[0]) and _path_match(parts[1:], patterns[1:])
 
 
 @dataclass(frozen=True)
@@ -157,7 +174,9 @@ class _Search:
     env_path: tuple[str, ...]
     conf: tuple[str, ...]
     defaults: tuple[str, ...]
+    deadline: float = float("inf")  # time.monotonic() past which the check gives up (_OutOfTime)
     idents: dict[str, bool] = field(default_factory=dict)
+    folders: dict[str, str | None] = field(default_factory=dict)  # search folder -> the folder it resolves to
     by_name: dict[str, str] | None = None
 
     def loadable(self, path: str) -> bool:
@@ -171,12 +190,27 @@ class _Search:
                 self.idents[path] = False
         return self.idents[path]
 
+    def in_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _OutOfTime
+
+    def library(self, real: str | None) -> str | None:
+        """`real` when it is a regular file ld.so would load (an ELF file of the image's class and machine)."""
+        if real is not None and (entry := self.view.get(real)) is not None and entry.kind == "f" \
+                and self.loadable(real):
+            return real
+        return None
+
     def find(self, name: str, folders: Iterable[str]) -> str | None:
         for folder in folders:
-            real = self.view.resolve(posixpath.join(folder, name))
-            if real is not None and (entry := self.view.get(real)) is not None and entry.kind == "f" \
-                    and self.loadable(real):
-                return real
+            self.in_time()
+            if folder not in self.folders:  # each folder's links followed once per check, not once per NEEDED
+                self.folders[folder] = self.view.resolve(folder)
+            base = self.folders[folder]
+            if base is None:
+                continue
+            if (found := self.library(self.view.resolve(posixpath.join(base, name)))) is not None:
+                return found
         return None
 
     def expand(self, folders: tuple[str, ...], origin: str) -> list[str]:
@@ -204,11 +238,17 @@ class _Search:
         return real if real is not None and self.loadable(real) else None
 
 
+class _OutOfTime(Exception):
+    """The check ran past MAX_SECONDS."""
+
+
 def ld_so_conf_folders(view: FileView) -> tuple[str, ...]:
     """The folders /etc/ld.so.conf names, with its `include`s (globs, relative to the including file's folder),
-    as ldconfig reads them; bounded in files, bytes and depth; `hwcap` lines ignored."""
+    as ldconfig reads them; bounded in files, bytes, depth, `include` patterns and folders; `hwcap` lines ignored."""
     folders: list[str] = []
     seen: set[str] = set()
+    patterns = [0, 0]  # `include` patterns read, paths their globs looked at
+    children: dict[str, list[str]] = {}
 
     def read(path: str, depth: int) -> None:
         real = view.resolve(path)
@@ -226,28 +266,41 @@ def ld_so_conf_folders(view: FileView) -> tuple[str, ...]:
             line = raw.split("#", 1)[0].strip()
             if line.startswith("include") and line[7:8].isspace():
                 for pattern in line[8:].split():
+                    patterns[0] += 1
+                    if patterns[0] > MAX_CONF_PATTERNS or patterns[1] > MAX_CONF_LISTED:
+                        return
                     full = pattern if pattern.startswith("/") else posixpath.join("/" + posixpath.dirname(real),
                                                                                    pattern)
-                    for match in _glob(view, full):
+                    matches, looked = _glob(view, full, children)
+                    patterns[1] += looked
+                    for match in matches:
                         read(match, depth + 1)
             elif line and not line.startswith("hwcap"):
                 folders.extend(p for p in line.replace(",", " ").split() if p.startswith("/"))
 
     read(LD_SO_CONF, 0)
-    return tuple(dict.fromkeys(posixpath.normpath(f) for f in folders))
+    return tuple(dict.fromkeys(posixpath.normpath(f) for f in folders))[:MAX_CONF_FOLDERS]
 
 
-def _glob(view: FileView, pattern: str) -> list[str]:
+def _glob(view: FileView, pattern: str, children: dict[str, list[str]]) -> tuple[list[str], int]:
+    """(the paths of the view matching `pattern`'s last name in its folder, how many paths were looked at);
+    `children`: each folder -> its paths, made once for all patterns rather than a walk of the view per pattern."""
+    if not children:
+        children[""] = []
+        for path in view.entries:
+            children.setdefault(path.rpartition("/")[0], []).append(path)
     folder, _, name = pattern.strip("/").rpartition("/")
     real = view.resolve(folder) if folder else ""
     if real is None:
-        return []
-    return sorted(p for p, _e in view.under(real) if p.count("/") == real.count("/") + 1
-                  and fnmatch.fnmatchcase(p.rpartition("/")[2], name))
+        return [], 0
+    paths = children.get(real, [])
+    match = re.compile(fnmatch.translate(name)).match
+    return sorted(p for p in paths if match(p.rpartition("/")[2])), len(paths)
 
 
 def _env_path(env: Mapping[str, str]) -> tuple[str, ...]:
-    return tuple(posixpath.normpath(p) for p in env.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/"))
+    paths = (posixpath.normpath(p) for p in env.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/"))
+    return tuple(dict.fromkeys(paths))[:MAX_CONF_FOLDERS]
 
 
 # ---------------------------------------------------------------- the check
@@ -276,25 +329,33 @@ def check_binaries(*, view: FileView, base_layers: int, env: Mapping[str, str], 
     machine, triplet, cpu = PLATFORMS.get(platform, PLATFORMS["linux/amd64"])
     search = _Search(view=view, machine=machine, lib=f"lib/{triplet}", platform=cpu, env_path=_env_path(env),
                      conf=ld_so_conf_folders(view),
-                     defaults=(f"/lib/{triplet}", f"/usr/lib/{triplet}", "/lib", "/usr/lib", "/lib64", "/usr/lib64"))
+                     defaults=(f"/lib/{triplet}", f"/usr/lib/{triplet}", "/lib", "/usr/lib", "/lib64", "/usr/lib64"),
+                     deadline=started + MAX_SECONDS)
     log = _Log()
     checked = 0
-    for path, entry in sorted(view.entries.items()):
-        if entry.kind != "f" or not entry.elf or entry.layer < base_layers:
-            continue
-        elf = _read(view, path, entry, log)
-        if elf is None:
-            continue
-        if elf.machine != machine:
-            log.skip(f"another machine ({elf.machine})")  # GPU code objects, cubins, cross tools: not loaded here
-            continue
-        if elf.type not in (ET_EXEC, ET_DYN):
-            log.skip("not an executable or shared object")
-            continue
-        checked += 1
-        if elf.dynamic:
-            _closure(search, log, path, elf, family=family, rules=rules)
-        _coverage(view, log, path, elf, family=family, arch=arch, rules=rules)
+    try:
+        for path, entry in sorted(view.entries.items()):
+            if entry.kind != "f" or not entry.elf or entry.layer < base_layers:
+                continue
+            if len(log.findings) >= MAX_FINDINGS:  # a fail already; a crafted image could make millions
+                break
+            search.in_time()
+            elf = _read(view, path, entry, log)
+            if elf is None:
+                continue
+            if elf.machine != machine:
+                log.skip(f"another machine ({elf.machine})")  # GPU code objects, cubins, cross tools: not loaded here
+                continue
+            if elf.type not in (ET_EXEC, ET_DYN):
+                log.skip("not an executable or shared object")
+                continue
+            checked += 1
+            if elf.dynamic:
+                _closure(search, log, path, elf, family=family, rules=rules)
+            _coverage(view, log, path, elf, family=family, arch=arch, rules=rules)
+    except _OutOfTime:
+        log.unverifiable.append(f"the binaries check ran past its time budget of {MAX_SECONDS:.0f} s "
+                                f"({checked} ELF files checked): the image's binaries could not all be checked")
     return BinariesReport(findings=tuple(log.findings), unverifiable=tuple(log.unverifiable), checked=checked,
                           needed=log.needed, preloaded=tuple(log.preloaded), host=tuple(sorted(log.host)),
                           archs=log.archs, declared=tuple(log.declared), skipped=log.skipped,
@@ -318,19 +379,20 @@ def _read(view: FileView, path: str, entry: Entry, log: _Log) -> ElfFile | None:
 def _closure(search: _Search, log: _Log, path: str, elf: ElfFile, *, family: FamilyInfo, rules: BinaryRules) -> None:
     origin = "/" + posixpath.dirname(path)
     rpath = search.expand(elf.rpath, origin) if not elf.runpath else []
-    folders = [*rpath, *search.env_path, *search.expand(elf.runpath, origin), *search.conf, *search.defaults]
+    folders = list(dict.fromkeys([*rpath, *search.env_path, *search.expand(elf.runpath, origin), *search.conf,
+                                  *search.defaults]))
     extension = any(f in "/" + path for f in PYTHON_FOLDERS) and not elf.interp
-    for name in elf.needed:
-        if "/" in name:
-            found = search.view.resolve(name) if name.startswith("/") else None
+    for name in dict.fromkeys(elf.needed):
+        if "/" in name:  # ld.so opens it as that file (relative to a working folder no one knows here)
+            found = search.library(search.view.resolve(name)) if name.startswith("/") else None
         else:
             found = search.find(name, folders)
         if found is not None:
             log.needed += 1
-        elif any(fnmatch.fnmatchcase(name, pattern) for pattern in family.host_libraries):
+        elif "/" not in name and any(fnmatch.fnmatchcase(name, pattern) for pattern in family.host_libraries):
             log.needed += 1
             log.host.add(name)
-        elif extension and (provider := search.provider(name)) is not None:
+        elif extension and "/" not in name and (provider := search.provider(name)) is not None:
             log.needed += 1
             log.preloaded.append(f"/{path}: {name} <- /{provider}")
         elif declared := next((d for d in rules.unresolved if d.covers(path, name)), None):

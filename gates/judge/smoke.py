@@ -12,16 +12,22 @@ loader's message. Here each outcome becomes one of:
   another torch or Python, an exception at import). One broken item fails the check, named.
 
 torch and the engine's top-level package must import: a failure there is broken whatever the message says (the
-engine cannot even be asked what it needs). The test cannot see what only runs on the accelerator: kernels, the
-driver's JIT of PTX, the collective library's transport; the boot and later checks do.
+engine cannot even be asked what it needs), and so is a report that does not name them (`expected`: the host says what
+the probe was asked to import, the report does not). The report comes from inside the image: the host bounds and
+escapes what it copies into the verdict, and trusts only that the image's own interpreter said so (an image that
+forges its report can pass this test; the smoke test is a functional check, the boot and numeric checks follow).
+The test cannot see what only runs on the accelerator: kernels, the driver's JIT of PTX, the collective library's
+transport; the boot and later checks do.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from skupin.common.untrusted import printable
 from skupin.gates.judge.verdict import CheckResult
 
 # The loader's words for a library it did not find ("libcuda.so.1: cannot open shared object file: ..."), in dlopen's
@@ -40,18 +46,28 @@ def classify(outcome: str, host_libraries: Iterable[str]) -> tuple[str, str]:
     return "broken", ""
 
 
-def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], family: str) -> CheckResult:
+def _plain(value: Any) -> bool | str | None:
+    """A value of the image's report as the verdict may hold it: a bool, None, or escaped text of 300 characters."""
+    return value if value is None or isinstance(value, bool) else printable(str(value), 300)
+
+
+def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], family: str,
+                expected: tuple[str, ...] = ()) -> CheckResult:
     """The smoke CheckResult from the probe's smoke report: pass when every item loaded or needs only the host's
-    driver; fail naming the first broken one; error when the report is not one."""
+    driver and each of `expected` (torch, the engine) imported; fail naming the first broken one; error when the
+    report is not one."""
     imports, extensions, libraries = (report.get(k) for k in ("imports", "extensions", "libraries"))
     if not all(isinstance(x, dict) for x in (imports, extensions, libraries)):
         return CheckResult(name="smoke", status="error", reason="the probe's smoke report is malformed")
     assert isinstance(imports, dict) and isinstance(extensions, dict) and isinstance(libraries, dict)
     broken: list[str] = []
     deferred: dict[str, str] = {}
+    for name in expected:
+        if name not in imports:
+            broken.append(f"import {name}: not in the smoke report (the probe was asked to import it)")
     for name, outcome in imports.items():
         if str(outcome) != "ok":  # torch and the engine itself: nothing is deferred
-            broken.append(f"import {name}: {str(outcome)[:300]}")
+            broken.append(f"import {printable(str(name), 100)}: {printable(str(outcome), 300)}")
     counts = {"ok": 0, "host": 0, "broken": 0}
     for kind, items in (("extension", extensions), ("library", libraries)):
         for name, outcome in sorted(items.items()):
@@ -60,13 +76,16 @@ def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], f
             if verdict == "host":
                 deferred[str(name)] = needs
             elif verdict == "broken":
-                broken.append(f"{kind} {name}: {str(outcome)[:300]}")
+                broken.append(f"{kind} {printable(str(name), 300)}: {printable(str(outcome), 300)}")
+    wall = report.get("wall_s")
     details: dict[str, Any] = {
-        "imports": {str(k): str(v)[:300] for k, v in imports.items()}, "extensions": len(extensions),
-        "libraries": len(libraries), "counts": counts, "broken": broken[:_SHOWN],
-        "needs_host_driver": dict(sorted(deferred.items())[:50]), "host_libraries": list(host_libraries),
-        "accelerator_visible": report.get("accelerator_visible"), "truncated": bool(report.get("truncated")),
-        "wall_s": report.get("wall_s")}
+        "imports": {printable(str(k), 100): printable(str(v), 300) for k, v in list(imports.items())[:20]},
+        "extensions": len(extensions), "libraries": len(libraries), "counts": counts, "broken": broken[:_SHOWN],
+        "needs_host_driver": {printable(k, 300): printable(v, 100) for k, v in sorted(deferred.items())[:50]},
+        "host_libraries": list(host_libraries), "accelerator_visible": _plain(report.get("accelerator_visible")),
+        "truncated": bool(report.get("truncated")),
+        "wall_s": float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool)
+        and math.isfinite(wall) else None}
     if broken:
         more = f" (+{len(broken) - 1} more)" if len(broken) > 1 else ""
         return CheckResult(name="smoke", status="fail",

@@ -37,6 +37,8 @@ MAX_DYNAMIC_BYTES = 1 << 20  # 65,536 dynamic entries
 MAX_DYNAMIC_STRINGS = 4096  # NEEDED + SONAME + RPATH + RUNPATH entries
 MAX_STRING = 4096  # one dynamic string (a RUNPATH of many folders)
 MAX_INTERP = 4096
+MAX_SEARCH_FOLDERS = 512  # folders of one DT_RPATH or DT_RUNPATH (each looked in for every NEEDED)
+MAX_SECTION_NAME = 256  # bytes of one section's name: a longer one is no section this reads (labels stay bounded)
 
 
 class ElfError(UntrustedInputError):
@@ -177,13 +179,21 @@ def _with_dynamic(elf: ElfFile, read_at: ReadAt, *, where: str, dynamic: _Phdr, 
     strings: dict[int, list[str]] = {DT_NEEDED: [], DT_SONAME: [], DT_RPATH: [], DT_RUNPATH: []}
     for tag, value in wanted:
         strings[tag].append(_dynamic_string(read_at, elf.size, base=base, strsz=strsz, index=value, where=where))
+    # ld.so keeps one entry per tag but DT_NEEDED (elf/get-dynamic-info.h: `info[tag] = dyn`, the last one wins):
+    # a second DT_RUNPATH does not add folders to the search, so it must not add them here either
     return replace(elf, dynamic=True, needed=tuple(strings[DT_NEEDED]),
-                    soname=strings[DT_SONAME][0] if strings[DT_SONAME] else "",
-                    rpath=_folders(strings[DT_RPATH]), runpath=_folders(strings[DT_RUNPATH]))
+                   soname=strings[DT_SONAME][-1] if strings[DT_SONAME] else "",
+                   rpath=_folders(strings[DT_RPATH], "DT_RPATH", where),
+                   runpath=_folders(strings[DT_RUNPATH], "DT_RUNPATH", where))
 
 
-def _folders(values: list[str]) -> tuple[str, ...]:
-    return tuple(part for value in values for part in value.split(":"))
+def _folders(values: list[str], tag: str, where: str) -> tuple[str, ...]:
+    """The folders of the last of `values` (see above), at most MAX_SEARCH_FOLDERS of them (each is searched for
+    every NEEDED: thousands would make one file cost millions of lookups)."""
+    folders = tuple(values[-1].split(":")) if values else ()
+    if len(folders) > MAX_SEARCH_FOLDERS:
+        raise ElfError(f"{where}: a {tag} of {len(folders)} search folders (limit {MAX_SEARCH_FOLDERS})")
+    return folders
 
 
 def _dynamic_string(read_at: ReadAt, size: int, *, base: int, strsz: int, index: int, where: str) -> str:
@@ -219,9 +229,11 @@ def _section_headers(read_at: ReadAt, size: int, *, where: str, shoff: int, shen
         names = read_exact(read_at, offset, length, size_limit=size, where=where, what="the section name table")
     out = []
     for i, (name, kind, _flags, _addr, offset, length, *_rest) in enumerate(rows):
-        if kind != SHT_NOBITS and i and offset + length > size:
+        # section 0 too: a section 0 named like a section this reads is read like one
+        if kind != SHT_NOBITS and offset + length > size:
             raise ElfError(f"{where}: section {i} declares bytes {offset}..{offset + length} beyond the file's {size}")
-        end = names.find(b"\0", name) if name < len(names) else -1
+        # one name at most MAX_SECTION_NAME bytes: 65,280 headers naming one 4 MiB string would be 260 GB of labels
+        end = names.find(b"\0", name, name + MAX_SECTION_NAME + 1) if name < len(names) else -1
         label = names[name:end].decode("utf-8", "replace") if end >= 0 else ""
         out.append(Section(name=label, type=kind, offset=offset, size=0 if kind == SHT_NOBITS else length))
     return tuple(out)

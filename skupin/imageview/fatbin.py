@@ -54,6 +54,7 @@ MAX_BUNDLES = 100_000
 MAX_BUNDLE_ENTRIES = 4096
 MAX_TRIPLE = 1024
 MAX_BUNDLE_TABLE = 1 << 20  # the decompressed bytes read of a zlib bundle: its entry table
+MAX_INFLATED = 64 << 20  # decompressed bytes of one section's zlib bundles together (100,000 1 MiB bombs: 100 GB)
 # LLVM's generic AMDGPU targets and the processors each runs on (llvm.org/docs/AMDGPUUsage.html, "Generic Processors").
 AMD_GENERIC = {
     "gfx9-generic": ("gfx900", "gfx902", "gfx904", "gfx906", "gfx909", "gfx90c"),
@@ -237,9 +238,13 @@ def _bundle_targets(data: bytes, *, where: str, offset: int) -> tuple[list[str],
     return targets, max(span, pos)
 
 
-def _compressed_bundle(read: ReadAt, pos: int, end: int, *, where: str) -> tuple[list[str], int, str]:
-    """(targets, bytes spanned, why unreadable) of the CCOB bundle at `pos`."""
+def _compressed_bundle(read: ReadAt, pos: int, end: int, *, where: str, inflated: list[int]
+                       ) -> tuple[list[str], int, str]:
+    """(targets, bytes spanned, why unreadable) of the CCOB bundle at `pos`; `inflated[0]` counts the bytes
+    decompressed in the section so far (ElfError past MAX_INFLATED)."""
     head = read(pos, 32)
+    if len(head) < 16:
+        raise ElfError(f"{where}: a compressed offload bundle at file offset {pos} is truncated")
     version, method = struct.unpack_from("<HH", head, 4)
     if version == 1:
         header, total = 20, 0
@@ -265,6 +270,10 @@ def _compressed_bundle(read: ReadAt, pos: int, end: int, *, where: str) -> tuple
                 break
     except zlib.error as exc:
         raise ElfError(f"{where}: a zlib-compressed offload bundle that does not decompress: {exc}") from exc
+    inflated[0] += len(table)
+    if inflated[0] > MAX_INFLATED:
+        raise ElfError(f"{where}: the compressed offload bundles of {HIP_FATBIN} decompress to more than "
+                       f"{MAX_INFLATED} bytes of entry tables")
     targets, _span = _bundle_targets(table, where=where, offset=pos)
     if not total:
         return targets, 0, "a version-1 compressed offload bundle (no total size: later bundles cannot be found)"
@@ -287,11 +296,13 @@ def read_hip_fatbin(read_at: ReadAt, section: Section, *, where: str) -> HipScan
     read = _window_reader(read_at)
     pos, end = section.offset, section.offset + section.size
     targets: set[str] = set()
-    bundles, unreadable = 0, ""
+    bundles, unreadable, inflated = 0, "", [0]
     while end - pos >= 24:
         magic = read(pos, 24)
+        if len(magic) < 24:  # the file ends inside the section: never padding (a step of 4 KiB per empty read)
+            raise ElfError(f"{where}: {HIP_FATBIN} is truncated at offset {pos - section.offset}")
         if magic[:4] == COMPRESSED_MAGIC:
-            found, span, why = _compressed_bundle(read, pos, end, where=where)
+            found, span, why = _compressed_bundle(read, pos, end, where=where, inflated=inflated)
         elif magic == BUNDLE_MAGIC:
             table = read(pos, min(MAX_BUNDLE_TABLE, end - pos))
             found, span = _bundle_targets(table, where=where, offset=pos - section.offset)

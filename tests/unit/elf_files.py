@@ -21,8 +21,9 @@ def _align(data: bytearray, to: int = 8) -> None:
 
 def elf(*, needed: tuple[str, ...] = (), soname: str = "", rpath: str = "", runpath: str = "",
         sections: dict[str, bytes] | None = None, e_type: int = ET_DYN, machine: int = EM_X86_64, interp: str = "",
-        dynamic: bool = True) -> bytes:
-    """An ELF64 file with the given dynamic entries and sections (see the module docstring)."""
+        dynamic: bool = True, extra: tuple[tuple[int, str], ...] = ()) -> bytes:
+    """An ELF64 file with the given dynamic entries and sections (see the module docstring); `extra`: more (tag,
+    string) dynamic entries after those, e.g. a second DT_RUNPATH."""
     sections = sections or {}
     phnum = 1 + int(dynamic) + int(bool(interp))
     out = bytearray(64 + phnum * 56)
@@ -38,6 +39,7 @@ def elf(*, needed: tuple[str, ...] = (), soname: str = "", rpath: str = "", runp
     tags += [(14, string(soname))] if soname else []
     tags += [(15, string(rpath))] if rpath else []
     tags += [(29, string(runpath))] if runpath else []
+    tags += [(tag, string(text)) for tag, text in extra]
     _align(out)
     strtab_at = len(out)
     out += strtab

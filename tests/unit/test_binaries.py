@@ -93,7 +93,7 @@ def test_sm_90a_and_ptx_cover_sm_90_and_later_ptx_does_not() -> None:
 
 
 def test_a_declared_arch_exempt_module_is_reported_not_failed() -> None:
-    rules = BinaryRules(arch_exempt=(Declared(path="*/pkg/_k.so", why="Blackwell-only kernels"),))
+    rules = BinaryRules(arch_exempt=(Declared(path="**/pkg/_k.so", why="Blackwell-only kernels"),))
     report = check(cuda_lib((CUBIN, 100, FLAG_FAMILY_SPECIFIC)), rules=rules)
     assert report.ok and report.declared == (f"/{SITE}/pkg/_k.so: no code for sm_90 (carries sm_100f): "
                                              "Blackwell-only kernels",)
@@ -198,7 +198,7 @@ def test_an_extension_module_may_need_a_library_python_loaded_first_an_executabl
 
 
 def test_a_declared_unresolved_needed_is_reported_not_failed() -> None:
-    rules = BinaryRules(unresolved=(Declared(path="*/pkg/test_*", needed="libgtest.so*", why="a test program"),))
+    rules = BinaryRules(unresolved=(Declared(path="**/pkg/test_*", needed="libgtest.so*", why="a test program"),))
     report = check({f"{SITE}/pkg/test_ops": elf(needed=("libgtest.so.1",), e_type=ET_EXEC)}, rules=rules)
     assert report.ok and report.declared == (f"/{SITE}/pkg/test_ops: NEEDED libgtest.so.1 unresolved: a test program",)
 
