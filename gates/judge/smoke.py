@@ -32,7 +32,11 @@ from skupin.gates.judge.verdict import CheckResult
 
 # The loader's words for a library it did not find ("libcuda.so.1: cannot open shared object file: ..."), in dlopen's
 # messages and in the ImportError of an extension module that links it.
-_NOT_FOUND = re.compile(r"([\w.+-]+\.so(?:\.[\w]+)*): cannot open shared object file")
+# A name starts where the run of name characters starts and is taken whole (possessive): linear in the message, which
+# the image writes (the old pattern backtracked cubically: 8 KB of "a.so" took a second, a megabyte forever).
+_NOT_FOUND = re.compile(r"(?<![\w.+-])([\w.+-]++): cannot open shared object file")
+_LIBRARY = re.compile(r"[\w.+-]+?\.so(?:\.\w+)*")
+MAX_OUTCOME = 4000  # characters of one outcome (the probe sends at most 400): a longer one is no loader message
 _SHOWN = 12  # broken items listed in the details
 
 
@@ -40,7 +44,9 @@ def classify(outcome: str, host_libraries: Iterable[str]) -> tuple[str, str]:
     """("ok" | "host" | "broken", the library the host must bring for "host", else '')."""
     if outcome == "ok":
         return "ok", ""
-    missing = _NOT_FOUND.findall(outcome)
+    if len(outcome) > MAX_OUTCOME:
+        return "broken", ""
+    missing = [name for name in _NOT_FOUND.findall(outcome) if _LIBRARY.fullmatch(name)]
     if missing and all(name in set(host_libraries) for name in missing):
         return "host", missing[0]
     return "broken", ""

@@ -255,3 +255,20 @@ def test_the_smoke_container_overrides_the_images_gpu_environment() -> None:
     spec = smoke_spec(manifest=manifest, image="sha256:" + "3" * 64, out=Path("/tmp/x"))
     assert spec.env["NVIDIA_VISIBLE_DEVICES"] == "void"
 
+
+
+def test_a_huge_or_crafted_smoke_message_is_classified_in_linear_time() -> None:
+    """The outcome text comes from the image (up to the 256 MiB frame): the judge's pattern must not backtrack on it
+    (before: 8 KB of 'a.so' took a second, 16 KB eight, a megabyte would never end)."""
+    from skupin.gates.judge.smoke import classify
+
+    t0 = time.monotonic()
+    with deadline(20):
+        assert classify("a.so" * 250_000, CUDA_HOST)[0] == "broken"
+        assert classify("a.so" * 900 + ": cannot open shared object file", CUDA_HOST)[0] == "broken"
+        message = "OSError: " + "a.so" * 800 + " libcuda.so.1: cannot open shared object file: No such file"
+        assert classify(message, CUDA_HOST) == ("host", "libcuda.so.1")
+    assert time.monotonic() - t0 < 2
+    assert classify("OSError: /usr/lib/libcuda.so.1: cannot open shared object file", CUDA_HOST) == (
+        "host", "libcuda.so.1")
+    assert classify("ImportError: libcublasLt.so.13: cannot open shared object file", CUDA_HOST)[0] == "broken"
