@@ -87,14 +87,16 @@ class Declared:
         return _path_match(path.split("/"), self.path.split("/")) and fnmatch.fnmatchcase(needed, self.needed)
 
 
-def _path_match(parts: list[str], patterns: list[str]) -> bool:
-    """Whether path `parts` match `patterns` name by name (fnmatch's `*` alone would cross folders: a pattern of a
-    file name would cover anything below a folder of that name)."""
-    if not patterns:
-        return not parts
-    if patterns[0] == "**":
-        return any(_path_match(parts[i:], patterns[1:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], patterns[0]) and _path_match(parts[1:], patterns[1:])
+def _path_match(parts: list[str], patterns: list[str], i: int = 0, j: int = 0) -> bool:
+    """Whether path `parts[i:]` match `patterns[j:]` name by name (fnmatch's `*` alone would cross folders: a
+    pattern of a file name would cover anything below a folder of that name)."""
+    while j < len(patterns) and patterns[j] != "**":
+        if i >= len(parts) or not fnmatch.fnmatchcase(parts[i], patterns[j]):
+            return False
+        i, j = i + 1, j + 1
+    if j == len(patterns):
+        return i == len(parts)
+    return any(_path_match(parts, patterns, k, j + 1) for k in range(i, len(parts) + 1))
 
 
 @dataclass(frozen=True)

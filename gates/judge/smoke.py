@@ -57,6 +57,19 @@ def _plain(value: Any) -> bool | str | None:
     return value if value is None or isinstance(value, bool) else printable(str(value), 300)
 
 
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        else None
+
+
+def _broken_imports(imports: Mapping[Any, Any], expected: tuple[str, ...]) -> list[str]:
+    """torch and the engine itself: each of `expected` must be in the report, and nothing there is deferred."""
+    broken = [f"import {name}: not in the smoke report (the probe was asked to import it)"
+              for name in expected if name not in imports]
+    return broken + [f"import {printable(str(name), 100)}: {printable(str(outcome), 300)}"
+                     for name, outcome in imports.items() if str(outcome) != "ok"]
+
+
 def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], family: str,
                 expected: tuple[str, ...] = ()) -> CheckResult:
     """The smoke CheckResult from the probe's smoke report: pass when every item loaded or needs only the host's
@@ -66,14 +79,8 @@ def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], f
     if not all(isinstance(x, dict) for x in (imports, extensions, libraries)):
         return CheckResult(name="smoke", status="error", reason="the probe's smoke report is malformed")
     assert isinstance(imports, dict) and isinstance(extensions, dict) and isinstance(libraries, dict)
-    broken: list[str] = []
+    broken = _broken_imports(imports, expected)
     deferred: dict[str, str] = {}
-    for name in expected:
-        if name not in imports:
-            broken.append(f"import {name}: not in the smoke report (the probe was asked to import it)")
-    for name, outcome in imports.items():
-        if str(outcome) != "ok":  # torch and the engine itself: nothing is deferred
-            broken.append(f"import {printable(str(name), 100)}: {printable(str(outcome), 300)}")
     counts = {"ok": 0, "host": 0, "broken": 0}
     for kind, items in (("extension", extensions), ("library", libraries)):
         for name, outcome in sorted(items.items()):
@@ -83,20 +90,22 @@ def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], f
                 deferred[str(name)] = needs
             elif verdict == "broken":
                 broken.append(f"{kind} {printable(str(name), 300)}: {printable(str(outcome), 300)}")
-    wall = report.get("wall_s")
     details: dict[str, Any] = {
         "imports": {printable(str(k), 100): printable(str(v), 300) for k, v in list(imports.items())[:20]},
         "extensions": len(extensions), "libraries": len(libraries), "counts": counts, "broken": broken[:_SHOWN],
         "needs_host_driver": {printable(k, 300): printable(v, 100) for k, v in sorted(deferred.items())[:50]},
         "host_libraries": list(host_libraries), "accelerator_visible": _plain(report.get("accelerator_visible")),
         "truncated": bool(report.get("truncated")),
-        "wall_s": float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool)
-        and math.isfinite(wall) else None}
+        "wall_s": _seconds(report.get("wall_s"))}
     if broken:
         more = f" (+{len(broken) - 1} more)" if len(broken) > 1 else ""
         return CheckResult(name="smoke", status="fail",
                            reason=f"with no accelerator attached the image does not load: {broken[0]}{more}",
                            details=details)
+    if report.get("accelerator_visible") is True:  # the premise of the test: no accelerator attached
+        return CheckResult(name="smoke", status="error", details=details,
+                           reason="the smoke container saw an accelerator though none was attached (the host's "
+                                  "container runtime attaches GPUs by itself): the test did not run as it says")
     if report.get("truncated"):
         return CheckResult(name="smoke", status="error", details=details,
                            reason="the smoke test stopped at its item or time limit before it loaded everything")

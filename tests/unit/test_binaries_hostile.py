@@ -272,3 +272,19 @@ def test_a_huge_or_crafted_smoke_message_is_classified_in_linear_time() -> None:
     assert classify("OSError: /usr/lib/libcuda.so.1: cannot open shared object file", CUDA_HOST) == (
         "host", "libcuda.so.1")
     assert classify("ImportError: libcublasLt.so.13: cannot open shared object file", CUDA_HOST)[0] == "broken"
+
+
+def test_a_smoke_run_that_saw_an_accelerator_is_not_a_pass() -> None:
+    """Deferring host-driver libraries holds only where none is attached: a run that saw one did not test that."""
+    report = {"imports": {"torch": "ok", "vllm": "ok"}, "extensions": {}, "libraries": {}, "accelerator_visible": True}
+    result = judge_smoke(report, host_libraries=CUDA_HOST, family="cuda", expected=("torch", "vllm"))
+    assert result.status == "error" and "saw an accelerator" in result.reason
+
+
+def test_declared_paths_match_in_time_linear_in_the_paths_depth() -> None:
+    rule = Declared(path="**/site-packages/**/x/**/y.so", why="w")
+    deep = "/".join(["d"] * 250)
+    t0 = time.monotonic()
+    assert not rule.covers(deep)
+    assert rule.covers(f"a/site-packages/{deep}/x/{deep}/y.so")
+    assert time.monotonic() - t0 < 2
