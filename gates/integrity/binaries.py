@@ -66,6 +66,7 @@ MAX_CONF_LISTED = 100_000  # paths those globs look at, all together (a folder m
 MAX_CONF_FOLDERS = 1024  # folders of ld.so.conf and LD_LIBRARY_PATH (each searched for every NEEDED of every file)
 MAX_LISTED = 50
 MAX_FINDINGS = 1000  # the check stops once it has this many: the verdict is a fail already
+MAX_NOTED = 1000  # lines kept of what passed by a library loaded earlier or a declaration (counted past it)
 MAX_SECONDS = 300.0  # the whole check (measured: 0.4-1.3 s for the NVIDIA SKU's 5 GB of wheels); past it: error
 PYTHON_FOLDERS = ("/site-packages/", "/dist-packages/")
 MAX_RULES_BYTES = 1 << 20
@@ -149,10 +150,12 @@ class BinariesReport:
     unverifiable: tuple[str, ...] = ()
     checked: int = 0  # ELF files above the base whose closure was checked
     needed: int = 0  # NEEDED entries resolved, all ways together
-    preloaded: tuple[str, ...] = ()  # "binary: NEEDED <- provider" resolved as a library loaded earlier
+    preloaded: tuple[str, ...] = ()  # "binary: NEEDED <- provider" resolved as a library loaded earlier (MAX_NOTED)
+    preloaded_count: int = 0  # all of them
     host: tuple[str, ...] = ()  # host-injected sonames the image's binaries need
     archs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # device-code binary -> the code it carries
-    declared: tuple[str, ...] = ()  # declared exceptions applied ("path: what: why")
+    declared: tuple[str, ...] = ()  # declared exceptions applied ("path: what: why"; the first MAX_NOTED)
+    declared_count: int = 0  # all of them
     skipped: dict[str, int] = field(default_factory=dict)  # ELF files not checked, by why
     seconds: float = 0.0
 
@@ -318,9 +321,21 @@ class _Log:
     declared: list[str] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     needed: int = 0
+    preloaded_count: int = 0
+    declared_count: int = 0
 
     def skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
+
+    def preload(self, line: str) -> None:
+        self.preloaded_count += 1
+        if len(self.preloaded) < MAX_NOTED:  # hard links make millions of files cheap: memory stays bounded
+            self.preloaded.append(line)
+
+    def declare(self, line: str) -> None:
+        self.declared_count += 1
+        if len(self.declared) < MAX_NOTED:
+            self.declared.append(line)
 
 
 def check_binaries(*, view: FileView, base_layers: int, env: Mapping[str, str], family: FamilyInfo, arch: str,
@@ -359,8 +374,9 @@ def check_binaries(*, view: FileView, base_layers: int, env: Mapping[str, str], 
         log.unverifiable.append(f"the binaries check ran past its time budget of {MAX_SECONDS:.0f} s "
                                 f"({checked} ELF files checked): the image's binaries could not all be checked")
     return BinariesReport(findings=tuple(log.findings), unverifiable=tuple(log.unverifiable), checked=checked,
-                          needed=log.needed, preloaded=tuple(log.preloaded), host=tuple(sorted(log.host)),
-                          archs=log.archs, declared=tuple(log.declared), skipped=log.skipped,
+                          needed=log.needed, preloaded=tuple(log.preloaded), preloaded_count=log.preloaded_count,
+                          host=tuple(sorted(log.host)), archs=log.archs, declared=tuple(log.declared),
+                          declared_count=log.declared_count, skipped=log.skipped,
                           seconds=round(time.monotonic() - started, 3))
 
 
@@ -396,9 +412,9 @@ def _closure(search: _Search, log: _Log, path: str, elf: ElfFile, *, family: Fam
             log.host.add(name)
         elif extension and "/" not in name and (provider := search.provider(name)) is not None:
             log.needed += 1
-            log.preloaded.append(f"/{path}: {name} <- /{provider}")
+            log.preload(f"/{path}: {name} <- /{provider}")
         elif declared := next((d for d in rules.unresolved if d.covers(path, name)), None):
-            log.declared.append(f"/{path}: NEEDED {name} unresolved: {declared.why}")
+            log.declare(f"/{path}: NEEDED {name} unresolved: {declared.why}")
         else:
             where = "its RPATH/RUNPATH, LD_LIBRARY_PATH, ld.so.conf or the default folders" if not extension else \
                 "the loader's search path or anywhere in the image"
@@ -447,7 +463,7 @@ def _judge_coverage(log: _Log, path: str, *, covered: bool, labels: tuple[str, .
         return
     declared = next((d for d in rules.arch_exempt if d.covers(path)), None)
     if declared is not None:
-        log.declared.append(f"/{path}: no code for {arch} (carries {', '.join(labels) or 'none'}): {declared.why}")
+        log.declare(f"/{path}: no code for {arch} (carries {', '.join(labels) or 'none'}): {declared.why}")
         return
     log.findings.append(BinaryFinding("arch", path, f"no device code runs on {arch}: it carries "
                                       f"{', '.join(labels) or 'no entries'}"))

@@ -257,17 +257,18 @@ def judge_binaries(report: BinariesReport) -> CheckResult:
         "checked": report.checked, "needed_resolved": report.needed, "finding_kinds": kinds,
         "findings": [f.line() for f in report.findings[:MAX_LISTED]], "unverifiable": list(report.unverifiable[:MAX_LISTED]),
         "archs": {f"/{p}": list(a) for p, a in sorted(report.archs.items())[:200]}, "host_libraries": list(report.host),
-        "preloaded": len(report.preloaded), "preloaded_first": list(report.preloaded[:MAX_LISTED]),
-        "declared": list(report.declared), "skipped": report.skipped, "seconds": report.seconds}
+        "preloaded": report.preloaded_count, "preloaded_first": list(report.preloaded[:MAX_LISTED]),
+        "declared": list(report.declared), "declared_count": report.declared_count, "skipped": report.skipped,
+        "seconds": report.seconds}
     summary = (f"{report.checked} ELF files above the base, {report.needed} NEEDED resolved "
-               f"({len(report.preloaded)} by a library loaded earlier), {len(report.archs)} with device code")
+               f"({report.preloaded_count} by a library loaded earlier), {len(report.archs)} with device code")
     if report.findings:
         more = f" (+{len(report.findings) - 1} more)" if len(report.findings) > 1 else ""
         return CheckResult(name="binaries", status="fail", reason=f"{report.findings[0].line()}{more}", details=details)
     if report.unverifiable:
         more = f" (+{len(report.unverifiable) - 1} more)" if len(report.unverifiable) > 1 else ""
         return CheckResult(name="binaries", status="error", reason=f"{report.unverifiable[0]}{more}", details=details)
-    declared = f"; {len(report.declared)} declared exception(s) applied" if report.declared else ""
+    declared = f"; {report.declared_count} declared exception(s) applied" if report.declared_count else ""
     return CheckResult(name="binaries", status="pass", reason=f"every binary loads and fits: {summary}{declared}",
                        details=details)
 

@@ -288,3 +288,16 @@ def test_declared_paths_match_in_time_linear_in_the_paths_depth() -> None:
     assert not rule.covers(deep)
     assert rule.covers(f"a/site-packages/{deep}/x/{deep}/y.so")
     assert time.monotonic() - t0 < 2
+
+
+def test_what_passed_by_a_preloaded_library_is_counted_not_kept_without_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hard links make a million extension modules cheap, each NEEDing 4,096 names found elsewhere in the image: the
+    report keeps MAX_NOTED lines and counts the rest."""
+    monkeypatch.setattr(binaries, "MAX_NOTED", 5)
+    ext = elf(needed=tuple(f"libp{i}.so" for i in range(4)))
+    files = {f"{SITE}/pkg/_m{i}.so": ext for i in range(10)}
+    files.update({f"opt/else/libp{i}.so": elf() for i in range(4)})
+    report = check(files)
+    assert report.ok and len(report.preloaded) == 5 and report.preloaded_count == 40
+    result = judge_binaries(report)
+    assert result.details["preloaded"] == 40 and "(40 by a library loaded earlier)" in result.reason
