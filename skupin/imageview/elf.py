@@ -156,9 +156,14 @@ def _file_offset(loads: list[_Phdr], vaddr: int) -> int | None:
 def _with_dynamic(elf: ElfFile, read_at: ReadAt, *, where: str, dynamic: _Phdr, loads: list[_Phdr]) -> ElfFile:
     """The dynamic entries the loader reads (through PT_DYNAMIC and the PT_LOAD mapping, not the section headers,
     which the loader never reads and a file may lie in)."""
-    _t, offset, filesz, _vaddr, _memsz = dynamic
+    _t, _offset, filesz, vaddr, _memsz = dynamic
     if filesz > MAX_DYNAMIC_BYTES:
         raise ElfError(f"{where}: a dynamic section of {filesz} bytes (limit {MAX_DYNAMIC_BYTES})")
+    # ld.so reads the dynamic entries at PT_DYNAMIC's address (l_ld = l_addr + p_vaddr), not at its p_offset: a file
+    # whose p_offset names other entries than its address must be read as the loader reads it
+    offset = _file_offset(loads, vaddr) if filesz else 0
+    if offset is None:
+        raise ElfError(f"{where}: PT_DYNAMIC's address {vaddr:#x} is not in any PT_LOAD segment's file bytes")
     raw = read_exact(read_at, offset, filesz - filesz % 16, size_limit=elf.size, where=where, what="PT_DYNAMIC")
     tags: list[tuple[int, int]] = []
     for i in range(0, len(raw), 16):

@@ -301,3 +301,23 @@ def test_what_passed_by_a_preloaded_library_is_counted_not_kept_without_end(monk
     assert report.ok and len(report.preloaded) == 5 and report.preloaded_count == 40
     result = judge_binaries(report)
     assert result.details["preloaded"] == 40 and "(40 by a library loaded earlier)" in result.reason
+
+
+def test_the_dynamic_entries_are_read_where_ld_so_reads_them() -> None:
+    """ld.so reads PT_DYNAMIC at its address through the PT_LOADs; its p_offset may name a decoy whose NEEDED all
+    resolve while the entries the loader reads NEED a library the image lacks."""
+    data = bytearray(elf(needed=("libgone.so.1",), e_type=ET_EXEC))  # one PT_LOAD at address 0: address = offset
+    decoy_at = len(data)
+    names_at = decoy_at + 4 * 16
+    decoy = b"".join(struct.pack("<qQ", tag, value) for tag, value in ((1, 1), (5, names_at), (10, 11), (0, 0)))
+    data += decoy + b"\0libc.so.6\0"
+    for i in range(2):  # the PT_LOAD maps the whole file; PT_DYNAMIC's p_offset names the decoy, its address not
+        at = 64 + i * 56
+        p_type, = struct.unpack_from("<I", data, at)
+        if p_type == 1:
+            struct.pack_into("<QQ", data, at + 32, len(data), len(data))
+        elif p_type == 2:
+            struct.pack_into("<Q", data, at + 8, decoy_at)
+    parsed = read_elf(_reader(data), len(data), where="/decoy")
+    assert parsed.needed == ("libgone.so.1",)
+    assert [f.kind for f in check({"usr/local/bin/tool": bytes(data)}).findings] == ["unresolved"]
