@@ -367,6 +367,7 @@ def check_binaries(*, view: FileView, base_layers: int, env: Mapping[str, str], 
                 log.skip("not an executable or shared object")
                 continue
             checked += 1
+            _interpreter(search, log, path, elf, rules=rules)
             if elf.dynamic:
                 _closure(search, log, path, elf, family=family, rules=rules)
             _coverage(view, log, path, elf, family=family, arch=arch, rules=rules)
@@ -392,6 +393,18 @@ def _read(view: FileView, path: str, entry: Entry, log: _Log) -> ElfFile | None:
     except (UntrustedInputError, OSError) as exc:
         log.unverifiable.append(f"/{path}: cannot be read here: {printable(str(exc), 300)}")
     return None
+
+
+def _interpreter(search: _Search, log: _Log, path: str, elf: ElfFile, *, rules: BinaryRules) -> None:
+    """An executable's PT_INTERP (the dynamic loader the kernel starts it with) must be a loadable file of the image:
+    without it the program does not start, whatever its NEEDED."""
+    if not elf.interp or search.library(search.view.resolve(elf.interp)) is not None:
+        return
+    if declared := next((d for d in rules.unresolved if d.covers(path, elf.interp)), None):
+        log.declare(f"/{path}: interpreter {elf.interp} unresolved: {declared.why}")
+        return
+    log.findings.append(BinaryFinding("unresolved", path, f"its interpreter {printable(elf.interp, 200)} is not a "
+                                      "loadable file of the image"))
 
 
 def _closure(search: _Search, log: _Log, path: str, elf: ElfFile, *, family: FamilyInfo, rules: BinaryRules) -> None:

@@ -24,7 +24,7 @@ from skupin.imageview.fatbin import (
 from tests.unit.elf_files import ET_EXEC, compressed_bundle, elf, fatbin, offload_bundle, view
 
 SITE = "opt/skupin/venv/lib/python3.12/site-packages"
-LIBC = {"usr/lib/x86_64-linux-gnu/libc.so.6": elf(soname="libc.so.6")}
+LIBC = {"usr/lib/x86_64-linux-gnu/libc.so.6": elf(soname="libc.so.6"), "lib64/ld-linux-x86-64.so.2": elf()}
 PTX, CUBIN = 1, 2
 NO_RULES = BinaryRules()
 

@@ -321,3 +321,15 @@ def test_the_dynamic_entries_are_read_where_ld_so_reads_them() -> None:
     parsed = read_elf(_reader(data), len(data), where="/decoy")
     assert parsed.needed == ("libgone.so.1",)
     assert [f.kind for f in check({"usr/local/bin/tool": bytes(data)}).findings] == ["unresolved"]
+
+
+def test_an_executable_whose_interpreter_is_not_in_the_image_does_not_pass() -> None:
+    """The kernel starts a dynamic executable with its PT_INTERP: a musl or missing loader means it never runs."""
+    loader = {"usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2": elf()}
+    links = {"lib64": "usr/lib/x86_64-linux-gnu"}
+    good = elf(needed=("libc.so.6",), e_type=ET_EXEC, interp="/lib64/ld-linux-x86-64.so.2")
+    assert check({"usr/local/bin/tool": good, **loader}, links=links).ok
+    musl = elf(needed=("libc.so.6",), e_type=ET_EXEC, interp="/lib/ld-musl-x86_64.so.1")
+    report = check({"usr/local/bin/tool": musl, **loader}, links=links)
+    assert [f.line() for f in report.findings] == [
+        "/usr/local/bin/tool: its interpreter /lib/ld-musl-x86_64.so.1 is not a loadable file of the image"]
