@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.modules.derive import load, results
+from bench.modules.derive import calibrates, load, results
 from skupin.gates.judge.ops import Battery, OpResult, derive_bounds
 
 
@@ -41,7 +41,7 @@ def main() -> int:
     for hw, docs in load().items():
         for model in sorted({d["model"] for d in docs}):
             mine = [d for d in docs if d["model"] == model and d["layers"]]
-            honest = [d for d in mine if d["variant"].startswith("honest")]
+            honest = [d for d in mine if calibrates(d)]  # vLLM's honest runs are judged, not calibrated on
             for d in mine:
                 row = table[f"{hw}/{d['run']}"] = judge(d, honest)
                 print(f"{hw:14s} {d['run']:36s} hard {'CAUGHT' if row['hard']['caught'] else 'pass  '} "

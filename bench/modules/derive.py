@@ -4,6 +4,8 @@ bench/modules/faults.py (gates.judge.ops.derive_bounds, what `skupin calibrate` 
     # pack run folders into the committed records (one class per argument) and write the entries
     PYTHONPATH=$PWD python3 bench/modules/derive.py --pack nvidia-hopper=RUNS/h200-boot1,RUNS/h200-boot2 \
         --where "nvidia-hopper=one NVIDIA H200, ..." cpu-x86_64=RUNS/cpu-boot1,RUNS/cpu-boot2 --where "cpu-x86_64=..."
+    # add another engine's honest runs of a class to the committed records (bench/modules/vllm_honest.py's)
+    PYTHONPATH=$PWD python3 bench/modules/derive.py --append --pack cpu-x86_64=RUNS/cpu-vllm
     # re-derive the entries from the committed records (bench/results/modules-records.jsonl.gz); --check only compares
     PYTHONPATH=$PWD python3 bench/modules/derive.py [--check]
 
@@ -11,6 +13,13 @@ For each class and model every honest variant of every run calibrates; an entry 
 battery is calibrated (its `ops` table is not empty) gets the module keys of its dtypes (a bfloat16 entry's SKU runs
 its module ops at bfloat16 and float32, a float32 entry's at float32), replacing module keys it had. An entry without
 calibrated battery bounds is left alone (its gate judges the battery and the modules by hard bounds).
+
+The records also hold another engine's honest runs (vLLM's, from bench/modules/vllm_honest.py: variant honest-vllm,
+"engine": "vllm"). They do not calibrate these entries, which are transformers' (key without an engine): vLLM's CPU
+router returns its top-k weights rounded to bfloat16 where transformers' returns them in float32, and bounds wide
+enough for that (2x vLLM's) would admit transformers' router softmax computed in bfloat16, which the entries catch now
+(docs/BENCHMARKS.md "The module ops in vLLM"). A vLLM SKU whose honest modules exceed a transformers bound gets an entry
+keyed to its engine from its own honest runs (skupin calibrate).
 """
 
 from __future__ import annotations
@@ -47,9 +56,17 @@ def results(doc: dict[str, Any], bounds: dict[str, dict[str, float]] | None = No
     return out
 
 
-def pack(classes: dict[str, list[Path]], where: dict[str, str], path: Path = RECORDS) -> None:
-    """Write every run of every class's folders as one JSON line each (class, run, where + the run's record)."""
+def pack(classes: dict[str, list[Path]], where: dict[str, str], path: Path = RECORDS, *, append: bool = False) -> None:
+    """Write every run of every class's folders as one JSON line each (class, run, where + the run's record); with
+    `append`, after the records already there (a run of the same class and name replaces its old line)."""
+    kept: list[dict[str, Any]] = []
+    if append and path.exists():
+        runs = {(hw, f"{folder.name}/{f.stem}") for hw, folders in classes.items() for folder in folders
+                for f in folder.glob("*.json")}
+        kept = [d for docs in load(path).values() for d in docs if (d["class"], d["run"]) not in runs]
     with gzip.open(path, "wt", encoding="utf-8", compresslevel=9) as fh:
+        for doc in kept:
+            fh.write(json.dumps(doc, sort_keys=True) + "\n")
         for hw, folders in classes.items():
             for folder in folders:
                 for f in sorted(folder.glob("*.json")):
@@ -68,11 +85,17 @@ def load(path: Path = RECORDS) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def calibrates(doc: dict[str, Any]) -> bool:
+    """Whether a record calibrates the committed (transformers) entries: an honest run of transformers (see above)."""
+    return bool(doc["variant"].startswith("honest") and doc.get("engine", "transformers") == "transformers"
+                and doc["layers"])
+
+
 def bounds_by_model(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, dict[str, float]], list[str]]]:
-    """model -> (its calibrated module bounds from every honest run, the honest variants)."""
+    """model -> (its calibrated module bounds from every honest transformers run, the honest variants)."""
     out = {}
     for model in sorted({d["model"] for d in docs}):
-        honest = [d for d in docs if d["model"] == model and d["variant"].startswith("honest") and d["layers"]]
+        honest = [d for d in docs if d["model"] == model and calibrates(d)]
         out[model] = (derive_bounds([Battery(results=tuple(results(d))) for d in honest]),
                       sorted({d["variant"] for d in honest}))
     return out
@@ -105,11 +128,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--pack", nargs="*", default=[], help="CLASS=FOLDER[,FOLDER...]: runs to pack into the records")
     p.add_argument("--where", action="append", default=[], help="CLASS=text: the host the runs were made on")
+    p.add_argument("--append", action="store_true", help="with --pack: keep the committed records, add these runs")
     p.add_argument("--check", action="store_true", help="only compare the committed entries with the records")
     a = p.parse_args()
     if a.pack:
         pack({hw: [Path(f) for f in folders.split(",")] for hw, _, folders in (c.partition("=") for c in a.pack)},
-             dict(w.split("=", 1) for w in a.where))
+             dict(w.split("=", 1) for w in a.where), append=a.append)
     text = dump_tolerances(updated(load_tolerances(DEFAULT_PATH), load()))
     if a.check:
         same = text == DEFAULT_PATH.read_text(encoding="utf-8")

@@ -19,8 +19,9 @@ FLOAT32: Final = True  # `--dtype float32`: the CPU backend, and on CUDA an atte
 # its own layers outside an engine (skupin_probe_vllm.py: op_battery); attention and FusedMoE run only inside one
 OPS: Final = frozenset({"rmsnorm", "add_rmsnorm", "silu_mul", "rope.short", "rope.long", "matmul"})
 MOE_OPS: Final = frozenset({"moe.route"})
-# the module ops: its adapter does not reach the modules of the model it loaded (they live in its engine)
-MODULES: Final = False
+# the module ops: the modules of the model as its offline engine loads it, run in the probe's process
+# (skupin_probe_vllm.py: module_ops); attention and the fused MoE inside a real forward pass of that engine
+MODULES: Final = True
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

@@ -548,6 +548,8 @@ class Adapter(Protocol):
     # adapter without it reaches none: the ops check then lists every op as uncovered.
     # Optional: `module_ops(model_dir, opts, device, spec) -> (layer key -> implementation, key -> why not reached)`,
     # the modules of the model as the engine loaded it, one per key of spec.module_plan (the module ops).
+    # Optional: `release_modules() -> None`, called after each dtype's module ops ran (also when they failed): an
+    # adapter that started an engine for them shuts it down there (vLLM's runs in the probe's process).
 
 
 def load_adapter(engine: str) -> Adapter:
@@ -647,19 +649,32 @@ def ops_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], 
                 config = json.load(fh)
             rows: dict[str, Any] = {}
             module_uncovered: dict[str, str] = {}
+            release = getattr(adapter, "release_modules", None)
             for dtype in dtypes:
-                module_impls, why = modules(args.model, {**opts, "dtype": dtype}, device, spec)
-                ltensors, found = spec.run_modules(module_impls, spec.module_plan(config), config, dtype, device)
+                try:
+                    ltensors, found, why = _modules_at(modules, args.model, {**opts, "dtype": dtype}, device, spec,
+                                                       config)
+                finally:  # the loaded model went with its modules; an engine the adapter started goes too
+                    if release is not None:
+                        release()
+                    gc.collect()
                 tensors.update(ltensors)
                 rows.update(found)
                 module_uncovered.update(why)
-                del module_impls  # the loaded model goes with its modules before the next dtype's load
-                gc.collect()
             info["modules"] = {"status": "ok", "ops": rows, "uncovered": dict(sorted(module_uncovered.items())),
                               "dtypes": list(dtypes), "wall_s": round(time.perf_counter() - t0, 3)}
         except Exception as exc:
             info["modules"] = _error(exc)
     return tensors, info
+
+
+def _modules_at(modules: Callable[..., Any], model_dir: str, opts: Options, device: str, spec: Any,
+                config: dict[str, Any]) -> tuple[dict[str, Array], dict[str, Any], dict[str, str]]:
+    """The module ops at opts["dtype"]: (tensors, report rows, key -> why not reached). The adapter's implementations
+    (and the model they hold) are dropped when this returns, before the next dtype's load."""
+    impls, why = modules(model_dir, opts, device, spec)
+    tensors, rows = spec.run_modules(impls, spec.module_plan(config), config, opts["dtype"], device)
+    return tensors, rows, why
 
 
 def model_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], dict[str, Any]]:

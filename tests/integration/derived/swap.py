@@ -29,6 +29,12 @@ Modes:
                (in the engine-core process, which the .pth reaches like every other)
   vllm-silu    vLLM images: vLLM's own fused SiluAndMul op (not torch's silu, which the kernel battery checks)
                off by a factor 1 + 2**-7
+  vllm-rope-cache  vLLM images: right after vLLM's model loader fills the weights, the loaded model's rotary table
+               (each rotary module's cos_sin_cache) rounded to bfloat16 values, the table a bf16 cache would give: a
+               fault of the one loaded model (vLLM's rotary class is untouched, so the op battery's own get_rope is
+               honest), which only the module ops see as a module
+  vllm-norm-weight  vLLM images: right after the loader, decoder layer 1's post-attention RMSNorm weight scaled by
+               1 + 2**-8 (one norm of one loaded model)
   tf32         every process turns on TF32 for float32 products as torch loads (torch.backends.cuda.matmul.allow_tf32,
                float32_matmul_precision "high"): on a GPU it changes the float32 numbers, on a CPU nothing, and the
                SKU does not declare it
@@ -51,7 +57,8 @@ import os
 import sys
 
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
-         "vllm-int4", "vllm-silu", "slow", "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4")
+         "vllm-int4", "vllm-silu", "vllm-rope-cache", "vllm-norm-weight", "slow",
+         "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4")
 MODELING = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
@@ -249,6 +256,29 @@ def _patch_vllm_loader(module) -> None:
     module.DefaultModelLoader.load_weights = load_weights
 
 
+def _patch_vllm_loaded(module, mode: str) -> None:
+    """After vLLM's default loader has loaded a model's weights, change one thing of that loaded model (vllm-rope-cache,
+    vllm-norm-weight)."""
+    import torch
+
+    original = module.DefaultModelLoader.load_weights
+
+    def load_weights(self, model, model_config):
+        result = original(self, model, model_config)
+        with torch.no_grad():
+            if mode == "vllm-rope-cache":
+                for sub in model.modules():
+                    cache = getattr(sub, "cos_sin_cache", None)
+                    if isinstance(cache, torch.Tensor):
+                        cache.copy_(cache.to(torch.bfloat16).to(cache.dtype))
+            else:
+                weight = model.model.layers[1].post_attention_layernorm.weight
+                weight.mul_(1.0 + 2.0**-8)
+        return result
+
+    module.DefaultModelLoader.load_weights = load_weights
+
+
 def _patch_vllm_activation(module) -> None:
     """vLLM's SiluAndMul off by a factor 1 + 2**-7 in its native path (what x86 CPUs and compiled graphs run) and
     its CUDA op (forward_cpu calls one of the two, so it is scaled once)."""
@@ -373,6 +403,9 @@ def install(mode: str) -> None:
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader", _patch_vllm_loader))
     elif mode == "vllm-silu":
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.activation", _patch_vllm_activation))
+    elif mode in ("vllm-rope-cache", "vllm-norm-weight"):
+        sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader",
+                                             lambda m: _patch_vllm_loaded(m, mode)))
     elif mode == "sampler":
         sys.meta_path.insert(0, _AfterImport("transformers.generation.configuration_utils", _patch_generation_config))
 
