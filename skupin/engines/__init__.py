@@ -20,6 +20,7 @@ from skupin.common.errors import ManifestError
 from skupin.engines import llamacpp, sglang, transformers, vllm
 from skupin.engines.base import (
     MODEL_MOUNT,
+    NEVER_EOS,
     SERVE_PORT,
     SERVED_NAME,
     Distribution,
@@ -30,7 +31,7 @@ from skupin.engines.base import (
 )
 
 __all__ = [
-    "ALL_ENGINES", "DEFAULT_ENGINE", "MODEL_MOUNT", "SERVED_NAME", "SERVE_PORT", "Distribution", "InferenceEngine",
+    "ALL_ENGINES", "DEFAULT_ENGINE", "MODEL_MOUNT", "NEVER_EOS", "SERVED_NAME", "SERVE_PORT", "Distribution", "InferenceEngine",
     "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_float32", "engine_modules",
     "engine_named", "engine_outputs",
     "model_file", "probe_adapter", "refresh_sources", "serve_launch",

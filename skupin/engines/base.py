@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 MODEL_MOUNT: Final = "/model"
 SERVE_PORT: Final = 8000
 SERVED_NAME: Final = "skupin-model"
+# A minimum output length above any max_tokens a request asks for: an engine without `ignore_eos` is told to never end a
+# completion on EOS, so an honest server always streams the max_tokens asked for (the runtime A/B counts what was
+# streamed and names a side that streams less as under-generating: skupin/ab/decision.py).
+NEVER_EOS: Final = 1 << 20
 
 # What a probe adapter (skupin/imagetools/probe/skupin_probe_<engine>.py) can return besides the teacher-forced top-k logprobs:
 # final hidden states, full-vocabulary logprobs.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from skupin.engines.base import SERVED_NAME, Distribution, Output, ServerLaunch
+from skupin.engines.base import NEVER_EOS, SERVED_NAME, Distribution, Output, ServerLaunch
 
 NAME: Final = "llamacpp"
 # llama-cpp-python is an sdist built in the image; its requirements (numpy, typing-extensions, diskcache, jinja2)
@@ -43,7 +43,8 @@ _KV_TYPE: Final = {"float32": 0, "bfloat16": 30}  # GGML_TYPE_F32, GGML_TYPE_BF1
 #   token ids): the server tokenizes it with the GGUF's tokenizer (tests/unit/test_gguf.py checks it gives the
 #   reference ids). It honours `logprobs` (top-N per generated token, keyed by token text) and streams one
 #   token's text per event (logprobs.tokens are texts: the serve check compares pieces). There is no ignore_eos
-#   field; unknown fields are ignored.
+#   field, but `min_tokens` (app.py: a MinTokensLogitsProcessor masking the model's EOS until that many tokens):
+#   NEVER_EOS keeps every completion to max_tokens; unknown fields are ignored.
 # - Its sampler applies repetition penalties before every choice, temperature 0 included (Llama._init_sampler), and
 #   a request's repeat_penalty defaults to 1.1: the greedy requests send 1.0 (no penalty), so greedy is argmax.
 
@@ -73,7 +74,7 @@ def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, dis
     flag, 16/16 concurrent completions equal transformers' greedy ones)."""
     kv = str(_KV_TYPE.get(dtype, 1))  # GGML_TYPE_F16 otherwise (llama.cpp's default)
     return ServerLaunch(engine=NAME, port=port, model_id=SERVED_NAME, health_path="/v1/models", returns_logprobs=True,
-                        prompt="text", request_extra={"repeat_penalty": 1.0},
+                        prompt="text", request_extra={"repeat_penalty": 1.0, "min_tokens": NEVER_EOS},
                         argv=("python3", "-m", "llama_cpp.server",
                               "--model", f"{model_dir}/{model_file(dtype=dtype, weights=weights)}",
                               "--host", host, "--port", str(port), "--model_alias", SERVED_NAME, "--n_ctx", "0",

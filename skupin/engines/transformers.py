@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Final
 
-from skupin.engines.base import Distribution, Output, ServerLaunch, folder_model_file
+from skupin.engines.base import NEVER_EOS, Distribution, Output, ServerLaunch, folder_model_file
 
 NAME: Final = "transformers"
 # torch is required only through the `serving` extra, which `skupin compat refresh` does not evaluate:
@@ -27,9 +28,13 @@ model_file: Final = folder_model_file(NAME)
 
 def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, distribution: str,
            weights: str = "full") -> ServerLaunch:
-    """`transformers serve` on the model folder, which it also takes as the model id; prompts go as text."""
+    """`transformers serve` on the model folder, which it also takes as the model id; prompts go as text.
+
+    Its /v1/completions has no `ignore_eos`; it takes a `generation_config` (JSON) whose unset fields generate() fills
+    from the model's own generation config: `min_new_tokens` above any max_tokens keeps EOS from ending a completion
+    (transformers 5.24 warns once per process that the minimum exceeds the maximum; generation stops at max_tokens)."""
     device = "cpu" if vendor == "cpu" else "auto"
     return ServerLaunch(engine=NAME, port=port, model_id=model_dir, health_path="/health", returns_logprobs=False,
-                        prompt="text",
+                        prompt="text", request_extra={"generation_config": json.dumps({"min_new_tokens": NEVER_EOS})},
                         argv=("transformers", "serve", model_dir, "--host", host, "--port", str(port),
                               "--dtype", dtype, "--device", device, "--log-level", "info"))

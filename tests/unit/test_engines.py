@@ -214,7 +214,7 @@ def test_the_llamacpp_server_serves_the_gguf_of_the_gate_weights_with_a_kv_cache
                            "--port", "8000", "--model_alias", "skupin-model", "--n_ctx", "0", "--seed", "0",
                            "--type_k", "0", "--type_v", "0", "--interrupt_requests", "False")
     assert (launch.model_id, launch.health_path, launch.prompt, launch.returns_logprobs, launch.request_extra) == (
-        "skupin-model", "/v1/models", "text", True, {"repeat_penalty": 1.0})
+        "skupin-model", "/v1/models", "text", True, {"repeat_penalty": 1.0, "min_tokens": 1 << 20})
     bf16 = llamacpp.server(dtype="bfloat16", vendor="cpu", port=8000, model_dir="/model", host="0.0.0.0",
                            distribution="llama-cpp-python", weights="q8_0")
     assert bf16.argv[4] == "/model/model-q8_0.gguf" and bf16.argv[-6:-2] == ("--type_k", "30", "--type_v", "30")
