@@ -366,6 +366,9 @@ class ServeGate(Model):
         (1, 2, 4), min_length=1, max_length=16, description="Concurrent requests per load level")
     max_decode_regression: float | None = Field(
         None, gt=0, lt=1, description="Fail when decode tok/s drops by more than this fraction vs the baseline image")
+    primary_kpi: Literal["decode", "prefill", "aggregate", "ttft_p50"] = Field(
+        "decode", description="The KPI `skupin ab` judges per slice (prompt length x concurrency) when this SKU is the "
+        "candidate: a slice worse beyond its 95% interval on it blocks a promote")
 
 
 class Gate(Model):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from skupin.ab.decision import ABSide, RuntimeAB
+from skupin.ab.decision import SPEED_KPIS, ABSide, RuntimeAB
 
 ANNEX = "annex.md"
 PLOT = "annex.png"
@@ -100,9 +100,18 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
                   f"(baseline / candidate), {ab.failed_requests.get('baseline', 0)} / "
                   f"{ab.failed_requests.get('candidate', 0)} streamed nothing; the candidate's greedy completions equal "
                   f"the baseline's on the same prompts in {agree} of requests.", ""]
+        if ab.output_tokens:
+            lines += ["Output tokens counted on the host from the streamed text with the model's tokenizer (asked / "
+                      "counted / claimed in the server's usage): " + "; ".join(
+                          f"{role} {t.get('asked', 0)} / {t.get('host', 0)} / {t.get('claimed', 0)}, "
+                          f"{ab.short_completions.get(role, 0)} completions short"
+                          for role, t in ab.output_tokens.items()) + ".", ""]
     for role, error in ab.errors.items():
         lines += [f"The {role}'s server failed during the A/B: {_md(error, 600)}", ""]
-    lines += _kpi_lines(ab) + _level_lines(ab)
+    lines += [_fixture_line(ab), ""]
+    lines += _kpi_lines(ab) + _slice_lines(ab) + _capacity_lines(ab) + _level_lines(ab)
+    if ab.decision_rule:
+        lines += ["## Decision rule", "", ab.decision_rule, ""]
     both_pass = b.gate == "pass" and c.gate == "pass"
     lines += ["## Checklist", "",
               f"- [x] same hardware and weights ({ab.same.get('hardware_class')}, {ab.same.get('model')} "
@@ -118,6 +127,65 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fixture_line(ab: RuntimeAB) -> str:
+    """The plain line a buyer needs first: what model these numbers are of."""
+    size = f"{ab.model_parameters / 1e6:.1f}M parameters" if ab.model_parameters else "size unknown"
+    return (f"**Model: the `{ab.same.get('model')}` test fixture ({size}, random weights), not a customer model.** Its "
+            "numbers illustrate the method; throughput, the ratios and the cost must be re-measured on the customer's "
+            "model and card before anyone signs on them.")
+
+
+def _ci(low: float | None, high: float | None) -> str:
+    return "-" if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)) else (
+        f"{low:.3f}-{high:.3f}")
+
+
+def _slice_lines(ab: RuntimeAB) -> list[str]:
+    """The primary KPI per prompt length and concurrency, with its interval and whether it is worse there."""
+    if not ab.slices:
+        return []
+    name = SPEED_KPIS.get(ab.primary_kpi, ab.primary_kpi)
+    lines = [f"## Per slice: {name} (the primary KPI)", "",
+             "A slice is worse (or better) when its 95% interval lies wholly on that side of 1; a promote needs no worse "
+             "slice.", "", "| prompt tokens | concurrency | ratio | 95% CI | rounds | slice |", "|---|---|---|---|---|---|"]
+    for sl in ab.slices:
+        rounds = " ".join(f"{r:.3f}" for r in sl.rounds if math.isfinite(r)) or "-"
+        move = f"**{sl.move}**" if sl.move == "worse" else sl.move
+        lines.append(f"| {sl.prompt_tokens} | {sl.concurrency} | {_num(sl.ratio, '.3f')} | {_ci(sl.ci_low, sl.ci_high)} "
+                     f"| {rounds} | {move} |")
+    return [*lines, ""]
+
+
+def _capacity_lines(ab: RuntimeAB) -> list[str]:
+    """Seed 001's cost model at the asked volume: servers, devices, monthly cost and the candidate's saving."""
+    cap = ab.capacity
+    if cap is None:
+        return []
+    lines = [f"## Capacity and cost at {cap.volume_tokens_per_day:,.0f} output tokens per day", ""]
+    if cap.baseline is None or cap.candidate is None:
+        return [*lines, f"Not computed: {cap.missing}.", ""]
+    b, c = cap.baseline, cap.candidate
+    lines += ["| | baseline | candidate |", "|---|---|---|",
+              f"| output tok/s per server (best level, median over prompt lengths) | {b.tok_s_per_server:.1f} | "
+              f"{c.tok_s_per_server:.1f} |",
+              f"| rate, utilisation | ${b.hourly_usd:g}/device-h x {b.devices_per_server}, {b.utilisation:.0%} | "
+              f"${c.hourly_usd:g}/device-h x {c.devices_per_server}, {c.utilisation:.0%} |",
+              f"| servers (devices) needed | {b.servers} ({b.devices}) | {c.servers} ({c.devices}) |",
+              f"| monthly compute | ${b.monthly_usd:,.0f} | ${c.monthly_usd:,.0f} |",
+              f"| $ per 1M output tokens | {b.usd_per_1m_output_tokens:.3g} | {c.usd_per_1m_output_tokens:.3g} |", ""]
+    saving = cap.monthly_saving_usd or 0.0
+    cost = ab.kpi("cost")
+    interval = (f" (the cost ratio's 95% interval {_ci(cost.ci_low, cost.ci_high)}: the saving is uncertain by that "
+                "much)") if cost is not None and cost.ci_low is not None else ""
+    lines += [f"Monthly saving of the candidate: **${saving:,.0f}**{interval}. {cap.formula}.", ""]
+    if ab.cpu:
+        lines += ["CPU cost from each container's cgroup accounting (CPU-seconds per 1M output tokens, counted on the "
+                  "host; other load on the host does not add to it): " + "; ".join(
+                      f"{role} {c.cpu_s_per_1m_output_tokens:,.0f} ({c.cpu_s:.1f} CPU-s for {c.output_tokens} tokens)"
+                      for role, c in ab.cpu.items()) + ".", ""]
+    return lines
+
+
 def _kpi_lines(ab: RuntimeAB) -> list[str]:
     """The KPI table (median ratio over rounds, the rounds' range), cost, and the noise floor."""
     b, c = ab.baseline, ab.candidate
@@ -126,19 +194,22 @@ def _kpi_lines(ab: RuntimeAB) -> list[str]:
     if ab.kpis:
         lines += ["## KPIs", "",
                   "Ratio = candidate / baseline, per round the median over prompt lengths and levels; shown: the "
-                  "median over rounds and the range of the rounds.", "",
-                  "| KPI | baseline | candidate | ratio | rounds | better |", "|---|---|---|---|---|---|"]
+                  "median over rounds, its 95% interval (paired t over rounds on the log ratio) and the range of the "
+                  "rounds.", "",
+                  "| KPI | baseline | candidate | ratio | 95% CI | rounds | better |", "|---|---|---|---|---|---|---|"]
         for k in ab.kpis:
             fmt = _ms if k.unit == "s" else _num
             unit = "ms" if k.unit == "s" else k.unit
             finite = [r for r in k.rounds if math.isfinite(r)]
             spread = f"{min(finite):.3f}-{max(finite):.3f}" if finite else "-"
-            lines.append(f"| {k.name.replace('_', ' ')} ({unit}) | {fmt(k.baseline)} | {fmt(k.candidate)} | "
-                         f"{_num(k.ratio, '.3f')} | {spread} | {'higher' if k.higher_is_better else 'lower'} |")
+            value = (lambda x: _num(x, ".3g")) if k.name == "cost" else fmt
+            lines.append(f"| {k.name.replace('_', ' ')} ({unit}) | {value(k.baseline)} | {value(k.candidate)} | "
+                         f"{_num(k.ratio, '.3f')} | {_ci(k.ci_low, k.ci_high)} | {spread} | "
+                         f"{'higher' if k.higher_is_better else 'lower'} |")
         bu, cu = _usd(b), _usd(c)
-        if bu is not None and cu is not None:
+        if bu is not None and cu is not None and ab.kpi("cost") is None:
             lines.append(f"| $ per 1M output tokens ({s.prompt_lengths[0]}-token prompts, best level) | {bu:.3g} | "
-                         f"{cu:.3g} | {_num(cu / bu if bu else float('nan'), '.3f')} | - | lower |")
+                         f"{cu:.3g} | {_num(cu / bu if bu else float('nan'), '.3f')} | - | - | lower |")
         lines += ["", f"Noise floor: **{100 * ab.noise_floor:.1f}%**: {ab.noise_floor_basis}.", ""]
     return lines
 
@@ -188,7 +259,13 @@ def plot_annex(ab: RuntimeAB, path: Path) -> bool:
             for lv in perf.levels:
                 axes[0].scatter([lv.concurrency] * len(lv.decode_tok_s), lv.decode_tok_s, s=5, color=color, alpha=0.3)
             axes[1].plot(xs, [lv.prefill_tok_s for lv in perf.levels], style, color=color, label=label)
-    axes[0].set_title("decode tok/s per request (dots: requests)", fontsize=10)
+    dots = [d for side in (ab.baseline, ab.candidate) for p in side.perf for lv in p.levels for d in lv.decode_tok_s]
+    if len(dots) >= 20:  # a robust scale: a few outlier requests do not flatten the lines (they are clipped, not hidden)
+        import numpy as np
+
+        lo, hi = np.percentile(dots, [1, 99])
+        axes[0].set_ylim(max(0.0, lo - 0.1 * (hi - lo)), hi + 0.1 * (hi - lo))
+    axes[0].set_title("decode tok/s per request (dots: requests; scale: 1st-99th percentile)", fontsize=10)
     axes[1].set_title("prefill tok/s (prompt tokens / TTFT)", fontsize=10)
     for ax in axes:
         ax.set_xlabel("concurrency")

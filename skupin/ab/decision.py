@@ -5,6 +5,7 @@ check's (gates/serving/ab.py)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -19,6 +20,9 @@ from skupin.gates.serving.perf import CostSummary, LevelResult, PerfResult, Perf
 # ---------------------------------------------------------------- runtime A/B across SKUs (`skupin ab`)
 # The pure half of skupin/ab/runtime.py: the settings, the noise floor, the KPIs and the decision.
 
+# the capacity block's default daily output volume: 100M tokens/day, a small production service (about 1,160 tok/s
+# around the clock); --volume sets the buyer's own
+DEFAULT_VOLUME = 1e8
 MIN_NOISE_FLOOR = 0.02  # a 2% move is never called an uplift on a shared host, however quiet the rounds were
 ABDecision = Literal["promote", "hold", "reject"]
 
@@ -32,6 +36,8 @@ class ABSettings(Frozen):
     requests: int = Field(8, ge=1, description="Measured requests per level, round and image")
     max_tokens: int = Field(32, ge=2, description="Output tokens per request")
     warmup: int = Field(2, ge=0, description="Unmeasured requests per image before the first round")
+    volume: float = Field(DEFAULT_VOLUME, gt=0, le=1e15,
+                          description="Output tokens per day the capacity and cost block is sized for (--volume)")
 
     def perf(self) -> PerfSettings:
         """The load of one image in one round at one prompt length."""
@@ -49,6 +55,9 @@ class KPI(Frozen):
     baseline: float = Field(description="Baseline's median over every measured request of every round")
     candidate: float
     unit: str
+    ci_low: float | None = Field(None, description="95% interval of the ratio, low end (ratio_interval); None with "
+                                                   "fewer than two rounds")
+    ci_high: float | None = None
 
 
 def _finite(values: Sequence[float]) -> list[float]:
@@ -89,19 +98,171 @@ def noise_floor(runs: Sequence[Sequence[PerfResult]], metric: Callable[[LevelRes
     return max(MIN_NOISE_FLOOR, float(np.median(devs))) if devs else MIN_NOISE_FLOOR
 
 
+@functools.lru_cache(maxsize=64)
+def t_quantile(df: int, p: float = 0.975) -> float:
+    """The p-quantile of Student's t with `df` degrees of freedom (no scipy here): its density integrated with Simpson's
+    rule and the quantile found by bisection; exact to 1e-4 for df >= 1 (t(1) 0.975 = 12.706, t(2) = 4.303)."""
+    if df < 1:
+        return float("nan")
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float) -> float:
+        steps = 2000
+        h = x / steps
+        dens = [math.exp(log_c - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(steps + 1)]
+        return 0.5 + h / 3 * (dens[0] + dens[-1] + 4 * sum(dens[1:-1:2]) + 2 * sum(dens[2:-1:2]))
+
+    lo, hi = 0.0, 1000.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def ratio_interval(rounds: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The `level` confidence interval of a candidate/baseline ratio from its per-round ratios; None with fewer than
+    two finite positive rounds.
+
+    A paired t interval on the log ratios, over rounds: each round measures both images back to back under the same
+    host state (B A, A B, ...: the round is the pair, and the unit that is independent of the others), the log makes
+    a ratio and its inverse symmetric (0.8x and 1.25x are the same distance from 1), and Student's t pays for having
+    few rounds: with 3 rounds the interval is exp(mean +- 4.30 sd / sqrt(3)). Chosen over a bootstrap over rounds,
+    whose percentile interval over 3-10 values can never be wider than their range and so covers far less than 95%
+    (with 3 rounds it is the min-max, which holds the true median only 75% of the time). Deterministic: no seed."""
+    logs = [math.log(r) for r in rounds if math.isfinite(r) and r > 0]
+    if len(logs) < 2:
+        return None
+    mean = float(np.mean(logs))
+    half = t_quantile(len(logs) - 1, 0.5 + level / 2) * float(np.std(logs, ddof=1)) / math.sqrt(len(logs))
+    return math.exp(mean - half), math.exp(mean + half)
+
+
 def kpi(*, name: str, unit: str, higher_is_better: bool, candidate: Sequence[Sequence[PerfResult]],
         baseline: Sequence[Sequence[PerfResult]], metric: Callable[[LevelResult], float],
-        pooled: Callable[[Sequence[LevelResult]], float]) -> KPI:
-    """The KPI from paired rounds: per-round ratios, and each side's pooled value over every level it measured."""
-    rounds = round_ratios(candidate=candidate, baseline=baseline, metric=metric)
+        pooled: Callable[[Sequence[LevelResult]], float], scale: float = 1.0) -> KPI:
+    """The KPI from paired rounds: per-round ratios (times `scale`, e.g. the ratio of the hourly rates for a cost), their
+    95% interval (ratio_interval), and each side's pooled value over every level it measured."""
+    rounds = [scale * r for r in round_ratios(candidate=candidate, baseline=baseline, metric=metric)]
     finite = _finite(rounds)
+    ci = ratio_interval(rounds)
 
     def levels(runs: Sequence[Sequence[PerfResult]]) -> list[LevelResult]:
         return [lv for r in runs for perf in r for lv in perf.levels]
 
     return KPI(name=name, unit=unit, higher_is_better=higher_is_better,
                ratio=float(np.median(finite)) if finite else float("nan"), rounds=tuple(rounds),
-               baseline=pooled(levels(baseline)), candidate=pooled(levels(candidate)))
+               baseline=pooled(levels(baseline)), candidate=pooled(levels(candidate)),
+               ci_low=ci[0] if ci else None, ci_high=ci[1] if ci else None)
+
+
+# ---------------------------------------------------------------- decisions per slice (prompt length x concurrency)
+
+PrimaryKPI = Literal["decode", "prefill", "aggregate", "ttft_p50"]
+# the primary KPI's per-level metric and whether higher is better
+PRIMARY_METRICS: dict[str, tuple[Callable[[LevelResult], float], bool]] = {
+    "decode": (lambda lv: lv.decode_tok_s_per_request, True),
+    "prefill": (lambda lv: lv.prefill_tok_s, True),
+    "aggregate": (lambda lv: lv.aggregate_tok_s, True),
+    "ttft_p50": (lambda lv: lv.ttft_p50_s, False),
+}
+
+
+class SliceAB(Frozen):
+    """The primary KPI at one prompt length and concurrency level: per-round ratio candidate / baseline, its interval, and
+    whether the candidate is better, worse or not distinguishable there."""
+
+    prompt_tokens: int
+    concurrency: int
+    kpi: str
+    ratio: float = Field(description="Median over rounds of candidate / baseline at this slice")
+    rounds: tuple[float, ...]
+    ci_low: float | None
+    ci_high: float | None
+    move: Literal["better", "worse", "same", "not measured"] = Field(
+        description="worse: the whole 95% interval on the losing side of 1 (below for higher-is-better)")
+
+
+def slices(*, candidate: Sequence[Sequence[PerfResult]], baseline: Sequence[Sequence[PerfResult]],
+           prompt_lengths: Sequence[int], primary: str = "decode") -> tuple[SliceAB, ...]:
+    """The primary KPI per (prompt length, concurrency): one ratio per round (candidate[r][i] against baseline[r][i]) and
+    its ratio_interval. A slice is worse when its interval lies wholly on the losing side of 1, better in the mirror
+    case, else the same: a per-slice regression is not hidden by a headline median over slices."""
+    metric, higher = PRIMARY_METRICS[primary]
+    out = []
+    for i, length in enumerate(prompt_lengths):
+        if not candidate or not baseline:
+            break
+        for lv in candidate[0][i].levels:
+            rounds = []
+            for cand_round, base_round in zip(candidate, baseline, strict=True):
+                c, b = cand_round[i].level(lv.concurrency), base_round[i].level(lv.concurrency)
+                rounds.append(safe_ratio(metric(c), metric(b)) if c is not None and b is not None else float("nan"))
+            finite = _finite(rounds)
+            ci = ratio_interval(rounds)
+            move: Literal["better", "worse", "same", "not measured"] = "not measured" if ci is None else "same"
+            if ci is not None and (ci[1] < 1.0 if higher else ci[0] > 1.0):
+                move = "worse"
+            elif ci is not None and (ci[0] > 1.0 if higher else ci[1] < 1.0):
+                move = "better"
+            out.append(SliceAB(prompt_tokens=length, concurrency=lv.concurrency, kpi=primary,
+                               ratio=float(np.median(finite)) if finite else float("nan"), rounds=tuple(rounds),
+                               ci_low=ci[0] if ci else None, ci_high=ci[1] if ci else None, move=move))
+    return tuple(out)
+
+
+def slice_name(s: SliceAB) -> str:
+    return f"{s.prompt_tokens} tok x c{s.concurrency}"
+
+
+# ---------------------------------------------------------------- capacity and cost (seed 001's cost model)
+
+HOURS_PER_MONTH = 730.0
+
+
+class CapacitySide(Frozen):
+    """What one side needs to serve the daily volume, from its measured throughput and its SKU's cost block."""
+
+    tok_s_per_server: float = Field(description="Best-level aggregate output tok/s of one server, median over prompt "
+                                                "lengths")
+    devices_per_server: int
+    hourly_usd: float = Field(description="Per device-hour")
+    utilisation: float
+    servers: int = Field(description="ceil(volume / (tok/s x 86400 x utilisation)): whole servers are rented")
+    devices: int
+    monthly_usd: float = Field(description="devices x hourly_usd x 730 h")
+    usd_per_1m_output_tokens: float
+
+
+class Capacity(Frozen):
+    """Seed 001's cost model at the asked daily volume, for both sides, and the candidate's saving."""
+
+    volume_tokens_per_day: float
+    baseline: CapacitySide | None
+    candidate: CapacitySide | None
+    monthly_saving_usd: float | None = Field(description="baseline monthly - candidate monthly (negative: it costs more)")
+    formula: str = ("servers = ceil(volume / (tok/s x 86400 x utilisation)); monthly = servers x devices per server x "
+                    "hourly_usd x 730 h; $/1M = hourly_usd x devices / (tok/s x 3600 x utilisation) x 1e6")
+    missing: str = Field("", description="Why a side has no capacity (no cost block, nothing measured)")
+
+
+def capacity_side(*, tok_s: float, devices: int, hourly_usd: float | None, utilisation: float | None,
+                  volume: float) -> CapacitySide | None:
+    """One side's servers, devices and monthly cost for `volume` output tokens a day; None without a rate or speed."""
+    if hourly_usd is None or not math.isfinite(tok_s) or tok_s <= 0:
+        return None
+    util = utilisation if utilisation is not None else 0.6
+    servers = max(1, math.ceil(volume / (tok_s * 86400.0 * util)))
+    return CapacitySide(tok_s_per_server=tok_s, devices_per_server=devices, hourly_usd=hourly_usd, utilisation=util,
+                        servers=servers, devices=servers * devices,
+                        monthly_usd=servers * devices * hourly_usd * HOURS_PER_MONTH,
+                        usd_per_1m_output_tokens=hourly_usd * devices / (tok_s * 3600.0 * util) * 1e6)
+
+
+def capacity(*, volume: float, baseline: CapacitySide | None, candidate: CapacitySide | None) -> Capacity:
+    missing = [role for role, side in (("baseline", baseline), ("candidate", candidate)) if side is None]
+    saving = baseline.monthly_usd - candidate.monthly_usd if baseline is not None and candidate is not None else None
+    return Capacity(volume_tokens_per_day=volume, baseline=baseline, candidate=candidate, monthly_saving_usd=saving,
+                    missing=(f"{' and '.join(missing)}: no cost block or nothing measured" if missing else ""))
 
 
 MIN_ROUNDS = 3  # with fewer, "every round faster" happens by chance too often (two rounds: one in four)
@@ -111,6 +272,20 @@ MIN_ROUNDS = 3  # with fewer, "every round faster" happens by chance too often (
 # A guard against a runtime that answers the A/B's load with other text, not a quality check (the gate is).
 MIN_AGREEMENT = 0.8
 MAX_FAILED = 0.05  # share of a side's requests that may stream nothing
+# A completion is short when the host's count of its streamed text (gates/serving/perf.py tokenizer_counter) is below
+# max_tokens by more than this share of it (at least 2 tokens): every engine's requests forbid an EOS stop (ignore_eos,
+# min_tokens, min_new_tokens: skupin/engines/), so an honest server streams max_tokens, and the host count of honest
+# text falls short of the generated count only through the tokenizer round trip. Measured on tiny-llama's greedy
+# continuations of 96 prompts (16, 64 and 256 tokens): at 32 output tokens 1 of 96 counted below 32, by 6 (19%; a
+# continuation that repeats two-letter pieces the tokenizer merges back), at 8-64 tokens never by more than 6 either.
+# 25% covers that with margin; a server that streams 8 tokens of 32 is 75% short.
+HOST_COUNT_SLACK = 0.25
+MAX_SHORT = 0.05  # share of a side's completions that may be short (a rare degenerate round trip) before it is named
+
+
+def min_host_tokens(max_tokens: int) -> int:
+    """The fewest host-counted tokens an honest completion of `max_tokens` streams (HOST_COUNT_SLACK)."""
+    return max_tokens - max(2, math.ceil(HOST_COUNT_SLACK * max_tokens))
 
 
 def _gate_decision(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, baseline_failure: str,
@@ -133,8 +308,8 @@ def _gate_decision(*, candidate_gate: str, candidate_failure: str, baseline_gate
     return None
 
 
-def _serving_decision(*, agreement: float | None, failed: dict[str, float], errors: dict[str, str]
-                      ) -> tuple[ABDecision, str, str] | None:
+def _serving_decision(*, agreement: float | None, failed: dict[str, float], errors: dict[str, str],
+                      short: dict[str, float] | None = None) -> tuple[ABDecision, str, str] | None:
     """The decision what the rounds showed of each side's serving forces, if any (decide's second rule)."""
     if "candidate" in errors:
         return "reject", "reject: candidate failed in the A/B", f"the candidate: {errors['candidate']}"
@@ -147,6 +322,17 @@ def _serving_decision(*, agreement: float | None, failed: dict[str, float], erro
     if failed.get("baseline", 0.0) > MAX_FAILED:
         return "hold", "hold: baseline requests failed", (
             f"{100 * failed['baseline']:.0f}% of the baseline's requests streamed nothing")
+    short = short or {}
+    if short.get("candidate", 0.0) > MAX_SHORT:
+        return "reject", "reject: candidate under-generates", (
+            f"{100 * short['candidate']:.0f}% of the candidate's completions streamed fewer tokens than asked (counted "
+            f"on the host from the streamed text with the model's tokenizer, not from the server's usage; at most "
+            f"{100 * MAX_SHORT:.0f}% may fall more than {100 * HOST_COUNT_SLACK:.0f}% short): its tok/s is not for the "
+            "work asked of it")
+    if short.get("baseline", 0.0) > MAX_SHORT:
+        return "hold", "hold: baseline under-generates", (
+            f"{100 * short['baseline']:.0f}% of the baseline's completions streamed fewer tokens than asked (host count): "
+            "an A/B against it proves nothing")
     if agreement is not None and agreement < MIN_AGREEMENT:
         return "reject", "reject: outputs differ from the baseline's", (
             f"only {100 * agreement:.0f}% of the candidate's greedy completions in the rounds equal the baseline's on the "
@@ -158,17 +344,21 @@ def _serving_decision(*, agreement: float | None, failed: dict[str, float], erro
 def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, baseline_failure: str,
            decode: KPI | None, prefill: KPI | None, floor: float, aggregate: KPI | None = None,
            agreement: float | None = None,
-           failed: dict[str, float] | None = None, errors: dict[str, str] | None = None) -> tuple[ABDecision, str, str]:
+           failed: dict[str, float] | None = None, errors: dict[str, str] | None = None,
+           short: dict[str, float] | None = None, slices: Sequence[SliceAB] = ()) -> tuple[ABDecision, str, str]:
     """(decision, decision line, reason). The candidate's quality gate comes first: a candidate that did not pass is
     rejected however fast it is. Then what the rounds showed of each side's serving: a side that failed during them, or
     streamed nothing for more than MAX_FAILED of its requests, or (candidate) whose completions mostly differ from the
-    baseline's on the same prompts. Speed, with at least MIN_ROUNDS rounds, over three KPIs kept apart (decode tok/s per
-    request, prefill tok/s, aggregate tok/s): each is faster (median ratio at least 1 + floor and every round above 1),
-    slower (the mirror) or the same. Promote when at least one is faster and none slower; reject when some are slower
-    and none faster; a trade-off (some of each) or nothing beyond the floor holds."""
+    baseline's on the same prompts, or that streamed fewer tokens than asked (`short`: share of completions the host
+    counted short, min_host_tokens). Speed, with at least MIN_ROUNDS rounds, over three KPIs kept apart (decode tok/s
+    per request, prefill tok/s, aggregate tok/s): each is faster (median ratio at least 1 + floor and every round above
+    1), slower (the mirror) or the same. Promote when at least one is faster, none slower **and no slice** (prompt
+    length x concurrency) is worse on the primary KPI beyond its 95% interval (`slices`); such a slice turns a promote
+    into a trade-off naming it. Reject when some KPIs are slower and none faster; a trade-off (some of each) or nothing
+    beyond the floor holds."""
     gated = _gate_decision(candidate_gate=candidate_gate, candidate_failure=candidate_failure,
                            baseline_gate=baseline_gate, baseline_failure=baseline_failure, decode=decode)
-    served = _serving_decision(agreement=agreement, failed=failed or {}, errors=errors or {})
+    served = _serving_decision(agreement=agreement, failed=failed or {}, errors=errors or {}, short=short)
     if gated is not None or served is not None:
         return gated or served  # type: ignore[return-value]
     if decode is None or not math.isfinite(decode.ratio):
@@ -187,13 +377,39 @@ def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, b
     if slower:
         return "hold", f"hold: trade-off ({', '.join(faster)} faster, {', '.join(slower)} slower)", (
             f"{text}: a trade-off for the workload to decide, not an uplift")
+    worse = [sl for sl in slices if sl.move == "worse"]
+    if faster and worse:
+        named = ", ".join(slice_name(sl) for sl in worse)
+        return "hold", f"hold: trade-off ({', '.join(faster)} faster; slices {named} worse)", (
+            f"{text}: {' and '.join(faster)} faster, but {SPEED_KPIS.get(worse[0].kpi, worse[0].kpi)} is worse beyond its "
+            f"95% interval at {named} (" + "; ".join(f"{slice_name(sl)} {sl.ratio:.3f}x, {_ci(sl.ci_low, sl.ci_high)}"
+                                                     for sl in worse) + "): a trade-off for the workload to decide")
     if faster:
         return "promote", "promote", (f"{text}: {' and '.join(faster)} faster beyond the noise floor in every round, "
-                                      "nothing slower; quality gates passed")
+                                      "nothing slower, no slice worse beyond its interval; quality gates passed")
     return "hold", "hold: within noise", f"{text}: nothing beyond the noise floor in every round"
 
 
-SPEED_KPIS = {"decode": "decode tok/s per request", "prefill": "prefill tok/s", "aggregate": "aggregate tok/s"}
+DECISION_RULE = (
+    "In order: a candidate that fails its quality gate is rejected however fast it is; an uncalibrated or unrun gate, "
+    "or a baseline that is not verified, holds. A side whose server fails, that streams nothing for more than "
+    f"{100 * MAX_FAILED:.0f}% of its requests, or streams fewer tokens than asked in more than {100 * MAX_SHORT:.0f}% "
+    "(counted on the host from the streamed text with the model's tokenizer, more than "
+    f"{100 * HOST_COUNT_SLACK:.0f}% short) rejects the candidate or holds on the baseline; so does a candidate whose "
+    f"greedy completions equal the baseline's in fewer than {100 * MIN_AGREEMENT:.0f}% of requests. Speed needs at "
+    f"least {MIN_ROUNDS} interleaved rounds. Per KPI (decode tok/s per request, prefill tok/s, aggregate tok/s) the "
+    "ratio candidate / baseline is faster when its median over rounds is at least 1 + the noise floor and every round "
+    "is above 1, slower in the mirror case. Promote: some KPI faster, none slower, and no slice (prompt length x "
+    "concurrency) worse on the primary KPI, i.e. no slice whose 95% interval (paired t over rounds on the log ratio) "
+    "lies wholly on the losing side of 1; a worse slice makes it a trade-off (hold) naming the slices. Reject: some "
+    "slower, none faster. Otherwise hold (trade-off, or within noise). Exit 0 promote, 12 hold, 13 reject.")
+
+SPEED_KPIS = {"decode": "decode tok/s per request", "prefill": "prefill tok/s", "aggregate": "aggregate tok/s",
+              "ttft_p50": "TTFT p50"}
+
+
+def _ci(low: float | None, high: float | None) -> str:
+    return "95% CI -" if low is None or high is None else f"95% CI {low:.3f}-{high:.3f}"
 
 
 def _direction(k: KPI, floor: float) -> str:
@@ -211,13 +427,22 @@ def _direction(k: KPI, floor: float) -> str:
 def _kpi_text(k: KPI) -> str:
     rounds = _finite(k.rounds)
     spread = f" (rounds {min(rounds):.3f}-{max(rounds):.3f})" if rounds else ""
-    return f"{SPEED_KPIS.get(k.name, k.name)} {k.ratio:.3f}x{spread}"
+    return f"{SPEED_KPIS.get(k.name, k.name)} {k.ratio:.3f}x{spread}, {_ci(k.ci_low, k.ci_high)}"
 
 
 # ---------------------------------------------------------------- the record of a runtime A/B (ab.json)
 
 AB_FORMAT: Literal["skupin-ab/1"] = "skupin-ab/1"
 Role = Literal["baseline", "candidate"]
+
+
+class CpuCost(Frozen):
+    """A side's CPU-seconds per 1M output tokens from its container's cgroup accounting, over the measured rounds."""
+
+    cpu_s: float = Field(description="CPU seconds the container used while it was measured, summed over rounds")
+    output_tokens: int = Field(description="Host-counted output tokens it streamed in those rounds")
+    cpu_s_per_1m_output_tokens: float
+    rounds: tuple[float, ...] = Field(description="Per round: CPU-seconds per 1M output tokens")
 
 
 class ABSide(Frozen):
@@ -271,6 +496,16 @@ class RuntimeAB(Frozen):
     output_agreement: float | None = Field(None, description="Share of the candidate's completions equal to the "
                                                              "baseline's on the same prompts")
     errors: dict[str, str] = Field(default_factory=dict, description="A side whose server failed during the A/B")
+    short_completions: dict[str, int] = Field(default_factory=dict, description="Completions the host counted more "
+                                              "than HOST_COUNT_SLACK below max_tokens (under-generation)")
+    output_tokens: dict[str, dict[str, int]] = Field(default_factory=dict, description="Per side: tokens asked, counted "
+                                                     "on the host, claimed in the server's usage")
+    primary_kpi: str = Field("decode", description="The KPI the per-slice rule judges (the SKU's gate.serve.primary_kpi)")
+    slices: tuple[SliceAB, ...] = ()
+    capacity: Capacity | None = None
+    cpu: dict[str, CpuCost] = Field(default_factory=dict, description="Per side: the container's CPU accounting")
+    decision_rule: str = ""
+    model_parameters: int | None = Field(None, description="Parameters of the fixture model both sides served")
     decision: ABDecision
     decision_line: str
     reason: str

