@@ -49,6 +49,7 @@ from skupin.ab.decision import (
     kpi,
     min_host_tokens,
     noise_floor,
+    ratio_interval,
     slices,
 )
 from skupin.builder.catalog.manifest import SkuManifest
@@ -61,7 +62,7 @@ from skupin.gates.gate import gate_image, resolve_image
 from skupin.gates.judge.verdict import GateVerdict
 from skupin.gates.refdata.bundle import fixture_folder, model_folder
 from skupin.gates.refdata.fixture import spec_for, weight_shapes
-from skupin.gates.serving.ab import ab_from_runs
+from skupin.gates.serving.ab import ab_from_runs, safe_ratio
 from skupin.gates.serving.perf import (
     LevelResult,
     PerfResult,
@@ -281,7 +282,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
     per_slice = slices(candidate=runs["candidate"], baseline=runs["baseline"], prompt_lengths=settings.prompt_lengths,
                        primary=primary) if order else ()
     cost_kpi = _cost_kpi(runs, bm, cm) if order else None
-    kpis += [cost_kpi] if cost_kpi is not None else []
+    kpis += [k for k in (cost_kpi, _cpu_kpi(measured)) if k is not None]
     agreement = measured.agreement()
     decision, line, reason = decide(candidate_gate=gates["candidate"][0].decision, candidate_failure=failure("candidate"),
                                     baseline_gate=gates["baseline"][0].decision, baseline_failure=failure("baseline"),
@@ -358,6 +359,23 @@ def _cost_kpi(runs: dict[Role, list[list[PerfResult]]], bm: SkuManifest, cm: Sku
             metric=lambda lv: 1.0 / lv.aggregate_tok_s if lv.aggregate_tok_s > 0 else float("nan"),
             pooled=usd(rb), scale=rc / rb)
     return k.model_copy(update={"candidate": usd(rc)([lv for r in runs["candidate"] for p in r for lv in p.levels])})
+
+
+def _cpu_kpi(measured: _Measured) -> KPI | None:
+    """CPU-seconds per 1M output tokens as a paired KPI: per round, the candidate's over the baseline's (each from its
+    container's cgroup while it alone ran); None when the daemon gave no accounting for both sides in every round."""
+    b, c = measured.cpu["baseline"], measured.cpu["candidate"]
+    base, cand = measured.cpu_cost("baseline"), measured.cpu_cost("candidate")
+    if base is None or cand is None or len(b) != len(c):
+        return None
+    rounds = [safe_ratio(cc / cn, bc / bn) if bn and cn and bc > 0 else float("nan")
+              for (bc, bn), (cc, cn) in zip(b, c, strict=True)]
+    finite = [r for r in rounds if math.isfinite(r)]
+    ci = ratio_interval(rounds)
+    return KPI(name="cpu", unit="CPU-s per 1M output tokens", higher_is_better=False,
+               ratio=percentile(finite, 50),
+               rounds=tuple(rounds), baseline=base.cpu_s_per_1m_output_tokens,
+               candidate=cand.cpu_s_per_1m_output_tokens, ci_low=ci[0] if ci else None, ci_high=ci[1] if ci else None)
 
 
 def _capacity(side: ABSide, manifest: SkuManifest, settings: ABSettings) -> CapacitySide | None:

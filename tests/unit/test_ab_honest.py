@@ -261,3 +261,17 @@ def test_the_annex_states_intervals_slices_capacity_the_rule_and_that_the_model_
     assert "baseline 96 / 96 / 96" in text
     again = type(record).model_validate_json(record.model_dump_json())
     assert again.slices == record.slices and again.capacity == record.capacity
+
+
+def test_the_cpu_kpi_pairs_each_rounds_cpu_per_token() -> None:
+    from skupin.ab.runtime import _cpu_kpi
+
+    m = _Measured()
+    m.cpu["baseline"] += [(2.0, 1000), (2.2, 1000), (1.8, 1000)]
+    m.cpu["candidate"] += [(1.0, 1000), (1.1, 1000), (0.9, 1000)]  # half the CPU per token in every round
+    k = _cpu_kpi(m)
+    assert k is not None and k.name == "cpu" and not k.higher_is_better
+    assert k.ratio == pytest.approx(0.5) and k.ci_low == pytest.approx(0.5) and k.ci_high == pytest.approx(0.5)
+    assert k.baseline == pytest.approx(2000.0) and k.candidate == pytest.approx(1000.0)
+    m.cpu["candidate"].pop()
+    assert _cpu_kpi(m) is None  # rounds that cannot be paired
