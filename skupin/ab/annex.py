@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from skupin.ab.decision import SPEED_KPIS, ABSide, RuntimeAB
 
@@ -248,7 +249,8 @@ def plot_annex(ab: RuntimeAB, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, all_axes = plt.subplots(1, 3 if ab.slices else 2, figsize=(16 if ab.slices else 11, 3.8))
+    axes = all_axes[:2]
     styles = ("o-", "s--", "^:", "d-.")
     for side, color in ((ab.baseline, "tab:orange"), (ab.candidate, "tab:blue")):
         for i, perf in enumerate(side.perf):
@@ -272,11 +274,30 @@ def plot_annex(ab: RuntimeAB, path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(ab.settings.concurrency), [str(x) for x in ab.settings.concurrency])
         ax.legend(fontsize=7)
+    if ab.slices:
+        _plot_slices(ab, all_axes[2])
     fig.suptitle(f"{ab.decision_line}: {ab.reason}"[:130], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _plot_slices(ab: RuntimeAB, ax: Any) -> None:  # a matplotlib Axes (imported lazily)
+    """The primary KPI's ratio per slice with its 95% interval as an error bar; the line at 1 is parity."""
+    shown = [sl for sl in ab.slices if sl.ci_low is not None and sl.ci_high is not None and math.isfinite(sl.ratio)]
+    xs = list(range(len(shown)))
+    colors = ["tab:red" if sl.move == "worse" else "tab:green" if sl.move == "better" else "tab:gray" for sl in shown]
+    for x, sl, color in zip(xs, shown, colors, strict=True):
+        low, high = sl.ci_low or sl.ratio, sl.ci_high or sl.ratio
+        ax.errorbar([x], [sl.ratio], yerr=[[sl.ratio - low], [high - sl.ratio]], fmt="o", color=color,
+                    capsize=3)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(xs, [f"{sl.prompt_tokens}/c{sl.concurrency}" for sl in shown], fontsize=7,
+                  rotation=45)
+    ax.set_title(f"{SPEED_KPIS.get(ab.primary_kpi, ab.primary_kpi)}: candidate / baseline per slice, "
+                 "95% CI", fontsize=9)
+    ax.set_xlabel("prompt tokens / concurrency")
 
 
 def write_annex(ab: RuntimeAB, out: Path) -> Path:

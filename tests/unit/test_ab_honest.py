@@ -275,3 +275,14 @@ def test_the_cpu_kpi_pairs_each_rounds_cpu_per_token() -> None:
     assert k.baseline == pytest.approx(2000.0) and k.candidate == pytest.approx(1000.0)
     m.cpu["candidate"].pop()
     assert _cpu_kpi(m) is None  # rounds that cannot be paired
+
+
+def test_the_plot_shows_each_slices_interval(tmp_path: Path) -> None:
+    from skupin.ab.annex import plot_annex
+    from tests.unit.test_runtime_ab import _record
+
+    base_runs = [_round({(64, 1): 100, (64, 4): 100, (256, 1): 100, (256, 4): 100}) for _ in range(3)]
+    cand_runs = [_round({(64, 1): 150, (64, 4): 150, (256, 1): 140, (256, 4): 60 + r}) for r in range(3)]
+    record = _record().model_copy(update={"slices": slices(candidate=cand_runs, baseline=base_runs,
+                                                            prompt_lengths=(64, 256))})
+    assert plot_annex(record, tmp_path / "annex.png") and (tmp_path / "annex.png").stat().st_size > 10_000
