@@ -20,6 +20,18 @@ VLLM_SKU = REPO / "skus" / "cpu-x86_64-vllm.yaml"
 BF16_SKU = REPO / "skus" / "cpu-x86_64-bf16.yaml"
 LLAMACPP_SKU = REPO / "skus" / "cpu-x86_64-llamacpp.yaml"
 LLAMACPP_Q8_SKU = REPO / "docs" / "examples" / "skus" / "cpu-x86_64-llamacpp-q8_0.yaml"
+HEAVY_ENV = "SKUPIN_HEAVY"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `heavy` (an accelerator SKU's image of many GB built here) run only with SKUPIN_HEAVY=1: never in
+    `.ci/run` or a plain `scripts/test`."""
+    if os.environ.get(HEAVY_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"heavy: builds an image of many GB; set {HEAVY_ENV}=1 to run it")
+    for item in items:
+        if item.get_closest_marker("heavy") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
