@@ -1,7 +1,7 @@
 """The bootstrapped NVIDIA SKU (skus/nvidia-h200-vllm-debian.yaml) built here, with no GPU: heavy, opt-in.
 
 Marked `heavy`: skipped unless SKUPIN_HEAVY=1 (tests/integration/conftest.py), so `.ci/run` never runs it. It builds a
-~19 GB image from the committed lock (about 5 GB of wheels downloaded into the wheel store on the first run, then
+9.3 GB image from the committed lock (3.95 GB of wheels downloaded into the wheel store on the first run, then
 reused; see docs/BENCHMARKS.md, "A bootstrapped NVIDIA image") and checks what can be checked without a GPU: the image
 is its lock (the build's own check), the NVIDIA container runtime's variables are set, torch loads the CUDA user space
 from the locked nvidia-* wheels, and the C compiler and Python headers Triton's launcher needs are there.
