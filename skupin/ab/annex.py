@@ -90,7 +90,8 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
     lines += [f"Same hardware and weights: hardware class `{ab.same.get('hardware_class')}`, model "
               f"`{ab.same.get('model')}`, dtype `{ab.same.get('dtype')}`, reference `{ab.same.get('reference')}`. "
               f"Host: {ab.host}.", "",
-              f"Method: {len(ab.order)} interleaved rounds (order {' '.join(ab.order) or '-'}); per round each image "
+              f"Method: {len(ab.order)} interleaved rounds (order {' '.join(ab.order) or '-'}){_adaptive(ab)}; per "
+              "round each image "
               f"serves prompts of {' and '.join(str(n) for n in s.prompt_lengths)} tokens at concurrency levels "
               f"{' and '.join(str(x) for x in s.concurrency)}: per level {s.requests} streamed greedy requests of "
               f"{s.max_tokens} output tokens, after {s.warmup} warm-up requests per image. Both servers run side by side "
@@ -126,6 +127,15 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
         lines += [f"![decode and prefill per concurrency, baseline and candidate]({plot})", ""]
     lines += [f"skupin {ab.tool_version}, {ab.created}, {ab.wall_s:.0f} s; the record: ab.json."]
     return "\n".join(lines) + "\n"
+
+
+def _adaptive(ab: RuntimeAB) -> str:
+    s = ab.settings
+    if s.target_ci is None:
+        return ""
+    budget = f", {s.budget_s:g} s budget" if s.budget_s is not None else ""
+    return (f", at least {s.runs}, then more until the decode ratio's 95% interval was within +-{100 * s.target_ci:g}% "
+            f"(at most {s.max_runs}{budget})")
 
 
 def _fixture_line(ab: RuntimeAB) -> str:

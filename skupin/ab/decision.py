@@ -38,6 +38,11 @@ class ABSettings(Frozen):
     warmup: int = Field(2, ge=0, description="Unmeasured requests per image before the first round")
     volume: float = Field(DEFAULT_VOLUME, gt=0, le=1e15,
                           description="Output tokens per day the capacity and cost block is sized for (--volume)")
+    target_ci: float | None = Field(None, gt=0, lt=1, description="Add rounds past `runs` until the decode ratio's 95% "
+                                    "interval lies within +- this fraction of its centre (--target-ci)")
+    max_runs: int = Field(50, ge=1, le=200, description="With target_ci: the most rounds (--max-runs)")
+    budget_s: float | None = Field(None, gt=0, description="With target_ci: no round starts after this many seconds "
+                                                          "of rounds (--budget-s)")
 
     def perf(self) -> PerfSettings:
         """The load of one image in one round at one prompt length."""
@@ -135,6 +140,33 @@ def ratio_interval(rounds: Sequence[float], level: float = 0.95) -> tuple[float,
     mean = float(np.mean(logs))
     half = t_quantile(len(logs) - 1, 0.5 + level / 2) * float(np.std(logs, ddof=1)) / math.sqrt(len(logs))
     return math.exp(mean - half), math.exp(mean + half)
+
+
+def interval_half_width(rounds: Sequence[float]) -> float | None:
+    """The larger distance of ratio_interval's ends from its (geometric) centre, as a fraction; None without one."""
+    ci = ratio_interval(rounds)
+    if ci is None:
+        return None
+    centre = math.sqrt(ci[0] * ci[1])
+    return max(ci[1] / centre - 1.0, 1.0 - ci[0] / centre)
+
+
+def more_rounds(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: float) -> bool:
+    """Whether the A/B runs another round after len(ratios) (each round's decode ratio, round_ratios): always up to
+    `runs`; past it only with a `target_ci`, while the decode ratio's interval is wider than it, below `max_runs` and
+    within `budget_s`. Rounds sized by the noise the host shows, not a fixed count: a quiet host stops early, a noisy
+    one runs until the interval is tight enough or the budget is spent. Stopping on the interval's width (not on
+    whether it excludes 1) keeps the rule blind to the answer; what optional stopping still does to coverage is for
+    the calibration bench to measure (docs/SERVE.md)."""
+    done = len(ratios)
+    if done < settings.runs:
+        return True
+    if settings.target_ci is None or done >= settings.max_runs:
+        return False
+    if settings.budget_s is not None and elapsed_s >= settings.budget_s:
+        return False
+    half = interval_half_width(ratios)
+    return half is None or half > settings.target_ci
 
 
 def kpi(*, name: str, unit: str, higher_is_better: bool, candidate: Sequence[Sequence[PerfResult]],

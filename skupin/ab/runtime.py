@@ -48,8 +48,10 @@ from skupin.ab.decision import (
     decide,
     kpi,
     min_host_tokens,
+    more_rounds,
     noise_floor,
     ratio_interval,
+    round_ratios,
     slices,
 )
 from skupin.builder.catalog.manifest import SkuManifest
@@ -543,7 +545,10 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                 raise _SideFailed(role, f"its server failed before the rounds: {type(exc).__name__}: {exc}"[:600]) from exc
             servers[role] = server
         perf = settings.perf()
-        for r in range(settings.runs):
+        started, r = time.monotonic(), 0
+        planned = str(settings.runs) if settings.target_ci is None else f"{settings.runs}-{settings.max_runs}"
+        while more_rounds(settings=settings, elapsed_s=time.monotonic() - started, ratios=round_ratios(
+                candidate=measured.runs["candidate"], baseline=measured.runs["baseline"], metric=_decode)):
             first: tuple[Role, Role] = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
             measured.order.append("BA" if r % 2 == 0 else "AB")
             for role in first:
@@ -569,11 +574,14 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                     measured.order.pop()
                     for side_runs in measured.runs.values():  # keep only complete rounds
                         del side_runs[len(measured.order):]
+                    for side_cpu in measured.cpu.values():
+                        del side_cpu[len(measured.order):]
                     raise
             b, c = measured.runs["baseline"][-1][0].levels[0], measured.runs["candidate"][-1][0].levels[0]
-            on_event(f"ab: round {r + 1}/{settings.runs} ({measured.order[-1]}): decode tok/s per request at concurrency "
+            on_event(f"ab: round {r + 1}/{planned} ({measured.order[-1]}): decode tok/s per request at concurrency "
                      f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
                      f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
+            r += 1
         for role, server in servers.items():  # the container still runs the image it was created from
             _check_served(server, role, ids[role], measured)
 

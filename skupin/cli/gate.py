@@ -178,7 +178,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
     try:
         settings = ABSettings(runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
-                              requests=args.requests, max_tokens=args.max_tokens, volume=args.volume)
+                              requests=args.requests, max_tokens=args.max_tokens, volume=args.volume,
+                              target_ci=args.target_ci, max_runs=args.max_runs, budget_s=args.budget_s)
     except ValidationError as exc:
         raise ManifestError("; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}"
                                       for e in exc.errors())) from None
@@ -306,6 +307,12 @@ could not run.""",
                    help="prompt tokens per request, made from the fixture's prompts (default 64,256)")
     p.add_argument("--requests", type=_positive, default=8, help="measured requests per level, round and image (default 8)")
     p.add_argument("--max-tokens", type=_positive, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--target-ci", type=float, metavar="FRACTION",
+                   help="after --runs rounds, add rounds until the decode ratio's 95%% interval is within +- FRACTION "
+                        "(e.g. 0.025) of its centre, up to --max-runs and --budget-s (default: exactly --runs rounds)")
+    p.add_argument("--max-runs", type=_positive, default=50, help="with --target-ci: the most rounds (default 50)")
+    p.add_argument("--budget-s", type=float, metavar="SECONDS",
+                   help="with --target-ci: start no round after this many seconds of rounds (default: no limit)")
     p.add_argument("--volume", type=float, default=1e8, metavar="TOKENS_PER_DAY",
                    help="daily output volume the capacity and cost block is sized for (default 1e8 = 100M tokens/day)")
     p.add_argument("--baseline-image", metavar="REF", help="local image for the baseline (default: build the SKU here)")

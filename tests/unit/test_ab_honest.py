@@ -286,3 +286,19 @@ def test_the_plot_shows_each_slices_interval(tmp_path: Path) -> None:
     record = _record().model_copy(update={"slices": slices(candidate=cand_runs, baseline=base_runs,
                                                             prompt_lengths=(64, 256))})
     assert plot_annex(record, tmp_path / "annex.png") and (tmp_path / "annex.png").stat().st_size > 10_000
+
+
+def test_rounds_are_added_until_the_interval_is_tight_enough_or_the_budget_is_spent() -> None:
+    from skupin.ab.decision import ABSettings, interval_half_width, more_rounds
+
+    fixed = ABSettings(runs=3)
+    assert more_rounds(settings=fixed, ratios=[0.9, 1.1], elapsed_s=0)
+    assert not more_rounds(settings=fixed, ratios=[0.5, 1.5, 1.0], elapsed_s=0)  # no target: exactly --runs
+    target = ABSettings(runs=3, target_ci=0.05, max_runs=6, budget_s=100)
+    noisy, quiet = [0.9, 1.1, 1.0], [1.00, 1.01, 1.005]
+    assert (interval_half_width(quiet) or 1) < 0.05 < (interval_half_width(noisy) or 0)
+    assert more_rounds(settings=target, ratios=noisy, elapsed_s=10)
+    assert not more_rounds(settings=target, ratios=quiet, elapsed_s=10)
+    assert not more_rounds(settings=target, ratios=noisy, elapsed_s=100)  # the budget is spent
+    assert not more_rounds(settings=target, ratios=noisy * 2, elapsed_s=10)  # max_runs
+    assert more_rounds(settings=target, ratios=[float("nan")] * 3, elapsed_s=10)  # no interval yet
