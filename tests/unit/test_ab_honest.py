@@ -302,3 +302,32 @@ def test_rounds_are_added_until_the_interval_is_tight_enough_or_the_budget_is_sp
     assert not more_rounds(settings=target, ratios=noisy, elapsed_s=100)  # the budget is spent
     assert not more_rounds(settings=target, ratios=noisy * 2, elapsed_s=10)  # max_runs
     assert more_rounds(settings=target, ratios=[float("nan")] * 3, elapsed_s=10)  # no interval yet
+
+
+def test_the_committed_transformers_to_vllm_rounds_are_now_a_trade_off_not_a_promote() -> None:
+    """docs/examples/ab-cpu-x86_64-vs-cpu-x86_64-vllm (3 rounds, decided 'promote' before issue 33): with three rounds a
+    level's min, median and max decode ratio are its three per-round ratios, so each slice's interval can be rebuilt.
+    256-token prompts at concurrency 4 (0.557, 0.606, 0.767) is worse beyond its interval: the promote becomes a
+    trade-off naming that slice."""
+    from skupin.ab.decision import KPI, SliceAB
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "docs" / "examples" / "ab-cpu-x86_64-vs-cpu-x86_64-vllm"
+                      / "ab.json").read_text())
+    assert doc["decision_line"] == "promote" and len(doc["order"]) == 3
+    per_slice = []
+    for length in doc["lengths"]:
+        for lv in length["ab"]["levels"]:
+            rounds = (lv["decode_ratio_min"], lv["decode_ratio"], lv["decode_ratio_max"])
+            ci = ratio_interval(rounds)
+            assert ci is not None
+            move = "worse" if ci[1] < 1 else "better" if ci[0] > 1 else "same"
+            per_slice.append(SliceAB(prompt_tokens=length["prompt_tokens"], concurrency=lv["concurrency"], kpi="decode",
+                                     ratio=lv["decode_ratio"], rounds=rounds, ci_low=ci[0], ci_high=ci[1], move=move))
+    worse = [s for s in per_slice if s.move == "worse"]
+    assert [(s.prompt_tokens, s.concurrency) for s in worse] == [(256, 4)]
+    assert worse[0].ci_high == pytest.approx(0.961, abs=1e-3)
+    kpis = {k["name"]: KPI.model_validate(k) for k in doc["kpis"]}
+    decision, line, _ = decide(candidate_gate="pass", candidate_failure="", baseline_gate="pass", baseline_failure="",
+                               decode=kpis["decode"], prefill=kpis["prefill"], aggregate=kpis["aggregate"],
+                               floor=doc["noise_floor"], agreement=doc["output_agreement"], slices=per_slice)
+    assert decision == "hold" and "slices 256 tok x c4 worse" in line
