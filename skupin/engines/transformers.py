@@ -32,7 +32,9 @@ def server(*, dtype: str, vendor: str, port: int, model_dir: str, host: str, dis
 
     Its /v1/completions has no `ignore_eos`; it takes a `generation_config` (JSON) whose unset fields generate() fills
     from the model's own generation config: `min_new_tokens` above any max_tokens keeps EOS from ending a completion
-    (transformers 5.24 warns once per process that the minimum exceeds the maximum; generation stops at max_tokens)."""
+    (transformers 5.24 warns, once per prompt length, that the minimum exceeds the maximum; generation stops at max_tokens).
+    Run against `transformers serve` 5.24.0 with the lock's fastapi/uvicorn/openai on the tiny-llama fixture: 32 streamed
+    pieces for max_tokens 32, and the same greedy text as without the field."""
     device = "cpu" if vendor == "cpu" else "auto"
     return ServerLaunch(engine=NAME, port=port, model_id=model_dir, health_path="/health", returns_logprobs=False,
                         prompt="text", request_extra={"generation_config": json.dumps({"min_new_tokens": NEVER_EOS})},
