@@ -27,7 +27,8 @@ user space from the locked nvidia-* wheels) is built from its committed lock, th
    cache and again with the one the gate filled (what publish reads after a gate);
 5. a push to a loopback registry (Debian's docker-registry on a free 127.0.0.1 port, its storage in a temporary
    folder), timed, with the registry's bytes on disk.
-Everything it made is removed at the end (images, registry); the cold build's tag stays when --keep is given.
+The images and the registry it made are removed at the end (the cold build's tag stays with --keep); BuildKit's cache
+records of the builds stay (about 10 GB per cold build; docs/BENCHMARKS.md says how they were removed here).
 Writes bench/results/nvidia-bootstrap.json and prints it.
 """
 
