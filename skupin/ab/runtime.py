@@ -384,7 +384,7 @@ def _capacity(side: ABSide, manifest: SkuManifest, settings: ABSettings) -> Capa
     """One side's servers and monthly cost for the daily volume, from the median over prompt lengths of its best-level
     aggregate tok/s (None without a cost block or a measurement)."""
     best = [p.headline().aggregate_tok_s for p in side.perf]
-    tok_s = float(sorted(best)[len(best) // 2]) if best else float("nan")
+    tok_s = percentile(best, 50)
     return capacity_side(tok_s=tok_s, devices=manifest.accelerator.count,
                          hourly_usd=manifest.cost.hourly_usd if manifest.cost else None,
                          utilisation=manifest.cost.utilisation if manifest.cost else None, volume=settings.volume)
