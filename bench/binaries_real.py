@@ -26,7 +26,7 @@ from skupin.gates.integrity.binaries import check_binaries, load_rules
 from skupin.imageview.layers import Entry, FileView, ReadAt
 
 SITE = "opt/skupin/venv/lib/python3.11/site-packages"
-SYSTEM = ("usr/lib", "lib", "lib64", "etc/ld.so.conf", "etc/ld.so.conf.d")
+SYSTEM = ("usr/lib", "usr/lib64", "lib", "lib64", "etc/ld.so.conf", "etc/ld.so.conf.d")
 
 
 def _walk(root: Path, prefix: str, layer: int, entries: dict[str, Entry], real: dict[str, Path]) -> None:
@@ -56,7 +56,9 @@ def folder_view(folder: Path, *, system: bool) -> FileView:
     if system:
         for top in SYSTEM:
             path = Path("/") / top
-            if path.is_dir() and not path.is_symlink():
+            if path.is_symlink():  # merged /usr: /lib -> usr/lib, /lib64 -> usr/lib64 (the image's own links alike)
+                entries[top] = Entry("l", 0o777, 0, 0, target=os.readlink(path), layer=0)
+            elif path.is_dir():
                 _walk(path, top, 0, entries, real)
             elif path.is_file():
                 entries[top] = Entry("f", 0o644, path.stat().st_size, 0, layer=0)
