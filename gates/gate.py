@@ -671,7 +671,8 @@ def _check_smoke(inputs: GateInputs, pins: PinsResult) -> Judged:
                                   details={"logs_tail": probe.logs_tail[-2000:]}))
     adapter = probe_adapter(m.stack.engine.name)  # what the probe was asked to import (skupin_probe.smoke_check)
     expected = (("torch",) if _adapter_needs_torch(adapter) else ()) + (ENGINE_IMPORTS[adapter],)
-    return Judged(judge_smoke(report, host_libraries=family.host_libraries, family=family.name, expected=expected))
+    return Judged(judge_smoke(report, host_libraries=family.host_libraries, family=family.name, expected=expected,
+                              rules=load_rules(data_path(BINARY_RULES))))
 
 
 def _check_kernels(inputs: GateInputs, reference: ReferenceResult, tolerance: ToleranceResult, boot: BootResult

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from skupin.common.untrusted import printable
+from skupin.gates.integrity.binaries import BinaryRules
 from skupin.gates.judge.verdict import CheckResult
 
 # The loader's words for a library it did not find ("libcuda.so.1: cannot open shared object file: ..."), in dlopen's
@@ -52,6 +53,24 @@ def classify(outcome: str, host_libraries: Iterable[str]) -> tuple[str, str]:
     return "broken", ""
 
 
+def _declared(outcome: str, path: str, rules: BinaryRules, host_libraries: Iterable[str]) -> str:
+    """Why the library `path` may fail to load with `outcome`: every library it misses is the host's or declared
+    optional for it in gates/data/binaries.yaml (the binaries check's `unresolved` entries); '' otherwise."""
+    if len(outcome) > MAX_OUTCOME:
+        return ""
+    missing = [name for name in _NOT_FOUND.findall(outcome) if _LIBRARY.fullmatch(name)]
+    rel = path.lstrip("/")
+    whys = []
+    for name in missing:
+        if name in set(host_libraries):
+            continue
+        rule = next((d for d in rules.unresolved if d.covers(rel, name)), None)
+        if rule is None:
+            return ""
+        whys.append(rule.why)
+    return whys[0] if whys else ""
+
+
 def _plain(value: Any) -> bool | str | None:
     """A value of the image's report as the verdict may hold it: a bool, None, or escaped text of 300 characters."""
     return value if value is None or isinstance(value, bool) else printable(str(value), 300)
@@ -71,20 +90,25 @@ def _broken_imports(imports: Mapping[Any, Any], expected: tuple[str, ...]) -> li
 
 
 def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], family: str,
-                expected: tuple[str, ...] = ()) -> CheckResult:
+                expected: tuple[str, ...] = (), rules: BinaryRules | None = None) -> CheckResult:
     """The smoke CheckResult from the probe's smoke report: pass when every item loaded or needs only the host's
-    driver and each of `expected` (torch, the engine) imported; fail naming the first broken one; error when the
-    report is not one."""
+    driver (or, for a runtime library, a library `rules` declares optional for it, as the binaries check does) and
+    each of `expected` (torch, the engine) imported; fail naming the first broken one; error when the report is not
+    one."""
     imports, extensions, libraries = (report.get(k) for k in ("imports", "extensions", "libraries"))
     if not all(isinstance(x, dict) for x in (imports, extensions, libraries)):
         return CheckResult(name="smoke", status="error", reason="the probe's smoke report is malformed")
     assert isinstance(imports, dict) and isinstance(extensions, dict) and isinstance(libraries, dict)
     broken = _broken_imports(imports, expected)
     deferred: dict[str, str] = {}
-    counts = {"ok": 0, "host": 0, "broken": 0}
+    optional: dict[str, str] = {}
+    counts = {"ok": 0, "host": 0, "declared": 0, "broken": 0}
     for kind, items in (("extension", extensions), ("library", libraries)):
         for name, outcome in sorted(items.items()):
             verdict, needs = classify(str(outcome), host_libraries)
+            if verdict == "broken" and kind == "library" and rules is not None \
+                    and (why := _declared(str(outcome), str(name), rules, host_libraries)):
+                verdict, optional[str(name)] = "declared", why
             counts[verdict] += 1
             if verdict == "host":
                 deferred[str(name)] = needs
@@ -94,6 +118,7 @@ def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], f
         "imports": {printable(str(k), 100): printable(str(v), 300) for k, v in list(imports.items())[:20]},
         "extensions": len(extensions), "libraries": len(libraries), "counts": counts, "broken": broken[:_SHOWN],
         "needs_host_driver": {printable(k, 300): printable(v, 100) for k, v in sorted(deferred.items())[:50]},
+        "declared_optional": {printable(k, 300): printable(v, 300) for k, v in sorted(optional.items())[:50]},
         "host_libraries": list(host_libraries), "accelerator_visible": _plain(report.get("accelerator_visible")),
         "truncated": bool(report.get("truncated")),
         "wall_s": _seconds(report.get("wall_s"))}
@@ -112,4 +137,6 @@ def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], f
     return CheckResult(name="smoke", status="pass", details=details,
                        reason=f"with no accelerator attached: torch and the engine import, {counts['ok']} extension "
                               f"modules and runtime libraries load, {counts['host']} wait only for the host's "
-                              f"{family} driver ({', '.join(sorted(set(deferred.values()))) or 'none'})")
+                              f"{family} driver ({', '.join(sorted(set(deferred.values()))) or 'none'})"
+                              + (f", {counts['declared']} are declared optional plugins (gates/data/binaries.yaml)"
+                                 if counts["declared"] else ""))

@@ -12,6 +12,7 @@ from the locked nvidia-* wheels, and the C compiler and Python headers Triton's 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +20,18 @@ from skupin.builder.build import BuiltImage, build
 from skupin.builder.check import resolve
 from skupin.builder.render import render
 from skupin.dockerd import ContainerSpec, Docker
+from skupin.gates.gate import gate_image, pre_gate_passed
+from skupin.gates.host import host_accelerator
+from tests.integration import tampered
+from tests.unit.elf_files import elf, fatbin
 
 from .conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 SKU = REPO / "skus" / "nvidia-h200-vllm-debian.yaml"
+NO_GPU_HERE = pytest.mark.skipif(host_accelerator("cuda").present,
+                                 reason="this host has an NVIDIA driver: its gate boots the image instead")
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +75,55 @@ def test_triton_can_compile_its_launcher(docker: Docker, built: BuiltImage) -> N
               "cc -O2 -shared -fPIC -I$(python -c 'import sysconfig; print(sysconfig.get_paths()[\"include\"])') "
               "/tmp/x.c -o /tmp/x.so && echo ok")
     assert _run(docker, built.image, "bash", "-c", script).strip().endswith("ok")
+
+
+@NO_GPU_HERE
+def test_the_gate_ends_could_not_run_after_every_check_that_needs_no_accelerator(docker: Docker, built: BuiltImage,
+                                                                                   tmp_path: Path) -> None:
+    """The gate on a host without an H200: reference, pins (the image's 9 GB against its lock), binaries (every CUDA
+    binary carries sm_90 code or PTX, every NEEDED resolves) and the import smoke test pass, then 'could not run'."""
+    verdict = gate_image(stack=resolve(SKU, require_lock=True), image=built.image_id, docker=docker,
+                         out=tmp_path / "gate")
+    statuses = {c.name: c.status for c in verdict.checks}
+    assert {name: statuses[name] for name in ("reference", "pins", "binaries", "smoke")} == dict.fromkeys(
+        ("reference", "pins", "binaries", "smoke"), "pass"), verdict.checks
+    assert verdict.decision == "could_not_run" and verdict.exit_code == 11
+    assert "boot: could not run: no nvidia-hopper accelerator here" in verdict.reason
+    binaries = next(c for c in verdict.checks if c.name == "binaries")
+    archs = binaries.details["archs"]
+    assert any(path.endswith("/vllm/_C_stable_libtorch.abi3.so") for path in archs), sorted(archs)
+    smoke = next(c for c in verdict.checks if c.name == "smoke")
+    assert smoke.details["imports"] == {"torch": "ok", "vllm": "ok"}, smoke.details
+
+
+@NO_GPU_HERE
+def test_an_engine_extension_without_the_skus_arch_fails_the_arch_check_naming_it(docker: Docker, built: BuiltImage,
+                                                                                   tmp_path: Path) -> None:
+    """A locked test package that adds an extension module to vLLM's package built for sm_100 only: pins passes it
+    (it is in the test lock), the binaries check fails naming the file and the archs it carries."""
+    name = "vllm/_skupin_test_C.abi3.so"
+    (tmp_path / "wheels").mkdir()
+    wheel = tampered.make_wheel(tmp_path / "wheels", name="skupin-test-arch", version="1.0",
+                                files={name: elf(soname="_skupin_test_C.abi3.so",
+                                                 sections={".nv_fatbin": fatbin((2, 100, 0))})})
+    stack = resolve(SKU, require_lock=True)
+    assert stack.lock is not None
+    pkg = tampered.wheel_package(wheel, name="skupin-test-arch", version="1.0")
+    lock = tampered.lock_with(stack.lock, pkg)
+    context = tampered.write_context(tmp_path / "context", wheels=[wheel], requirements=tampered.requirement(pkg))
+    base = "skupin-test/nvidia-arch-base:latest"
+    docker.tag(built.image_id, base)
+    derived = ""
+    try:
+        derived = docker.build(context=context, dockerfile=context / "Dockerfile",
+                               build_args={"BASE": base, "MODE": "locked", "LOCK_LABEL": lock.content_hash()})
+        verdict = gate_image(stack=stack.model_copy(update={"lock": lock}), image=derived, docker=docker,
+                             out=tmp_path / "gate", wheelhouse=wheel.parent, pre_gate=True)
+    finally:
+        if derived:
+            docker.remove_image(derived, force=True)
+        docker.remove_image(base)
+    statuses = {c.name: c.status for c in verdict.checks}
+    assert statuses["pins"] == "pass" and statuses["binaries"] == "fail", verdict.checks
+    assert verdict.decision == "fail" and not pre_gate_passed(verdict)
+    assert name in verdict.reason and "sm_90" in verdict.reason and "sm_100" in verdict.reason, verdict.reason

@@ -285,5 +285,7 @@ def test_the_shipped_declarations_cover_only_what_they_name() -> None:
     assert declared("torchcodec/libtorchcodec_custom_ops8.so", "libswresample.so.5")
     assert not declared("torchcodec/libtorchcodec_core7.so", "libcudart.so.13")
     assert not declared("vllm/libtorchcodec_core7.so", "libavcodec.so.61")
+    assert declared("torchcodec/libtorchcodec_heic.so", "libheif.so.1")
+    assert not declared("torchcodec/libtorchcodec_core7.so", "libheif.so.1")
     assert declared("numba/np/ufunc/tbbpool.cpython-311-x86_64-linux-gnu.so", "libtbb.so.12")
     assert not declared("numba/np/ufunc/tbbpool.cpython-311-x86_64-linux-gnu.so", "libomp.so.5")

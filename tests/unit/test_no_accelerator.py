@@ -247,3 +247,21 @@ def test_a_pre_gate_runs_every_check_before_boot_then_stops_never_a_pass(monkeyp
     assert failed.checks[-1].name == "smoke" and not pre_gate_passed(verdict_of(failed))
     whole = _run_checks(replace(inputs, pre_gate=False))
     assert not pre_gate_passed(verdict_of(whole))
+
+
+def test_a_runtime_library_missing_only_a_declared_optional_plugin_dependency_is_no_fail() -> None:
+    """The binaries check's declarations hold for the smoke test too: cuFile's RDMA plugin may miss rdma-core (the
+    nvidia-h200-vllm-debian image's smoke test failed on it before); an undeclared library still fails."""
+    from skupin.common.paths import PACKAGE_ROOT
+    from skupin.gates.integrity.binaries import load_rules
+
+    rules = load_rules(PACKAGE_ROOT / "gates/data/binaries.yaml")
+    site = "/opt/skupin/venv/lib/python3.11/site-packages"
+    missing = "OSError: libmlx5.so.1: cannot open shared object file: No such file or directory"
+    report = _report(libraries={f"{site}/nvidia/cu13/lib/libcufile_rdma.so.1": missing})
+    result = judge_smoke(report, host_libraries=CUDA_HOST, family="cuda", rules=rules)
+    assert result.status == "pass" and result.details["counts"]["declared"] == 1, result.reason
+    assert "rdma" in result.details["declared_optional"][f"{site}/nvidia/cu13/lib/libcufile_rdma.so.1"]
+    other = _report(libraries={f"{site}/nvidia/cu13/lib/libcublas.so.13": missing})
+    assert judge_smoke(other, host_libraries=CUDA_HOST, family="cuda", rules=rules).status == "fail"
+    assert judge_smoke(report, host_libraries=CUDA_HOST, family="cuda").status == "fail"  # no rules given

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import time
@@ -40,6 +41,22 @@ def _message(exc: BaseException) -> str:
 def _import(name: str) -> str:
     try:
         importlib.import_module(name)
+    except BaseException as exc:  # an extension may raise anything at import, SystemExit included
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return _message(exc)
+    return "ok"
+
+
+def _import_file(name: str, path: str) -> str:
+    """Load the extension module file `path` as `name` without importing its parent package first: a package whose
+    __init__ wraps its extension's ImportError in its own message would hide the loader's (the library it misses)."""
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            return f"ImportError: no loader for {path}"
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     except BaseException as exc:  # an extension may raise anything at import, SystemExit included
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -124,7 +141,7 @@ def smoke(engine_import: str, *, with_torch: bool = True, site_packages: list[st
                 break
             count += 1
             if module is not None:
-                report["extensions"][module] = _import(module)
+                report["extensions"][module] = _import_file(module, path)
             else:
                 report["libraries"][path] = _load(path)
     report["wall_s"] = round(time.perf_counter() - t0, 3)
