@@ -68,11 +68,11 @@ def test_probe_needs_only_stdlib_torch_and_engines_and_never_pickles(path: Path)
 def test_the_probe_is_its_folder_and_every_module_is_named_for_it() -> None:
     """The gate mounts the whole folder (sys.path[0] of the script): every module name starts with skupin_probe, which
     no package of an image has, and every adapter module is registered and the other way round (beside them only
-    skupin_probe_ops, the op battery's spec)."""
+    skupin_probe_ops, the op battery's spec, and skupin_probe_smoke, the import smoke test)."""
     names = {p.stem for p in _probe_files()}
     assert all(n == "skupin_probe" or n.startswith("skupin_probe_") for n in names), names
     registry = _probe_module_static("ADAPTERS")
-    assert names == {"skupin_probe", "skupin_probe_ops", *registry.values()}
+    assert names == {"skupin_probe", "skupin_probe_ops", "skupin_probe_smoke", *registry.values()}
     assert all(module == f"skupin_probe_{engine}" for engine, module in registry.items())
 
 
