@@ -43,10 +43,11 @@ def test_honest_image_passes_through_the_cli(honest_image: str, docker: Docker, 
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     verdict = json.loads(proc.stdout)
     assert verdict["decision"] == "pass"
-    assert [c["name"] for c in verdict["checks"]] == ["reference", "pins", "boot", "kernels", "ops", "model",
-                                                      "float32", "serve"]
+    assert [c["name"] for c in verdict["checks"]] == ["reference", "pins", "binaries", "smoke", "boot", "kernels", "ops",
+                                                      "model", "float32", "serve"]
     checks = {c["name"]: c for c in verdict["checks"]}
-    assert [c["status"] for c in verdict["checks"]][:6] == ["pass"] * 6
+    assert checks["smoke"]["status"] == "skipped"  # a CPU image: its boot check is its import test
+    assert [checks[n]["status"] for n in ("reference", "pins", "binaries", "boot", "kernels", "ops")] == ["pass"] * 6
     assert checks["float32"]["status"] == "skipped"  # the SKU serves float32: its model check was the float32 pass
     # the op battery: the model's own modules at float32 against float64 on the host, every op listed
     ops = checks["ops"]["details"]["ops"]
@@ -84,7 +85,8 @@ def test_swapped_image_fails_for_the_right_reason(mode, check, words, derived, s
     assert verdict.exit_code == 10
     assert failing is not None and failing.name == check, verdict.reason
     assert words in failing.reason
-    assert [c.status for c in verdict.checks[:3]] == ["pass", "pass", "pass"]  # reference, pins, boot
+    assert [c.status for c in verdict.checks[:5]] == ["pass", "pass", "pass", "skipped", "pass"]  # reference, pins,
+    # binaries, smoke (a CPU image), boot
     if mode == "tf32":
         assert "gate.reduced_precision: [tf32]" in failing.reason
     elif check == "ops":  # a module of the loaded model, named, over its bound; the kernel battery passed
@@ -150,7 +152,8 @@ def test_an_uncalibrated_class_runs_the_calibration_free_checks_and_ends_uncalib
     verdict = gate_image(stack=stack, image=honest_image, docker=docker, out=tmp_path / "out", tolerances_path=empty)
     assert verdict.decision == "uncalibrated" and verdict.exit_code == 14, verdict.reason
     assert [(c.name, c.status) for c in verdict.checks] == [
-        ("reference", "pass"), ("pins", "pass"), ("boot", "pass"), ("kernels", "uncalibrated"),
+        ("reference", "pass"), ("pins", "pass"), ("binaries", "pass"), ("smoke", "skipped"), ("boot", "pass"),
+        ("kernels", "uncalibrated"),
         ("ops", "uncalibrated"), ("model", "uncalibrated"), ("float32", "skipped"), ("serve", "uncalibrated")]
     assert set(verdict.calibration_free) == {"kernels", "ops", "model", "serve"}
 

@@ -34,8 +34,10 @@ def test_honest_vllm_image_passes_through_vllms_own_engine(vllm_image: str, dock
     verdict = json.loads(proc.stdout)
     assert verdict["decision"] == "pass", verdict["reason"]
     checks = {c["name"]: c for c in verdict["checks"]}
-    assert list(checks) == ["reference", "pins", "boot", "kernels", "ops", "model", "float32", "serve"]
+    assert list(checks) == ["reference", "pins", "binaries", "smoke", "boot", "kernels", "ops", "model", "float32",
+                            "serve"]
     assert checks.pop("float32")["status"] == "skipped"  # the SKU serves float32: its model check was the float32 pass
+    assert checks.pop("smoke")["status"] == "skipped"  # a CPU image: its boot check is its import test
     assert all(c["status"] == "pass" for c in checks.values()), [(c["name"], c["reason"]) for c in checks.values()]
     # ops: vLLM's own layers (RMSNorm with the fused residual add, SiluAndMul, get_rope, the CPU GEMM) against
     # float64; its attention backends run only inside the engine and are listed uncovered
@@ -96,7 +98,8 @@ def test_broken_vllm_image_fails_at_the_check_that_sees_it(mode: str, check: str
     assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
     assert failing is not None and failing.name == check, verdict.reason
     assert words in failing.reason
-    assert [c.status for c in verdict.checks[:4]] == ["pass"] * 4  # reference, pins, boot, kernels
+    assert [c.status for c in verdict.checks[:6]] == ["pass", "pass", "pass", "skipped", "pass", "pass"]  # reference,
+    # pins, binaries, smoke (a CPU image), boot, kernels
     if mode in ("vllm-int4", "vllm-rope-cache", "vllm-norm-weight"):  # the battery's own layers are honest
         failures = failing.details["failures"]
         assert not [f for f in failures if f.split(":")[0].rsplit(".", 1)[0] in spec.OUTPUTS], failures
