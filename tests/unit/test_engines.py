@@ -89,6 +89,7 @@ def test_the_probes_adapters_are_the_registrys() -> None:
     adapters = {engine.PROBE_ADAPTER for engine in ALL_ENGINES.values()}
     assert set(_probe_constant("ADAPTERS")) == adapters
     assert set(_probe_constant("ENGINES")) == adapters
+    assert set(_probe_constant("ENGINE_IMPORTS")) == adapters  # the package the smoke test imports (gates/gate.py)
     modules = _probe_value("ADAPTERS")
     assert isinstance(modules, dict)
     assert all((PROBE.parent / f"{module}.py").is_file() for module in modules.values()), modules

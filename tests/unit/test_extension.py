@@ -93,6 +93,7 @@ def add_engine(c: Copy) -> None:
     c.edit("engine", probe, "\nENGINES = (", f'\nENGINES = ("{ENGINE}", ')
     c.edit("engine", probe, "\nADAPTERS = {", f'\nADAPTERS = {{"{ENGINE}": "skupin_probe_{ENGINE}", ')
     c.edit("engine", probe, "\nENGINE_DISTRIBUTIONS = {", f'\nENGINE_DISTRIBUTIONS = {{"{ENGINE}": ("{ENGINE}",), ')
+    c.edit("engine", probe, "\nENGINE_IMPORTS = {", f'\nENGINE_IMPORTS = {{"{ENGINE}": "{ENGINE}", ')
 
 
 def add_family(c: Copy) -> None:
