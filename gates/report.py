@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from skupin.gates.judge.compare import DECISION_STATS
 from skupin.gates.judge.verdict import CheckResult, GateVerdict
@@ -77,6 +78,36 @@ def _pins_section(pins: CheckResult | None) -> list[str]:
     if d.get("unverifiable"):
         lines += ["", "Could not be checked here:", ""] + [f"- {line}" for line in d["unverifiable"]]
     return lines
+
+
+def _listed(title: str, items: list[Any], total: int) -> list[str]:
+    """A titled bullet list of `items`, with how many of `total` it leaves out."""
+    if not items:
+        return []
+    more = total - len(items)
+    return ["", title, "", *(f"- {item}" for item in items), *([f"- ... and {more} more"] if more > 0 else [])]
+
+
+def _binaries_section(check: CheckResult | None) -> list[str]:
+    """Every binary the binaries check named (the checks table shows the first), and what it could not read."""
+    if check is None or not (check.details.get("findings") or check.details.get("unverifiable")):
+        return []
+    d = check.details
+    lines = ["", "## Native binaries", ""]
+    lines += [f"{d.get('checked', 0)} ELF files above the base, {d.get('needed_resolved', 0)} NEEDED resolved."]
+    lines += _listed("Would not load or run here:", list(d.get("findings") or []),
+                     sum((d.get("finding_kinds") or {}).values()))
+    unverifiable = list(d.get("unverifiable") or [])
+    return lines + _listed("Could not be checked here:", unverifiable, len(unverifiable))
+
+
+def _smoke_section(check: CheckResult | None) -> list[str]:
+    """Every item the import smoke test found broken (the checks table shows the first)."""
+    if check is None or not check.details.get("broken"):
+        return []
+    broken = list(check.details["broken"])
+    return ["", "## Import smoke test (no accelerator attached)",
+            *_listed("Did not load:", broken, int(check.details.get("broken_count") or len(broken)))]
 
 
 def _engine_path_lines(model: CheckResult | None) -> list[str]:
@@ -162,6 +193,8 @@ def markdown(*, verdict: GateVerdict, plot_name: str | None) -> str:
     lines += [f"| {c.name} | {ICON[c.status]} | {c.reason.replace('|', '/')} |" for c in v.checks]
     lines += _uncalibrated_section(v)
     lines += _pins_section(v.check("pins"))
+    lines += _binaries_section(v.check("binaries"))
+    lines += _smoke_section(v.check("smoke"))
     kernels = _kernel_rows(v)
     if kernels:
         lines += ["", "## Kernel battery", "", "Error = max |candidate - reference| / max |reference|.", "",

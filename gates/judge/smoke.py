@@ -117,6 +117,7 @@ def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], f
     details: dict[str, Any] = {
         "imports": {printable(str(k), 100): printable(str(v), 300) for k, v in list(imports.items())[:20]},
         "extensions": len(extensions), "libraries": len(libraries), "counts": counts, "broken": broken[:_SHOWN],
+        "broken_count": len(broken),
         "needs_host_driver": {printable(k, 300): printable(v, 100) for k, v in sorted(deferred.items())[:50]},
         "declared_optional": {printable(k, 300): printable(v, 300) for k, v in sorted(optional.items())[:50]},
         "host_libraries": list(host_libraries), "accelerator_visible": _plain(report.get("accelerator_visible")),

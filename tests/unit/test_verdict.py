@@ -236,3 +236,29 @@ def test_report_of_the_committed_example_plots_without_matplotlib_warnings(tmp_p
         warnings.simplefilter("error")
         paths = write_report(verdict=verdict, out=tmp_path)
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_lists_every_binary_and_smoke_item_named_not_only_the_first(tmp_path):
+    """The checks table shows a check's first finding; report.md lists them all (up to the verdict's cap)."""
+    from skupin.gates.integrity.binaries import BinariesReport, BinaryFinding
+    from skupin.gates.judge.smoke import judge_smoke
+    from skupin.gates.judge.verdict import judge_binaries
+
+    findings = tuple(BinaryFinding(kind="unresolved", path=f"venv/lib/ext{i}.so", detail=f"NEEDED libgone{i}.so.1")
+                     for i in range(3))
+    binaries = judge_binaries(BinariesReport(findings=findings, checked=7, needed=20))
+    smoke = judge_smoke({"imports": {"torch": "ok", "vllm": "ok"}, "extensions": {"vllm._C": "ImportError: undefined symbol: x",
+                                                                                  "vllm._moe_C": "ok"},
+                         "libraries": {"/venv/torch/lib/libshm.so": "OSError: invalid ELF header"}},
+                        host_libraries=("libcuda.so.1",), family="cuda", expected=("torch", "vllm"))
+    assert binaries.status == smoke.status == "fail" and smoke.details["broken_count"] == 2
+    checks = (CheckResult(name="pins", status="pass", reason="ok"), binaries)
+    decision, reason = decide(checks)
+    verdict = GateVerdict(sku="cpu-test", hardware_class="cpu-test", image="img", image_id="sha256:1", lock_hash=None,
+                          reference=None, tolerance=None, checks=(*checks, smoke), decision=decision, reason=reason,
+                          timings={"total_s": 1.0}, tool_version="0", created="now")
+    text = write_report(verdict=verdict, out=tmp_path)["report"].read_text()
+    assert "## Native binaries" in text and "7 ELF files above the base" in text
+    assert all(f"- /venv/lib/ext{i}.so: NEEDED libgone{i}.so.1" in text for i in range(3))
+    assert "## Import smoke test" in text and "- extension vllm._C: ImportError: undefined symbol: x" in text
+    assert "- library /venv/torch/lib/libshm.so: OSError: invalid ELF header" in text
