@@ -45,13 +45,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
     signer = find_signer(getattr(args, "signing_key", None), create=True, on_event=err)
     image = args.image or image_from_build_record(stack.manifest.name)
     folder = Path(args.out) if args.out else _default_out("gates", stack.manifest.name)
+    pre_gate = bool(getattr(args, "pre_gate", False))
     verdict = gate_image(stack=stack, image=image, docker=docker, out=folder, on_event=err,
                          tolerances_path=Path(args.tolerances) if args.tolerances else catalog_tolerances(),
                          reference=Path(args.reference) if args.reference else None,
                          baseline=getattr(args, "baseline", None),
                          wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None,
-                         pre_gate=bool(getattr(args, "pre_gate", False)))
-    code = 0 if getattr(args, "pre_gate", False) and pre_gate_passed(verdict) else verdict.exit_code
+                         pre_gate=pre_gate)
+    code = 0 if pre_gate and pre_gate_passed(verdict) else verdict.exit_code
     envelope = write_verdict_envelope(folder, verdict, signer)
     err(f"verdict signed by this host's key {signer.keyid[:12]}: {envelope}")
     if args.json:  # the verdict, with the --json contract's fields (skupin/cli/output.py) beside it
@@ -61,7 +62,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     else:
         for check in verdict.checks:
             out(f"{check.status:<8} {check.name:<9} {check.reason}")
-        out(f"{'PRE-GATE PASSED' if code == 0 and args.pre_gate else verdict.decision.upper()}: {verdict.reason}")
+        out(f"{'PRE-GATE PASSED' if code == 0 and pre_gate else verdict.decision.upper()}: {verdict.reason}")
         out(f"report: {folder / 'report.md'}  verdict: {folder / 'verdict.json'}  ({verdict.timings.get('total_s', 0):.1f} s)")
     return code
 
