@@ -932,7 +932,7 @@ def pre_gate_passed(verdict: GateVerdict) -> bool:
     """Whether a `--pre-gate` run's checks all passed (or were skipped) up to its stop before boot."""
     stop = next((c for c in verdict.checks if c.name == PRE_GATE_STOP), None)
     before = [c for c in verdict.checks if c.name in CHECK_NAMES[:CHECK_NAMES.index(PRE_GATE_STOP)]]
-    return (stop is not None and stop.reason == PRE_GATE_REASON and bool(before)
+    return (stop is not None and stop.details.get("pre_gate") is True and bool(before)
             and all(c.status in ("pass", "skipped") for c in before))
 
 
