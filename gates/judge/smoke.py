@@ -41,13 +41,18 @@ MAX_OUTCOME = 4000  # characters of one outcome (the probe sends at most 400): a
 _SHOWN = 12  # broken items listed in the details
 
 
+def _missing(outcome: str) -> list[str]:
+    """The libraries the loader's message `outcome` says it did not find (none for a message over MAX_OUTCOME)."""
+    if len(outcome) > MAX_OUTCOME:
+        return []
+    return [name for name in _NOT_FOUND.findall(outcome) if _LIBRARY.fullmatch(name)]
+
+
 def classify(outcome: str, host_libraries: Iterable[str]) -> tuple[str, str]:
     """("ok" | "host" | "broken", the library the host must bring for "host", else '')."""
     if outcome == "ok":
         return "ok", ""
-    if len(outcome) > MAX_OUTCOME:
-        return "broken", ""
-    missing = [name for name in _NOT_FOUND.findall(outcome) if _LIBRARY.fullmatch(name)]
+    missing = _missing(outcome)
     if missing and all(name in set(host_libraries) for name in missing):
         return "host", missing[0]
     return "broken", ""
@@ -56,9 +61,7 @@ def classify(outcome: str, host_libraries: Iterable[str]) -> tuple[str, str]:
 def _declared(outcome: str, path: str, rules: BinaryRules, host_libraries: Iterable[str]) -> str:
     """Why the library `path` may fail to load with `outcome`: every library it misses is the host's or declared
     optional for it in gates/data/binaries.yaml (the binaries check's `unresolved` entries); '' otherwise."""
-    if len(outcome) > MAX_OUTCOME:
-        return ""
-    missing = [name for name in _NOT_FOUND.findall(outcome) if _LIBRARY.fullmatch(name)]
+    missing = _missing(outcome)
     rel = path.lstrip("/")
     whys = []
     for name in missing:
