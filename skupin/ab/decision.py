@@ -214,7 +214,7 @@ class SliceAB(Frozen):
         description="worse: the whole 95% interval on the losing side of 1 (below for higher-is-better)")
 
 
-def slices(*, candidate: Sequence[Sequence[PerfResult]], baseline: Sequence[Sequence[PerfResult]],
+def slice_decisions(*, candidate: Sequence[Sequence[PerfResult]], baseline: Sequence[Sequence[PerfResult]],
            prompt_lengths: Sequence[int], primary: str = "decode") -> tuple[SliceAB, ...]:
     """The primary KPI per (prompt length, concurrency): one ratio per round (candidate[r][i] against baseline[r][i]) and
     its ratio_interval. A slice is worse when its interval lies wholly on the losing side of 1, better in the mirror

@@ -52,7 +52,7 @@ from skupin.ab.decision import (
     noise_floor,
     ratio_interval,
     round_ratios,
-    slices,
+    slice_decisions,
 )
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
@@ -281,7 +281,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
     short = {role: measured.short[role] / measured.requests[role] for role in measured.requests
              if measured.requests[role]}
     primary = _primary(cm)
-    per_slice = slices(candidate=runs["candidate"], baseline=runs["baseline"], prompt_lengths=settings.prompt_lengths,
+    per_slice = slice_decisions(candidate=runs["candidate"], baseline=runs["baseline"], prompt_lengths=settings.prompt_lengths,
                        primary=primary) if order else ()
     cost_kpi = _cost_kpi(runs, bm, cm) if order else None
     kpis += [k for k in (cost_kpi, _cpu_kpi(measured)) if k is not None]

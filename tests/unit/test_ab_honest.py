@@ -20,7 +20,7 @@ from skupin.ab.decision import (
     kpi,
     min_host_tokens,
     ratio_interval,
-    slices,
+    slice_decisions,
     t_quantile,
 )
 from skupin.ab.runtime import _Measured
@@ -178,7 +178,7 @@ def test_one_slice_that_regresses_turns_a_promote_into_a_trade_off_naming_it() -
 
     base = [_round({(64, 1): 100, (64, 4): 100, (256, 1): 100, (256, 4): 100}) for _ in range(3)]
     cand = [_round({(64, 1): 150 + r, (64, 4): 150, (256, 1): 140, (256, 4): 60 + r}) for r in range(3)]
-    per_slice = slices(candidate=cand, baseline=base, prompt_lengths=(64, 256))
+    per_slice = slice_decisions(candidate=cand, baseline=base, prompt_lengths=(64, 256))
     moves = {(s.prompt_tokens, s.concurrency): s.move for s in per_slice}
     assert moves == {(64, 1): "better", (64, 4): "better", (256, 1): "better", (256, 4): "worse"}
     worst = per_slice[-1]
@@ -193,8 +193,8 @@ def test_one_slice_that_regresses_turns_a_promote_into_a_trade_off_naming_it() -
 def test_a_noisy_slice_is_the_same_not_worse_and_ttft_is_lower_is_better() -> None:
     base = [_round({(64, 1): 100, (64, 4): 100, (256, 1): 100, (256, 4): 100}) for _ in range(3)]
     cand = [_round({(64, 1): 130, (64, 4): 130, (256, 1): 130, (256, 4): v}) for v in (70, 130, 95)]
-    assert [s.move for s in slices(candidate=cand, baseline=base, prompt_lengths=(64, 256))][-1] == "same"
-    ttft = slices(candidate=cand, baseline=base, prompt_lengths=(64, 256), primary="ttft_p50")
+    assert [s.move for s in slice_decisions(candidate=cand, baseline=base, prompt_lengths=(64, 256))][-1] == "same"
+    ttft = slice_decisions(candidate=cand, baseline=base, prompt_lengths=(64, 256), primary="ttft_p50")
     assert {s.move for s in ttft} == {"not measured"} or {s.move for s in ttft} <= {"same"}  # equal TTFTs
 
 
@@ -236,7 +236,7 @@ def test_the_annex_states_intervals_slices_capacity_the_rule_and_that_the_model_
 
     base_runs = [_round({(64, 1): 100, (64, 4): 100, (256, 1): 100, (256, 4): 100}) for _ in range(3)]
     cand_runs = [_round({(64, 1): 150, (64, 4): 150, (256, 1): 140, (256, 4): 60 + r}) for r in range(3)]
-    per_slice = slices(candidate=cand_runs, baseline=base_runs, prompt_lengths=(64, 256))
+    per_slice = slice_decisions(candidate=cand_runs, baseline=base_runs, prompt_lengths=(64, 256))
     b = capacity_side(tok_s=100.0, devices=1, hourly_usd=0.10, utilisation=0.6, volume=1e8)
     c = capacity_side(tok_s=150.0, devices=1, hourly_usd=0.10, utilisation=0.6, volume=1e8)
     m = _Measured()
@@ -283,7 +283,7 @@ def test_the_plot_shows_each_slices_interval(tmp_path: Path) -> None:
 
     base_runs = [_round({(64, 1): 100, (64, 4): 100, (256, 1): 100, (256, 4): 100}) for _ in range(3)]
     cand_runs = [_round({(64, 1): 150, (64, 4): 150, (256, 1): 140, (256, 4): 60 + r}) for r in range(3)]
-    record = _record().model_copy(update={"slices": slices(candidate=cand_runs, baseline=base_runs,
+    record = _record().model_copy(update={"slices": slice_decisions(candidate=cand_runs, baseline=base_runs,
                                                             prompt_lengths=(64, 256))})
     assert plot_annex(record, tmp_path / "annex.png") and (tmp_path / "annex.png").stat().st_size > 10_000
 
