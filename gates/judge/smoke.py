@@ -139,8 +139,8 @@ def judge_smoke(report: Mapping[str, Any], *, host_libraries: tuple[str, ...], f
         return CheckResult(name="smoke", status="error", details=details,
                            reason="the smoke test stopped at its item or time limit before it loaded everything")
     return CheckResult(name="smoke", status="pass", details=details,
-                       reason=f"with no accelerator attached: torch and the engine import, {counts['ok']} extension "
-                              f"modules and runtime libraries load, {counts['host']} wait only for the host's "
-                              f"{family} driver ({', '.join(sorted(set(deferred.values()))) or 'none'})"
+                       reason=f"with no accelerator attached: {', '.join(details['imports']) or 'nothing'} import, "
+                              f"{counts['ok']} extension modules and runtime libraries load, {counts['host']} wait only "
+                              f"for the host's {family} driver ({', '.join(sorted(set(deferred.values()))) or 'none'})"
                               + (f", {counts['declared']} are declared optional plugins (gates/data/binaries.yaml)"
                                  if counts["declared"] else ""))

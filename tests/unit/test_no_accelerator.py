@@ -265,3 +265,12 @@ def test_a_runtime_library_missing_only_a_declared_optional_plugin_dependency_is
     other = _report(libraries={f"{site}/nvidia/cu13/lib/libcublas.so.13": missing})
     assert judge_smoke(other, host_libraries=CUDA_HOST, family="cuda", rules=rules).status == "fail"
     assert judge_smoke(report, host_libraries=CUDA_HOST, family="cuda").status == "fail"  # no rules given
+
+
+def test_the_smoke_pass_names_what_was_imported_not_torch_for_an_engine_without_it() -> None:
+    """llama.cpp runs without torch: its pass says what the probe imported (llama_cpp), never 'torch'."""
+    from skupin.gates.judge.smoke import judge_smoke
+
+    passed = judge_smoke({"imports": {"llama_cpp": "ok"}, "extensions": {}, "libraries": {}},
+                         host_libraries=("libcuda.so.1",), family="cuda", expected=("llama_cpp",))
+    assert passed.status == "pass" and "attached: llama_cpp import," in passed.reason and "torch" not in passed.reason
