@@ -243,7 +243,9 @@ def engines_used(measurements: list[Measurement], *, key: ToleranceKey) -> dict[
         unreported = [m.label for m in measurements if m.engine != key.engine or not m.engine_version]
         if unreported:
             raise GateCouldNotRun(f"calibration refused: {key.label()} holds for {key.engine} alone, and not every "
-                                  f"honest run reported it with its version ({', '.join(unreported)})")
+                                  f"honest run reported it with its version ({', '.join(unreported)}); fix: calibrate an image "
+                                  f"whose probe reports checks.model engine {key.engine} and its engine_version (the "
+                                  f"engine installed as one of skupin/engines/{key.engine}.py DISTRIBUTIONS)")
     used: dict[str, set[str]] = {}
     for m in measurements:
         if m.engine and m.engine_version:
