@@ -96,7 +96,7 @@ from skupin.gates.report import write_report
 from skupin.gates.sandbox import sandbox_spec
 from skupin.gates.serving.perf import PerfSettings
 from skupin.gates.serving.serve import serve_check
-from skupin.imagetools.probe.skupin_probe import ENGINE_IMPORTS, _adapter_needs_torch
+from skupin.imagetools.probe import smoke_imports
 
 OnEvent = Callable[[str], None]
 # The probe's folder (skupin/imagetools/probe/, bind-mounted read-only: its entry script's sys.path[0]) and that script.
@@ -669,8 +669,7 @@ def _check_smoke(inputs: GateInputs, pins: PinsResult) -> Judged:
         why = probe.error or _probe_check_error(probe.report, "smoke") or "no smoke report"
         return Judged(CheckResult(name="smoke", status="error", reason=f"the smoke test did not run: {printable(why, 600)}",
                                   details={"logs_tail": probe.logs_tail[-2000:]}))
-    adapter = probe_adapter(m.stack.engine.name)  # what the probe was asked to import (skupin_probe.smoke_check)
-    expected = (("torch",) if _adapter_needs_torch(adapter) else ()) + (ENGINE_IMPORTS[adapter],)
+    expected = smoke_imports(probe_adapter(m.stack.engine.name))  # what the probe was asked to import
     return Judged(judge_smoke(report, host_libraries=family.host_libraries, family=family.name, expected=expected,
                               rules=load_rules(data_path(BINARY_RULES))))
 

@@ -24,12 +24,13 @@ from .skupin_probe import (
     load_adapter,
     prompt_tensors,
     run_adapter,
+    smoke_imports,
     write_safetensors,
 )
 
 __all__ = ["ADAPTERS", "ENGINES", "FORMAT", "FRAME_MAGIC", "PROBE_VERSION", "Adapter", "Collector", "Options",
            "environment", "host_driver", "kernel_battery", "load_adapter", "prompt_tensors", "run_adapter",
-           "write_safetensors"]
+           "smoke_imports", "write_safetensors"]
 
 if TYPE_CHECKING:  # every registered adapter module implements the interface (checked by mypy, not at run time)
     from . import skupin_probe_llamacpp, skupin_probe_sglang, skupin_probe_transformers, skupin_probe_vllm

@@ -796,12 +796,18 @@ def _torch_failed(args: argparse.Namespace, report: dict[str, Any], exc: BaseExc
     return report
 
 
+def smoke_imports(engine: str) -> tuple[str, ...]:
+    """What the smoke test imports for `engine` (the gate host requires each in its report): torch, unless the
+    engine's adapter runs without it, then the engine's package."""
+    return (("torch",) if _adapter_needs_torch(engine) else ()) + (ENGINE_IMPORTS[engine],)
+
+
 def smoke_check(args: argparse.Namespace) -> dict[str, Any]:
     """The import smoke test's report (skupin_probe_smoke.py): "ok" as a check whatever it found (the gate host judges
     each item); an error only when the test itself could not run."""
     try:
         found = load_sibling("skupin_probe_smoke").smoke(ENGINE_IMPORTS[args.engine],
-                                                         with_torch=_adapter_needs_torch(args.engine))
+                                                         with_torch="torch" in smoke_imports(args.engine))
     except Exception as exc:
         return _error(exc)
     return {"status": "ok", **found}
