@@ -24,11 +24,11 @@ HEAVY_ENV = "SKUPIN_HEAVY"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `heavy` (an accelerator SKU's image of many GB built here) run only with SKUPIN_HEAVY=1: never in
-    `.ci/run` or a plain `scripts/test`."""
+    """Tests marked `heavy` (an accelerator SKU's image of many GB built here, or a long opt-in fault case) run only
+    with SKUPIN_HEAVY=1: never in `.ci/run` or a plain `scripts/test`."""
     if os.environ.get(HEAVY_ENV) == "1":
         return
-    skip = pytest.mark.skip(reason=f"heavy: builds an image of many GB; set {HEAVY_ENV}=1 to run it")
+    skip = pytest.mark.skip(reason=f"heavy (a many-GB image or a long fault case); set {HEAVY_ENV}=1 to run it")
     for item in items:
         if item.get_closest_marker("heavy") is not None:
             item.add_marker(skip)
