@@ -16,6 +16,7 @@ level with the highest aggregate tok/s; the rate and the utilisation are shown w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -131,6 +132,7 @@ def tokenizer_counter(tokenizer: Any) -> TokenCounter:
     most 6 tokens (its continuation repeats two-letter pieces the tokenizer merges back), and often above it
     (capped at max_tokens): see HOST_COUNT_SLACK in skupin/ab/decision.py."""
 
+    @functools.lru_cache(maxsize=256)  # each completion is counted twice: by the A/B's record, then by sample_of
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False).ids) if text else 0
 
