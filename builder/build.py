@@ -15,10 +15,14 @@ steps in order:
    steps need no network and no CA (the CA bundle reaches BuildKit, as the secret `skupin_ca`,
    only if the Dockerfile mounts it); BuildKit's plain progress is parsed into per-layer
    durations and cache hits, mapping each step to the `# layer: NAME` comment above its instruction;
-5. `VerifyInstalled`: ask the image's own Python (in a sandboxed container) for its installed
+   with a registry cache reference it reuses that reference's inline cache;
+5. `ExportCache` (with a cache reference only): push BuildKit's image, inline cache included, to it;
+6. `Normalise`: rewrite BuildKit's image so one lock gives one image id on any machine
+   (`builder.reproducible`: mtimes clamped to the lock's time, one config `created`); BuildKit's image goes;
+7. `VerifyInstalled`: ask the image's own Python (in a sandboxed container) for its installed
    distributions and fail unless they equal the lock;
-6. `TagImage`: only then tag the content-addressed tag (`builder.catalog.lockfile.image_tag`);
-7. `WriteRecord`: write the build record (`.skupin/builds/<sku>.json`).
+8. `TagImage`: only then tag the content-addressed tag (`builder.catalog.lockfile.image_tag`);
+9. `WriteRecord`: write the build record (`.skupin/builds/<sku>.json`).
 A failure at any step raises BuildError naming the layer with the tail of its log; no tag is made.
 """
 
@@ -44,7 +48,8 @@ from skupin.builder.base import bases_dir, check_locked_base, ensure_base
 from skupin.builder.catalog.lockfile import Lock, LockedBase, LockedPackage, sku_image_tag
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
-from skupin.builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
+from skupin.builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, source_date_epoch, write_context
+from skupin.builder.reproducible import NormalisedImage, normalise_image
 from skupin.builder.sourcebuild import BuiltWheel, built_dir, export_wheel, write_built
 from skupin.builder.wheels import fetch_wheels
 from skupin.builder.wheels import wheel_store as default_wheel_store
@@ -110,6 +115,10 @@ class BuiltImage(Frozen):
     size_bytes: int
     installed: dict[str, str] = Field(description="Distributions the image's own Python reports: name -> version")
     created: str
+    builder: str = Field("", description="The engine whose BuildKit built it (`docker <server version>`)")
+    reproducible: NormalisedImage | None = Field(None, description="The rewrite that made its image id reproducible "
+                                                                   "(builder/reproducible.py)")
+    cache: str | None = Field(None, description="The registry reference the build's layer cache came from and went to")
     stack: ResolvedStack = Field(exclude=True, description="The stack it was built from (for the gate and publish; "
                                                           "not part of the build record)")
 
@@ -331,6 +340,22 @@ class RunBuildKit(Frozen):
     export_stage: str | None = Field(None, description="A source-built engine's wheel stage, exported after the build "
                                                        "(from BuildKit's cache) for the host's record")
     store: Path | None = Field(None, description="The wheel store the exported wheel is put into (with export_stage)")
+    cache_from: str | None = Field(None, description="A registry reference whose inline cache BuildKit reuses")
+
+
+class ExportCache(Frozen):
+    """Push BuildKit's image (its inline cache with it) to a registry reference, for the next build on a runner without
+    local state. The published image is the normalised one; this one only carries the cache."""
+
+    kind: Literal["cache"] = "cache"
+    reference: str
+
+
+class Normalise(Frozen):
+    """Rewrite BuildKit's image so one lock gives one image id (builder/reproducible.py); BuildKit's image goes."""
+
+    kind: Literal["normalise"] = "normalise"
+    epoch: int = Field(description="SOURCE_DATE_EPOCH: the lock's creation time")
 
 
 class VerifyInstalled(Frozen):
@@ -361,8 +386,8 @@ class WriteRecord(Frozen):
     folder: Path
 
 
-BuildStep = (EnsureBase | GatherWheels | WriteContext | RunBuildKit | VerifyInstalled | TagImage | RecordBuiltWheel
-             | WriteRecord)
+BuildStep = (EnsureBase | GatherWheels | WriteContext | RunBuildKit | ExportCache | Normalise | VerifyInstalled | TagImage
+             | RecordBuiltWheel | WriteRecord)
 
 
 def locked_stack(rendered: RenderedDockerfile) -> tuple[ResolvedStack, Lock]:
@@ -379,28 +404,33 @@ def locked_stack(rendered: RenderedDockerfile) -> tuple[ResolvedStack, Lock]:
 
 def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, ca_bundle: Path | None = None,
                no_cache: bool = False, records: Path | None = None, wheel_store: Path | None = None,
-               contexts: Path | None = None, bases: Path | None = None, built: Path | None = None
-               ) -> tuple[BuildStep, ...]:
+               contexts: Path | None = None, bases: Path | None = None, built: Path | None = None,
+               cache: str | None = None) -> tuple[BuildStep, ...]:
     """Every step of the build of `rendered`, decided before anything runs (pure: no Docker, network or files).
 
     `rendered` must come from a stack whose lock is current (LockError otherwise: the image would not
-    be what its lock says). Without `records` no build record is written.
+    be what its lock says). Without `records` no build record is written. With `cache` (a registry reference) the
+    build reuses that reference's inline cache and pushes its own there (the cache of runners without local state).
     """
     stack, lock = locked_stack(rendered)
     manifest = stack.manifest
     secrets = {CA_SECRET_ID: ca_bundle} if ca_bundle is not None and f"id={CA_SECRET_ID}" in rendered.text else {}
     from_source = bool(lock.sources())
+    build_args = {"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
+                  DOCKERFILE_ARG: rendered.sha256}
+    if cache:
+        build_args["BUILDKIT_INLINE_CACHE"] = "1"
     steps: list[BuildStep] = [
         # the wheels first: a missing or mismatched one refuses the build before debootstrap or a pull runs
         GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or default_wheel_store(),
                      wheelhouse=wheelhouse, ca_bundle=ca_bundle),
         EnsureBase(manifest=manifest, bases=bases or bases_dir(), locked=lock.base),
         WriteContext(folder=(contexts or state_dir() / "contexts") / manifest.name),
-        RunBuildKit(build_args={"SKUPIN_BASE": manifest.base.reference, "SKUPIN_LOCK_HASH": lock.content_hash(),
-                                DOCKERFILE_ARG: rendered.sha256},
-                    secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None,
+        RunBuildKit(build_args=build_args, secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None,
                     export_stage=ENGINE_WHEEL_STAGE if from_source else None,
-                    store=(wheel_store or default_wheel_store()) if from_source else None),
+                    store=(wheel_store or default_wheel_store()) if from_source else None, cache_from=cache),
+        *([ExportCache(reference=cache)] if cache else []),
+        Normalise(epoch=source_date_epoch(lock)),
         VerifyInstalled(locked=locked_versions(lock)),
         TagImage(tag=sku_image_tag(manifest, lock=lock, dockerfile_sha256=rendered.sha256)),
     ]
@@ -439,6 +469,8 @@ class _Execution:
     built: BuiltImage | None = None
     built_wheel: BuiltWheel | None = None
     exported: Path | None = None  # the source-built engine's exported wheel stage (a temporary folder)
+    normalised: NormalisedImage | None = None
+    cache: str | None = None
 
     def result(self) -> BuiltImage:
         """The BuiltImage of a tagged build (made once: the record and the caller get the same object)."""
@@ -458,7 +490,8 @@ class _Execution:
                         for s in self.steps),
             cache_hits=sum(1 for s in self.steps if s.cached), total_s=round(time.monotonic() - self.started, 2),
             phases=dict(self.phases), size_bytes=info.size, installed=self.installed,
-            created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), stack=self.stack)
+            created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), stack=self.stack,
+            builder=f"docker {self.docker.ping()}", reproducible=self.normalised, cache=self.cache)
 
 
 def _ensure_base(step: EnsureBase, run: _Execution) -> None:
@@ -485,7 +518,8 @@ def _run_buildkit(step: RunBuildKit, run: _Execution) -> None:
     sink = _sink(progress=run.progress, on_line=run.on_line, dockerfile=run.rendered.text, lines=run.lines)
     try:
         run.image_id = run.docker.build(context=context, dockerfile=context / "Dockerfile", build_args=step.build_args,
-                                        secrets=step.secrets or None, no_cache=step.no_cache, on_line=sink)
+                                        secrets=step.secrets or None, no_cache=step.no_cache, on_line=sink,
+                                        cache_from=step.cache_from)
         run.steps = parse_progress(run.lines, dockerfile=run.rendered.text)
         if step.export_stage:
             # the same context and arguments: every step is in BuildKit's cache, only the wheel stage's files come out
@@ -498,6 +532,31 @@ def _run_buildkit(step: RunBuildKit, run: _Execution) -> None:
         raise _failure(exc, lines=run.lines, dockerfile=run.rendered.text, ca_given=step.ca_given) from exc
     finally:
         run.held.close()  # the context folder is free for the next build of this SKU
+
+
+def _export_cache(step: ExportCache, run: _Execution) -> None:
+    run.docker.tag(run.image_id, step.reference)
+    try:
+        run.on_line(f"pushing the build cache to {step.reference}")
+        run.docker.push(step.reference, on_event=run.on_line)
+    except DockerError as exc:  # a cache that could not be stored costs the next build time, not this one its image
+        run.on_line(f"the build cache was not stored: {exc}")
+    else:
+        run.cache = step.reference
+    finally:
+        run.docker.remove_image(step.reference)
+
+
+def _normalise(step: Normalise, run: _Execution) -> None:
+    base = run.docker.inspect_image(run.base_id) if run.base_id else None
+    made = normalise_image(run.docker, run.image_id, epoch=step.epoch, base_layers=base.layers if base else (),
+                           on_event=run.on_line)
+    run.on_line(f"normalised {made.source_id[:19]} -> {made.image_id[:19]} ({made.rewritten_layers} layers rewritten, "
+                f"{made.kept_layers} of the base kept, {made.seconds}s)")
+    if made.image_id != made.source_id:
+        with contextlib.suppress(DockerError):  # BuildKit's image: its layers stay in BuildKit's cache, not twice on disk
+            run.docker.remove_image(made.source_id)
+    run.image_id, run.normalised = made.image_id, made
 
 
 def _verify_installed(step: VerifyInstalled, run: _Execution) -> None:
@@ -529,6 +588,10 @@ def _run_step(step: BuildStep, run: _Execution) -> None:
             _write_context(step, run)
         case RunBuildKit():
             _run_buildkit(step, run)
+        case ExportCache():
+            _export_cache(step, run)
+        case Normalise():
+            _normalise(step, run)
         case VerifyInstalled():
             _verify_installed(step, run)
         case TagImage():
@@ -560,10 +623,10 @@ def execute_build(steps: tuple[BuildStep, ...], *, rendered: RenderedDockerfile,
 
 def build(rendered: RenderedDockerfile, docker: Docker, *, wheelhouse: Path | None = None,
           ca_bundle: Path | None = None, progress: Progress = "plain", on_line: OnLine = _quiet, no_cache: bool = False,
-          records: Path | None = None, wheel_store: Path | None = None) -> BuiltImage:
+          records: Path | None = None, wheel_store: Path | None = None, cache: str | None = None) -> BuiltImage:
     """The build stage: plan the build of a locked render (`plan_build`), then run the plan; see the module doc."""
     steps = plan_build(rendered, wheelhouse=wheelhouse, ca_bundle=ca_bundle, no_cache=no_cache, records=records,
-                       wheel_store=wheel_store)
+                       wheel_store=wheel_store, cache=cache)
     if ca_bundle is not None and not ca_bundle.is_file():
         raise BuildError(f"--ca-bundle {ca_bundle}: no such file")
     return execute_build(steps, rendered=rendered, docker=docker, progress=progress, on_line=on_line)

@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -148,7 +148,7 @@ class _ChunkReader(io.RawIOBase):
     """A read-only file over an iterator of byte chunks (the engine's streamed responses)."""
 
     def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._chunks, self._left = chunks, b""
+        self._chunks, self._left = chunks, memoryview(b"")
 
     def readable(self) -> bool:
         return True
@@ -157,12 +157,12 @@ class _ChunkReader(io.RawIOBase):
         view = memoryview(buffer)
         while not self._left:
             try:
-                self._left = next(self._chunks)
+                self._left = memoryview(next(self._chunks))
             except StopIteration:
                 return 0
         n = min(len(view), len(self._left))
         view[:n] = self._left[:n]
-        self._left = self._left[n:]
+        self._left = self._left[n:]  # a view: no copy of the chunk's rest per read
         return n
 
 
@@ -269,6 +269,28 @@ class Docker:
         except docker.errors.APIError as exc:
             raise DockerError(f"saving image {ref} failed: {exc.explanation or exc}") from exc
         return _ChunkReader(iter(chunks))
+
+    def load_image(self, chunks: Iterable[bytes]) -> str:
+        """`docker load` a docker-save tarball streamed as `chunks`; the id of the image it loaded.
+
+        DockerError on an error message in the engine's answer or when it names no loaded image id."""
+        loaded: list[str] = []
+        try:
+            for message in self._client.api.load_image(chunks, quiet=True):
+                if not isinstance(message, dict):
+                    continue
+                if message.get("error") or message.get("errorDetail") or ("message" in message and "stream" not in message):
+                    detail = message.get("errorDetail") or {}
+                    why = message.get("error") or detail.get("message") or message.get("message") or detail
+                    raise DockerError(f"docker load failed: {why}")
+                text = str(message.get("stream") or "")
+                if text.startswith("Loaded image ID: "):
+                    loaded.append(text.removeprefix("Loaded image ID: ").strip())
+        except docker.errors.APIError as exc:
+            raise DockerError(f"docker load failed: {exc.explanation or exc}") from exc
+        if len(loaded) != 1:
+            raise DockerError(f"docker load named {len(loaded)} loaded image ids, expected one")
+        return loaded[0]
 
     def tag(self, image: str, tag: str) -> None:
         """Point `tag` (repo:tag) at `image`."""
@@ -591,11 +613,14 @@ class Docker:
         on_line: OnEvent = _quiet,
         target: str | None = None,
         output_dir: Path | None = None,
+        cache_from: str | None = None,
     ) -> str:
         """Build with BuildKit (`docker build --progress=plain --iidfile`); return the image id.
 
         With `target` only that stage is built; with `output_dir` its files are written there
-        (`--output type=local`) instead of an image, and "" is returned.
+        (`--output type=local`) instead of an image, and "" is returned. With `cache_from` (an image reference in a
+        registry, pushed from an earlier build with BUILDKIT_INLINE_CACHE=1) BuildKit reuses the steps that reference's
+        inline cache holds; a reference the registry does not have is a cold build, not a failure.
 
         No tag is given: the caller tags only after every check passed, so a failed build
         leaves no tag. Every output line goes to `on_line` (the caller keeps what it needs, e.g. to
@@ -616,6 +641,8 @@ class Docker:
                 cmd.append("--no-cache")
             if target:
                 cmd += ["--target", target]
+            if cache_from:
+                cmd += ["--cache-from", cache_from]
             if output_dir is not None:
                 cmd += ["--output", f"type=local,dest={output_dir}"]
             cmd.append(str(context))

@@ -10,7 +10,9 @@ import pytest
 from skupin.builder.build import (
     CA_SECRET_ID,
     EnsureBase,
+    ExportCache,
     GatherWheels,
+    Normalise,
     RunBuildKit,
     TagImage,
     VerifyInstalled,
@@ -21,7 +23,7 @@ from skupin.builder.build import (
 )
 from skupin.builder.catalog.lockfile import image_tag
 from skupin.builder.check import resolve
-from skupin.builder.render import render, render_manifest
+from skupin.builder.render import render, render_manifest, source_date_epoch
 from skupin.common.errors import BuildError, LockError
 from skupin.dockerd import ImageInfo, RunResult
 from tests.paths import SKUS
@@ -41,8 +43,9 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
     steps = plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records",
                        wheel_store=tmp_path / "store", contexts=tmp_path / "contexts", bases=tmp_path / "bases")
     # the wheels come first: a missing or mismatched wheel refuses the build before debootstrap or a pull
-    assert [step.kind for step in steps] == ["wheels", "base", "context", "buildkit", "verify", "tag", "record"]
-    wheels, base, context, buildkit, verify, tag, record = steps
+    assert [step.kind for step in steps] == ["wheels", "base", "context", "buildkit", "normalise", "verify", "tag",
+                                             "record"]
+    wheels, base, context, buildkit, normalise, verify, tag, record = steps
     assert base == EnsureBase(manifest=stack.manifest, bases=tmp_path / "bases", locked=lock.base)
     assert wheels == GatherWheels(packages=tuple(lock.packages().values()), store=tmp_path / "store",
                                   wheelhouse=tmp_path / "house")
@@ -50,12 +53,23 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
     assert buildkit == RunBuildKit(build_args={"SKUPIN_BASE": stack.manifest.base.reference,
                                                "SKUPIN_LOCK_HASH": lock.content_hash(),
                                                "SKUPIN_DOCKERFILE_SHA256": rendered.sha256})
+    assert normalise == Normalise(epoch=source_date_epoch(lock))  # the lock's time: the installed files' mtimes
     assert verify == VerifyInstalled(locked={name: p.version for name, p in lock.packages().items()})
     assert tag == TagImage(tag=image_tag(sku="cpu-x86_64", engine_version=stack.manifest.stack.engine.version, lock=lock,
                                          dockerfile_sha256=rendered.sha256))
     assert record == WriteRecord(folder=tmp_path / "records")
     assert plan_build(rendered, wheelhouse=tmp_path / "house", records=tmp_path / "records", bases=tmp_path / "bases",
                       wheel_store=tmp_path / "store", contexts=tmp_path / "contexts") == steps  # a plan is a value
+
+
+def test_a_registry_cache_is_read_by_buildkit_and_written_before_the_rewrite(rendered):
+    steps = plan_build(rendered, cache="127.0.0.1:5000/cache/cpu-x86_64:buildcache")
+    assert [step.kind for step in steps][3:6] == ["buildkit", "cache", "normalise"]
+    buildkit = steps[3]
+    assert isinstance(buildkit, RunBuildKit) and buildkit.cache_from == "127.0.0.1:5000/cache/cpu-x86_64:buildcache"
+    assert buildkit.build_args["BUILDKIT_INLINE_CACHE"] == "1"
+    assert steps[4] == ExportCache(reference="127.0.0.1:5000/cache/cpu-x86_64:buildcache")
+    assert "BUILDKIT_INLINE_CACHE" not in next(s for s in plan_build(rendered) if isinstance(s, RunBuildKit)).build_args
 
 
 def test_no_record_step_without_a_record_folder(rendered):
@@ -102,13 +116,16 @@ class _FakeDocker:
     def tag(self, image: str, tag: str) -> None:
         self.calls.append(("tag", image, tag))
 
+    def ping(self) -> str:
+        return "20.10.24"
+
     def image_config(self, ref: str) -> dict:
         return {}
 
 
 def _without_buildkit(steps):
     """The plan less the steps that need the wheel store, a context folder and BuildKit."""
-    return tuple(step for step in steps if step.kind not in ("wheels", "context", "buildkit"))
+    return tuple(step for step in steps if step.kind not in ("wheels", "context", "buildkit", "normalise"))
 
 
 def test_the_executor_runs_the_steps_in_order_and_records_what_it_returns(rendered, tmp_path, tmp_path_factory):

@@ -1,0 +1,239 @@
+"""Reproducible images: what BuildKit built, rewritten so that one lock gives one image id on any machine.
+
+Docker 20.10's built-in BuildKit (0.8) has no SOURCE_DATE_EPOCH and no `rewrite-timestamp`: two `--no-cache` builds
+of one lock give the same file contents under different layer digests (the mtimes of what apt and the build touched,
+folder mtimes, the config's `created`). So the build normalises its image, as BuildKit >= 0.13's rewrite-timestamp
+does, in one pass over `docker save` into `docker load` (docs/REPRODUCIBLE.md says why this route):
+
+- every layer above the SKU's base is rewritten entry by entry, in BuildKit's order (its exporter walks folders in
+  lexical order): every mtime clamped to the lock's SOURCE_DATE_EPOCH (`render.source_date_epoch`, the time the
+  installed Python files already carry), access and change times dropped, owner names dropped (the numeric ids
+  stay), file bytes, modes, links, devices and extended attributes kept as they are, written as a POSIX (pax) tar by
+  Python's tarfile, a deterministic writer;
+- the base's layers are kept byte for byte (the lock records their diff ids);
+- the config keeps everything the Dockerfile set; its `created` and every history entry's are the epoch, and
+  BuildKit's own metadata (`moby.buildkit.*`) goes.
+
+The result is loaded under a new image id (the sha256 of that config); the gate judges it, the publish pushes it with
+the deterministic compression of publishing/imagepush.py. LAYER_FORMAT names this rewrite: a change to it is a
+change to every image's id, so it is part of every build record and signed predicate.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any, Final, Protocol, cast
+
+from skupin.common.errors import BuildError
+from skupin.common.model import Frozen
+from skupin.dockerd import Docker
+
+LAYER_FORMAT: Final = "skupin-layers/1"
+MAX_CONFIG_BYTES: Final = 16 * 1024**2
+CHUNK: Final = 1 << 20
+_PAX_KEPT_PREFIX: Final = "SCHILY.xattr."
+OnEvent = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+class Readable(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
+class NormalisedImage(Frozen):
+    """What `normalise_image` made: the new image id, from which BuildKit image, and what it rewrote."""
+
+    image_id: str
+    source_id: str
+    format: str = LAYER_FORMAT
+    epoch: int
+    kept_layers: int
+    rewritten_layers: int
+    seconds: float
+
+
+class _Hashing:
+    """A write-only file that passes bytes on and hashes them (a rewritten layer's diff id)."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out, self.sha, self.size = out, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.out.write(data)
+
+
+class _HashingReader:
+    """A read-only file that hashes what is read from it (the layer's diff id as BuildKit wrote it)."""
+
+    def __init__(self, src: Readable) -> None:
+        self.src, self.sha = src, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.src.read(n)
+        self.sha.update(data)
+        return data
+
+
+def normal_entry(info: tarfile.TarInfo, *, epoch: int) -> tarfile.TarInfo:
+    """One tar entry as the rewrite writes it: mtime clamped to `epoch`, no owner names, no atime/ctime."""
+    out = copy.copy(info)
+    out.mtime = min(int(info.mtime), epoch)
+    out.uname = out.gname = ""
+    out.pax_headers = {k: v for k, v in sorted(info.pax_headers.items()) if k.startswith(_PAX_KEPT_PREFIX)}
+    return out
+
+
+def normalise_layer(src: Readable, dst: IO[bytes], *, epoch: int) -> tuple[str, str, int]:
+    """Rewrite one layer tar from `src` into `dst`: (the input's diff id, the output's diff id, entries).
+
+    BuildError on a tar that cannot be read (the layer is BuildKit's own output, so that is a broken engine)."""
+    reader = _HashingReader(src)
+    writer = _Hashing(dst)
+    entries = 0
+    try:
+        with tarfile.open(fileobj=cast(IO[bytes], reader), mode="r|", bufsize=CHUNK) as inner, \
+                tarfile.open(fileobj=cast(IO[bytes], writer), mode="w|", bufsize=CHUNK, format=tarfile.PAX_FORMAT,
+                             encoding="utf-8") as out:
+            for info in inner:
+                data = inner.extractfile(info) if info.isreg() else None
+                out.addfile(normal_entry(info, epoch=epoch), data)
+                entries += 1
+        while reader.read(CHUNK):  # the input's padding after the end-of-archive blocks is part of its diff id
+            pass
+    except tarfile.TarError as exc:
+        raise BuildError(f"a layer of the built image is not a readable tar: {exc}") from exc
+    return "sha256:" + reader.sha.hexdigest(), "sha256:" + writer.sha.hexdigest(), entries
+
+
+def epoch_text(epoch: int) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def normal_config(config: dict[str, Any], *, diff_ids: list[str], epoch: int) -> dict[str, Any]:
+    """The config of the rewritten image: the layers' new diff ids, every time the epoch, no BuildKit metadata."""
+    out = {k: copy.deepcopy(v) for k, v in config.items() if not k.startswith("moby.buildkit.")}
+    out["created"] = epoch_text(epoch)
+    out["rootfs"] = {"type": "layers", "diff_ids": list(diff_ids)}
+    history = out.get("history")
+    if isinstance(history, list):
+        out["history"] = [{**h, "created": epoch_text(epoch)} if isinstance(h, dict) else h for h in history]
+    return out
+
+
+def config_bytes(config: dict[str, Any]) -> bytes:
+    """The config as the image stores it: compact JSON, keys sorted (its sha256 is the image id)."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _tar_member(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def _padding(size: int) -> bytes:
+    return b"\0" * (-size % tarfile.BLOCKSIZE)
+
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            yield chunk
+
+
+class _Rewrite:
+    """One pass over `docker save`: the docker-load tarball of the rewritten image, as chunks (see the module doc)."""
+
+    def __init__(self, saved: Readable, *, epoch: int, keep: frozenset[str], scratch: Path, on_event: OnEvent) -> None:
+        self.saved, self.epoch, self.keep, self.scratch, self.on_event = saved, epoch, keep, scratch, on_event
+        self.renamed: dict[str, str] = {}  # BuildKit's diff id -> the rewritten one
+        self.config: dict[str, Any] | None = None
+        self.config_name = ""
+        self.kept = 0
+        self.image_config = b""
+
+    def chunks(self) -> Iterator[bytes]:
+        written = 0
+        with tarfile.open(fileobj=cast(IO[bytes], self.saved), mode="r|", bufsize=CHUNK) as outer:
+            for member in outer:
+                source = outer.extractfile(member) if member.isreg() else None
+                if source is None:
+                    continue
+                if member.name.endswith("/layer.tar"):
+                    yield from self._layer(source, index=written)
+                    written += 1
+                elif "/" not in member.name and member.name.endswith(".json") and member.name != "manifest.json":
+                    self._read_config(member, source)
+        if self.config is None:
+            raise BuildError("docker save gave no image config")
+        old = [str(d) for d in (self.config.get("rootfs") or {}).get("diff_ids") or []]
+        missing = [d for d in old if d not in self.keep and d not in self.renamed]
+        if missing:
+            raise BuildError(f"docker save gave no layer for {len(missing)} diff id(s) of the image, e.g. {missing[0]}")
+        new = [d if d in self.keep else self.renamed[d] for d in old]
+        self.image_config = config_bytes(normal_config(self.config, diff_ids=new, epoch=self.epoch))
+        name = hashlib.sha256(self.image_config).hexdigest() + ".json"
+        layers = [f"{d.removeprefix('sha256:')}/layer.tar" for d in new]
+        manifest = json.dumps([{"Config": name, "RepoTags": None, "Layers": layers}]).encode()
+        for member_name, data in ((name, self.image_config), ("manifest.json", manifest)):
+            yield _tar_member(member_name, len(data)) + data + _padding(len(data))
+        yield b"\0" * (2 * tarfile.BLOCKSIZE)
+
+    def _read_config(self, member: tarfile.TarInfo, source: Readable) -> None:
+        if member.size > MAX_CONFIG_BYTES:
+            raise BuildError(f"docker save gave an image config of {member.size} bytes (limit {MAX_CONFIG_BYTES})")
+        raw = source.read(MAX_CONFIG_BYTES + 1)
+        try:
+            config = json.loads(raw)
+        except ValueError as exc:
+            raise BuildError(f"docker save gave an image config that is not JSON: {exc}") from exc
+        if isinstance(config, dict) and "rootfs" in config:
+            self.config, self.config_name = config, member.name
+
+    def _layer(self, source: Readable, *, index: int) -> Iterator[bytes]:
+        with tempfile.NamedTemporaryFile(dir=self.scratch, prefix="layer-", suffix=".tar") as handle:
+            old, new, entries = normalise_layer(source, handle, epoch=self.epoch)
+            handle.flush()
+            if old in self.keep:  # a base layer: the engine has it already, byte for byte
+                self.kept += 1
+                return
+            if old in self.renamed:
+                return
+            self.renamed[old] = new
+            size = Path(handle.name).stat().st_size
+            self.on_event(f"layer {index}: {entries} entries, {size / 1e6:.1f} MB, {old[:19]} -> {new[:19]}")
+            yield _tar_member(f"{new.removeprefix('sha256:')}/layer.tar", size)
+            yield from _file_chunks(Path(handle.name))
+            yield _padding(size)
+
+
+def normalise_image(docker: Docker, image: str, *, epoch: int, base_layers: tuple[str, ...],
+                    scratch: Path | None = None, on_event: OnEvent = _quiet) -> NormalisedImage:
+    """Rewrite the built `image` (see the module doc) and load it; its base's layers (`base_layers`) are kept.
+
+    Only one rewritten layer is on disk at a time (in `scratch`, a temporary folder by default). BuildError when the
+    engine's answer is not the image this rewrite made."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="skupin-normalise-", dir=scratch) as tmp:
+        saved = io.BufferedReader(docker.save_image(image), CHUNK)
+        rewrite = _Rewrite(saved, epoch=epoch, keep=frozenset(base_layers), scratch=Path(tmp), on_event=on_event)
+        loaded = docker.load_image(rewrite.chunks())
+    expected = "sha256:" + hashlib.sha256(rewrite.image_config).hexdigest()
+    if loaded != expected:
+        raise BuildError(f"docker load made {loaded}, not the rewritten image {expected}")
+    return NormalisedImage(image_id=loaded, source_id=image, epoch=epoch, kept_layers=rewrite.kept,
+                           rewritten_layers=len(rewrite.renamed), seconds=round(time.monotonic() - started, 2))
