@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlparse
@@ -126,6 +127,19 @@ def sha256_digest(data: bytes) -> str:
 
 
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
+_FILE_CHUNK = 1 << 20
+
+
+class _FileBody:
+    """A request body read from a file in chunks; iterable again for every retry."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __iter__(self) -> Iterator[bytes]:
+        with open(self.path, "rb") as handle:
+            while chunk := handle.read(_FILE_CHUNK):
+                yield chunk
 
 
 class RegistryClient:
@@ -321,6 +335,32 @@ class RegistryClient:
         self._send("PUT", f"{location}{sep}digest={digest}", scope=scope, ok=(201,), content=data,
                    headers={"Content-Type": "application/octet-stream"})
         return digest
+
+    def push_blob_file(self, repo: str, path: Path, *, digest: str, size: int) -> bool:
+        """Upload a blob from a file (streamed; each retry reads the file again) unless the registry has it already.
+        True when it was sent. The registry checks the bytes against `digest` (`?digest=`)."""
+        scope = self._scope(repo, push=True)
+        if self._send("HEAD", f"/v2/{repo}/blobs/{digest}", scope=scope, ok=(200, 404)).status_code == 200:
+            return False
+        start = self._send("POST", f"/v2/{repo}/blobs/uploads/", scope=scope, ok=(202,))
+        location = urljoin(self.url + "/", start.headers["Location"])
+        sep = "&" if "?" in location else "?"
+        self._send("PUT", f"{location}{sep}digest={digest}", scope=scope, ok=(201,), content=_FileBody(path),
+                   headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+        return True
+
+    def open_blob(self, repo: str, digest: str, folder: Path, *, max_bytes: int) -> Path:
+        """A blob streamed into a new file in `folder`, checked against its digest (the caller removes the file);
+        NetworkError (and no file) when its bytes are not `digest`'s or exceed `max_bytes` (the size its manifest
+        declares)."""
+        self._send("HEAD", f"/v2/{repo}/blobs/{digest}", scope=self._scope(repo), ok=(200,))  # authenticates the scope
+        headers = {"Authorization": token} if (token := self._tokens.get(self._scope(repo))) else None
+        path, sha256, _ = self.http.download(f"{self.url}/v2/{repo}/blobs/{digest}", folder, prefix="blob-",
+                                             headers=headers, max_bytes=max_bytes)
+        if "sha256:" + sha256 != digest:
+            path.unlink(missing_ok=True)
+            raise NetworkError(f"registry {self.host}: blob {repo}@{digest} does not match its digest")
+        return path
 
     def put_manifest(self, repo: str, ref: str, body: bytes, media_type: str) -> str:
         """Store a manifest under a tag or digest (e.g. `sha256-<hex>.att`); returns its digest."""

@@ -107,22 +107,25 @@ class Transport:
         raise NetworkError(f"{self.what}: {method} {safe_url(url)}: {last}")  # pragma: no cover
 
 
-    def download(self, url: str, folder: Path, *, prefix: str) -> tuple[Path, str, int]:
+    def download(self, url: str, folder: Path, *, prefix: str, headers: dict[str, str] | None = None,
+                 max_bytes: int | None = None) -> tuple[Path, str, int]:
         """Stream a GET into a new temporary file in `folder`, with the retries of `request` (each
         attempt starts the file again); (that file, its sha256, its size). The caller keeps or
-        removes it; on an error nothing is left behind."""
+        removes it; on an error nothing is left behind. NetworkError when the body exceeds `max_bytes`."""
         last = ""
         for attempt in range(self.retries + 1):
             fd, name = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".part")
             tmp, digest, size, status = Path(name), hashlib.sha256(), 0, 0
             try:
-                with os.fdopen(fd, "wb") as handle, self.client.stream("GET", url) as response:
+                with os.fdopen(fd, "wb") as handle, self.client.stream("GET", url, headers=headers) as response:
                     status = response.status_code
                     if status == 200:
                         for chunk in response.iter_bytes(1 << 20):
                             handle.write(chunk)
                             digest.update(chunk)
                             size += len(chunk)
+                            if max_bytes is not None and size > max_bytes:
+                                raise NetworkError(f"{self.what}: GET {safe_url(url)} sent more than {max_bytes} bytes")
                         return tmp, digest.hexdigest(), size
                     last = f"HTTP {status}"
                     if status not in RETRY_STATUS or attempt == self.retries:

@@ -91,6 +91,7 @@ from skupin.publishing.attest import (
     tolerance_sha256,
     trusted_keys,
 )
+from skupin.publishing.imagepush import push_image
 from skupin.publishing.local_registry import default_registry, untag_on_disk
 from skupin.publishing.policy import (
     REQUIRED_CHECKS,
@@ -586,18 +587,14 @@ def check_registry(*, client: RegistryClient, target: RegistryTarget, hint: str 
         raise PublishError(f"the registry {target.url} does not answer: {exc}; nothing was pushed or tagged; fix: {fix}") from exc
 
 
-def push_by_digest(*, plan: PublishPlan, docker: Docker, on_event: OnEvent = _quiet) -> str:
-    """Push the image under the plan's temporary tag; return the digest. The local temporary tag always goes."""
-    docker.tag(plan.image_id, plan.push_reference)
+def push_by_digest(*, plan: PublishPlan, docker: Docker, client: RegistryClient, on_event: OnEvent = _quiet) -> str:
+    """Push the image under the plan's temporary tag with skupin's own bytes (publishing/imagepush.py: one image id,
+    one manifest digest on any machine); return the digest."""
     try:
-        return docker.push(plan.push_reference, on_event=on_event)
-    except DockerError as exc:
+        return push_image(docker=docker, client=client, repository=plan.repository, image_id=plan.image_id,
+                          tag=plan.push_tag, on_event=on_event)
+    except (DockerError, NetworkError) as exc:
         raise PublishError(f"push of {plan.sku} to {plan.target.url} failed: {exc}; nothing was tagged") from exc
-    finally:
-        try:
-            docker.remove_image(plan.push_reference)
-        except DockerError:
-            on_event(f"could not remove the local temporary tag {plan.push_reference}")
 
 
 @contextlib.contextmanager
@@ -675,7 +672,7 @@ def _publish_locked(*, plan: PublishPlan, docker: Docker, client: RegistryClient
     on_event(f"pushing {plan.image_id[:19]} as {plan.push_reference}")
     digest = ""
     try:
-        digest = push_by_digest(plan=plan, docker=docker, on_event=on_event)
+        digest = push_by_digest(plan=plan, docker=docker, client=client, on_event=on_event)
         push_s = time.monotonic() - start
         on_event(f"pushed {digest}")
         try:

@@ -33,6 +33,7 @@ from tests.unit.test_publish_plan import (
     FakeEngine,
     FakeRegistry,
     _image_manifest,
+    _pushes_through_the_fake_engine,  # noqa: F401 (an autouse fixture: the fake engine's push stands for the image)
     built_cpu_image,
     expected,
     lock,
