@@ -90,12 +90,17 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
     lines += [f"Same hardware and weights: hardware class `{ab.same.get('hardware_class')}`, model "
               f"`{ab.same.get('model')}`, dtype `{ab.same.get('dtype')}`, reference `{ab.same.get('reference')}`. "
               f"Host: {ab.host}.", "",
-              f"Method: {len(ab.order)} interleaved rounds (order {' '.join(ab.order) or '-'}){_adaptive(ab)}; per "
+              f"Method: {len(ab.order)} interleaved rounds measured on both sides (order {' '.join(ab.order) or '-'})"
+              f"{_adaptive(ab)}; per "
               "round each image "
               f"serves prompts of {' and '.join(str(n) for n in s.prompt_lengths)} tokens at concurrency levels "
               f"{' and '.join(str(x) for x in s.concurrency)}: per level {s.requests} streamed greedy requests of "
               f"{s.max_tokens} output tokens, after {s.warmup} warm-up requests per image. Both servers run side by side "
               f"in the gate's sandbox (no network); {ab.isolation or 'nothing was measured'}.", ""]
+    if ab.rounds_note:
+        lines += [f"**Fewer rounds than asked decided this**: {_md(ab.rounds_note, 1200)}. The KPIs and tables are of the "
+                  "rounds measured on both sides, paired by the round they ran in; the request counts include every "
+                  "round run.", ""]
     if ab.requests:
         agree = "-" if ab.output_agreement is None else f"{100 * ab.output_agreement:.0f}%"
         lines += [f"Serving in the rounds: {ab.requests.get('baseline', 0)} / {ab.requests.get('candidate', 0)} requests "

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from skupin.common.model import Frozen
 from skupin.gates.serving.ab import ABResult, safe_ratio
@@ -43,6 +43,21 @@ class ABSettings(Frozen):
     max_runs: int = Field(50, ge=1, le=200, description="With target_ci: the most rounds (--max-runs)")
     budget_s: float | None = Field(None, gt=0, description="With target_ci: no round starts after this many seconds "
                                                           "of rounds (--budget-s)")
+
+    @field_validator("concurrency", "prompt_lengths")
+    @classmethod
+    def _once_each(cls, values: tuple[int, ...]) -> tuple[int, ...]:
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(map(str, twice))} given more than once (each level or length is one slice)")
+        return values
+
+    @model_validator(mode="after")
+    def _max_runs_covers_runs(self) -> ABSettings:
+        if self.max_runs < self.runs:
+            raise ValueError(f"max_runs {self.max_runs} is below runs {self.runs}: runs rounds always run, max_runs is "
+                             "the most that target_ci may add up to")
+        return self
 
     def perf(self) -> PerfSettings:
         """The load of one image in one round at one prompt length."""
@@ -379,7 +394,8 @@ def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, b
            decode: KPI | None, prefill: KPI | None, floor: float, aggregate: KPI | None = None,
            agreement: float | None = None,
            failed: dict[str, float] | None = None, errors: dict[str, str] | None = None,
-           short: dict[str, float] | None = None, slices: Sequence[SliceAB] = ()) -> tuple[ABDecision, str, str]:
+           short: dict[str, float] | None = None, slices: Sequence[SliceAB] = (), rounds_asked: int = 0,
+           rounds_note: str = "") -> tuple[ABDecision, str, str]:
     """(decision, decision line, reason). The candidate's quality gate comes first: a candidate that did not pass is
     rejected however fast it is. Then what the rounds showed of each side's serving: a side that failed during them, or
     streamed nothing for more than MAX_FAILED of its requests, or (candidate) whose completions mostly differ from the
@@ -389,7 +405,20 @@ def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, b
     1), slower (the mirror) or the same. Promote when at least one is faster, none slower **and no slice** (prompt
     length x concurrency) is worse on the primary KPI beyond its 95% interval (`slices`); such a slice turns a promote
     into a trade-off naming it. Reject when some KPIs are slower and none faster; a trade-off (some of each) or nothing
-    beyond the floor holds."""
+    beyond the floor holds. A promote also needs a decode ratio in each of the `rounds_asked` rounds (else 'hold: rounds
+    missing'); `rounds_note` (rounds_note: rounds that failed or measured one side only) ends every reason it
+    concerns, so no decision rests on fewer rounds than asked without saying so."""
+    decision, line, reason = _decide(
+        candidate_gate=candidate_gate, candidate_failure=candidate_failure, baseline_gate=baseline_gate,
+        baseline_failure=baseline_failure, decode=decode, prefill=prefill, floor=floor, aggregate=aggregate,
+        agreement=agreement, failed=failed, errors=errors, short=short, slices=slices, rounds_asked=rounds_asked)
+    return decision, line, f"{reason} ({rounds_note})" if rounds_note else reason
+
+
+def _decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, baseline_failure: str,
+            decode: KPI | None, prefill: KPI | None, floor: float, aggregate: KPI | None, agreement: float | None,
+            failed: dict[str, float] | None, errors: dict[str, str] | None, short: dict[str, float] | None,
+            slices: Sequence[SliceAB], rounds_asked: int) -> tuple[ABDecision, str, str]:
     gated = _gate_decision(candidate_gate=candidate_gate, candidate_failure=candidate_failure,
                            baseline_gate=baseline_gate, baseline_failure=baseline_failure, decode=decode)
     served = _serving_decision(agreement=agreement, failed=failed or {}, errors=errors or {}, short=short)
@@ -418,6 +447,10 @@ def decide(*, candidate_gate: str, candidate_failure: str, baseline_gate: str, b
             f"{text}: {' and '.join(faster)} faster, but {SPEED_KPIS.get(worse[0].kpi, worse[0].kpi)} is worse beyond its "
             f"95% interval at {named} (" + "; ".join(f"{slice_name(sl)} {sl.ratio:.3f}x, {_ci(sl.ci_low, sl.ci_high)}"
                                                      for sl in worse) + "): a trade-off for the workload to decide")
+    if faster and len(rounds) < rounds_asked:
+        return "hold", "hold: rounds missing", (
+            f"{text}: {' and '.join(faster)} faster, but only {len(rounds)} of the {rounds_asked} asked rounds have a "
+            "decode ratio of both sides: a promote rests on every round asked for")
     if faster:
         return "promote", "promote", (f"{text}: {' and '.join(faster)} faster beyond the noise floor in every round, "
                                       "nothing slower, no slice worse beyond its interval; quality gates passed")
@@ -435,8 +468,10 @@ DECISION_RULE = (
     "ratio candidate / baseline is faster when its median over rounds is at least 1 + the noise floor and every round "
     "is above 1, slower in the mirror case. Promote: some KPI faster, none slower, and no slice (prompt length x "
     "concurrency) worse on the primary KPI, i.e. no slice whose 95% interval (paired t over rounds on the log ratio) "
-    "lies wholly on the losing side of 1; a worse slice makes it a trade-off (hold) naming the slices. Reject: some "
-    "slower, none faster. Otherwise hold (trade-off, or within noise). Exit 0 promote, 12 hold, 13 reject.")
+    "lies wholly on the losing side of 1; a worse slice makes it a trade-off (hold) naming the slices, and fewer "
+    "rounds with a decode ratio of both sides than --runs asked for make it 'hold: rounds missing'. Reject: some "
+    "slower, none faster. Otherwise hold (trade-off, or within noise). Every round run is kept in the record (a failed "
+    "one too, with its reason); a decision on fewer rounds than asked says so. Exit 0 promote, 12 hold, 13 reject.")
 
 SPEED_KPIS = {"decode": "decode tok/s per request", "prefill": "prefill tok/s", "aggregate": "aggregate tok/s",
               "ttft_p50": "TTFT p50"}
@@ -471,12 +506,52 @@ Role = Literal["baseline", "candidate"]
 
 
 class CpuCost(Frozen):
-    """A side's CPU-seconds per 1M output tokens from its container's cgroup accounting, over the measured rounds."""
+    """A side's CPU-seconds per 1M output tokens from its container's cgroup accounting, over the rounds both sides
+    have it for (the same rounds on both sides)."""
 
     cpu_s: float = Field(description="CPU seconds the container used while it was measured, summed over rounds")
     output_tokens: int = Field(description="Host-counted output tokens it streamed in those rounds")
     cpu_s_per_1m_output_tokens: float
     rounds: tuple[float, ...] = Field(description="Per round: CPU-seconds per 1M output tokens")
+    round_numbers: tuple[int, ...] = Field((), description="The round (ABRound.number) of each of `rounds`")
+
+
+RoundStatus = Literal["ok", "failed", "not run"]
+
+
+class ABRound(Frozen):
+    """One interleaved round as it went, a failed one included: which side ran first and how each side's half ended."""
+
+    number: int = Field(description="1-based, in the order the rounds ran")
+    order: str = Field(description="'BA' (baseline first) or 'AB' (candidate first)")
+    baseline: RoundStatus = Field(description="ok: measured; failed: its server or container failed (reason); not run: "
+                                              "the round ended before its turn")
+    candidate: RoundStatus
+    reason: str = Field("", description="Why a side failed in this round")
+    requests: dict[str, int] = Field(default_factory=dict, description="Per side: requests sent in this round")
+    failed_requests: dict[str, int] = Field(default_factory=dict, description="Per side: of those, streamed nothing")
+
+    @property
+    def paired(self) -> bool:
+        """Both sides measured: a round the KPIs pair (by this round, never by position in a list)."""
+        return self.baseline == "ok" and self.candidate == "ok"
+
+
+def rounds_note(*, rounds: Sequence[ABRound], asked: int, decided: int | None = None) -> str:
+    """'' when every asked round measured both sides (and, given `decided`, that many rounds had a decode ratio);
+    else how many rounds were asked, run, measured on both sides and why the others were not, per side."""
+    paired = sum(r.paired for r in rounds)
+    failed = [r for r in rounds if not r.paired]
+    if not failed and paired >= asked and (decided is None or decided >= paired):
+        return ""
+    text = f"rounds: {asked} asked, {len(rounds)} run, {paired} measured on both sides"
+    if decided is not None and decided < paired:
+        text += f", {paired - decided} of those without a decode ratio of both sides"
+    for r in failed:
+        sides = ", ".join(f"{role} {status}" for role, status in (("baseline", r.baseline), ("candidate", r.candidate))
+                          if status != "ok")
+        text += f"; round {r.number}: {sides}" + (f": {r.reason[:300]}" if r.reason else "")
+    return text
 
 
 class ABSide(Frozen):
@@ -500,7 +575,8 @@ class ABSide(Frozen):
     not_measured: str = ""
     hourly_usd: float | None
     utilisation: float | None
-    perf: tuple[PerfResult, ...] = Field(description="Per prompt length (settings order), all rounds merged")
+    perf: tuple[PerfResult, ...] = Field(description="Per prompt length (settings order), every round measured on "
+                                                     "both sides merged")
     cost: tuple[CostSummary | None, ...] = Field(description="Per prompt length: $/1M output tokens at the best level")
 
 
@@ -519,13 +595,15 @@ class RuntimeAB(Frozen):
     candidate: ABSide
     same: dict[str, str] = Field(description="What both SKUs share: hardware class, model, dtype, reference")
     settings: ABSettings
-    order: tuple[str, ...] = Field(description="Per round, which image ran first: 'BA' or 'AB'")
+    order: tuple[str, ...] = Field(description="Per round measured on both sides (the rounds every KPI pairs), which "
+                                               "image ran first: 'BA' or 'AB'")
     lengths: tuple[LengthAB, ...]
     kpis: tuple[KPI, ...]
     noise_floor: float
     noise_floor_basis: str
     isolation: str = Field("", description="How one side was kept from slowing the other while it was measured")
-    requests: dict[str, int] = Field(default_factory=dict, description="Measured requests per side")
+    requests: dict[str, int] = Field(default_factory=dict, description="Requests sent per side in the rounds, those of a "
+                                                                     "failed round included")
     failed_requests: dict[str, int] = Field(default_factory=dict, description="Requests that streamed nothing")
     output_agreement: float | None = Field(None, description="Share of the candidate's completions equal to the "
                                                              "baseline's on the same prompts")
@@ -536,6 +614,9 @@ class RuntimeAB(Frozen):
                                                      "on the host, claimed in the server's usage")
     primary_kpi: str = Field("decode", description="The KPI the per-slice rule judges (the SKU's gate.serve.primary_kpi)")
     slices: tuple[SliceAB, ...] = ()
+    rounds: tuple[ABRound, ...] = Field((), description="Every round run, a failed one included, in order")
+    rounds_note: str = Field("", description="How many rounds were asked, run and measured on both sides, and why "
+                                             "not, when fewer than asked decided (rounds_note); '' otherwise")
     capacity: Capacity | None = None
     cpu: dict[str, CpuCost] = Field(default_factory=dict, description="Per side: the container's CPU accounting")
     decision_rule: str = ""

@@ -28,14 +28,15 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from skupin.ab.decision import (
     DECISION_RULE,
     KPI,
+    ABRound,
     ABSettings,
     ABSide,
     CapacitySide,
@@ -52,6 +53,7 @@ from skupin.ab.decision import (
     noise_floor,
     ratio_interval,
     round_ratios,
+    rounds_note,
     slice_decisions,
 )
 from skupin.builder.catalog.manifest import SkuManifest
@@ -244,11 +246,12 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
     if all(ok for ok, _ in measurable.values()):
         measured = _measure(baseline=baseline, candidate=candidate, ids=ids, docker=docker, settings=settings,
                             on_event=on_event)
-    runs, order = measured.runs, measured.order
+    # only rounds measured on both sides, paired by the round they ran in (a failed half-round pairs with nothing)
+    runs, order = measured.paired_runs(), [measured.order[r] for r in measured.paired()]
     sides = {role: _side(role=role, given=side, verdict=gates[role][0], verdict_path=gates[role][1],
                          reused=gates[role][2], image_id=ids[role], measurable=measurable[role], runs=runs[role],
                          served=measured.served[role], launch=measured.launches.get(role), settings=settings,
-                         other_failed=not all(ok for ok, _ in measurable.values()))
+                         other_failed=not all(ok for ok, _ in measurable.values()), errors=measured.errors)
              for role, side in pairs}
     lengths: list[LengthAB] = []
     kpis: list[KPI] = []
@@ -286,13 +289,17 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
     cost_kpi = _cost_kpi(runs, bm, cm) if order else None
     kpis += [k for k in (cost_kpi, _cpu_kpi(measured)) if k is not None]
     agreement = measured.agreement()
+    asked = settings.runs if all(ok for ok, _ in measurable.values()) else 0
+    note = rounds_note(rounds=measured.rounds, asked=asked,
+                       decided=len([r for r in decode_kpi.rounds if math.isfinite(r)]) if decode_kpi else 0) if asked else ""
     decision, line, reason = decide(candidate_gate=gates["candidate"][0].decision, candidate_failure=failure("candidate"),
                                     baseline_gate=gates["baseline"][0].decision, baseline_failure=failure("baseline"),
                                     decode=decode_kpi, prefill=prefill_kpi, aggregate=aggregate_kpi, floor=floor,
                                     agreement=agreement,
                                     failed={str(k): v for k, v in failed.items()},
                                     errors={str(k): v for k, v in measured.errors.items()},
-                                    short={str(k): v for k, v in short.items()}, slices=per_slice)
+                                    short={str(k): v for k, v in short.items()}, slices=per_slice,
+                                    rounds_asked=asked, rounds_note=note)
     result = RuntimeAB(baseline=sides["baseline"], candidate=sides["candidate"], same=same, settings=settings,
                        order=tuple(order), lengths=tuple(lengths), kpis=tuple(kpis), noise_floor=floor,
                        noise_floor_basis=basis, isolation=ISOLATION if order else "",
@@ -301,7 +308,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                        errors={str(k): v for k, v in measured.errors.items()},
                        short_completions={str(k): v for k, v in measured.short.items()},
                        output_tokens={str(k): dict(v) for k, v in measured.tokens.items()},
-                       primary_kpi=primary, slices=per_slice,
+                       primary_kpi=primary, slices=per_slice, rounds=tuple(measured.rounds), rounds_note=note,
                        capacity=capacity(volume=settings.volume, baseline=_capacity(sides["baseline"], bm, settings),
                                          candidate=_capacity(sides["candidate"], cm, settings)),
                        cpu={str(role): c for role in ("baseline", "candidate")
@@ -365,13 +372,15 @@ def _cost_kpi(runs: dict[Role, list[list[PerfResult]]], bm: SkuManifest, cm: Sku
 
 def _cpu_kpi(measured: _Measured) -> KPI | None:
     """CPU-seconds per 1M output tokens as a paired KPI: per round, the candidate's over the baseline's (each from its
-    container's cgroup while it alone ran); None when the daemon gave no accounting for both sides in every round."""
+    container's cgroup while it alone ran), paired by the round both were measured in (a round one side has no
+    accounting for is left out, not shifted onto the next); None when no round has both sides' accounting."""
     b, c = measured.cpu["baseline"], measured.cpu["candidate"]
     base, cand = measured.cpu_cost("baseline"), measured.cpu_cost("candidate")
-    if base is None or cand is None or len(b) != len(c):
+    keys = measured.cpu_rounds()
+    if base is None or cand is None or not keys:
         return None
-    rounds = [safe_ratio(cc / cn, bc / bn) if bn and cn and bc > 0 else float("nan")
-              for (bc, bn), (cc, cn) in zip(b, c, strict=True)]
+    rounds = [safe_ratio(c[r][0] / c[r][1], b[r][0] / b[r][1]) if b[r][1] and c[r][1] and b[r][0] > 0 else float("nan")
+              for r in keys]
     finite = [r for r in rounds if math.isfinite(r)]
     ci = ratio_interval(rounds)
     return KPI(name="cpu", unit="CPU-s per 1M output tokens", higher_is_better=False,
@@ -427,10 +436,14 @@ def _kpis(runs: dict[Role, list[list[PerfResult]]]) -> list[KPI]:
 class _Measured:
     """What the interleaved rounds produced, side by side (filled as they run; `errors` says which side ended them)."""
 
-    runs: dict[Role, list[list[PerfResult]]] = field(default_factory=lambda: {"baseline": [], "candidate": []})
+    # per side: round index (0-based, as in `order`) -> its runs per prompt length; a side that failed or did not run in
+    # a round has no entry for it, so pairs are made by round, never by position
+    runs: dict[Role, dict[int, list[PerfResult]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
     served: dict[Role, set[str]] = field(default_factory=lambda: {"baseline": set(), "candidate": set()})
     launches: dict[Role, tuple[str, ...]] = field(default_factory=dict)
+    # every round started, a failed one included: "BA" or "AB"
     order: list[str] = field(default_factory=list)
+    rounds: list[ABRound] = field(default_factory=list)
     # (prompt length index, prompt index) -> every text the side streamed for it
     texts: dict[Role, dict[tuple[int, int], list[str]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
     requests: dict[Role, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
@@ -440,21 +453,36 @@ class _Measured:
     # per side: tokens asked (max_tokens x streamed requests), counted on the host, claimed in the server's usage
     tokens: dict[Role, dict[str, int]] = field(default_factory=lambda: {
         role: {"asked": 0, "host": 0, "claimed": 0} for role in ("baseline", "candidate")})
-    # per side and round: (CPU seconds of its container while measured, host-counted output tokens); empty when the
-    # daemon gave no CPU accounting
-    cpu: dict[Role, list[tuple[float, int]]] = field(default_factory=lambda: {"baseline": [], "candidate": []})
+    # per side: round index -> (CPU seconds of its container while measured, host-counted output tokens); no entry
+    # when the daemon gave no CPU accounting for that round
+    cpu: dict[Role, dict[int, tuple[float, int]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
     errors: dict[Role, str] = field(default_factory=dict)
     count_tokens: Callable[[str], int] | None = None
     max_tokens: int = 0
 
+    def paired(self) -> list[int]:
+        """The rounds (indices into `order`) measured on both sides: the rounds every KPI pairs."""
+        return [r for r in range(len(self.order)) if r in self.runs["baseline"] and r in self.runs["candidate"]]
+
+    def paired_runs(self) -> dict[Role, list[list[PerfResult]]]:
+        """Each side's runs of the paired rounds, in round order: [r][i] of both sides ran in one round."""
+        keys = self.paired()
+        return {role: [self.runs[role][r] for r in keys] for role in ("baseline", "candidate")}
+
+    def cpu_rounds(self) -> list[int]:
+        """The rounds both sides have CPU accounting for (each side's is taken only in a round it was measured in)."""
+        return sorted(set(self.cpu["baseline"]) & set(self.cpu["candidate"]))
+
     def cpu_cost(self, role: Role) -> CpuCost | None:
-        """CPU-seconds per 1M host-counted output tokens of the side's container over the rounds; None unmeasured."""
-        rounds = [(c, n) for c, n in self.cpu[role] if n > 0]
-        if not rounds:
+        """CPU-seconds per 1M host-counted output tokens of the side's container over cpu_rounds (the same rounds for
+        both sides); None unmeasured."""
+        keys = [r for r in self.cpu_rounds() if self.cpu[role][r][1] > 0]
+        if not keys:
             return None
+        rounds = [self.cpu[role][r] for r in keys]
         cpu_s, tokens = sum(c for c, _ in rounds), sum(n for _, n in rounds)
         return CpuCost(cpu_s=round(cpu_s, 3), output_tokens=tokens, cpu_s_per_1m_output_tokens=cpu_s / tokens * 1e6,
-                       rounds=tuple(c / n * 1e6 for c, n in rounds))
+                       rounds=tuple(c / n * 1e6 for c, n in rounds), round_numbers=tuple(r + 1 for r in keys))
 
     def record(self, role: Role, length: int) -> Callable[[int, Any], None]:
         def seen(index: int, completion: Any) -> None:
@@ -545,45 +573,69 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                 raise _SideFailed(role, f"its server failed before the rounds: {type(exc).__name__}: {exc}"[:600]) from exc
             servers[role] = server
         perf = settings.perf()
-        started, r = time.monotonic(), 0
-        planned = str(settings.runs) if settings.target_ci is None else f"{settings.runs}-{settings.max_runs}"
-        while more_rounds(settings=settings, elapsed_s=time.monotonic() - started, ratios=round_ratios(
-                candidate=measured.runs["candidate"], baseline=measured.runs["baseline"], metric=_decode)):
-            first: tuple[Role, Role] = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
-            measured.order.append("BA" if r % 2 == 0 else "AB")
+
+        def measure(role: Role) -> list[PerfResult]:
+            return [run_perf(client=servers[role].client, prompts=inputs[role][i], settings=perf,
+                             on_completion=measured.record(role, i), prompt_tokens=counts[role][i],
+                             count_tokens=measured.count_tokens)
+                    for i in range(len(settings.prompt_lengths))]
+
+        _interleave(servers=servers, measure=measure, settings=settings, measured=measured, on_event=on_event,
+                    failures=failures)
+        for role, server in servers.items():  # the container still runs the image it was created from
+            _check_served(server, role, ids[role], measured)
+
+
+def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Role], list[PerfResult]],
+                settings: ABSettings, measured: _Measured, on_event: OnEvent,
+                failures: tuple[type[Exception], ...]) -> None:
+    """The rounds, B A, A B, ..., each side measured (`measure`) while the other's container is paused, until
+    more_rounds says enough. Each round is kept in `measured.rounds` as it went, a failed one too; a side's runs and
+    CPU accounting are stored under the round's index. A side that fails ends the rounds (_SideFailed): the decision it
+    forces (decide's serving rule) cannot change with more rounds against a failing server."""
+    started, r = time.monotonic(), 0
+    planned = str(settings.runs) if settings.target_ci is None else f"{settings.runs}-{settings.max_runs}"
+    while more_rounds(settings=settings, elapsed_s=time.monotonic() - started, ratios=round_ratios(
+            **measured.paired_runs(), metric=_decode)):
+        first: tuple[Role, Role] = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
+        measured.order.append("BA" if r % 2 == 0 else "AB")
+        status: dict[Role, Literal["ok", "failed", "not run"]] = {"baseline": "not run", "candidate": "not run"}
+        before = {role: (measured.requests[role], measured.failed[role]) for role in first}
+        try:
             for role in first:
                 other: Role = "candidate" if role == "baseline" else "baseline"
                 server = servers[role]
-                try:
-                    with _paused(servers[other], other):  # the idle side gets no CPU, whatever it runs
-                        try:
-                            cpu_before = _cpu_seconds(server)
-                            measured.runs[role].append([
-                                run_perf(client=server.client, prompts=inputs[role][i], settings=perf,
-                                         on_completion=measured.record(role, i), prompt_tokens=counts[role][i],
-                                         count_tokens=measured.count_tokens)
-                                for i in range(len(settings.prompt_lengths))])
-                            cpu_after = _cpu_seconds(server)
-                            if cpu_before is not None and cpu_after is not None:
-                                measured.cpu[role].append((cpu_after - cpu_before, sum(
-                                    lv.output_tokens for p in measured.runs[role][-1] for lv in p.levels)))
-                        except failures as exc:
-                            raise _SideFailed(role, f"its server failed in round {r + 1}: {type(exc).__name__}: "
-                                                    f"{exc}"[:600]) from exc
-                except _SideFailed:
-                    measured.order.pop()
-                    for side_runs in measured.runs.values():  # keep only complete rounds
-                        del side_runs[len(measured.order):]
-                    for side_cpu in measured.cpu.values():
-                        del side_cpu[len(measured.order):]
-                    raise
-            b, c = measured.runs["baseline"][-1][0].levels[0], measured.runs["candidate"][-1][0].levels[0]
-            on_event(f"ab: round {r + 1}/{planned} ({measured.order[-1]}): decode tok/s per request at concurrency "
-                     f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
-                     f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
-            r += 1
-        for role, server in servers.items():  # the container still runs the image it was created from
-            _check_served(server, role, ids[role], measured)
+                with _paused(servers[other], other):  # the idle side gets no CPU, whatever it runs
+                    try:
+                        cpu_before = _cpu_seconds(server)
+                        result = measure(role)
+                        cpu_after = _cpu_seconds(server)
+                    except failures as exc:
+                        raise _SideFailed(role, f"its server failed in round {r + 1}: {type(exc).__name__}: "
+                                                f"{exc}"[:600]) from exc
+                    measured.runs[role][r] = result
+                    status[role] = "ok"
+                    if cpu_before is not None and cpu_after is not None:
+                        measured.cpu[role][r] = (cpu_after - cpu_before,
+                                                 sum(lv.output_tokens for p in result for lv in p.levels))
+        except _SideFailed as exc:
+            status[exc.role] = "failed"
+            measured.rounds.append(_round_kept(measured, r, status, before, exc.reason))
+            raise
+        measured.rounds.append(_round_kept(measured, r, status, before))
+        b, c = measured.runs["baseline"][r][0].levels[0], measured.runs["candidate"][r][0].levels[0]
+        on_event(f"ab: round {r + 1}/{planned} ({measured.order[-1]}): decode tok/s per request at concurrency "
+                 f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
+                 f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
+        r += 1
+
+
+def _round_kept(measured: _Measured, r: int, status: Mapping[Role, Literal["ok", "failed", "not run"]],
+                before: Mapping[Role, tuple[int, int]], reason: str = "") -> ABRound:
+    """Round r as it went: each side's status, the requests it sent and how many streamed nothing."""
+    return ABRound(number=r + 1, order=measured.order[r], baseline=status["baseline"], candidate=status["candidate"],
+                   reason=reason, requests={role: measured.requests[role] - n for role, (n, _) in before.items()},
+                   failed_requests={role: measured.failed[role] - f for role, (_, f) in before.items()})
 
 
 def _cpu_seconds(server: RunningServer) -> float | None:
@@ -625,7 +677,7 @@ def _check_served(server: RunningServer, role: Role, image_id: str, measured: _M
 
 def _side(*, role: Role, given: ABInput, verdict: GateVerdict, verdict_path: str, reused: bool, image_id: str,
           measurable: tuple[bool, str], runs: list[list[PerfResult]], served: set[str], launch: tuple[str, ...] | None,
-          settings: ABSettings, other_failed: bool) -> ABSide:
+          settings: ABSettings, other_failed: bool, errors: Mapping[Role, str] | None = None) -> ABSide:
     from skupin.engines import serve_launch
 
     manifest = given.stack.manifest
@@ -635,7 +687,9 @@ def _side(*, role: Role, given: ABInput, verdict: GateVerdict, verdict_path: str
                               utilisation=manifest.cost.utilisation if manifest.cost else None) for p in merged)
     ok, why = measurable
     if ok and not runs:
-        why = "not measured: the other side could not be started again" if other_failed else "not measured"
+        failed = "; ".join(f"the {r}: {e[:300]}" for r, e in (errors or {}).items())
+        why = ("not measured: the other side could not be started again" if other_failed else
+               f"not measured: no round finished on both sides ({failed})" if failed else "not measured")
     planned = serve_launch(manifest=manifest)
     return ABSide(role=role, sku=manifest.name, image=given.image, image_id=image_id, served_by=tuple(sorted(served)),
                   engine=manifest.stack.engine.name, engine_path=_engine_path(verdict),

@@ -166,6 +166,23 @@ def _run_options(sku: str, args: argparse.Namespace) -> RunOptions:
     return RunOptions(sku=sku, wheelhouse=Path(args.wheelhouse) if args.wheelhouse else None)
 
 
+def _check_ab_flags(args: argparse.Namespace) -> None:
+    """ManifestError (exit 2) naming the flags of `skupin ab` that contradict each other, before anything is built."""
+    from skupin.common.errors import ManifestError
+
+    if args.target_ci is None:
+        alone = [flag for flag, value in (("--max-runs", args.max_runs), ("--budget-s", args.budget_s))
+                 if value is not None]
+        if alone:
+            raise ManifestError(f"{' and '.join(alone)} without --target-ci: {'they bound' if len(alone) > 1 else 'it bounds'} "
+                                f"only the rounds --target-ci adds past --runs, and without it exactly --runs "
+                                f"({args.runs}) rounds run; give --target-ci FRACTION or drop {' and '.join(alone)}")
+    if args.max_runs is not None and args.max_runs < args.runs:
+        raise ManifestError(f"--max-runs {args.max_runs} is smaller than --runs {args.runs}: --runs rounds always run "
+                            f"and --max-runs is the most --target-ci may add up to; give --max-runs {args.runs} or more, "
+                            "or fewer --runs")
+
+
 def cmd_ab(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -177,13 +194,15 @@ def cmd_ab(args: argparse.Namespace) -> int:
     from skupin.dockerd import connect
     from skupin.gates.judge.tolerance import catalog_tolerances
 
+    _check_ab_flags(args)
     try:
         settings = ABSettings(runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
                               requests=args.requests, max_tokens=args.max_tokens, volume=args.volume,
-                              target_ci=args.target_ci, max_runs=args.max_runs, budget_s=args.budget_s)
+                              target_ci=args.target_ci, budget_s=args.budget_s,
+                              **({} if args.max_runs is None else {"max_runs": args.max_runs}))
     except ValidationError as exc:
-        raise ManifestError("; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}"
-                                      for e in exc.errors())) from None
+        raise ManifestError("; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: "
+                                      f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())) from None
     same_weights(resolve(sku_path(args.baseline)).manifest, resolve(sku_path(args.candidate)).manifest)  # refuse early
     baseline = _ab_side(args.baseline, args.baseline_image, args)
     candidate = _ab_side(args.candidate, args.candidate_image, args)
@@ -276,8 +295,11 @@ Then:
   1. both images go through the whole gate against the NVIDIA reference (a candidate that fails
      is rejected however fast it is; it is still measured when it booted and served);
   2. both servers (each image's own CMD) boot side by side in the gate's sandbox;
-  3. RUNS interleaved rounds (B A, A B, ...): each image serves every prompt length at every
-     concurrency level, so a drift of the host hits both alike;
+  3. RUNS interleaved rounds (B A, A B, ...; B the baseline, A the candidate, more with
+     --target-ci): each image serves every prompt length at every concurrency level while the
+     other's container is paused, so a drift of the host hits both alike; a round a side fails
+     in is kept in the record and ends the rounds, and the KPIs pair only rounds measured on both
+     sides, by the round they ran in;
   4. KPIs kept apart: decode tok/s per request, prefill tok/s, TTFT p50/p99, aggregate tok/s,
      $/1M output tokens (each SKU's cost block), per-round ratios with a 95% interval (paired t
      over rounds on the log ratio) and a noise floor from each image's own round-to-round
@@ -293,27 +315,36 @@ over 25% fewer tokens than asked); then speed over decode tok/s per request, pre
 aggregate tok/s, with at least 3 rounds: "promote" when one or more are faster beyond the noise
 floor in the median and in every round, none slower and no slice worse on the primary KPI beyond
 its 95% interval, "reject: slower" when some are slower and none faster, "hold: trade-off (...)"
-when both or when a slice is worse (named), "hold: within noise" otherwise (docs/SERVE.md, section 5).
+when both or when a slice is worse (named), "hold: within noise" otherwise; a promote with fewer
+than RUNS rounds giving a decode ratio of both sides is "hold: rounds missing", and any reason
+says how many rounds were asked, run and measured on both sides when they fall short
+(docs/SERVE.md, section 5, item 7).
 Writes annex.md (one page), annex.png and ab.json to --out (default .skupin/ab/BASELINE-vs-CANDIDATE/TIME).
-Exit 0: promote; 12: hold; 13: reject; 2: not the same weights; 5, 6, 11: the build, Docker or gate
-could not run.""",
+Exit 0: promote; 12: hold; 13: reject; 2: flags that contradict each other, not the same weights,
+or one image on both sides; 5, 6, 11: the build, Docker or gate could not run.""",
         epilog="example:\n  skupin ab cpu-x86_64 cpu-x86_64-vllm --runs 3 --concurrency 1,2,4 --prompt-lengths 64,256",
     )
     p.add_argument("baseline", help="baseline SKU (name or manifest path)")
     p.add_argument("candidate", help="candidate SKU (name or manifest path)")
-    p.add_argument("--runs", type=_positive, default=3, help="interleaved rounds (default 3; one round shows no noise)")
+    p.add_argument("--runs", type=_positive, default=3,
+                   help="interleaved rounds, at most 50 (default 3; one round shows no noise, fewer than 3 decide "
+                        "nothing)")
     p.add_argument("--concurrency", type=_int_list, default=(1, 2, 4), metavar="N,N,...",
-                   help="concurrency levels (default 1,2,4)")
+                   help="concurrency levels, each once (default 1,2,4)")
     p.add_argument("--prompt-lengths", type=_int_list, default=(64, 256), metavar="N,N,...",
                    help="prompt tokens per request, made from the fixture's prompts (default 64,256)")
-    p.add_argument("--requests", type=_positive, default=8, help="measured requests per level, round and image (default 8)")
-    p.add_argument("--max-tokens", type=_positive, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--requests", type=_positive, default=8,
+                   help="measured requests per level, round and image, at least the level's concurrency (default 8)")
+    p.add_argument("--max-tokens", type=_positive, default=32, help="output tokens per request, at least 2 (default 32)")
     p.add_argument("--target-ci", type=float, metavar="FRACTION",
                    help="after --runs rounds, add rounds until the decode ratio's 95%% interval is within +- FRACTION "
-                        "(e.g. 0.025) of its centre, up to --max-runs and --budget-s (default: exactly --runs rounds)")
-    p.add_argument("--max-runs", type=_positive, default=50, help="with --target-ci: the most rounds (default 50)")
+                        "(between 0 and 1, e.g. 0.025) of its centre, up to --max-runs and --budget-s "
+                        "(default: exactly --runs rounds)")
+    p.add_argument("--max-runs", type=_positive, metavar="N",
+                   help="with --target-ci only: the most rounds, at least --runs and at most 200 (default 50)")
     p.add_argument("--budget-s", type=float, metavar="SECONDS",
-                   help="with --target-ci: start no round after this many seconds of rounds (default: no limit)")
+                   help="with --target-ci only: start no round past --runs after this many seconds of rounds "
+                        "(default: no limit)")
     p.add_argument("--volume", type=float, default=1e8, metavar="TOKENS_PER_DAY",
                    help="daily output volume the capacity and cost block is sized for (default 1e8 = 100M tokens/day)")
     p.add_argument("--baseline-image", metavar="REF", help="local image for the baseline (default: build the SKU here)")

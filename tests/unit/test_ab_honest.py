@@ -225,10 +225,12 @@ def test_capacity_follows_seed_001s_cost_model() -> None:
 
 def test_cpu_seconds_per_million_tokens_from_the_containers_accounting() -> None:
     m = _Measured()
-    m.cpu["candidate"] += [(2.0, 1000), (3.0, 1000)]
+    m.cpu["candidate"] |= {0: (2.0, 1000), 1: (3.0, 1000)}
+    assert m.cpu_cost("candidate") is None  # only over rounds both sides have accounting for
+    m.cpu["baseline"] |= {0: (1.0, 1000), 1: (1.0, 1000)}
     cost = m.cpu_cost("candidate")
     assert cost is not None and cost.cpu_s_per_1m_output_tokens == pytest.approx(2500.0)
-    assert cost.rounds == pytest.approx((2000.0, 3000.0)) and m.cpu_cost("baseline") is None
+    assert cost.rounds == pytest.approx((2000.0, 3000.0)) and cost.round_numbers == (1, 2)
 
 
 def test_the_annex_states_intervals_slices_capacity_the_rule_and_that_the_model_is_a_fixture() -> None:
@@ -240,7 +242,7 @@ def test_the_annex_states_intervals_slices_capacity_the_rule_and_that_the_model_
     b = capacity_side(tok_s=100.0, devices=1, hourly_usd=0.10, utilisation=0.6, volume=1e8)
     c = capacity_side(tok_s=150.0, devices=1, hourly_usd=0.10, utilisation=0.6, volume=1e8)
     m = _Measured()
-    m.cpu["baseline"].append((4.0, 2000))
+    m.cpu["baseline"][0], m.cpu["candidate"][0] = (4.0, 2000), (3.0, 2000)
     cpu_cost = m.cpu_cost("baseline")
     assert cpu_cost is not None
     record = _record().model_copy(update={
@@ -267,14 +269,15 @@ def test_the_cpu_kpi_pairs_each_rounds_cpu_per_token() -> None:
     from skupin.ab.runtime import _cpu_kpi
 
     m = _Measured()
-    m.cpu["baseline"] += [(2.0, 1000), (2.2, 1000), (1.8, 1000)]
-    m.cpu["candidate"] += [(1.0, 1000), (1.1, 1000), (0.9, 1000)]  # half the CPU per token in every round
+    m.cpu["baseline"] |= {0: (2.0, 1000), 1: (2.2, 1000), 2: (1.8, 1000)}
+    m.cpu["candidate"] |= {0: (1.0, 1000), 1: (1.1, 1000), 2: (0.9, 1000)}  # half the CPU per token in every round
     k = _cpu_kpi(m)
     assert k is not None and k.name == "cpu" and not k.higher_is_better
     assert k.ratio == pytest.approx(0.5) and k.ci_low == pytest.approx(0.5) and k.ci_high == pytest.approx(0.5)
     assert k.baseline == pytest.approx(2000.0) and k.candidate == pytest.approx(1000.0)
-    m.cpu["candidate"].pop()
-    assert _cpu_kpi(m) is None  # rounds that cannot be paired
+    m.cpu["candidate"].pop(2)  # a round without the candidate's accounting pairs with nothing
+    k = _cpu_kpi(m)
+    assert k is not None and len(k.rounds) == 2 and k.baseline == pytest.approx(2100.0)
 
 
 def test_the_plot_shows_each_slices_interval(tmp_path: Path) -> None:

@@ -1,0 +1,166 @@
+"""`skupin ab`'s bookkeeping of rounds: a failed round kept, pairs made by round, contradictory flags refused."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from pydantic import ValidationError
+
+from skupin.ab.annex import annex_markdown
+from skupin.ab.decision import ABRound, ABSettings, decide, rounds_note
+from skupin.ab.runtime import _interleave, _Measured, _SideFailed
+from skupin.cli import main
+from tests.unit.test_runtime_ab import _record, decode_kpi, perf, prefill_kpi, rounds
+
+
+@dataclass
+class _Container:
+    cpu: float = 0.0
+    pauses: list[str] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.pauses.append("pause")
+        yield
+        self.pauses.append("unpause")
+
+    def cpu_seconds(self) -> float:
+        self.cpu += 1.0
+        return self.cpu
+
+
+@dataclass
+class _Server:
+    container: _Container = field(default_factory=_Container)
+
+
+def _rounds_with(fail: set[tuple[str, int]], runs: int = 4) -> tuple[_Measured, BaseException | None]:
+    """Rounds over fake servers whose `measure` raises for (role, round number) in `fail`; (measured, what ended it)."""
+    measured = _Measured()
+    servers = {"baseline": _Server(), "candidate": _Server()}
+    calls = {"baseline": 0, "candidate": 0}
+
+    def measure(role):
+        calls[role] += 1
+        number = len(measured.order)
+        measured.requests[role] += 8
+        if (role, number) in fail:
+            raise ValueError(f"{role} broke in round {number}")
+        return [perf(100.0 if role == "baseline" else 120.0 + number)]
+
+    try:
+        _interleave(servers=servers, measure=measure, settings=ABSettings(runs=runs, concurrency=(1, 2),
+                                                                           prompt_lengths=(64,)),
+                    measured=measured, on_event=lambda _: None, failures=(ValueError,))
+    except _SideFailed as exc:
+        measured.errors[exc.role] = exc.reason
+        return measured, exc
+    return measured, None
+
+
+def test_a_round_a_side_fails_in_is_kept_with_who_failed_and_why() -> None:
+    # round 3 runs B A: the baseline is measured, then the candidate fails
+    measured, ended = _rounds_with({("candidate", 3)})
+    assert ended is not None and "round 3" in str(ended)
+    assert [r.number for r in measured.rounds] == [1, 2, 3] and measured.order == ["BA", "AB", "BA"]
+    third = measured.rounds[-1]
+    assert (third.baseline, third.candidate, third.paired) == ("ok", "failed", False)
+    assert "candidate broke in round 3" in third.reason and third.requests == {"baseline": 8, "candidate": 8}
+    assert all(r.paired for r in measured.rounds[:2])
+    # the baseline's half of the failed round is kept, but pairs with nothing
+    assert 2 in measured.runs["baseline"] and 2 not in measured.runs["candidate"]
+    assert measured.paired() == [0, 1] and [len(v) for v in measured.paired_runs().values()] == [2, 2]
+    # round 2 runs A B: a candidate failing first leaves the baseline not run
+    measured, _ = _rounds_with({("candidate", 2)})
+    assert (measured.rounds[-1].baseline, measured.rounds[-1].candidate) == ("not run", "failed")
+    assert measured.rounds[-1].requests == {"baseline": 0, "candidate": 8}
+
+
+def test_rounds_without_failures_are_all_paired_and_every_side_was_paused_while_the_other_ran() -> None:
+    measured, ended = _rounds_with(set(), runs=3)
+    assert ended is None and measured.paired() == [0, 1, 2] and not rounds_note(rounds=measured.rounds, asked=3)
+    assert measured.cpu_rounds() == [0, 1, 2]
+
+
+def test_kpi_rounds_pair_by_the_round_they_ran_in_not_by_list_position() -> None:
+    m = _Measured(order=["BA", "AB", "BA"])
+    m.runs["baseline"] = {0: [perf(100)], 1: [perf(100)], 2: [perf(200)]}
+    m.runs["candidate"] = {0: [perf(110)], 2: [perf(220)]}  # round 2 (index 1) failed on the candidate
+    paired = m.paired_runs()
+    assert m.paired() == [0, 2]
+    # by position the candidate's third-round 220 would sit against the baseline's second-round 100 (2.2x)
+    ratios = [c[0].levels[0].decode_tok_s_per_request / b[0].levels[0].decode_tok_s_per_request
+              for b, c in zip(paired["baseline"], paired["candidate"], strict=True)]
+    assert ratios == pytest.approx([1.1, 1.1])
+
+
+def test_the_cpu_kpi_pairs_cpu_accounting_by_round_when_a_side_missed_one() -> None:
+    from skupin.ab.runtime import _cpu_kpi
+
+    m = _Measured(order=["BA", "AB", "BA"])
+    m.cpu["baseline"] = {1: (2.0, 1000), 2: (4.0, 1000)}  # no accounting for round 1
+    m.cpu["candidate"] = {0: (3.0, 1000), 2: (2.0, 1000)}  # none for round 2
+    k = _cpu_kpi(m)
+    # by list position: 3.0/2.0 and 2.0/4.0; by round only round 3 pairs: 2.0/4.0
+    assert k is not None and k.rounds == pytest.approx((0.5,)) and k.ratio == pytest.approx(0.5)
+    base = m.cpu_cost("baseline")
+    assert base is not None and base.round_numbers == (3,) and base.cpu_s_per_1m_output_tokens == pytest.approx(4000)
+    m.cpu["candidate"].pop(2)
+    assert _cpu_kpi(m) is None  # no round with both sides' accounting
+
+
+def test_a_decision_on_fewer_rounds_than_asked_says_so_and_never_promotes() -> None:
+    cand, base = rounds(130, 128, 131), rounds(100, 101, 99)
+    kpis = {"decode": decode_kpi(cand, base), "prefill": prefill_kpi(cand, base)}
+    common = {"candidate_gate": "pass", "candidate_failure": "", "baseline_gate": "pass", "baseline_failure": "",
+              "floor": 0.02, **kpis}
+    assert decide(**common, rounds_asked=3)[0] == "promote"
+    log = [ABRound(number=n, order="BA", baseline="ok", candidate="ok") for n in (1, 2, 3)]
+    log.append(ABRound(number=4, order="AB", baseline="not run", candidate="failed", reason="ValueError: broke"))
+    note = rounds_note(rounds=log, asked=5)
+    assert note.startswith("rounds: 5 asked, 4 run, 3 measured on both sides")
+    assert "round 4: baseline not run, candidate failed: ValueError: broke" in note
+    decision, line, reason = decide(**common, rounds_asked=5, rounds_note=note)
+    assert (decision, line) == ("hold", "hold: rounds missing") and "only 3 of the 5 asked rounds" in reason
+    assert reason.endswith(f"({note})")
+    # a failed side decides first, and its reason still says how many rounds ran
+    decision, line, reason = decide(**common, errors={"candidate": "its server failed in round 4"}, rounds_asked=5,
+                                    rounds_note=note)
+    assert decision == "reject" and "4 run, 3 measured on both sides" in reason
+    # rounds measured on both sides but without a decode ratio are named too
+    assert "1 of those without a decode ratio" in rounds_note(rounds=log[:3], asked=3, decided=2)
+
+
+def test_the_record_and_annex_keep_the_failed_round() -> None:
+    log = (ABRound(number=1, order="BA", baseline="ok", candidate="ok"),
+           ABRound(number=2, order="AB", baseline="not run", candidate="failed", reason="its server failed in round 2"))
+    note = rounds_note(rounds=log, asked=3)
+    record = _record().model_copy(update={"rounds": log, "rounds_note": note})
+    again = type(record).model_validate_json(record.model_dump_json())
+    assert again.rounds == log and again.rounds[1].candidate == "failed" and again.rounds_note == note
+    text = annex_markdown(record, plot=None)
+    assert "Fewer rounds than asked decided this" in text and "round 2: baseline not run, candidate failed" in text
+
+
+def test_settings_refuse_max_runs_below_runs_and_a_level_given_twice() -> None:
+    with pytest.raises(ValidationError, match="max_runs 3 is below runs 5"):
+        ABSettings(runs=5, max_runs=3)
+    with pytest.raises(ValidationError, match="2 given more than once"):
+        ABSettings(concurrency=(1, 2, 2))
+    assert ABSettings(runs=5, max_runs=5).max_runs == 5
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--runs", "5", "--target-ci", "0.05", "--max-runs", "3"], ["--max-runs 3 is smaller than --runs 5"]),
+    (["--max-runs", "10"], ["--max-runs without --target-ci"]),
+    (["--budget-s", "60", "--max-runs", "10"], ["--max-runs and --budget-s without --target-ci"]),
+    (["--concurrency", "1,2,2"], ["--concurrency", "2 given more than once"]),
+    (["--prompt-lengths", "64,64"], ["--prompt-lengths", "64 given more than once"]),
+])
+def test_the_cli_refuses_contradictory_flags_naming_them_before_building_anything(capsys, argv, names) -> None:
+    assert main(["ab", "cpu-x86_64", "cpu-x86_64-vllm", *argv]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in names), err
