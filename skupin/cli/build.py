@@ -307,7 +307,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     built = build(
         render(stack), connect(),
         wheelhouse=args.wheelhouse, ca_bundle=args.ca_bundle, progress=mode,
-        on_line=progress_printer(mode), no_cache=args.no_cache, records=state_dir() / "builds",
+        on_line=progress_printer(mode), no_cache=args.no_cache, records=state_dir() / "builds", cache=args.cache,
     )
     if mode == "tty":
         sys.stderr.write("\n")
@@ -451,8 +451,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "again, pypa installer, no resolver, no network), compiling each Python file as it is "
         "written with skupin/imagetools/bytecode.py (unchanged files' code comes from a BuildKit cache "
         "mount). The build context is kept in .skupin/contexts/<sku> (locked while a build uses it) so BuildKit "
-        "re-sends only what changed. After the build the "
-        "image's own Python must report exactly the locked set; only then is the image "
+        "re-sends only what changed. BuildKit's image is then normalised (every mtime clamped to the lock's time, "
+        "one config `created`), so the same lock gives the same image id on any machine (docs/REPRODUCIBLE.md). "
+        "After the build the image's own Python must report exactly the locked set; only then is the image "
         "tagged and the record written to .skupin/builds/<sku>.json (with per-layer and "
         "per-phase times).",
     )
@@ -467,6 +468,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", choices=("auto", "tty", "plain"), default="auto",
                    help="live view on a terminal or plain lines (default auto)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")
+    p.add_argument("--cache", metavar="REF",
+                   help="a registry layer cache for runners without local state: BuildKit reuses the steps REF's "
+                        "inline cache holds (a REF the registry lacks is a cold build) and pushes this build's there, "
+                        "e.g. ghcr.io/acme/skupin-cache:cpu-x86_64 (the published image is unaffected)")
     install_missing_flag(p)
     p.set_defaults(func=cmd_build)
 

@@ -11,7 +11,7 @@ from skupin.cli.keyless import add_keyless_flags, check_keyless_flags, cmd_verif
 from skupin.cli.output import emit, install_missing_flag
 from skupin.cli.output import err as _err
 from skupin.cli.output import out as _out
-from skupin.common.errors import NetworkError, PublishError
+from skupin.common.errors import NetworkError, PublishError, UsageError
 
 if TYPE_CHECKING:
     from skupin.publishing.local_registry import LocalRegistry
@@ -85,6 +85,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from skupin.publishing.verify import verify_reference
 
     check_keyless_flags(args)
+    if args.rebuild:
+        return _verify_rebuild(args)
     if args.sigstore_bundle is not None:  # the keyless (Sigstore) attestation instead (skupin/cli/keyless.py)
         return cmd_verify_keyless(args, sku=_sku_name(args.sku))
     if args.sbom_out is not None:
@@ -103,6 +105,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not args.json:
             _out(f"wrote the verified SBOM to {args.sbom_out}")
     return 0
+
+
+def _verify_rebuild(args: argparse.Namespace) -> int:
+    from skupin.dockerd import connect
+    from skupin.publishing.rebuild import rebuild_reference
+
+    if args.sigstore_bundle is not None or args.sbom_out is not None or args.require_sbom:
+        raise UsageError("--rebuild takes the key-signed record only: leave out --sigstore-bundle, --sbom-out and "
+                         "--require-sbom (verify those without --rebuild)")
+    result = rebuild_reference(ref=args.ref, docker=connect(), sku=_sku_name(args.sku), trusted=args.key or None,
+                               on_event=_err)
+    refused = None if result.ok else result.error()
+    if args.json:
+        emit(result.model_dump(mode="json"), refused)
+    else:
+        _out(result.line())
+    return refused.exit_code if refused is not None else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -293,6 +312,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sbom-out", type=Path, metavar="FILE",
                    help="write the verified CycloneDX SBOM (JSON) to FILE; implies --require-sbom")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.add_argument("--rebuild", action="store_true",
+                   help="after verifying, build the image again here from the lock the signed record names (no "
+                        "BuildKit cache, a fresh context; needs the catalog at that lock and a Docker engine) and compare "
+                        "manifest digests: exit 0 when equal, 8 naming the first differing layer and file when not. "
+                        "Checks a published image without trusting the machine that built it (docs/REPRODUCIBLE.md)")
     add_keyless_flags(p)
     p.set_defaults(func=cmd_verify)
 
