@@ -191,8 +191,9 @@ def _published(client: RegistryClient, repository: str, digest: str) -> tuple[di
 def rebuild_reference(*, ref: str, docker: Docker, sku: str | None = None,
                       trusted: TrustedKeys | list[Path] | None = None, on_event: OnEvent = _quiet,
                       verify: Callable[..., Verification] = verify_reference,
-                      client: RegistryClient | None = None) -> Rebuilt:
-    """Verify `ref`, rebuild its image from the catalog's lock and compare (see the module doc)."""
+                      client: RegistryClient | None = None, no_cache: bool = True) -> Rebuilt:
+    """Verify `ref`, rebuild its image from the catalog's lock and compare (see the module doc). `no_cache=False`
+    lets BuildKit reuse its cache (the tests' second rebuild of one lock; never the command's)."""
     started = time.monotonic()
     verified = verify(ref=ref, sku=sku, trusted=trusted)
     if not verified.ok:
@@ -218,8 +219,8 @@ def rebuild_reference(*, ref: str, docker: Docker, sku: str | None = None,
         scratch = Path(tmp)
         temporary = f"skupin-rebuild/{verified.sku}:{verified.digest.removeprefix('sha256:')[:12]}"
         steps = tuple(TagImage(tag=temporary) if isinstance(step, TagImage) else step
-                      for step in plan_build(rendered, no_cache=True, contexts=scratch / "contexts"))
-        on_event(f"rebuilding {verified.sku} from lock {verified.lock_sha256[:12]} with no cache")
+                      for step in plan_build(rendered, no_cache=no_cache, contexts=scratch / "contexts"))
+        on_event(f"rebuilding {verified.sku} from lock {verified.lock_sha256[:12]}" + (" with no cache" if no_cache else ""))
         built = execute_build(steps, rendered=rendered, docker=docker, on_line=on_event)
         try:
             packed = pack_image(docker, built.image_id, scratch=scratch, on_event=on_event)
