@@ -255,6 +255,11 @@ def _failure(exc: BuildError, *, lines: list[str], dockerfile: str, ca_given: bo
     hint = ""
     if not ca_given and any("CERTIFICATE_VERIFY_FAILED" in line for line in failed.log):
         hint = "\nfix: TLS to the index is intercepted here; pass --ca-bundle FILE (e.g. /etc/ssl/certs/ca-certificates.crt)"
+    from skupin.builder.aptlock import stale_version_hint  # a locked apt version the archive no longer serves
+
+    sku = re.search(r"^# Rendered by skupin \S+ from skus/([A-Za-z0-9._-]+)\.yaml", dockerfile, re.M)
+    if "\n# UNLOCKED:" not in dockerfile:  # an unlocked render pins no apt version the archive could have dropped
+        hint += stale_version_hint(failed.log, sku=sku.group(1) if sku else "SKU")
     err = BuildError(f"layer '{failed.layer}' failed: step {failed.name[:160]}: {failed.error}\n"
                      f"last lines of its log:\n{tail}{hint}")
     err.layer = failed.layer  # type: ignore[attr-defined]

@@ -709,6 +709,7 @@ def lock_sku(
         layers=layers,
         system=host.system if host is not None else _system(manifest),
         apt_sources=host.apt_sources if host is not None else None,
+        apt_closure=host.apt_closure if host is not None else None,
         omitted={str(canonicalize_name(o.name)): o.reason for o in manifest.stack.omit},
         build=build,
         resolver=resolver,
@@ -753,6 +754,25 @@ def relock(*, manifest: SkuManifest, manifest_path: Path, wheelhouse: Path | Non
     return lock
 
 
+def relock_host(*, manifest: SkuManifest, manifest_path: Path, host: HostFacts) -> Lock:
+    """The current lock with what the host decides made again (the bootstrapped base's layer, the apt versions and
+    closure) and its Python packages kept as they are, written with its pylock (`skupin lock --keep-python`: after a
+    Debian point release, without re-resolving against today's indexes). LockError when the lock is stale for another
+    reason (that needs a full `skupin lock`) or cannot be read."""
+    path = lock_path(manifest_path)
+    old = read_lock(path)
+    lock = old.model_copy(update={
+        "base": old.base.model_copy(update={"diff_id": host.diff_id}), "system": host.system,
+        "apt_sources": host.apt_sources, "apt_closure": host.apt_closure, "tool_version": __version__,
+        "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")})
+    if reasons := stale_reasons(manifest=manifest, lock=lock):
+        raise LockError(f"{display_path(path)}: --keep-python keeps the lock's Python packages, but the lock is stale "
+                        f"for more than its apt part: {'; '.join(reasons)}; fix: skupin lock {manifest.name}")
+    write_lock(lock, path)
+    write_pylock(lock, path)
+    return lock
+
+
 # ---------------------------------------------------------------- is a lock still current?
 
 
@@ -770,8 +790,20 @@ def lock_status(*, manifest: SkuManifest, manifest_path: Path) -> tuple[LockStat
         reasons.append(problem)
     if reasons:
         return "stale", "; ".join(reasons) + f"; run `skupin lock {manifest.name}`", lock
-    missing = pylock_missing(path)  # a lock copied alone is still current: the note says how to add its PEP 751 form
-    return "ok", f"{path.name} {lock.content_hash()[:12]}" + (f"; {missing}" if missing else ""), lock
+    notes = [note for note in (apt_note(manifest, lock), pylock_missing(path)) if note]  # current, but say what floats
+    return "ok", "; ".join([f"{path.name} {lock.content_hash()[:12]}", *notes]), lock
+
+
+def apt_note(manifest: SkuManifest, lock: Lock) -> str:
+    """What a current lock leaves to the apt archive at build time ('' when nothing): the dependencies of its apt
+    packages (no apt closure), or the packages themselves (a --apt manifest lock)."""
+    if lock.apt_closure is not None or not apt_roots(render_manifest(manifest=manifest).text):
+        return ""
+    what = ("its apt packages' dependencies are not locked" if lock.apt_sources is not None else
+            "its apt packages are locked only where the manifest pins a version, their dependencies not at all (an "
+            "--apt manifest lock)")
+    return (f"{what}: no apt closure, apt takes what the archive serves at build time; `skupin lock {manifest.name} "
+            "--keep-python` on a host that runs its base pins them")
 
 
 def stale_reasons(*, manifest: SkuManifest, lock: Lock) -> list[str]:

@@ -237,13 +237,20 @@ def apt_roots(dockerfile: str) -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items() if v}
 
 
-def pin_apt(text: str, system: Mapping[str, tuple[str, ...]], *, sku: str) -> str:
+APT_WRAP = 116  # the width of a closure's continuation lines in a locked render
+
+
+def pin_apt(text: str, system: Mapping[str, tuple[str, ...]], *, sku: str,
+            closure: Mapping[str, tuple[str, ...]] | None = None) -> str:
     """`text` with every package its RUN lines apt-install written name=version from the lock's `system` (each
-    layer's own entries, then any layer's); BuildError naming those the lock has no version of."""
+    layer's own entries, then any layer's); BuildError naming those the lock has no version of. With the lock's apt
+    `closure`, a layer's first apt-get install also names, on continuation lines, every other package of the layer's
+    closure (its dependencies) as name=version, so apt takes nothing the lock does not say."""
     versions: dict[str, dict[str, str]] = {
         layer: dict(item.partition("=")[::2] for item in items) for layer, items in system.items()}
     anywhere = {name: v for layer in versions.values() for name, v in layer.items()}
     missing: list[str] = []
+    closed: set[str] = set()  # layers whose closure is written
     layer = "base"
     out = []
     for line in text.splitlines(keepends=True):
@@ -261,13 +268,35 @@ def pin_apt(text: str, system: Mapping[str, tuple[str, ...]], *, sku: str) -> st
                     else:
                         item = f"{name}={version}"
                 words.append(item)
-            return match.group(1) + " ".join(words)
+            if closure is None or layer in closed:
+                return match.group(1) + " ".join(words)
+            closed.add(layer)
+            return match.group(1) + _with_closure(words, closure.get(layer, ()))
 
         out.append(_APT_INSTALL.sub(pin, line))
     if missing:
         raise BuildError(f"the lock of {sku} records no version of the apt package(s) {', '.join(missing)} the "
                          f"Dockerfile installs; fix: skupin lock {sku}")
     return "".join(out)
+
+
+def _with_closure(words: list[str], closure: tuple[str, ...]) -> str:
+    """An apt-get install's words followed by the packages of `closure` they do not name, wrapped on continuation
+    lines before the line's own continuation (if it has one)."""
+    tail = ""
+    if words and words[-1] == "\\":
+        words, tail = words[:-1], " \\"
+    while words and not words[-1]:
+        words = words[:-1]
+    named = {w.partition("=")[0] for w in words}
+    rows: list[list[str]] = []
+    for item in closure:
+        if item.partition("=")[0] in named:
+            continue
+        if not rows or len(" ".join([*rows[-1], item])) > APT_WRAP:
+            rows.append([])
+        rows[-1].append(item)
+    return " ".join(words) + "".join(" \\\n    " + " ".join(row) for row in rows) + tail
 
 
 def engine_build(manifest: SkuManifest, lock: Lock | None) -> dict[str, object] | None:
@@ -354,7 +383,7 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
         raise BuildError(f"{templates_dir() / name}: cannot render: {exc}") from exc
     text = "\n".join(line.rstrip() for line in text.strip().splitlines()) + "\n"
     if lock is not None and lock.apt_sources is not None:  # a lock that resolved every apt package's version
-        text = pin_apt(text, lock.system, sku=manifest.name)
+        text = pin_apt(text, lock.system, sku=manifest.name, closure=lock.apt_closure)
     return RenderedDockerfile(
         sku=manifest.name,
         text=text,

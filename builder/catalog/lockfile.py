@@ -83,15 +83,24 @@ class Lock(Frozen):
         None, description="The base's apt sources (deb lines) the versions in `system` were resolved from at lock time "
                           "(apt-cache policy in a container of the base); None for a lock that pins only the manifest's "
                           "apt versions (made before 2026-12-01)")
+    apt_closure: dict[str, tuple[str, ...]] | None = Field(
+        None, description="Every Debian package each layer's apt-get install unpacks: the packages in `system` and "
+                          "everything they depend on, name=version as `apt-get install -s --no-install-recommends` "
+                          "resolved them in the base at lock time, each layer holding what it adds over the layers "
+                          "below it (a build stage's from the base). The locked render installs all of them at these "
+                          "versions. None: the lock pins only the packages the Dockerfile names, their dependencies "
+                          "come from whatever the archive serves at build time (locks made before 2026-12-02, those "
+                          "made with --apt manifest, e.g. of a registry base the locking host could not run)")
     resolver: str = Field(description="The resolver and its version, e.g. pip 25.3")
     tool_version: str
     created: str = Field(description="UTC time of locking; not part of the content hash")
 
     def json_data(self) -> dict[str, Any]:
-        """The lock file's form: no legacy Dockerfile hash, apt sources or base diff id in a lock that has none, no
-        empty `build` or `omitted` (older tools read it too, and its content hash stays what it was)."""
+        """The lock file's form: no legacy Dockerfile hash, apt sources, apt closure or base diff id in a lock that has
+        none, no empty `build` or `omitted` (older tools read it too, and its content hash stays what it was)."""
         exclude: dict[str, Any] = {name: True for name, empty in (
             ("dockerfile_sha256", self.dockerfile_sha256 is None), ("apt_sources", self.apt_sources is None),
+            ("apt_closure", self.apt_closure is None),
             ("build", not self.build), ("omitted", not self.omitted)) if empty}
         if self.base.diff_id is None:
             exclude["base"] = {"diff_id"}

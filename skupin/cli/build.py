@@ -221,10 +221,14 @@ def _prefixed(name: str, line: str) -> None:
 def cmd_lock(args: argparse.Namespace) -> int:
     from skupin.builder.catalog.lockfile import lock_path, sku_image_tag
     from skupin.builder.catalog.manifest import load_manifest
-    from skupin.builder.lock import default_ca_bundle, default_resolver, relock
+    from skupin.builder.lock import default_ca_bundle, default_resolver, relock, relock_host
     from skupin.builder.render import render_manifest
+    from skupin.common.errors import UsageError
     from skupin.common.paths import sku_path
 
+    if args.keep_python and args.apt != "resolve":
+        raise UsageError("--keep-python remakes only the lock's apt part and base layer, which --apt manifest does not "
+                         "read; fix: drop one of them")
     resolve = default_resolver(ca_bundle=args.ca_bundle or default_ca_bundle(), prefer=args.resolver)
     docker = None
     if args.apt == "resolve":
@@ -240,10 +244,14 @@ def cmd_lock(args: argparse.Namespace) -> int:
             from skupin.builder.aptlock import host_facts
 
             host = host_facts(manifest=manifest, docker=docker, on_event=say)
-        lock = relock(
-            manifest=manifest, manifest_path=path, wheelhouse=args.wheelhouse, index_url=args.index_url,
-            ca_bundle=args.ca_bundle, resolve=resolve, progress=say, host=host,
-        )
+        if args.keep_python:
+            assert host is not None
+            lock = relock_host(manifest=manifest, manifest_path=path, host=host)
+        else:
+            lock = relock(
+                manifest=manifest, manifest_path=path, wheelhouse=args.wheelhouse, index_url=args.index_url,
+                ca_bundle=args.ca_bundle, resolve=resolve, progress=say, host=host,
+            )
         counts = ", ".join(f"{layer} {len(pkgs)}" for layer, pkgs in lock.layers.items())
         tag = sku_image_tag(manifest, lock=lock, dockerfile_sha256=render_manifest(manifest=manifest, lock=lock).sha256)
         if args.json:
@@ -393,7 +401,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--apt", choices=("resolve", "manifest"), default="resolve",
                    help="resolve (default): make or find the base on the Docker engine, record a bootstrapped base's "
                         "layer diff id and the exact version of every apt package the Dockerfile installs (apt-cache "
-                        "policy in the base); manifest: no Docker, only the manifest's apt versions (older locks' form)")
+                        "policy in the base) and of every package they pull in, per layer (the apt closure: apt-get "
+                        "install -s in the base); manifest: no Docker, only the manifest's apt versions (older locks' "
+                        "form)")
+    p.add_argument("--keep-python", action="store_true",
+                   help="remake only what the host decides (the bootstrapped base's layer, the apt versions and "
+                        "closure) and keep the current lock's Python packages as they are, no resolver run (after a "
+                        "Debian point release); refused when the lock is stale for another reason")
     p.add_argument("--json", action="store_true", help="print one JSON line per lock written")
     install_missing_flag(p)
     p.set_defaults(func=cmd_lock)

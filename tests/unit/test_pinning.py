@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from skupin.builder.aptlock import parse_policy, pinned_system, resolve_candidates
+from skupin.builder.aptlock import (
+    HostFacts,
+    apt_script,
+    check_closure,
+    layer_closures,
+    parse_policy,
+    parse_simulation,
+    pinned_system,
+    resolve_candidates,
+    simulation_steps,
+    stale_version_hint,
+)
 from skupin.builder.base import check_locked_base, debootstrap_command, normalise_tree
+from skupin.builder.build import _failure
 from skupin.builder.catalog.lockfile import LockedBase, read_lock
 from skupin.builder.catalog.manifest import Bootstrap, GitSource, load_manifest
-from skupin.builder.lock import locked_base, stale_reasons
+from skupin.builder.lock import apt_note, lock_status, locked_base, relock_host, stale_reasons
 from skupin.builder.render import apt_roots, render_manifest
 from skupin.common.errors import BuildError, LockError
 from skupin.dockerd import RunResult
@@ -219,7 +232,9 @@ class _PolicyDocker:
 
 def test_candidates_are_read_in_a_container_of_the_base_with_the_names_as_arguments() -> None:
     docker = _PolicyDocker("--- sources\ndeb http://deb.debian.org/debian bookworm main\n--- policy\n" + POLICY)
-    sources, found = resolve_candidates(docker=docker, base="skupin-base/x:1", names=("python3.11", "libc6-dev"))
+    sources, found, simulated = resolve_candidates(docker=docker, base="skupin-base/x:1",
+                                                   names=("python3.11", "libc6-dev"))
+    assert simulated == {}
     assert sources == ("deb http://deb.debian.org/debian bookworm main",)
     assert found["libc6-dev"] == "2.36-9+deb12u13"
     spec = docker.specs[0]
@@ -227,3 +242,183 @@ def test_candidates_are_read_in_a_container_of_the_base_with_the_names_as_argume
     assert spec.network == "bridge" and spec.deadline_s
     with pytest.raises(LockError, match="failed \\(exit 100\\): E: no network"):
         resolve_candidates(docker=_PolicyDocker("", exit_code=100), base="b", names=("x",))
+
+
+# ---------------------------------------------------------------- the apt closure (issue 32)
+
+SIMULATION = """NOTE: This is only a simulation!
+Reading package lists...
+The following NEW packages will be installed:
+  libexpat1 python3.11
+Inst libexpat1 (2.5.0-1+deb12u2 Debian:12.15/oldstable [amd64])
+Inst libc6 [2.36-9+deb12u7] (2.36-9+deb12u14 Debian:12.15/oldstable [amd64])
+Inst python3.11 (3.11.2-6+deb12u8 Debian:12.15/oldstable [amd64])
+Conf libexpat1 (2.5.0-1+deb12u2 Debian:12.15/oldstable [amd64])
+Conf python3.11 (3.11.2-6+deb12u8 Debian:12.15/oldstable [amd64])
+"""
+
+
+def test_a_simulated_install_gives_every_package_it_unpacks_at_its_new_version() -> None:
+    assert parse_simulation(SIMULATION) == {"libexpat1": "2.5.0-1+deb12u2", "libc6": "2.36-9+deb12u14",
+                                            "python3.11": "3.11.2-6+deb12u8"}
+
+
+def test_the_image_layers_are_simulated_cumulatively_and_a_build_stage_alone() -> None:
+    roots = {"build": ("g++-12=1", "cmake"), "python": ("python3.11", "ca-certificates"), "compiler": ("g++-12=1",),
+             "extras": ("python3.11", "libnuma1")}
+    assert simulation_steps(roots) == {
+        "build": ("g++-12=1", "cmake"),
+        "python": ("python3.11", "ca-certificates"),
+        "compiler": ("python3.11", "ca-certificates", "g++-12=1"),
+        "extras": ("python3.11", "ca-certificates", "g++-12=1", "libnuma1"),
+    }
+    script = apt_script(simulation_steps({"python": ("python3.11", "g++-12=1:12.2")}))
+    assert script.endswith("; echo '--- simulate python'; apt-get install -s --no-install-recommends python3.11 "
+                           "g++-12=1:12.2 2>&1 || echo '--- failed'")
+
+
+def test_a_layers_closure_is_what_it_adds_over_the_layers_before_it() -> None:
+    roots = {"build": ("gcc",), "python": ("python3.11",), "compiler": ("gcc",)}
+    simulated = {
+        "build": {"gcc": "12", "libc6": "2"},
+        "python": {"python3.11": "3.11", "libc6": "1", "libssl3": "3"},
+        "compiler": {"python3.11": "3.11", "libc6": "2", "libssl3": "3", "gcc": "12"},  # an upgrade of libc6
+    }
+    assert layer_closures(roots, simulated) == {
+        "build": ("gcc=12", "libc6=2"),  # from the base, whatever the image's layers hold
+        "python": ("libc6=1", "libssl3=3", "python3.11=3.11"),
+        "compiler": ("gcc=12", "libc6=2"),
+    }
+
+
+def test_a_closure_that_takes_a_root_at_another_version_is_refused() -> None:
+    system = {"python": ("python3.11=3.11.2-6+deb12u8",), "build": ("cmake=3.25.1-1",)}
+    check_closure(system, {"python": ("python3.11=3.11.2-6+deb12u8", "libc6=2"), "build": ("cmake=3.25.1-1",)},
+                  sku="cpu")
+    with pytest.raises(LockError, match=r"python3.11 \(python layer: lock 3.11.2-6\+deb12u8, apt takes 3.11.2-6\+deb12u9\)"):
+        check_closure(system, {"python": ("python3.11=3.11.2-6+deb12u9",)}, sku="cpu")
+
+
+def test_candidates_and_closures_come_from_one_container() -> None:
+    out = ("--- sources\ndeb http://deb.debian.org/debian bookworm main\n--- policy\n" + POLICY
+           + "--- simulate python\n" + SIMULATION + "--- simulate compiler\n" + SIMULATION
+           + "Inst g++-12 (12.2.0-14+deb12u1 Debian:12.15/oldstable [amd64])\n")
+    steps = {"python": ("python3.11",), "compiler": ("python3.11", "g++-12")}
+    _, found, simulated = resolve_candidates(docker=_PolicyDocker(out), base="b", names=("python3.11", "g++-12"),
+                                             steps=steps)
+    assert found["python3.11"] == "3.11.2-6+deb12u6"
+    assert simulated["python"] == parse_simulation(SIMULATION)
+    assert simulated["compiler"]["g++-12"] == "12.2.0-14+deb12u1"
+    failed = ("--- policy\n" + POLICY + "--- simulate python\nReading package lists...\n"
+              "E: Version '9' for 'python3.11' was not found\n--- failed\n")
+    with pytest.raises(LockError, match="python layer's packages in b failed: E: Version '9' for 'python3.11' was not"):
+        resolve_candidates(docker=_PolicyDocker(failed), base="b", names=("python3.11",), steps={"python": ("x",)})
+
+
+def _closed(lock, closure):
+    return lock.model_copy(update={"apt_closure": closure})
+
+
+def test_a_locked_render_installs_the_whole_closure_at_its_versions() -> None:
+    manifest = load_manifest(SKUS / "cpu-x86_64.yaml")
+    lock = read_lock(SKUS / "cpu-x86_64.lock.json")
+    system = {"python": ("ca-certificates=1", "python3.11=2", "python3.11-venv=3"),
+              "compiler": ("g++-12=12.2.0-14+deb12u1", "libc6-dev=4")}
+    closure = {"python": ("ca-certificates=1", "libssl3=3.0", "openssl=3.0", "python3.11=2", "python3.11-venv=3"),
+               "compiler": ("g++-12=12.2.0-14+deb12u1", "gcc-12=12.2.0-14+deb12u1", "libc6-dev=4")}
+    base = lock.model_copy(update={"system": system, "apt_sources": ()})
+    text = render_manifest(manifest=manifest, lock=_closed(base, closure)).text
+    assert ("--no-install-recommends ca-certificates=1 python3.11=2 python3.11-venv=3 \\\n"
+            "    libssl3=3.0 openssl=3.0 \\\n && rm -rf ") in text
+    assert ("--no-install-recommends g++-12=12.2.0-14+deb12u1 libc6-dev=4 \\\n    gcc-12=12.2.0-14+deb12u1 \\\n"
+            " && rm -rf ") in text
+    # a lock without a closure (older, or --apt manifest) installs the named packages only, as before
+    assert "libssl3" not in render_manifest(manifest=manifest, lock=_closed(base, None)).text
+    # a long closure wraps on continuation lines, each package once
+    many = {"python": tuple(f"lib{i:03d}-very-long-package-name=1.{i}" for i in range(40)), "compiler": ()}
+    wrapped = render_manifest(manifest=manifest, lock=_closed(base, many)).text
+    rows = [ln for ln in wrapped.splitlines() if ln.startswith("    lib")]
+    assert len(rows) > 5 and all(len(row) <= 4 + 116 + 2 for row in rows)
+    assert sum(row.count("-very-long-package-name=") for row in rows) == 40
+
+
+def test_every_committed_closure_is_installed_by_its_locked_render() -> None:
+    """Each committed lock of a base this machine runs carries a closure, and its render names every package of it."""
+    for path in sorted(SKUS.glob("*.lock.json")):
+        lock = read_lock(path)
+        manifest = load_manifest(SKUS / path.name.replace(".lock.json", ".yaml"))
+        if manifest.base.bootstrap is None:  # registry bases not reachable where the locks were made: no closure
+            assert lock.apt_closure is None, path.name
+            continue
+        assert lock.apt_closure, path.name
+        check_closure(lock.system, lock.apt_closure, sku=lock.sku)
+        text = render_manifest(manifest=manifest, lock=lock).text
+        for items in lock.apt_closure.values():
+            for item in items:
+                assert re.search(rf"[ ]{re.escape(item)}( |$)", text, re.M), (path.name, item)
+
+
+def test_a_lock_without_a_closure_keeps_its_form_and_hash_and_says_what_floats(tmp_path: Path) -> None:
+    lock = read_lock(SKUS / "nvidia-h200-vllm.lock.json")
+    assert "apt_closure" not in lock.json_data()
+    closed = _closed(lock, {"python": ("libssl3=3",)})
+    assert closed.json_data()["apt_closure"] == {"python": ["libssl3=3"]}
+    assert closed.content_hash() != lock.content_hash()
+    state, note, _ = lock_status(manifest=load_manifest(SKUS / "nvidia-h200-vllm.yaml"),
+                                 manifest_path=SKUS / "nvidia-h200-vllm.yaml")
+    assert state == "ok" and "their dependencies not at all (an --apt manifest lock): no apt closure" in note
+    assert "`skupin lock nvidia-h200-vllm --keep-python`" in note
+    manifest = load_manifest(SKUS / "cpu-x86_64.yaml")
+    cpu = read_lock(SKUS / "cpu-x86_64.lock.json")
+    assert apt_note(manifest, cpu) == ""
+    assert apt_note(manifest, _closed(cpu, None)).startswith("its apt packages' dependencies are not locked")
+
+
+def _catalog(tmp_path: Path, sku: str) -> Path:
+    for name in (f"{sku}.yaml", f"{sku}.lock.json", f"pylock.{sku}.toml"):
+        (tmp_path / name).write_bytes((SKUS / name).read_bytes())
+    return tmp_path / f"{sku}.yaml"
+
+
+def test_keep_python_remakes_the_apt_part_and_keeps_every_python_package(tmp_path: Path) -> None:
+    path = _catalog(tmp_path, "cpu-x86_64")
+    manifest = load_manifest(path)
+    old = read_lock(path.with_name("cpu-x86_64.lock.json"))
+    system = {"python": ("ca-certificates=2", "python3.11=3.11.2-6+deb12u9", "python3.11-venv=3.11.2-6+deb12u9"),
+              "compiler": ("g++-12=12.2.0-14+deb12u1", "libc6-dev=2.36-9+deb12u15")}
+    host = HostFacts(diff_id=OTHER, apt_sources=("deb http://deb.debian.org/debian bookworm main",), system=system,
+                     apt_closure={"python": ("libssl3=9",), "compiler": ()})
+    new = relock_host(manifest=manifest, manifest_path=path, host=host)
+    assert new.layers == old.layers and new.resolver == old.resolver
+    assert new.system == system and new.apt_closure == host.apt_closure and new.base.diff_id == OTHER
+    assert read_lock(path.with_name("cpu-x86_64.lock.json")) == new
+    assert lock_status(manifest=manifest, manifest_path=path)[0] == "ok"  # its pylock was rewritten beside it
+    moved = manifest.model_copy(update={"base": manifest.base.model_copy(update={"python": "3.12"})})
+    with pytest.raises(LockError, match="stale for more than its apt part: the manifest changed since the lock; "
+                                        "lock targets Python 3.11 .*; fix: skupin lock cpu-x86_64$"):
+        relock_host(manifest=moved, manifest_path=path, host=host)
+
+
+def test_a_version_the_archive_no_longer_serves_names_the_package_and_the_fix() -> None:
+    log = ["Reading package lists...", "Package python3.11 is not available, but is referred to by another package.",
+           "E: Version '3.11.2-6+deb12u8' for 'python3.11' was not found",
+           "E: Version '3.0.20-1~deb12u2' for 'libssl3' was not found"]
+    hint = stale_version_hint(log, sku="cpu-x86_64")
+    assert "no longer serves python3.11=3.11.2-6+deb12u8, libssl3=3.0.20-1~deb12u2" in hint
+    assert "`skupin lock cpu-x86_64 --keep-python`" in hint and "snapshot.debian.org/archive/debian/" in hint
+    assert stale_version_hint(["E: Unable to locate package libfoo9"], sku="x").count("libfoo9") == 1
+    assert stale_version_hint(["Setting up python3.11 ..."], sku="x") == ""
+
+
+def test_a_build_that_apt_refuses_for_a_stale_version_says_so() -> None:
+    manifest = load_manifest(SKUS / "cpu-x86_64.yaml")
+    dockerfile = render_manifest(manifest=manifest, lock=read_lock(SKUS / "cpu-x86_64.lock.json")).text
+    run = next(line for line in dockerfile.splitlines() if line.startswith("RUN apt-get update"))
+    lines = [f"#5 [2/11] {run}", "#5 0.512 Reading package lists...",
+             "#5 1.204 E: Version '3.11.2-6+deb12u8' for 'python3.11' was not found",
+             "#5 ERROR: executor failed running [/bin/bash -o pipefail -c apt-get update]: exit code: 100"]
+    err = _failure(BuildError("x"), lines=lines, dockerfile=dockerfile)
+    assert "failed: step RUN apt-get update" in str(err)
+    assert "no longer serves python3.11=3.11.2-6+deb12u8, which the lock of cpu-x86_64 pins" in str(err)
+    unlocked = render_manifest(manifest=manifest).text
+    assert "no longer serves" not in str(_failure(BuildError("x"), lines=lines, dockerfile=unlocked))
