@@ -104,6 +104,16 @@ def hard_bounds_sha256(bounds: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(bounds)).hexdigest()
 
 
+class BuildPin(Frozen):
+    """How the image's bytes were made, so anyone can make them again (docs/REPRODUCIBLE.md)."""
+
+    layers: str = Field(description="The rewrite that made the image id reproducible (builder/reproducible.py "
+                                    "LAYER_FORMAT)")
+    push: str = Field(description="How its layers were compressed for the registry (publishing/imagepush.py)")
+    builder: str | None = Field(None, description="The engine whose BuildKit built it (`docker <version>`), when the "
+                                                  "build record says")
+
+
 class VerificationPredicate(Frozen):
     """What the gate established about the image (the statement's predicate)."""
 
@@ -128,6 +138,9 @@ class VerificationPredicate(Frozen):
                                        "none (the SKU serves float32, or its engine has no float32 path)")
     hard_bounds_sha256: str | None = Field(None, description="sha256 of the hard bounds the gate applied; absent only "
                                            "in records made before they were attested (refused by the policy)")
+    build: BuildPin | None = Field(None, description="How the image was built and pushed; absent in records made "
+                                                     "before images were reproducible, and for an image no build "
+                                                     "record of this host names")
 
 
 def tolerance_sha256(entry: dict[str, Any]) -> str:
@@ -136,7 +149,7 @@ def tolerance_sha256(entry: dict[str, Any]) -> str:
 
 
 def statement(*, repository: str, digest: str, predicate: VerificationPredicate) -> dict[str, Any]:
-    absent = {name for name in ("source", "float32", "hard_bounds_sha256") if getattr(predicate, name) is None}
+    absent = {name for name in ("source", "float32", "hard_bounds_sha256", "build") if getattr(predicate, name) is None}
     data = predicate.model_dump(mode="json", exclude=absent or None)  # an older record's shape is kept
     return _statement(repository=repository, digest=digest, predicate_type=PREDICATE_TYPE, predicate=data)
 

@@ -77,6 +77,7 @@ from skupin.publishing.attest import (
     MAX_ENVELOPE_BYTES,
     PREDICATE_TYPE,
     STATEMENT_TYPE,
+    BuildPin,
     CheckOutcome,
     Float32Pin,
     ReferencePin,
@@ -91,7 +92,7 @@ from skupin.publishing.attest import (
     tolerance_sha256,
     trusted_keys,
 )
-from skupin.publishing.imagepush import push_image
+from skupin.publishing.imagepush import GZIP_FORMAT, push_image
 from skupin.publishing.local_registry import default_registry, untag_on_disk
 from skupin.publishing.policy import (
     REQUIRED_CHECKS,
@@ -402,7 +403,8 @@ def version_tag(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256:
 
 def plan_publish(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256: str, image_id: str,
                  verdict: VerdictFacts, target: RegistryTarget, expected: Expected,
-                 push_tag: str | None = None, source: SourcePin | None = None) -> PublishPlan:
+                 push_tag: str | None = None, source: SourcePin | None = None, build: BuildPin | None = None
+                 ) -> PublishPlan:
     """Decide the publish: PublishError listing every reason when the verdict does not allow it, or when the
     attestation it would sign would not pass the policy `verify` applies (skupin/publishing/policy.py)."""
     lock_sha = lock.content_hash()
@@ -410,7 +412,7 @@ def plan_publish(*, sku: str, engine_version: str, lock: Lock, dockerfile_sha256
         raise PublishError(f"the lock is for SKU {lock.sku}, not {sku}")
     problems = refusals(sku=sku, image_id=image_id, lock_sha256=lock_sha, verdict=verdict)
     predicate = predicate_of(plan_sku=sku, repository=target.repository(sku), image_id=image_id, lock=lock,
-                             facts=verdict, published=_now(), source=source)
+                             facts=verdict, published=_now(), source=source, build=build)
     problems += [p for p in predicate_problems(predicate, expected) if p not in problems]
     if problems:
         raise PublishError(f"refusing to publish {sku} ({image_id[:19]}): " + "; ".join(problems)
@@ -530,7 +532,7 @@ def _float32_pin(facts: VerdictFacts) -> Float32Pin | None:
 
 
 def predicate_of(*, plan_sku: str, repository: str, image_id: str, lock: Lock, facts: VerdictFacts,
-                 published: str, source: SourcePin | None = None) -> VerificationPredicate:
+                 published: str, source: SourcePin | None = None, build: BuildPin | None = None) -> VerificationPredicate:
     """The predicate a publish signs: what the verdict established, pinned by hashes."""
     tol = facts.tolerance
     entry = tol.get("entry") if isinstance(tol, dict) else None
@@ -548,7 +550,7 @@ def predicate_of(*, plan_sku: str, repository: str, image_id: str, lock: Lock, f
         tolerance=pin, decision=facts.decision, reason=facts.reason,
         checks=tuple(CheckOutcome(name=n, status=s, reason=facts.check_reasons.get(n, "")) for n, s in facts.checks.items()),
         verdict_sha256=verdict_sha256(facts.document), gate_created=facts.created,
-        gate_tool_version=facts.tool_version, tool_version=__version__, published=published, source=source)
+        gate_tool_version=facts.tool_version, tool_version=__version__, published=published, source=source, build=build)
 
 
 # ---------------------------------------------------------------- executing the plan
@@ -962,7 +964,8 @@ def publish_sku(*, sku: str, registry: str | None, addr: str, verdict_path: Path
     target, untag, hint = publish_target(registry, addr)
     plan = plan_publish(sku=manifest.name, engine_version=manifest.stack.engine.version, lock=lock,
                         dockerfile_sha256=dockerfile, image_id=info.id, verdict=verdict_facts(verdict), target=target,
-                        expected=_catalog_facts(manifest.name), source=catalog_source(catalog()))
+                        expected=_catalog_facts(manifest.name), source=catalog_source(catalog()),
+                        build=_recorded_build(sku=manifest.name, image_id=info.id))
     return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=hint,
                     on_event=on_event)
 
@@ -994,9 +997,29 @@ def publish(built: BuiltImage, verdict: GateVerdict, target: RegistryTarget, *, 
                            where=f"of the gate run for {built.image_id[:19]}")
     plan = plan_publish(sku=built.sku, engine_version=built.stack.manifest.stack.engine.version, lock=lock,
                         dockerfile_sha256=built.dockerfile_sha256, image_id=info.id, verdict=facts_of(verdict),
-                        target=target, expected=_catalog_facts(built.sku), source=catalog_source(catalog()))
+                        target=target, expected=_catalog_facts(built.sku), source=catalog_source(catalog()),
+                        build=build_pin(built) if built.image_id == info.id else None)
     return _execute(plan=plan, docker=docker, signer=signer, trusted=trusted, untag=untag, registry_hint=registry_hint,
                     on_event=on_event)
+
+
+def build_pin(built: BuiltImage) -> BuildPin | None:
+    """The signed record's account of how `built` was made; None for an image no rewrite made reproducible."""
+    made = built.reproducible
+    if made is None or made.image_id != built.image_id:
+        return None
+    return BuildPin(layers=made.format, push=GZIP_FORMAT, builder=built.builder or None)
+
+
+def _recorded_build(*, sku: str, image_id: str) -> BuildPin | None:
+    """The build pin of this host's build record of `sku` when it names `image_id` (else None: built elsewhere)."""
+    path = state_dir() / "builds" / f"{sku}.json"
+    record = _load_verdict(path) if path.is_file() else None  # any JSON object of this host's state, read bounded
+    made = record.get("reproducible") if record is not None else None
+    if record is None or not isinstance(made, dict) or record.get("image_id") != image_id \
+            or made.get("image_id") != image_id:
+        return None
+    return BuildPin(layers=str(made.get("format")), push=GZIP_FORMAT, builder=str(record.get("builder") or "") or None)
 
 
 def _local_image(*, docker: Docker, ref: str, sku: str) -> ImageInfo:

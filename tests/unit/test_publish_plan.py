@@ -490,3 +490,24 @@ def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrot
     result = evaluate(envelope, trusted=TRUSTED, digest=IMAGE_MANIFEST.digest, expected=expected(), image_id=IMAGE)
     assert result.ok, result.reasons
     assert result.predicate is not None and result.predicate.verdict_sha256 == verdict_sha256(json.loads(gated.model_dump_json()))
+
+
+def test_the_signed_record_says_how_the_image_was_built_and_pushed_when_this_host_built_it():
+    from skupin.builder.reproducible import LAYER_FORMAT, NormalisedImage
+    from skupin.publishing.attest import BuildPin, statement
+    from skupin.publishing.imagepush import GZIP_FORMAT
+    from skupin.publishing.publish import build_pin
+
+    built, _gated = built_cpu_image()
+    assert build_pin(built) is None  # an image no rewrite made (built before images were reproducible)
+    made = NormalisedImage(image_id=built.image_id, source_id="sha256:" + "9" * 64, epoch=1, kept_layers=1,
+                           rewritten_layers=6, seconds=1.0)
+    pin = build_pin(built.model_copy(update={"reproducible": made, "builder": "docker 20.10.24+dfsg1"}))
+    assert pin == BuildPin(layers=LAYER_FORMAT, push=GZIP_FORMAT, builder="docker 20.10.24+dfsg1")
+    p = plan_publish(sku="cpu-x86_64", engine_version="5.24.0+local", lock=lock(), dockerfile_sha256="c" * 64,
+                     image_id=IMAGE, verdict=verdict_facts(verdict()), target=parse_target("127.0.0.1:5000"),
+                     expected=expected(), build=pin)
+    signed = statement(repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest, predicate=p.predicate)
+    assert signed["predicate"]["build"] == {"layers": LAYER_FORMAT, "push": GZIP_FORMAT, "builder": "docker 20.10.24+dfsg1"}
+    unpinned = statement(repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest, predicate=plan(verdict()).predicate)
+    assert "build" not in unpinned["predicate"]  # an older record's shape
