@@ -300,7 +300,8 @@ def test_the_build_plan_gathers_the_build_wheels_and_records_the_built_wheel(tmp
     rendered = render(resolve(SKU, require_lock=True))
     lock = rendered.stack.current_lock
     steps = plan_build(rendered, wheel_store=tmp_path / "store", built=tmp_path / "built", records=tmp_path / "records")
-    assert [s.kind for s in steps] == ["wheels", "base", "context", "buildkit", "verify", "tag", "built", "record"]
+    assert [s.kind for s in steps] == ["wheels", "base", "context", "buildkit", "normalise", "verify", "tag", "built",
+                                         "record"]
     gather = next(s for s in steps if isinstance(s, GatherWheels))
     assert set(gather.packages) == {*lock.packages().values(), *lock.build}  # the sdist and the build wheels too
     buildkit = next(s for s in steps if isinstance(s, RunBuildKit))
