@@ -49,7 +49,15 @@ from skupin.common.errors import BundleError, DockerError, GateCouldNotRun, Skup
 from skupin.common.paths import data_path, env_wheelhouse, state_dir
 from skupin.common.untrusted import open_folder, printable, write_new_file
 from skupin.dockerd import BindMount, ContainerSpec, Docker, ImageInfo, RunResult
-from skupin.engines import MODEL_MOUNT, engine_float32, engine_modules, engine_ops, engine_outputs, probe_adapter
+from skupin.engines import (
+    MODEL_MOUNT,
+    engine_float32,
+    engine_module_inputs,
+    engine_modules,
+    engine_ops,
+    engine_outputs,
+    probe_adapter,
+)
 from skupin.gates.host import HostAccelerator, host_accelerator
 from skupin.gates.integrity.binaries import check_binaries, load_rules
 from skupin.gates.integrity.static import ImageFiles, inspect_image
@@ -728,11 +736,14 @@ def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult)
     missing = missing_ops(battery, expected=expected, dtypes=dtypes)
     model = host_model(m.gate.model) if engine_modules(engine) else None
     if model is not None:  # the modules of the model as the engine loaded it, with the fixture's own weights
-        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=dtypes, calibrated=calibrated,
-                               tf32=tf32)
+        # captured from the engine's own forward (llama.cpp): at the serving dtype only, as the image serves it
+        captured = engine_module_inputs(engine) == "captured"
+        module_dtypes = (m.gate.dtype,) if captured else dtypes
+        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=module_dtypes, calibrated=calibrated,
+                               tf32=tf32, captured=captured)
         if not any(r.op == "modules" for r in battery.results):  # else that result says why none came back
             said = _dict(_dict(report.get("modules")).get("uncovered"))
-            missing += [k for dtype in dtypes
+            missing += [k for dtype in module_dtypes
                         for k in missing_modules(list(battery.results), model, dtype=dtype, uncovered=said)]
     result = judge_ops(battery, calibrated=calibrated, entry_key=ToleranceKey.of(m).label(),
                        why=tolerance.problem if entry is None else "", tf32_declared=tf32, settings=settings,

@@ -12,6 +12,13 @@ ones where its entry has them.
 A router is judged in two parts so that the rounding of its logits (a correct engine may keep them in bfloat16 or
 float32) does not hide its arithmetic: its logits against x @ G^T, then its weights and expert ids against the exact
 softmax, top-k and renormalisation *of the logits it returned*.
+
+An engine whose modules cannot be fed seeded inputs (llama.cpp: skupin/engines MODULE_INPUTS "captured") returns
+each module's input and outputs as its own forward computed them (skupin_probe_ops.py CAPTURE_POSITIONS): the host
+recomputes each module from that input (the embedding from the token ids it regenerates, attention and the rotary
+embedding at the positions of the spec) with the same measures and hard bounds. The rotary embedding is judged as
+applied to the layer-0 queries, in the GGUF's interleaved layout (gates/refdata/gguf.py permutes Q's rows); a
+captured module op has no calibrated bound (the class's were calibrated on the seeded inputs).
 """
 
 from __future__ import annotations
@@ -136,7 +143,10 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos[:, None, :] + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin[:, None, :]
 
 
-def _attention(model: HostModel, p: str, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def _attention(model: HostModel, p: str, x: np.ndarray, positions: np.ndarray,
+               segments: np.ndarray | None = None) -> np.ndarray:
+    """Causal attention of rows `x` at `positions`; with `segments` (a sequence id per row) a row sees only the earlier
+    rows of its own sequence."""
     c, w = model.config, model.weights
     heads, kv = int(c["num_attention_heads"]), int(c["num_key_value_heads"])
     head = int(c.get("head_dim") or model.hidden // heads)
@@ -148,11 +158,63 @@ def _attention(model: HostModel, p: str, x: np.ndarray, positions: np.ndarray) -
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
     scores = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(head)
-    scores = np.where(np.tril(np.ones((t, t), bool))[None], scores, -np.inf)
+    mask = np.tril(np.ones((t, t), bool))
+    if segments is not None:
+        mask &= segments[:, None] == segments[None, :]
+    scores = np.where(mask[None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     out = np.einsum("hqk,khd->qhd", probs, v).reshape(t, heads * head)
     return out @ w[p + "o_proj.weight"].T
+
+
+def _rope_interleaved(model: HostModel, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The rotary embedding applied to query rows `x` [T, heads * head_dim] laid out as the GGUF stores them (each
+    head's rows interleaved, gates/refdata/gguf.py permute): back to transformers' halves, rotated, and interleaved
+    again, so the result is in the layout the engine returned."""
+    c = model.config
+    heads = int(c["num_attention_heads"])
+    head = int(c.get("head_dim") or model.hidden // heads)
+    t = x.shape[0]
+    halves = x.reshape(t, heads, head // 2, 2).swapaxes(-1, -2).reshape(t, heads, head)
+    cos, sin = _table(model, positions)
+    return _rotate(halves, cos, sin).reshape(t, heads, 2, head // 2).swapaxes(-1, -2).reshape(t, heads * head)
+
+
+def _segments(positions: np.ndarray) -> np.ndarray:
+    """A sequence id per row: rows whose positions run on by one are one sequence."""
+    return np.concatenate([[0], np.cumsum(np.diff(positions) != 1)])
+
+
+def _captured_inputs(model: HostModel, key: str, kind: str, dtype: str,
+                     got: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
+    """The inputs of a captured module op -- the token ids and positions the host knows (the spec's), and the hidden
+    states the engine's forward gave the module (its in_x) -- and '' or why they cannot be used."""
+    found: dict[str, np.ndarray] = {}
+    if kind in ("router", "expert", "moe"):
+        return found, f"a {kind} module op is not judged from a captured forward"
+    if kind == "embed":
+        shape, vals = spec.module_inputs(key, kind, dtype, model.config)["ids"]
+        found["ids"] = np.asarray(vals, dtype=np.float64).reshape(shape)
+    else:
+        c = model.config
+        heads = int(c["num_attention_heads"])
+        width = heads * int(c.get("head_dim") or model.hidden // heads) if kind == "rotary" else model.hidden
+        shape = (len(spec.CAPTURE_POSITIONS), width)
+        g = got.get("in_x")
+        if g is None:
+            return found, "no input in_x (the module's input as the engine's forward computed it)"
+        if tuple(g.shape) != shape:
+            return found, f"input in_x has shape {list(g.shape)}, not {list(shape)}"
+        if not np.isfinite(g.astype(np.float64)).all():
+            return found, "NaN/Inf in input in_x"
+        wrong = not_of_dtype(g, "float32")
+        if wrong:
+            return found, f"input in_x: {wrong}"
+        found["x"] = np.asarray(g, dtype=np.float64)
+    if kind in ("rotary", "attention"):
+        found["positions"] = np.asarray(spec.CAPTURE_POSITIONS, dtype=np.float64)
+    return found, ""
 
 
 def _route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -173,10 +235,14 @@ def _swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -
     return (_silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
-def reference(model: HostModel, key: str, kind: str, x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def reference(model: HostModel, key: str, kind: str, x: dict[str, np.ndarray], *,
+              captured: bool = False) -> dict[str, np.ndarray]:
     """The float64 output of module op `key` on inputs `x` (the router's: its logits; its routing is judged on what the
-    engine returned, see the module docstring)."""
+    engine returned, see the module docstring); `captured`: inputs of the engine's own forward (the rotary embedding
+    applied to its queries, attention per captured sequence)."""
     w, eps = model.weights, float(model.config.get("rms_norm_eps", 1e-5))
+    if captured and kind in ("rotary", "attention"):
+        return _captured_reference(model, key, kind, x)
     if kind == "embed":
         return {"out": w["model.embed_tokens.weight"][x["ids"].astype(np.int64)].astype(np.float64)}
     if kind == "rotary":
@@ -206,6 +272,15 @@ def reference(model: HostModel, key: str, kind: str, x: dict[str, np.ndarray]) -
         _, ids = _route(x["x"] @ w[m + "gate.weight"].T, int(model.config["num_experts_per_tok"]))
         return {"out": _moe_block(model, m, x["x"], ids)}
     raise KeyError(key)
+
+
+def _captured_reference(model: HostModel, key: str, kind: str, x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A captured forward's rotary embedding (applied to its queries) and attention (per captured sequence)."""
+    if kind == "rotary":
+        return {"out": _rope_interleaved(model, x["x"], x["positions"])}
+    index = key.split(".")[1]
+    return {"out": _attention(model, f"model.layers.{index}.self_attn.", x["x"], x["positions"],
+                              _segments(x["positions"]))}
 
 
 def _moe_block(model: HostModel, m: str, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -248,7 +323,8 @@ def _moe_nearest(model: HostModel, key: str, x: np.ndarray, got: np.ndarray, dty
 # ---------------------------------------------------------------- judging
 
 
-def _usable(got: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], dtype: str) -> str:
+def _usable(got: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], dtype: str, *,
+            stored: str = "") -> str:
     """'' or why the engine's outputs cannot be judged: one missing, misshaped or non-finite; a module's output (its
     `out`, rotary table or router logits) that is not values of the dtype it ran at (a module computed in float64 and
     stored as float32 is not the engine's module); expert ids that are not integers."""
@@ -262,19 +338,28 @@ def _usable(got: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
             return f"NaN/Inf in output {name}"
         if name == "ids" and not np.array_equal(g.astype(np.float64), np.round(g.astype(np.float64))):
             return "expert ids that are not integers"
-        wrong = not_of_dtype(g, dtype) if name in ("out", "cos", "sin", "logits") else ""
+        wrong = not_of_dtype(g, stored or dtype) if name in ("out", "cos", "sin", "logits") else ""
         if wrong:
             return f"output {name}: {wrong}"
     return ""
 
 
 def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping[str, np.ndarray],
-                 calibrated: Mapping[str, Mapping[str, float]] | None = None, *, tf32: bool = False) -> list[OpResult]:
+                 calibrated: Mapping[str, Mapping[str, float]] | None = None, *, tf32: bool = False,
+                 captured: bool = False) -> list[OpResult]:
     """One module op at `dtype`: the engine's outputs (`got`, by output name) against float64 with the model's weights
     (a router gives two results, see _judge_router), with the calibrated bounds of `calibrated` (key.dtype -> measure
-    -> bound) where given."""
-    x = _inputs(key, kind, dtype, model.config)
-    ref = reference(model, key, kind, x)
+    -> bound) where given. `captured`: the module's input is the engine's own (got["in_x"], see the module docstring),
+    its outputs are float32 values (ggml keeps activations in F32) measured in units of `dtype`, no calibrated bound."""
+    if captured:
+        x, problem = _captured_inputs(model, key, kind, dtype, got)
+        if problem:
+            return [OpResult(op=key, dtype=dtype, errors={}, nmse=None, hard=hard_bounds(kind, dtype, model, tf32=tf32),
+                             problem=problem)]
+        calibrated = None
+    else:
+        x = _inputs(key, kind, dtype, model.config)
+    ref = reference(model, key, kind, x, captured=captured)
     hard = hard_bounds(kind, dtype, model, tf32=tf32)
 
     def result(**kw: Any) -> OpResult:
@@ -285,7 +370,7 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
     if kind == "router":
         k = int(model.config["num_experts_per_tok"])
         shapes |= {"weights": (spec.LT, k), "ids": (spec.LT, k)}
-    problem = _usable(got, shapes, dtype)
+    problem = _usable(got, shapes, dtype, stored="float32" if captured else "")
     if problem:
         return [result(errors={}, nmse=None, problem=problem)] + ([
             OpResult(op=key + ".logits", dtype=dtype, errors={}, nmse=None, problem=problem,
@@ -299,6 +384,8 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
     if kind == "moe":  # a token whose exact top-k is a near-tie is judged against the routing it is closest to
         ref, ties = _moe_nearest(model, key, x["x"], got["out"].astype(np.float64), dtype)
         note = f"{ties} of {spec.LT} tokens judged against the nearer of two routings (a near-tie at {dtype})" if ties else ""
+    if captured:
+        note = "the engine's own forward: its input as captured, hard bounds only"
     errors = dict.fromkeys(("rms", "max", "bias"), 0.0)
     nmse = 0.0
     for name, r in ref.items():
@@ -353,9 +440,10 @@ def _top_k_either(chosen: np.ndarray, logits: np.ndarray, k: int, tied: np.ndarr
 
 def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,
                   dtype: str, calibrated: Mapping[str, Mapping[str, float]] | None = None,
-                  tf32: bool = False) -> list[OpResult]:
+                  tf32: bool = False, captured: bool = False) -> list[OpResult]:
     """Every module op of the model's plan the probe ran at `dtype` (its report's checks.ops.modules.ops), in plan order;
-    one the engine could not run is a problem. Keys the probe returned that are not in the plan are ignored."""
+    one the engine could not run is a problem. Keys the probe returned that are not in the plan are ignored.
+    `captured`: the engine's declaration (never the report's) that each module's input is its own (in_x)."""
     rows = report.get("ops")
     found: Mapping[str, Any] = rows if isinstance(rows, dict) else {}
     results = []
@@ -371,9 +459,9 @@ def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], 
                                         calibrated=dict((calibrated or {}).get(f"{op}.{dtype}") or {}),
                                         problem=f"the engine's module failed: {error}"))
             continue
-        got = {n: np.asarray(tensors[f"ops.{key}.{dtype}.{n}"]) for n in spec.MODULE_OUTPUTS[kind]
-               if f"ops.{key}.{dtype}.{n}" in tensors}
-        results += judge_module(model, key, kind, dtype, got, calibrated=calibrated, tf32=tf32)
+        names = (*spec.CAPTURED_OUTPUTS[kind], "in_x") if captured else spec.MODULE_OUTPUTS[kind]
+        got = {n: np.asarray(tensors[f"ops.{key}.{dtype}.{n}"]) for n in names if f"ops.{key}.{dtype}.{n}" in tensors}
+        results += judge_module(model, key, kind, dtype, got, calibrated=calibrated, tf32=tf32, captured=captured)
     return results
 
 
@@ -390,9 +478,10 @@ def missing_modules(results: list[OpResult], model: HostModel, *, dtype: str,
 
 def with_modules(battery: Battery, tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,
                  dtypes: tuple[str, ...], calibrated: Mapping[str, Mapping[str, float]] | None = None,
-                 tf32: bool = False) -> Battery:
+                 tf32: bool = False, captured: bool = False) -> Battery:
     """`battery` with the module ops of the probe's ops report (its `modules`) judged at `dtypes` and added to its
-    results; a modules report that failed as a whole, or none, adds one failing result naming why."""
+    results; a modules report that failed as a whole, or none, adds one failing result naming why. `captured`: the
+    engine's modules were captured from its own forward (judge_modules)."""
     modules = report.get("modules")
     if not isinstance(modules, dict) or modules.get("status") != "ok":
         why = printable_text(modules.get("error") if isinstance(modules, dict) else "the probe returned no module ops")
@@ -400,5 +489,6 @@ def with_modules(battery: Battery, tensors: Mapping[str, np.ndarray], report: Ma
                           problem=f"the engine's model could not be probed module by module: {why}")
         return Battery(results=(*battery.results, failed), uncovered=battery.uncovered)
     results = [r for dtype in dtypes
-               for r in judge_modules(tensors, modules, model, dtype=dtype, calibrated=calibrated, tf32=tf32)]
+               for r in judge_modules(tensors, modules, model, dtype=dtype, calibrated=calibrated, tf32=tf32,
+                                      captured=captured)]
     return Battery(results=(*battery.results, *results), uncovered=battery.uncovered)

@@ -25,6 +25,7 @@ from skupin.engines.base import (
     SERVED_NAME,
     Distribution,
     InferenceEngine,
+    ModuleInputs,
     Output,
     ServedSku,
     ServerLaunch,
@@ -32,8 +33,8 @@ from skupin.engines.base import (
 
 __all__ = [
     "ALL_ENGINES", "DEFAULT_ENGINE", "MODEL_MOUNT", "NEVER_EOS", "SERVED_NAME", "SERVE_PORT", "Distribution", "InferenceEngine",
-    "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_float32", "engine_modules",
-    "engine_named", "engine_outputs",
+    "ModuleInputs", "Output", "ServedSku", "ServerLaunch", "UnknownEngine", "engine_distributions", "engine_float32",
+    "engine_module_inputs", "engine_modules", "engine_named", "engine_outputs",
     "model_file", "probe_adapter", "refresh_sources", "serve_launch",
 ]
 
@@ -85,6 +86,13 @@ def engine_modules(name: str) -> bool:
     not in ALL_ENGINES."""
     engine = ALL_ENGINES.get(name)
     return bool(engine is not None and engine.MODULES)
+
+
+def engine_module_inputs(name: str) -> ModuleInputs:
+    """How engine `name`'s module ops get their inputs (seeded, or captured from its own forward); seeded for an
+    engine not in ALL_ENGINES."""
+    engine = ALL_ENGINES.get(name)
+    return engine.MODULE_INPUTS if engine is not None else "seeded"
 
 
 def engine_float32(name: str) -> bool:

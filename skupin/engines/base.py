@@ -26,6 +26,9 @@ NEVER_EOS: Final = 1 << 20
 # What a probe adapter (skupin/imagetools/probe/skupin_probe_<engine>.py) can return besides the teacher-forced top-k logprobs:
 # final hidden states, full-vocabulary logprobs.
 Output = Literal["hidden", "logprobs_full"]
+# How an adapter's module ops get their inputs: the spec's seeded ones fed to each module, or captured from the engine's
+# own forward of seeded token ids, each module's input beside its outputs (skupin_probe_ops.py CAPTURE_POSITIONS).
+ModuleInputs = Literal["seeded", "captured"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +96,13 @@ class InferenceEngine(Protocol):
         """Whether its probe adapter reaches the modules of the model it loaded (the module ops: each layer's norms,
         attention, router, experts and the whole block with the model's own weights, gates/judge/modules.py): the gate
         then fails a candidate that does not return every one of them."""
+        ...
+
+    @property
+    def MODULE_INPUTS(self) -> ModuleInputs:
+        """How its module ops get their inputs: "seeded" (fed the spec's inputs at the serving dtype and at float32) or
+        "captured" (its own forward's, at the serving dtype only: the host recomputes each module from the input the
+        engine gave it). The host reads this declaration, never the probe's report, to decide which it judges."""
         ...
 
     @property

@@ -21,11 +21,21 @@ PROBE_ADAPTER: Final = "llamacpp"
 OUTPUTS: Final[frozenset[Output]] = frozenset({"hidden", "logprobs_full"})
 # The gate's model folder holds the one GGUF the SKU serves (model_file); an F32 GGUF beside a BF16 one is not built.
 FLOAT32: Final = False
-# llama-cpp-python exposes no per-op ggml API: the op battery reaches none (skupin_probe_llamacpp.py: op_battery)
+# llama-cpp-python exposes no per-op ggml API: the op battery's seeded inputs reach none of its ops
+# (skupin_probe_llamacpp.py: op_battery)
 OPS: Final[frozenset[str]] = frozenset()
 MOE_OPS: Final[frozenset[str]] = frozenset()
-# the module ops: its adapter does not reach the modules of the model it loaded (they live in its engine)
-MODULES: Final = False
+# The module ops, captured (skupin_probe_llamacpp.py: module_capture): llama.cpp's C API, bound by llama-cpp-python's
+# ctypes, takes an eval callback (llama_context_params.cb_eval, ggml_backend_sched_eval_callback) that sees every tensor
+# of the graph as ggml computes it; the adapter reads each by ggml's own functions exported from libggml
+# (ggml_get_name, ggml_op_name, ggml_nbytes, ggml_backend_tensor_get) and the struct ggml_tensor of the vendored
+# ggml.h (ne/nb/type/op; checked against ggml_tensor_overhead). Of a dense llama graph every module of the plan is
+# reached: embd, attn_norm-N (RMS_NORM+MUL), Qcur-0 before and after ROPE, attn_out-N (Q/K/V, RoPE, KQ, softmax, KQV,
+# output projection, from the KV cache at decode), ffn_inp-N, ffn_norm-N, ffn_out-N (gate/up, GLU, down), l_out-N,
+# result_norm, result_output. Not reached: a mixture-of-experts graph (uncovered, named), the residual adds on their
+# own (they are the captured inputs of the next module), and ggml's kernels at seeded inputs (the op battery).
+MODULES: Final = True
+MODULE_INPUTS: Final = "captured"
 
 # gate.weights + gate.dtype -> the GGUF file type the SKU serves. "full" is the gate dtype at full precision.
 _FULL: Final = {"float32": "f32", "bfloat16": "bf16"}

@@ -20,6 +20,7 @@ OPS: Final[frozenset[str]] = frozenset()
 MOE_OPS: Final[frozenset[str]] = frozenset()
 # the module ops: its adapter does not reach the modules of the model it loaded (they live in its engine)
 MODULES: Final = False
+MODULE_INPUTS: Final = "seeded"
 
 # Checked against the sglang 0.5.23 wheel (the version skus/nvidia-h200-sglang.yaml pins), no SGLang installed:
 # - `python -m sglang.launch_server` is still a supported entrypoint (sglang/launch_server.py; it warns that

@@ -20,6 +20,7 @@ OPS: Final = frozenset({"rmsnorm", "silu_mul", "rope.short", "rope.long", "atten
 MOE_OPS: Final = frozenset({"moe.route", "moe.block"})
 # the module ops: the modules of the model as it loads it (skupin_probe_transformers.py: module_ops)
 MODULES: Final = True
+MODULE_INPUTS: Final = "seeded"
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

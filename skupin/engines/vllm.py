@@ -22,6 +22,7 @@ MOE_OPS: Final = frozenset({"moe.route"})
 # the module ops: the modules of the model as its offline engine loads it, run in the probe's process
 # (skupin_probe_vllm.py: module_ops); attention and the fused MoE inside a real forward pass of that engine
 MODULES: Final = True
+MODULE_INPUTS: Final = "seeded"
 
 
 # the server loads the model folder itself (the fixture's safetensors, at the gate dtype)

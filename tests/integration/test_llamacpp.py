@@ -19,6 +19,7 @@ from skupin.builder.sourcebuild import read_built
 from skupin.common.paths import state_dir
 from skupin.dockerd import ContainerSpec, Docker
 from skupin.gates.integrity.static import inspect_image_files
+from skupin.imagetools.probe import skupin_probe_ops as spec
 
 pytestmark = pytest.mark.integration
 SITE = "/opt/skupin/venv/lib/python3.11/site-packages"
@@ -38,10 +39,16 @@ def test_the_llamacpp_image_passes_the_gate_through_llama_cpp_on_the_f32_gguf(ll
     checks = {c["name"]: c for c in verdict["checks"]}
     assert [(n, c["status"]) for n, c in checks.items()] == [
         ("reference", "pass"), ("pins", "pass"), ("binaries", "pass"), ("smoke", "skipped"), ("boot", "pass"),
-        ("kernels", "skipped"), ("ops", "skipped"),
+        ("kernels", "skipped"), ("ops", "pass"),
         ("model", "pass"), ("float32", "skipped"), ("serve", "pass")]  # it serves float32: the model check was the
-    # float32 pass; llama-cpp-python exposes none of ggml's ops: every op is uncovered, with why
-    assert "no per-op ggml API" in checks["ops"]["reason"]
+    # float32 pass. The op battery's seeded ops are uncovered (no per-op ggml API), with why; every module of the plan
+    # was captured from llama.cpp's own forward (its eval callback) and judged on the host, on its hard bounds
+    ops = checks["ops"]
+    plan = spec.module_plan(json.loads((REPO / "gates/fixtures/tiny-llama/config.json").read_text(encoding="utf-8")))
+    assert set(ops["details"]["ops"]) == {f"{key}.float32" for key, _ in plan}
+    assert all(row["ratio"] < 1 and "captured" in row["note"] for row in ops["details"]["ops"].values())
+    assert set(ops["details"]["uncovered"]) == set(spec.OPS) and "no per-op ggml API" in ops["reason"]
+    assert f"{len(plan)} engine ops within their bounds" in ops["reason"] and "hard bounds only" in ops["reason"]
     path = checks["model"]["details"]["engine_path"]
     assert (path["engine"], path["engine_distribution"], path["engine_version"]) == ("llamacpp", "llama-cpp-python",
                                                                                       "0.3.36")
@@ -49,7 +56,7 @@ def test_the_llamacpp_image_passes_the_gate_through_llama_cpp_on_the_f32_gguf(ll
     serve = checks["serve"]["details"]
     assert "llama_cpp.server" in serve["launch"] and "/model/model-f32.gguf" in serve["launch"]
     assert serve["greedy"]["match"] + serve["greedy"]["near_tie"] == 64
-    print(f"llama.cpp gate: {verdict['reason']}; serve {checks['serve']['reason']}")
+    print(f"llama.cpp gate: {verdict['reason']}; ops {ops['reason'][:300]}; serve {checks['serve']['reason']}")
 
 
 def test_a_q8_0_gguf_of_the_same_fixture_fails_the_model_check(llamacpp_q8_image: str, llamacpp_q8_stack,

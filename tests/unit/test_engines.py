@@ -64,7 +64,8 @@ def h200() -> SkuManifest:
 
 
 def test_protocol_members_are_what_the_docs_say() -> None:
-    assert MEMBERS == ["DISTRIBUTIONS", "FLOAT32", "MODULES", "MOE_OPS", "NAME", "OPS", "OUTPUTS", "PROBE_ADAPTER",
+    assert MEMBERS == ["DISTRIBUTIONS", "FLOAT32", "MODULES", "MODULE_INPUTS", "MOE_OPS", "NAME", "OPS", "OUTPUTS",
+                       "PROBE_ADAPTER",
                        "model_file", "server"]
 
 

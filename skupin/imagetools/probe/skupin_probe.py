@@ -548,6 +548,10 @@ class Adapter(Protocol):
     # adapter without it reaches none: the ops check then lists every op as uncovered.
     # Optional: `module_ops(model_dir, opts, device, spec) -> (layer key -> implementation, key -> why not reached)`,
     # the modules of the model as the engine loaded it, one per key of spec.module_plan (the module ops).
+    # Optional: `module_capture(model_dir, opts, spec, config) -> (tensors, report rows, key -> why not reached)`, for an
+    # adapter that reaches no op one by one (no op_battery implementations): the module ops captured from the engine's
+    # own forward, each module's input (ops.<key>.<dtype>.in_x) beside its outputs (skupin_probe_ops.py
+    # CAPTURE_POSITIONS), at the serving dtype, without torch.
     # Optional: `release_modules() -> None`, called after each dtype's module ops ran (also when they failed): an
     # adapter that started an engine for them shuts it down there (vLLM's runs in the probe's process).
 
@@ -638,7 +642,12 @@ def ops_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], 
                      "full_logprobs": 0, "new_tokens": 0, "vocab": 0, "cpu_threads": _cpu_threads()}
     impls, uncovered = battery(args.model, opts, device, spec)
     if not impls:  # nothing reached (llama.cpp, whose image may have no torch): every op of its path is uncovered
-        return {}, {"status": "ok", "ops": {}, "dtypes": [], "uncovered": dict(sorted(uncovered.items()))}
+        info = {"status": "ok", "ops": {}, "dtypes": [], "uncovered": dict(sorted(uncovered.items()))}
+        capture = getattr(adapter, "module_capture", None)
+        if capture is None:
+            return {}, info
+        tensors, info["modules"] = _captured_modules(capture, args.model, opts, spec)
+        return tensors, info
     dtypes = tuple(dict.fromkeys((args.dtype, "float32")))
     tensors, info = spec.run_battery(impls, uncovered, dtypes, device)
     modules = getattr(adapter, "module_ops", None)
@@ -666,6 +675,21 @@ def ops_check(args: argparse.Namespace, device: str) -> tuple[dict[str, Array], 
         except Exception as exc:
             info["modules"] = _error(exc)
     return tensors, info
+
+
+def _captured_modules(capture: Callable[..., Any], model_dir: str, opts: Options,
+                      spec: Any) -> tuple[dict[str, Array], dict[str, Any]]:
+    """The module ops captured from the engine's own forward at the serving dtype (an adapter whose modules cannot be
+    fed seeded inputs: skupin_probe_ops.py CAPTURE_POSITIONS): (tensors, the modules report, inputs "captured")."""
+    t0 = time.perf_counter()
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+        tensors, rows, why = capture(model_dir, opts, spec, config)
+    except Exception as exc:
+        return {}, _error(exc)
+    return tensors, {"status": "ok", "inputs": "captured", "ops": rows, "uncovered": dict(sorted(why.items())),
+                     "dtypes": [opts["dtype"]], "wall_s": round(time.perf_counter() - t0, 3)}
 
 
 def _modules_at(modules: Callable[..., Any], model_dir: str, opts: Options, device: str, spec: Any,

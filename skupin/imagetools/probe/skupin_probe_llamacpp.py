@@ -146,9 +146,206 @@ def run(model_dir: str, ids: list[list[int]], opts: Options, device: str, col: C
 
 
 def op_battery(model_dir: str, opts: Options, device: str, spec: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """None of llama.cpp's ops can be called one by one here: llama-cpp-python binds llama.h (whole-model evaluation)
-    and not ggml's graph API, and the image has no torch to feed them. Every op of the path is uncovered, with why;
-    the model check covers them end to end (upstream's own per-op check is test-backend-ops, a C++ binary)."""
-    why = ("llama-cpp-python exposes no per-op ggml API (only whole-model evaluation); checked end to end by the model "
-           "check")
+    """None of llama.cpp's ops can be called one by one on seeded inputs here: llama-cpp-python binds llama.h
+    (whole-model evaluation) and not ggml's graph API, and the image has no torch to feed them. Every op of the battery
+    is uncovered, with why; the same kernels are checked on the model's own tensors by the module ops
+    (`module_capture`; upstream's own per-op check is test-backend-ops, a C++ binary)."""
+    why = ("llama-cpp-python exposes no per-op ggml API (only whole-model evaluation): seeded inputs cannot be fed; "
+           "its kernels are checked on the loaded model's own tensors by the module ops")
     return {}, {op: why for op in spec.OPS}
+
+
+# ---------------------------------------------------------------- the module ops, captured from llama.cpp's forward
+
+# llama.cpp's graph of a llama-architecture model (src/models/llama.cpp in the vendored 0.3.36 sources) names its
+# tensors `<name>-<layer>`; the callback (llama_context_params.cb_eval, ggml_backend_sched_eval_callback) sees each as
+# it is computed. (graph tensor name, ggml op) -> the module ops it is an input (in_x) or output of.
+_GGML_F32 = 0
+_GGML_OBJECT_SIZE = 32  # struct ggml_object (ggml.c): offs, size, next, type, padding[4]
+
+
+def _targets(layers: int) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    found = {("embd", "GET_ROWS"): [("embed", "out"), ("layer.0.input_norm", "in_x")],
+             ("Qcur-0", "MUL_MAT"): [("rotary", "in_x")], ("Qcur-0", "ROPE"): [("rotary", "out")],
+             ("result_norm", "MUL"): [("final_norm", "out"), ("lm_head", "in_x")],
+             ("result_output", "MUL_MAT"): [("lm_head", "out")]}
+    for i in range(layers):
+        p = f"layer.{i}."
+        found[(f"attn_norm-{i}", "MUL")] = [(p + "input_norm", "out"), (p + "attention", "in_x")]
+        found[(f"attn_out-{i}", "MUL_MAT")] = [(p + "attention", "out")]
+        found[(f"ffn_inp-{i}", "ADD")] = [(p + "post_norm", "in_x")]
+        found[(f"ffn_norm-{i}", "MUL")] = [(p + "post_norm", "out"), (p + "mlp", "in_x")]
+        found[(f"ffn_out-{i}", "MUL_MAT")] = [(p + "mlp", "out")]
+        found[(f"l_out-{i}", "ADD")] = [(f"layer.{i + 1}.input_norm" if i + 1 < layers else "final_norm", "in_x")]
+    return found
+
+
+def _ggml_tensor_type() -> Any:
+    """struct ggml_tensor of the vendored ggml.h (checked against the library's own size in `_ggml`)."""
+    import ctypes
+
+    class GgmlTensor(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                    ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                    ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                    ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+                    ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+
+    return GgmlTensor
+
+
+def _ggml() -> Any:
+    """libggml as llama-cpp-python loaded it, with the few ggml functions the capture calls declared (ggml-base's,
+    found through libggml's dependencies); RuntimeError when its tensor struct is not the one `_ggml_tensor_type`
+    declares."""
+    import ctypes
+
+    from llama_cpp import _ggml
+
+    lib = _ggml.libggml
+    lib.ggml_tensor_overhead.restype = ctypes.c_size_t
+    lib.ggml_tensor_overhead.argtypes = []
+    lib.ggml_op_name.restype = ctypes.c_char_p
+    lib.ggml_op_name.argtypes = [ctypes.c_int]
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_nbytes.restype = ctypes.c_size_t
+    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    size = ctypes.sizeof(_ggml_tensor_type()) + _GGML_OBJECT_SIZE
+    if lib.ggml_tensor_overhead() != size:
+        raise RuntimeError(f"ggml's tensor struct is not the one this adapter reads (ggml_tensor_overhead "
+                           f"{lib.ggml_tensor_overhead()}, expected {size})")
+    return lib
+
+
+def module_capture(model_dir: str, opts: Options, spec: Any,
+                   config: dict[str, Any]) -> tuple[dict[str, Array], dict[str, Any], dict[str, str]]:
+    """The module ops from llama.cpp's own forward (skupin_probe_ops.py CAPTURE_POSITIONS): a context of the loaded
+    model with an eval callback evaluates the seeded token ids of the `embed` key as CAPTURE_SEGMENTS sequences (each
+    from an empty F32 KV cache: all but the last token as one batch, the last through the cache), and the callback
+    copies every tensor of the plan's modules (their inputs and outputs, as F32) when ggml has computed it.
+    Returns (tensors ops.<key>.<dtype>.<name>, report rows, key -> why not reached)."""
+    plan = spec.module_plan(config)
+    if config.get("num_local_experts"):
+        why = "llama.cpp's mixture-of-experts graph is not captured by this adapter (a dense llama graph only)"
+        return {}, {}, {key: why for key, _ in plan}
+    import llama_cpp
+
+    targets = _targets(int(config["num_hidden_layers"]))
+    ids = [int(v) for v in spec.module_inputs("embed", "embed", opts["dtype"], config)["ids"][1]]
+    segments = spec.capture_segments()
+    t0 = time.perf_counter()
+    threads = opts["cpu_threads"]
+    llm = llama_cpp.Llama(model_path=_gguf_file(model_dir), n_ctx=64, n_batch=64, type_k=0, type_v=0, seed=0,
+                          n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+    try:
+        captured = _evaluate(llm, targets, ids, segments)
+    finally:
+        llm.close()
+    return _module_tensors(plan, targets, captured, segments, opts["dtype"], round(time.perf_counter() - t0, 4))
+
+
+def _evaluate(llm: Any, targets: dict[tuple[str, str], list[tuple[str, str]]], ids: list[int],
+              segments: list[list[int]]) -> dict[tuple[str, str], list[Any]]:
+    """Each segment's tokens through a fresh context of `llm`'s model whose eval callback copies the target tensors:
+    (graph tensor name, op) -> one float32 array per evaluation, in order."""
+    import llama_cpp
+
+    lib, tensor_type = _ggml(), _ggml_tensor_type()
+    captured: dict[tuple[str, str], list[Any]] = {}
+    problems: list[str] = []
+
+    @llama_cpp.ggml_backend_sched_eval_callback
+    def callback(ptr: int, ask: bool, user_data: Any) -> bool:
+        try:
+            name = (lib.ggml_get_name(ptr) or b"").decode("utf-8", "replace")
+            op = (lib.ggml_op_name(tensor_type.from_address(ptr).op) or b"").decode()
+            if (name, op) not in targets:
+                return not ask  # asked: not wanted (ggml computes on without stopping)
+            if not ask:
+                captured.setdefault((name, op), []).append(_read(lib, tensor_type, ptr))
+            return True
+        except Exception as exc:  # never raise through C: recorded, and the capture fails below
+            problems.append(f"{type(exc).__name__}: {exc}")
+            return True
+
+    for segment, start in zip(segments, range(0, len(ids), len(segments[0])), strict=True):
+        _decode_segment(llm, callback, ids[start:start + len(segment)], segment)
+    if problems:
+        raise RuntimeError(f"the eval callback failed: {problems[0]}")
+    return captured
+
+
+def _read(lib: Any, tensor_type: Any, ptr: int) -> Any:
+    """A computed F32 tensor's values (flat, copied out of ggml's buffer by ggml_backend_tensor_get)."""
+    import ctypes
+
+    import numpy as np
+
+    t = tensor_type.from_address(ptr)
+    ne, nb = list(t.ne), list(t.nb)
+    if t.type != _GGML_F32:
+        raise RuntimeError(f"{t.name.decode()} is ggml type {t.type}, not F32")
+    if nb != [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]]:
+        raise RuntimeError(f"{t.name.decode()} is not contiguous (ne {ne}, nb {nb})")
+    size = int(lib.ggml_nbytes(ptr))
+    buf = (ctypes.c_char * size)()
+    lib.ggml_backend_tensor_get(ptr, buf, 0, size)
+    return np.frombuffer(bytes(buf), dtype=np.float32).copy()
+
+
+def _decode_segment(llm: Any, callback: Any, tokens: list[int], positions: list[int]) -> None:
+    """`tokens` at `positions` through a fresh context of `llm`'s model with eval callback `callback`: all but the last
+    as one batch (prefill), the last through the KV cache (decode)."""
+    import llama_cpp
+
+    params = llm.context_params
+    params.cb_eval = callback
+    params.cb_eval_user_data = None
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not make a context with an eval callback")
+    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    try:
+        for lo, hi in ((0, len(tokens) - 1), (len(tokens) - 1, len(tokens))):
+            for row, i in enumerate(range(lo, hi)):
+                batch.token[row], batch.pos[row], batch.n_seq_id[row] = tokens[i], positions[i], 1
+                batch.seq_id[row][0], batch.logits[row] = 0, 1
+            batch.n_tokens = hi - lo
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError(f"llama_decode failed at positions {positions[lo]}..{positions[hi - 1]}")
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+
+
+def _module_tensors(plan: list[tuple[str, str]], targets: dict[tuple[str, str], list[tuple[str, str]]],
+                    captured: dict[tuple[str, str], list[Any]], segments: list[list[int]], dtype: str,
+                    seconds: float) -> tuple[dict[str, Array], dict[str, Any], dict[str, str]]:
+    """Each plan key's captured tensors, every evaluation's rows stacked in order: (tensors, rows, key -> why not)."""
+    import numpy as np
+
+    tensors: dict[str, Array] = {}
+    rows: dict[str, Any] = {}
+    why: dict[str, str] = {}
+    evaluations = _rows(segments)
+    for key, _ in plan:
+        names = [(tensor, out) for tensor, outs in targets.items() for k, out in outs if k == key]
+        absent = [f"{n} ({o})" for (n, o), _ in names if len(captured.get((n, o), [])) != len(evaluations)]
+        if not names or absent:
+            why[key] = (f"llama.cpp's graph did not compute {', '.join(absent)} once per evaluation" if names
+                        else "no tensor of llama.cpp's graph is this module")
+            continue
+        for (name, op), out in names:
+            flat = [p.reshape(n, -1) for p, n in zip(captured[(name, op)], evaluations, strict=True)]
+            tensors[f"ops.{key}.{dtype}.{out}"] = np.ascontiguousarray(np.concatenate(flat, axis=0))
+        rows[f"{key}.{dtype}"] = {"status": "ok", "seconds": seconds,
+                                  "tensors": {out: f"{name} ({op})" for (name, op), out in names}}
+    return tensors, rows, why
+
+
+def _rows(segments: list[list[int]]) -> list[int]:
+    """The number of tokens of each evaluation, in order: each segment's prefill, then its one decoded token."""
+    return [n for segment in segments for n in (len(segment) - 1, 1)]

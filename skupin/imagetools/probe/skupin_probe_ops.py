@@ -274,6 +274,30 @@ def run_modules(impls: dict[str, Impl], plan: list[tuple[str, str]], config: dic
     return tensors, rows
 
 
+# The module ops captured from a real forward, for an engine whose modules cannot be fed seeded inputs (llama.cpp:
+# its library evaluates whole graphs only). The engine runs the model on the seeded token ids of the `embed` key
+# (module_inputs), as CAPTURE_SEGMENTS sequences of LT // 2 tokens, each from an empty KV cache at its positions of
+# CAPTURE_POSITIONS: all but its last token as one batch (prefill), its last through the KV cache (decode). Every
+# module op's input and output is the engine's own tensor of that forward, ops.<key>.<dtype>.in_x beside its
+# outputs; the host recomputes each module in float64 from that input with the fixture's weights (the embedding
+# from the ids it regenerates, attention and the rotary embedding at these positions). The rotary embedding is
+# captured as applied (there is no table): the layer-0 query projection before and after it (`out`).
+CAPTURE_SEGMENTS = 2
+CAPTURE_POSITIONS = (*range(LT // 2), *range(LONG[0], LONG[0] + LT // 2))  # short, and long where float32 angles round
+CAPTURED_OUTPUTS: dict[str, tuple[str, ...]] = {**MODULE_OUTPUTS, "rotary": ("out",)}
+
+
+def capture_segments() -> list[list[int]]:
+    """The positions of each captured sequence (consecutive runs of CAPTURE_POSITIONS), in row order."""
+    runs: list[list[int]] = []
+    for p in CAPTURE_POSITIONS:
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
 def precision_settings() -> dict[str, Any]:
     """torch's switches for reduced-precision float32 arithmetic, read after the engine's ops were built and run
     (an engine may set them as it loads)."""
