@@ -276,7 +276,7 @@ class Docker:
         DockerError on an error message in the engine's answer or when it names no loaded image id."""
         loaded: list[str] = []
         try:
-            for message in self._client.api.load_image(chunks, quiet=True):
+            for message in self._client.api.load_image(iter(chunks), quiet=True):  # an iterator: streamed, chunked
                 if not isinstance(message, dict):
                     continue
                 if message.get("error") or message.get("errorDetail") or ("message" in message and "stream" not in message):

@@ -20,6 +20,7 @@ Nothing is tagged or pushed: the rebuilt image carries a temporary local tag tha
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -194,13 +195,21 @@ def rebuild_reference(*, ref: str, docker: Docker, sku: str | None = None,
                       client: RegistryClient | None = None, no_cache: bool = True) -> Rebuilt:
     """Verify `ref`, rebuild its image from the catalog's lock and compare (see the module doc). `no_cache=False`
     lets BuildKit reuse its cache (the tests' second rebuild of one lock; never the command's)."""
+    with contextlib.ExitStack() as held:
+        return _rebuild(ref=ref, docker=docker, sku=sku, trusted=trusted, on_event=on_event, verify=verify,
+                        client=client, no_cache=no_cache, held=held)
+
+
+def _rebuild(*, ref: str, docker: Docker, sku: str | None, trusted: TrustedKeys | list[Path] | None,
+             on_event: OnEvent, verify: Callable[..., Verification], client: RegistryClient | None, no_cache: bool,
+             held: contextlib.ExitStack) -> Rebuilt:
     started = time.monotonic()
     verified = verify(ref=ref, sku=sku, trusted=trusted)
     if not verified.ok:
         raise verified.error()
     assert verified.sku and verified.reference and verified.digest and verified.lock_sha256
     name = parse_image_ref(verified.reference)
-    client = client or RegistryClient(registry_url(name.registry))
+    client = client or held.enter_context(RegistryClient(registry_url(name.registry)))
     manifest, config = _published(client, name.repository, verified.digest)
     stack = resolve(sku_path(verified.sku), require_lock=True)
     lock = stack.current_lock
