@@ -20,6 +20,7 @@ from skupin.builder.catalog.families import ALL_FAMILIES
 from skupin.builder.catalog.lockfile import PY_LAYERS, Lock, LockedPackage
 from skupin.builder.catalog.manifest import GitSource, Pin, SdistSource, SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
+from skupin.builder.reproducible import LAYER_FORMAT
 from skupin.common import __version__
 from skupin.common.errors import BuildError
 from skupin.common.model import Frozen
@@ -368,6 +369,7 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
         "serve": serve_launch(manifest=manifest),
         "engine_build": engine_build(manifest, lock),
         "tool_version": __version__,
+        "layer_format": LAYER_FORMAT,  # a new rewrite makes new image ids: it makes a new Dockerfile hash, a new tag
         # OCI labels from the lock, never the wall clock (the same lock, the same label); the catalog's git revision
         # and source are not labels (every commit would make a new image): docs/CATALOG.md
         "created": lock.created if lock is not None else None,
