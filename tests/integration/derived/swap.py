@@ -40,6 +40,16 @@ Modes:
                SKU does not declare it
   slow         honest numbers, slower: torch.nn.functional.silu sleeps 5 ms per call (once per decoder layer and
                forward pass), the runtime A/B's slower candidate
+  slow-5pct    honest numbers, decode tok/s x 0.95 by construction (bench/ab_calibration.py's known answers): after each
+  slow-10pct   decode forward (a *ForCausalLM forward whose cache already holds tokens), the thread busy-waits
+               1/0.95 - 1 (x 0.90: 1/0.90 - 1) of that step's own period, measured in the same process: from the end
+               of the previous step's wait to the end of this forward, so it includes the generate loop's own work (the
+               streamer, the sampler, input preparation), not only the forward. A request's decode time is then
+               1/keep x the time the same steps take without the wait, to the clock's resolution (perf_counter, about
+               a microsecond per step); a busy wait, not a sleep, so it holds the CPU as a slower kernel would (the
+               container's CPU accounting sees it too) and no sleep overshoot adds to it. The prefill forward waits
+               for nothing (TTFT and prefill tok/s unchanged). Exact against the honest image as far as a step's own
+               work is the same with and without the wait; the bench's pooled ratio of many A/Bs measures that
   Faults of the bf16 code path (issue 29), made in transformers' own modeling classes as a faulty engine release would
   make them (so the engine op battery, which builds its modules from those classes, meets them too); a float32 run
   computes exactly what an honest one does:
@@ -57,7 +67,7 @@ import os
 import sys
 
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
-         "vllm-int4", "vllm-silu", "vllm-rope-cache", "vllm-norm-weight", "slow",
+         "vllm-int4", "vllm-silu", "vllm-rope-cache", "vllm-norm-weight", "slow", "slow-5pct", "slow-10pct",
          "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4")
 MODELING = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
@@ -232,6 +242,53 @@ def _patch_slow(module) -> None:
     module.silu = silu
 
 
+# slow-Npct: the decode tok/s these keep of the honest image's
+SLOW_DECODE = {"slow-5pct": 0.95, "slow-10pct": 0.90}
+
+
+def paced(forward, *, keep: float, state, clock=None):
+    """`forward` (a *ForCausalLM.forward), followed on each decode step by a busy wait of (1/keep - 1) x that step's
+    period in this thread (from the end of the previous step's wait to the end of this forward); a forward whose
+    cache holds no tokens yet (a prefill, or a call without a cache) waits for nothing and starts the period anew.
+    `state` is a threading.local (one generate loop per thread); `clock` is time.perf_counter unless a test gives one."""
+    import functools
+    import time
+
+    now = clock or time.perf_counter
+    extra = 1.0 / keep - 1.0
+
+    @functools.wraps(forward)
+    def stepped(self, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24 renamed it `cache`
+        try:
+            decode = cache is not None and cache.get_seq_length() > 0
+        except (AttributeError, TypeError):
+            decode = False
+        out = forward(self, *args, **kwargs)
+        end = now()
+        released = getattr(state, "released", None)
+        if decode and released is not None:
+            until = end + extra * (end - released)
+            while now() < until:
+                pass
+            end = until
+        state.released = end
+        return out
+
+    return stepped
+
+
+def _patch_slow_decode(module, keep: float) -> None:
+    """Pace every *ForCausalLM class's forward of a modeling file (paced)."""
+    import threading
+
+    state = threading.local()
+    for name in dir(module):
+        cls = getattr(module, name)
+        if name.endswith("ForCausalLM") and isinstance(cls, type) and "forward" in cls.__dict__:
+            cls.forward = paced(cls.__dict__["forward"], keep=keep, state=state)
+
+
 def _enable_tf32(module) -> None:
     """`module` is torch.backends.cuda, executed while torch may still be initialising: only what is loaded by then."""
     module.matmul.allow_tf32 = True
@@ -397,6 +454,9 @@ def install(mode: str) -> None:
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", lambda m: _patch_functional(m, mode)))
     elif mode == "slow":
         sys.meta_path.insert(0, _AfterImport("torch.nn.functional", _patch_slow))
+    elif mode in SLOW_DECODE:
+        for target in MODELING:
+            sys.meta_path.insert(0, _AfterImport(target, lambda m: _patch_slow_decode(m, SLOW_DECODE[mode])))
     elif mode == "tf32":
         sys.meta_path.insert(0, _AfterImport("torch.backends.cuda", _enable_tf32))
     elif mode == "vllm-int4":
