@@ -75,17 +75,8 @@ class _Hashing:
         self.size += len(data)
         return self.out.write(data)
 
-
-class _HashingReader:
-    """A read-only file that hashes what is read from it (the layer's diff id as BuildKit wrote it)."""
-
-    def __init__(self, src: Readable) -> None:
-        self.src, self.sha = src, hashlib.sha256()
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.src.read(n)
-        self.sha.update(data)
-        return data
+    def tell(self) -> int:
+        return self.size
 
 
 def normal_entry(info: tarfile.TarInfo, *, epoch: int) -> tarfile.TarInfo:
@@ -97,26 +88,24 @@ def normal_entry(info: tarfile.TarInfo, *, epoch: int) -> tarfile.TarInfo:
     return out
 
 
-def normalise_layer(src: Readable, dst: IO[bytes], *, epoch: int) -> tuple[str, str, int]:
-    """Rewrite one layer tar from `src` into `dst`: (the input's diff id, the output's diff id, entries).
+def normalise_layer(src: IO[bytes], dst: IO[bytes], *, epoch: int) -> tuple[str, int]:
+    """Rewrite one layer tar from the seekable file `src` into `dst`: (the output's diff id, its entries).
 
+    Read with random access, not as a stream: half the time of tarfile's stream mode, the same bytes out.
     BuildError on a tar that cannot be read (the layer is BuildKit's own output, so that is a broken engine)."""
-    reader = _HashingReader(src)
     writer = _Hashing(dst)
     entries = 0
     try:
-        with tarfile.open(fileobj=cast(IO[bytes], reader), mode="r|", bufsize=CHUNK) as inner, \
-                tarfile.open(fileobj=cast(IO[bytes], writer), mode="w|", bufsize=CHUNK, format=tarfile.PAX_FORMAT,
+        with tarfile.open(fileobj=src, mode="r:") as inner, \
+                tarfile.open(fileobj=cast(IO[bytes], writer), mode="w:", format=tarfile.PAX_FORMAT,
                              encoding="utf-8") as out:
             for info in inner:
                 data = inner.extractfile(info) if info.isreg() else None
                 out.addfile(normal_entry(info, epoch=epoch), data)
                 entries += 1
-        while reader.read(CHUNK):  # the input's padding after the end-of-archive blocks is part of its diff id
-            pass
     except tarfile.TarError as exc:
         raise BuildError(f"a layer of the built image is not a readable tar: {exc}") from exc
-    return "sha256:" + reader.sha.hexdigest(), "sha256:" + writer.sha.hexdigest(), entries
+    return "sha256:" + writer.sha.hexdigest(), entries
 
 
 def epoch_text(epoch: int) -> str:
@@ -205,14 +194,22 @@ class _Rewrite:
             self.config, self.config_name = config, member.name
 
     def _layer(self, source: Readable, *, index: int) -> Iterator[bytes]:
-        with tempfile.NamedTemporaryFile(dir=self.scratch, prefix="layer-", suffix=".tar") as handle:
-            old, new, entries = normalise_layer(source, handle, epoch=self.epoch)
-            handle.flush()
+        with tempfile.NamedTemporaryFile(dir=self.scratch, prefix="built-", suffix=".tar") as raw, \
+                tempfile.NamedTemporaryFile(dir=self.scratch, prefix="layer-", suffix=".tar") as handle:
+            sha = hashlib.sha256()  # the layer's diff id as BuildKit wrote it
+            while chunk := source.read(CHUNK):
+                sha.update(chunk)
+                raw.write(chunk)
+            old = "sha256:" + sha.hexdigest()
             if old in self.keep:  # a base layer: the engine has it already, byte for byte
                 self.kept += 1
                 return
             if old in self.renamed:
                 return
+            raw.flush()
+            raw.seek(0)
+            new, entries = normalise_layer(cast(IO[bytes], raw), handle, epoch=self.epoch)
+            handle.flush()
             self.renamed[old] = new
             size = Path(handle.name).stat().st_size
             self.on_event(f"layer {index}: {entries} entries, {size / 1e6:.1f} MB, {old[:19]} -> {new[:19]}")

@@ -36,8 +36,8 @@ def _layer(entries: list[tuple[str, bytes | None, int]], *, fmt: int = tarfile.G
 
 def _rewrite(raw: bytes) -> tuple[str, str, bytes]:
     out = io.BytesIO()
-    old, new, _ = normalise_layer(io.BytesIO(raw), out, epoch=EPOCH)
-    return old, new, out.getvalue()
+    new, _ = normalise_layer(io.BytesIO(raw), out, epoch=EPOCH)
+    return "sha256:" + hashlib.sha256(raw).hexdigest(), new, out.getvalue()
 
 
 def test_build_times_are_clamped_and_older_times_kept() -> None:
@@ -146,3 +146,11 @@ def test_a_save_without_a_layer_of_its_config_is_refused(tmp_path) -> None:
     rewrite = _Rewrite(io.BytesIO(saved), epoch=EPOCH, keep=frozenset(), scratch=tmp_path, on_event=lambda _: None)
     with pytest.raises(BuildError, match="no layer for 1 diff id"):
         b"".join(rewrite.chunks())
+
+
+def test_a_rewritten_layer_rewrites_to_itself() -> None:
+    """Normalising a normalised image changes nothing (its id stays: a rebuild that hits BuildKit's cache of a loaded
+    image, or a second normalise, is a no-op)."""
+    raw = _layer([("a/", None, EPOCH + 3), ("a/b", b"b", EPOCH + 4)], fmt=tarfile.GNU_FORMAT)
+    once = _rewrite(raw)[2]
+    assert _rewrite(once)[2] == once
