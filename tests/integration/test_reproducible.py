@@ -133,3 +133,20 @@ def test_verify_rebuild_passes_on_the_published_image_and_names_the_one_changed_
     assert not result.ok and result.layer == layer and result.file == path, result.line()
     assert f"layer {layer}" in result.line() and f"/{path}" in result.line()
     assert result.error().exit_code == 8
+
+
+@pytest.mark.heavy
+def test_two_builds_in_separate_empty_engines_push_under_one_digest(tmp_path: Path) -> None:
+    """bench/reproducible.py's two cold runs of the CPU SKU: fresh clones, separate empty dockerds (data root, bridge),
+    the base made in each, pushed to one registry by the publish's push: one manifest digest (about 10 minutes)."""
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+
+    out = tmp_path / "reproducible.json"
+    subprocess.run([sys.executable, "-m", "bench.reproducible", "--sku", SKU, "--runs", "cold,cold", "--out", str(out)],
+                   cwd=REPO, check=True)
+    result = json.loads(out.read_text())["skus"][SKU]
+    digests = {run["digest"] for run in result["runs"]}
+    assert result["same_digest"] and len(digests) == 1 and len(result["runs"]) == 2, result
