@@ -16,9 +16,9 @@ steps in order:
    only if the Dockerfile mounts it); BuildKit's plain progress is parsed into per-layer
    durations and cache hits, mapping each step to the `# layer: NAME` comment above its instruction;
    with a registry cache reference it reuses that reference's inline cache;
-5. `ExportCache` (with a cache reference only): push BuildKit's image, inline cache included, to it;
-6. `Normalise`: rewrite BuildKit's image so one lock gives one image id on any machine
+5. `Normalise`: rewrite BuildKit's image so one lock gives one image id on any machine
    (`builder.reproducible`: mtimes clamped to the lock's time, one config `created`); BuildKit's image goes;
+6. `ExportCache` (with a cache reference only): push BuildKit's image, inline cache included, to it, then remove it;
 7. `VerifyInstalled`: ask the image's own Python (in a sandboxed container) for its installed
    distributions and fail unless they equal the lock;
 8. `TagImage`: only then tag the content-addressed tag (`builder.catalog.lockfile.image_tag`);
@@ -350,7 +350,7 @@ class RunBuildKit(Frozen):
 
 class ExportCache(Frozen):
     """Push BuildKit's image (its inline cache with it) to a registry reference, for the next build on a runner without
-    local state. The published image is the normalised one; this one only carries the cache."""
+    local state, then remove it here. The published image is the normalised one; this one only carries the cache."""
 
     kind: Literal["cache"] = "cache"
     reference: str
@@ -361,6 +361,7 @@ class Normalise(Frozen):
 
     kind: Literal["normalise"] = "normalise"
     epoch: int = Field(description="SOURCE_DATE_EPOCH: the lock's creation time")
+    keep_source: bool = Field(False, description="Keep BuildKit's image for the cache export after this step")
 
 
 class VerifyInstalled(Frozen):
@@ -434,8 +435,8 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
         RunBuildKit(build_args=build_args, secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None,
                     export_stage=ENGINE_WHEEL_STAGE if from_source else None,
                     store=(wheel_store or default_wheel_store()) if from_source else None, cache_from=cache),
+        Normalise(epoch=source_date_epoch(lock), keep_source=bool(cache)),
         *([ExportCache(reference=cache)] if cache else []),
-        Normalise(epoch=source_date_epoch(lock)),
         VerifyInstalled(locked=locked_versions(lock)),
         TagImage(tag=sku_image_tag(manifest, lock=lock, dockerfile_sha256=rendered.sha256)),
     ]
@@ -540,7 +541,9 @@ def _run_buildkit(step: RunBuildKit, run: _Execution) -> None:
 
 
 def _export_cache(step: ExportCache, run: _Execution) -> None:
-    run.docker.tag(run.image_id, step.reference)
+    if run.normalised is None:
+        raise BuildError("the build plan exports the cache before it normalised the image")
+    run.docker.tag(run.normalised.source_id, step.reference)  # BuildKit's image: the inline cache is in its config
     try:
         run.on_line(f"pushing the build cache to {step.reference}")
         run.docker.push(step.reference, on_event=run.on_line)
@@ -549,7 +552,7 @@ def _export_cache(step: ExportCache, run: _Execution) -> None:
     else:
         run.cache = step.reference
     finally:
-        run.docker.remove_image(step.reference)
+        run.docker.remove_image(step.reference)  # its only tag: BuildKit's image goes with it
 
 
 def _normalise(step: Normalise, run: _Execution) -> None:
@@ -558,7 +561,7 @@ def _normalise(step: Normalise, run: _Execution) -> None:
                            on_event=run.on_line)
     run.on_line(f"normalised {made.source_id[:19]} -> {made.image_id[:19]} ({made.rewritten_layers} layers rewritten, "
                 f"{made.kept_layers} of the base kept, {made.seconds}s)")
-    if made.image_id != made.source_id:
+    if made.image_id != made.source_id and not step.keep_source:
         with contextlib.suppress(DockerError):  # BuildKit's image: its layers stay in BuildKit's cache, not twice on disk
             run.docker.remove_image(made.source_id)
     run.image_id, run.normalised = made.image_id, made

@@ -62,13 +62,14 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
                       wheel_store=tmp_path / "store", contexts=tmp_path / "contexts") == steps  # a plan is a value
 
 
-def test_a_registry_cache_is_read_by_buildkit_and_written_before_the_rewrite(rendered):
+def test_a_registry_cache_is_read_by_buildkit_and_buildkits_image_pushed_after_the_rewrite(rendered):
     steps = plan_build(rendered, cache="127.0.0.1:5000/cache/cpu-x86_64:buildcache")
-    assert [step.kind for step in steps][3:6] == ["buildkit", "cache", "normalise"]
+    assert [step.kind for step in steps][3:6] == ["buildkit", "normalise", "cache"]
+    assert steps[4] == Normalise(epoch=source_date_epoch(rendered.stack.lock), keep_source=True)  # the export pushes it
     buildkit = steps[3]
     assert isinstance(buildkit, RunBuildKit) and buildkit.cache_from == "127.0.0.1:5000/cache/cpu-x86_64:buildcache"
     assert buildkit.build_args["BUILDKIT_INLINE_CACHE"] == "1"
-    assert steps[4] == ExportCache(reference="127.0.0.1:5000/cache/cpu-x86_64:buildcache")
+    assert steps[5] == ExportCache(reference="127.0.0.1:5000/cache/cpu-x86_64:buildcache")
     assert "BUILDKIT_INLINE_CACHE" not in next(s for s in plan_build(rendered) if isinstance(s, RunBuildKit)).build_args
 
 
