@@ -42,6 +42,9 @@ MAX_ENTRIES = 2_000_000
 MAX_PATH = 4096
 MAX_DEPTH = 256  # folders below a layer's root (a descriptor each while it is walked)
 MAX_KEPT_BYTES = 64 * 1024**2
+MAX_EXTENDED_HEADER = 1024**2  # a pax header or GNU long name: Go's archive/tar (docker pull) reads no larger one
+MAX_EXTENDED_CHAIN = 8  # extended headers in a row before one member
+MAX_GLOBAL_HEADERS = 16
 OPAQUE_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
@@ -193,6 +196,112 @@ def open_in_layer(root: Path, rel: str) -> int:
 # ---------------------------------------------------------------- docker save streams
 
 
+class BoundedTarInfo(tarfile.TarInfo):
+    """A header of a hostile tar, read by tarfile with bounds (`tarfile.open(..., tarinfo=BoundedTarInfo)`).
+
+    tarfile reads a pax header or GNU long name whole into memory (an 8 GiB one from a few MB of gzip), parses pax
+    records in quadratic time and memory before CPython 3.11.10 (CVE-2024-6232: a 64 KiB header costs seconds or
+    700 MB), reads GNU sparse maps of any length, recurses once per extended header in a row, and ends the archive
+    silently at an invalid header (a scan would miss every later entry). Here an extended header is at most
+    MAX_EXTENDED_HEADER bytes, its pax records are parsed here in linear time and strictly (length, keyword, `=`,
+    newline), at most MAX_EXTENDED_CHAIN precede a member, sparse files (which no image writer makes) are refused,
+    and an invalid header is an error, not the end."""
+
+    @classmethod
+    def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> BoundedTarInfo:
+        try:
+            return super().frombuf(buf, encoding, errors)
+        except tarfile.InvalidHeaderError as exc:  # type: ignore[attr-defined]  # (not in typeshed)
+            raise tarfile.ReadError(f"an invalid tar header: {exc}") from None
+
+    def _extended(self, tar: tarfile.TarFile) -> contextlib.AbstractContextManager[None]:
+        if not 0 <= self.size <= MAX_EXTENDED_HEADER:
+            raise tarfile.ReadError(f"an extended tar header of {self.size} bytes (limit {MAX_EXTENDED_HEADER})")
+        depth = getattr(tar, "_skupin_chain", 0)
+        if depth >= MAX_EXTENDED_CHAIN:
+            raise tarfile.ReadError(f"more than {MAX_EXTENDED_CHAIN} extended tar headers in a row")
+
+        @contextlib.contextmanager
+        def chained() -> Iterator[None]:
+            setattr(tar, "_skupin_chain", depth + 1)  # noqa: B010 - a mark of this reader's own on the TarFile
+            try:
+                yield
+            finally:
+                setattr(tar, "_skupin_chain", depth)  # noqa: B010
+        return chained()
+
+    def _proc_gnulong(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        with self._extended(tar):
+            return cast(tarfile.TarInfo, super()._proc_gnulong(tar))  # type: ignore[misc]
+
+    def _proc_sparse(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        raise tarfile.ReadError(f"{self.name[:200]!r}: a GNU sparse file (no image writer makes one; refused)")
+
+    def _proc_pax(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        """tarfile's own `_proc_pax` (CPython 3.11), with the records parsed by `pax_records` and no sparse maps."""
+        with self._extended(tar):
+            if self.type == tarfile.XGLTYPE:
+                seen = getattr(tar, "_skupin_globals", 0) + 1
+                if seen > MAX_GLOBAL_HEADERS:
+                    raise tarfile.ReadError(f"more than {MAX_GLOBAL_HEADERS} global pax headers")
+                setattr(tar, "_skupin_globals", seen)  # noqa: B010
+            buf = cast(IO[bytes], tar.fileobj).read(_blocks(self.size))
+            records = pax_records(buf[: self.size])
+            shared = cast(dict[str, str], tar.pax_headers)
+            pax_headers = shared if self.type == tarfile.XGLTYPE else dict(shared)
+            charset = next((v for k, v in records if k == b"hdrcharset"), None)
+            if charset is not None:
+                pax_headers["hdrcharset"] = charset.decode("utf-8", "surrogateescape")
+            encoding = tar.encoding if pax_headers.get("hdrcharset") == "BINARY" else "utf-8"
+            decode = self._decode_pax_field  # type: ignore[attr-defined]
+            for raw_key, raw_value in records:
+                keyword = decode(raw_key, "utf-8", "utf-8", tar.errors)
+                if keyword.startswith("GNU.sparse."):
+                    raise tarfile.ReadError(f"a pax header of a GNU sparse file ({keyword}; refused)")
+                pax_headers[keyword] = (decode(raw_value, encoding, tar.encoding, tar.errors)
+                                        if keyword in tarfile.PAX_NAME_FIELDS
+                                        else decode(raw_value, "utf-8", "utf-8", tar.errors))
+            try:
+                following = self.fromtarfile(tar)
+            except tarfile.HeaderError as exc:
+                raise tarfile.ReadError(str(exc)) from None
+        if self.type in (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE):
+            following._apply_pax_info(pax_headers, tar.encoding, tar.errors)  # type: ignore[attr-defined]
+            following.offset = self.offset
+            if "size" in pax_headers:  # the pax size replaces the header's: where the next header starts
+                offset = following.offset_data
+                if following.isreg() or following.type not in tarfile.SUPPORTED_TYPES:
+                    offset += _blocks(following.size)
+                tar.offset = offset
+        return following
+
+
+def _blocks(size: int) -> int:
+    """`size` rounded up to whole tar blocks (tarfile's TarInfo._block)."""
+    return -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def pax_records(payload: bytes) -> list[tuple[bytes, bytes]]:
+    """The (keyword, value) records of a pax header, in linear time; tarfile.ReadError unless each is
+    `LENGTH KEYWORD=VALUE\\n` with LENGTH its byte count (NULs may pad the end)."""
+    records: list[tuple[bytes, bytes]] = []
+    pos = 0
+    while pos < len(payload) and payload[pos] != 0:
+        space = payload.find(b" ", pos, pos + 21)
+        digits = payload[pos:space] if space > pos else b""
+        end = pos + int(digits) if digits.isdigit() else -1
+        if not digits.isdigit() or not space + 3 < end <= len(payload) or payload[end - 1] != 0x0A:
+            raise tarfile.ReadError(f"a malformed pax record at byte {pos}")
+        equals = payload.find(b"=", space + 1, end - 1)
+        if equals <= space + 1:
+            raise tarfile.ReadError(f"a pax record without a keyword and '=' at byte {pos}")
+        records.append((payload[space + 1:equals], payload[equals + 1:end - 1]))
+        pos = end
+    if payload[pos:].strip(b"\0"):
+        raise tarfile.ReadError(f"bytes after the pax records at byte {pos}")
+    return records
+
+
 def _tar_rel(name: str) -> str:
     rel = name[2:] if name.startswith("./") else name.lstrip("/")
     rel = rel.rstrip("/")
@@ -203,7 +312,7 @@ def scan_layer_tar(stream: IO[bytes], *, diff_id: str, store: BlobStore | None =
     """Index one layer tar (OCI whiteouts); files `store` wants are copied into it (by sha256)."""
     index = LayerIndex(diff_id=diff_id)
     try:
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
+        with tarfile.open(fileobj=stream, mode="r|", tarinfo=BoundedTarInfo) as tar:
             for member in tar:
                 rel = _tar_rel(member.name)
                 if not rel:
@@ -256,7 +365,7 @@ def iter_saved_layers(stream: IO[bytes], *, store: BlobStore | None = None) -> I
     not layers (manifests, configs) are skipped. Layers come in stream order, not image order.
     """
     try:
-        with tarfile.open(fileobj=stream, mode="r|") as outer:
+        with tarfile.open(fileobj=stream, mode="r|", tarinfo=BoundedTarInfo) as outer:
             for member in outer:
                 if not member.isreg() or not (member.name.endswith("layer.tar") or "blobs/sha256/" in member.name):
                     continue

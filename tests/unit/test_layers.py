@@ -224,3 +224,81 @@ def test_two_gates_caching_one_layer_do_not_share_a_temporary_file(tmp_path: Pat
     assert (tmp_path / ("c" * 64 + ".dir.json.part")).read_bytes() == b"another gate's half-written index"
     assert layers._cached(tmp_path, layer.diff_id, "dir").entries == layer.entries
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c" * 64 + ".dir.json.gz", "c" * 64 + ".dir.json.part"]
+
+
+# ---------------------------------------------------------------- hostile tar headers (BoundedTarInfo)
+
+
+def _header(name: str, kind: bytes, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type, info.size = kind, size
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def _pax(payload: bytes) -> bytes:
+    return _header("././@PaxHeader", tarfile.XHDTYPE, len(payload)) + payload + b"\0" * (-len(payload) % 512)
+
+
+def _file(name: str, data: bytes = b"x") -> bytes:
+    return _header(name, tarfile.REGTYPE, len(data)) + data + b"\0" * (-len(data) % 512)
+
+
+END = b"\0" * 1024
+
+
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME])
+def test_an_extended_header_larger_than_go_reads_is_refused_before_it_is_read(kind: bytes) -> None:
+    # tarfile would read all 8 GiB into memory (a few MB of gzip make them); the stream here holds only its header
+    stream = io.BytesIO(_header("././@LongLink", kind, 8 * 1024**3 - 1) + b"\0" * 4096)
+    with pytest.raises(UntrustedInputError, match="extended tar header of 8589934591 bytes"):
+        scan_layer_tar(stream, diff_id="sha256:1")
+
+
+def test_pax_records_are_parsed_in_linear_time() -> None:
+    # CPython 3.11.7 looks for hdrcharset with a regex that is quadratic in a run of digits (CVE-2024-6232): this
+    # header took minutes there; a record of 1,000,000 digits is read here in a blink
+    value = b"1" * 1_000_000
+    record = b" comment=" + value + b"\n"
+    length = len(record) + 7
+    assert len(str(length)) == 7
+    stream = io.BytesIO(_pax(b"%d%s" % (length, record)) + _file("usr/a") + END)
+    assert finishes(lambda: scan_layer_tar(stream, diff_id="sha256:1"), within=10).entries["usr/a"].size == 1
+
+
+@pytest.mark.parametrize("payload", [b"3 a" * 1000 + b"=", b"5 x=1", b"99 path=a\n", b"6 =ab\n", b"6 path=\n" + b"junk"])
+def test_a_malformed_pax_record_is_refused(payload: bytes) -> None:
+    # the first: tarfile's own parser keeps a keyword per 3 bytes, each the rest of the header (quadratic memory)
+    with pytest.raises(UntrustedInputError, match="pax record|after the pax records"):
+        scan_layer_tar(io.BytesIO(_pax(payload) + _file("usr/a") + END), diff_id="sha256:1")
+
+
+def test_pax_names_and_binary_xattrs_read_as_tarfile_reads_them() -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("a" * 300, "\udcffname"):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = 1, 1.5
+            info.pax_headers = {"SCHILY.xattr.security.capability": "\x01\udc80"}
+            tar.addfile(info, io.BytesIO(b"z"))
+    layer = scan_layer_tar(io.BytesIO(buf.getvalue()), diff_id="sha256:1")
+    assert set(layer.entries) == {"\udcffname", "a" * 300} and layer.entries["a" * 300].mtime == 1
+
+
+def test_sparse_files_and_endless_header_chains_are_refused() -> None:
+    sparse = _header("usr/s", tarfile.GNUTYPE_SPARSE, 0)
+    with pytest.raises(UntrustedInputError, match="sparse"):
+        scan_layer_tar(io.BytesIO(sparse + END), diff_id="sha256:1")
+    with pytest.raises(UntrustedInputError, match="sparse"):
+        scan_layer_tar(io.BytesIO(_pax(b"22 GNU.sparse.major=1\n") + _file("usr/a") + END), diff_id="sha256:1")
+    # 2000 long names in a row: tarfile recursed once per header (RecursionError, a traceback)
+    chain = b"".join(_header("././@LongLink", tarfile.GNUTYPE_LONGNAME, 1) + b"a" + b"\0" * 511 for _ in range(2000))
+    with pytest.raises(UntrustedInputError, match="in a row"):
+        scan_layer_tar(io.BytesIO(chain + _file("usr/a") + END), diff_id="sha256:1")
+
+
+def test_an_invalid_header_after_the_first_is_an_error_not_the_end_of_the_layer() -> None:
+    # tarfile ends the archive silently at a bad checksum: every later entry would be missing from the index
+    bad = bytearray(_file("usr/hidden"))
+    bad[148:156] = b"0000000\0"
+    with pytest.raises(UntrustedInputError, match="invalid tar header"):
+        scan_layer_tar(io.BytesIO(_file("usr/a") + bytes(bad) + _file("usr/b") + END), diff_id="sha256:1")
