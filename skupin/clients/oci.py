@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -313,8 +314,12 @@ class RegistryClient:
         response = self._send("HEAD", f"/v2/{repo}/blobs/{digest}", scope=self._scope(repo), ok=(200, 404))
         return response.status_code == 200
 
-    def get_blob(self, repo: str, digest: str) -> bytes:
-        """A blob's bytes, verified against its digest."""
+    def get_blob(self, repo: str, digest: str, *, max_bytes: int | None = None) -> bytes:
+        """A blob's bytes, verified against its digest; with `max_bytes` (the size its manifest declares) streamed and
+        bounded, never more than that in memory (NetworkError past it)."""
+        if max_bytes is not None:
+            with tempfile.TemporaryDirectory(prefix="skupin-blob-") as tmp:
+                return self.open_blob(repo, digest, Path(tmp), max_bytes=max_bytes).read_bytes()
         data = self._send("GET", f"/v2/{repo}/blobs/{digest}", scope=self._scope(repo)).content
         if sha256_digest(data) != digest:
             raise NetworkError(f"registry {self.host}: blob {repo}@{digest} does not match its digest")

@@ -24,8 +24,11 @@ import contextlib
 import gzip
 import io
 import json
+import re
+import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Final, cast
@@ -39,7 +42,7 @@ from skupin.clients.oci import RegistryClient, parse_image_ref, registry_url
 from skupin.common.errors import NetworkError, PublishError, SkupinError
 from skupin.common.model import Frozen
 from skupin.common.paths import sku_path
-from skupin.common.untrusted import UntrustedInputError, load_json
+from skupin.common.untrusted import UntrustedInputError, load_json, printable
 from skupin.dockerd import Docker
 from skupin.imageview.layers import Entry, LayerIndex, iter_saved_layers, scan_layer_tar
 from skupin.publishing.attest import TrustedKeys
@@ -48,7 +51,9 @@ from skupin.publishing.verify import Verification, verify_reference
 
 DOCKERFILE_LABEL: Final = "io.skupin.dockerfile-sha256"
 MAX_CONFIG_BYTES: Final = 16 * 1024**2
-MAX_LAYER_BYTES: Final = 64 * 1024**3
+MAX_LAYER_BYTES: Final = 64 * 1024**3  # a published layer, compressed and as its tar
+DISK_MARGIN: Final = 1024**3  # left free on the scratch folder's disk by the download of a published layer
+_DIGEST: Final = re.compile(r"sha256:[0-9a-f]{64}")
 OnEvent = Callable[[str], None]
 
 
@@ -95,7 +100,7 @@ def _entry_text(entry: Entry | None) -> str:
     if entry.kind == "f":
         facts += [f"{entry.size} bytes", f"sha256 {entry.sha256[:16]}"]
     if entry.kind == "l":
-        facts.append(f"-> {entry.target}")
+        facts.append(f"-> {printable(entry.target, 200)}")
     return ", ".join(facts)
 
 
@@ -104,25 +109,53 @@ def first_file_difference(published: LayerIndex, rebuilt: LayerIndex) -> tuple[s
     for path in [*published.entries, *(p for p in rebuilt.entries if p not in published.entries)]:
         a, b = published.entries.get(path), rebuilt.entries.get(path)
         if a != b:
-            return path, f"published: {_entry_text(a)}; rebuilt: {_entry_text(b)}"
+            return printable(path), f"published: {_entry_text(a)}; rebuilt: {_entry_text(b)}"
     opaque = published.opaque ^ rebuilt.opaque
     if opaque:
         path = sorted(opaque)[0]
-        return path, f"an opaque folder in only the {'published' if path in published.opaque else 'rebuilt'} layer"
+        return printable(path), f"an opaque folder in only the {'published' if path in published.opaque else 'rebuilt'} layer"
     return None
 
 
 def config_difference(published: dict[str, Any], rebuilt: dict[str, Any]) -> str:
     """The fields of two configs (and of their `config` objects) that differ, named."""
-    fields = sorted(k for k in set(published) | set(rebuilt) if published.get(k) != rebuilt.get(k) and k != "config")
+    fields = sorted(printable(k, 80) for k in set(published) | set(rebuilt)
+                    if published.get(k) != rebuilt.get(k) and k != "config")
     inner_a, inner_b = published.get("config") or {}, rebuilt.get("config") or {}
     if isinstance(inner_a, dict) and isinstance(inner_b, dict):
-        fields += sorted(f"config.{k}" for k in set(inner_a) | set(inner_b) if inner_a.get(k) != inner_b.get(k))
+        fields += sorted(f"config.{printable(k, 80)}" for k in set(inner_a) | set(inner_b) if inner_a.get(k) != inner_b.get(k))
     return "the configs differ in " + (", ".join(fields[:12]) or "their bytes only")
 
 
 def _diff_ids(config: dict[str, Any]) -> list[str]:
-    return [str(d) for d in (config.get("rootfs") or {}).get("diff_ids") or []]
+    rootfs = config.get("rootfs")
+    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+    return [str(d) for d in diff_ids] if isinstance(diff_ids, list) else []
+
+
+def _blob(ref: Any, *, what: str, limit: int) -> tuple[str, int]:
+    """(digest, size) of a manifest's descriptor from the registry: PublishError unless a sha256 and 1..limit bytes."""
+    digest = ref.get("digest") if isinstance(ref, dict) else None
+    size = ref.get("size") if isinstance(ref, dict) else None
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise PublishError(f"{what} names no sha256 digest")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= limit:
+        raise PublishError(f"{what} declares {printable(repr(size), 40)} bytes (limit {limit})")
+    return digest, size
+
+
+class _Bounded:
+    """A read-only stream that ends in UntrustedInputError past `limit` bytes (a gzip bomb stops there)."""
+
+    def __init__(self, source: IO[bytes], limit: int, what: str) -> None:
+        self.source, self.left, self.limit, self.what = source, limit, limit, what
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.source.read(self.left + 1 if n < 0 else min(n, self.left + 1))
+        self.left -= len(data)
+        if self.left < 0:
+            raise UntrustedInputError(f"{self.what} decompresses to more than {self.limit} bytes")
+        return data
 
 
 class _Compare:
@@ -154,18 +187,19 @@ class _Compare:
         return f"{where}: first differing file /{path}: {how}", index, path
 
     def _file(self, index: int, published_diff_id: str, rebuilt_diff_id: str) -> tuple[str, str] | None:
-        layers = self.manifest.get("layers") or []
-        if index >= len(layers) or not isinstance(layers[index], dict):
+        layers = self.manifest.get("layers")
+        if not isinstance(layers, list) or index >= len(layers):
             raise PublishError(f"the published manifest lists no layer {index}")
-        blob = layers[index]
-        size = int(blob.get("size") or 0)
-        if not 0 < size <= MAX_LAYER_BYTES:
-            raise PublishError(f"the published layer {index} declares {size} bytes (limit {MAX_LAYER_BYTES})")
-        path = self.client.open_blob(self.repository, str(blob.get("digest")), self.scratch, max_bytes=size)
+        digest, size = _blob(layers[index], what=f"the published layer {index}", limit=MAX_LAYER_BYTES)
+        free = shutil.disk_usage(self.scratch).free
+        if size > free - DISK_MARGIN:
+            raise UntrustedInputError(f"the published layer {index} is {size} bytes; {free} are free here: not downloaded")
+        path = self.client.open_blob(self.repository, digest, self.scratch, max_bytes=size)
         try:
             with gzip.open(path, "rb") as stream:
-                published = scan_layer_tar(cast(IO[bytes], stream), diff_id=published_diff_id)
-        except (OSError, EOFError) as exc:
+                bounded = _Bounded(cast(IO[bytes], stream), MAX_LAYER_BYTES, f"the published layer {index}")
+                published = scan_layer_tar(cast(IO[bytes], bounded), diff_id=published_diff_id)
+        except (OSError, EOFError, zlib.error) as exc:
             raise UntrustedInputError(f"the published layer {index} is not a gzipped tar: {exc}") from exc
         finally:
             path.unlink(missing_ok=True)
@@ -178,12 +212,15 @@ class _Compare:
 
 def _published(client: RegistryClient, repository: str, digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The published manifest and config (bounded, digest-checked)."""
-    manifest = client.get_manifest(repository, digest).json()
-    config_ref = (manifest.get("config") or {}) if isinstance(manifest, dict) else {}
-    size = int(config_ref.get("size") or 0)
-    if not 0 < size <= MAX_CONFIG_BYTES:
-        raise PublishError(f"{repository}@{digest}: its config declares {size} bytes (limit {MAX_CONFIG_BYTES})")
-    config = load_json(client.get_blob(repository, str(config_ref.get("digest"))), source=f"the config of {digest}")
+    try:
+        manifest = client.get_manifest(repository, digest).json()
+    except ValueError as exc:
+        raise PublishError(f"{repository}@{digest}: its manifest is not JSON: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise PublishError(f"{repository}@{digest}: its manifest is not a JSON object")
+    config_digest, size = _blob(manifest.get("config"), what=f"the config of {repository}@{digest}",
+                                limit=MAX_CONFIG_BYTES)
+    config = load_json(client.get_blob(repository, config_digest, max_bytes=size), source=f"the config of {digest}")
     if not isinstance(config, dict):
         raise PublishError(f"{repository}@{digest}: its config is not a JSON object")
     return manifest, config
@@ -242,7 +279,7 @@ def _rebuild(*, ref: str, docker: Docker, sku: str | None, trusted: TrustedKeys 
                 difference, layer, file = _Compare(client=client, repository=name.repository, manifest=manifest,
                                                    config=config, rebuilt=packed, docker=docker,
                                                    scratch=scratch).difference()
-            except (NetworkError, UntrustedInputError) as exc:
+            except (NetworkError, UntrustedInputError, PublishError) as exc:  # what the registry holds is unreadable
                 difference, layer, file = f"the digests differ; the first differing file could not be read: {exc}", None, None
             return Rebuilt(ok=False, difference=difference, layer=layer, file=file,
                            total_s=round(time.monotonic() - started, 2), **common)
