@@ -507,7 +507,8 @@ def read_attestation_layers(*, client: RegistryClient, repository: str, digest: 
         notes = layer.get("annotations")
         kind = notes.get("predicateType") if isinstance(notes, dict) else None
         try:
-            out.append((kind if isinstance(kind, str) else "", client.get_blob(repository, layer["digest"])))
+            out.append((kind if isinstance(kind, str) else "",
+                        client.get_blob(repository, layer["digest"], max_bytes=layer["size"])))  # bounded as declared
         except (NetworkError, KeyError, TypeError) as exc:
             raise PublishError(f"an envelope of {repository}:{tag} cannot be read: {exc}") from exc
     if not out:

@@ -238,8 +238,11 @@ class FakeRegistry:
         except NetworkError:
             return None
 
-    def get_blob(self, repo, digest):
-        return self.blobs[digest]
+    def get_blob(self, repo, digest, *, max_bytes=None):
+        data = self.blobs[digest]
+        if max_bytes is not None and len(data) > max_bytes:
+            raise NetworkError(f"sent more than {max_bytes} bytes")
+        return data
 
     def push_blob(self, repo, data):
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
