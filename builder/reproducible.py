@@ -144,11 +144,29 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-class _Rewrite:
-    """One pass over `docker save`: the docker-load tarball of the rewritten image, as chunks (see the module doc)."""
+def is_tar_head(head: bytes) -> bool:
+    """Whether `head` (a file's first 512 bytes) starts a tar: a header whose checksum holds, or the end-of-archive
+    block of an empty layer. An OCI layout's manifest blob (JSON) does not."""
+    if head == b"\0" * tarfile.BLOCKSIZE:
+        return True
+    try:
+        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    return True
 
-    def __init__(self, saved: Readable, *, epoch: int, keep: frozenset[str], scratch: Path, on_event: OnEvent) -> None:
+
+class _Rewrite:
+    """One pass over `docker save`: the docker-load tarball of the rewritten image, as chunks (see the module doc).
+
+    Both layouts of `docker save`: Docker < 25's (`<id>/layer.tar`, the config `<image hex>.json`) and Docker >= 25's
+    OCI layout (`blobs/sha256/<hex>`: the config is the blob named by the image id, layers are the blobs that are
+    tars, the OCI manifest blob is skipped; the legacy `layer.tar` names are links to the blobs)."""
+
+    def __init__(self, saved: Readable, *, epoch: int, keep: frozenset[str], scratch: Path, on_event: OnEvent,
+                 image: str = "") -> None:
         self.saved, self.epoch, self.keep, self.scratch, self.on_event = saved, epoch, keep, scratch, on_event
+        self.image_hex = image.removeprefix("sha256:")
         self.renamed: dict[str, str] = {}  # BuildKit's diff id -> the rewritten one
         self.config: dict[str, Any] | None = None
         self.config_name = ""
@@ -162,8 +180,11 @@ class _Rewrite:
                 source = outer.extractfile(member) if member.isreg() else None
                 if source is None:
                     continue
-                if member.name.endswith("/layer.tar"):
-                    yield from self._layer(source, index=written)
+                blob = member.name.startswith("blobs/sha256/")
+                if blob and self.image_hex and member.name.rpartition("/")[2] == self.image_hex:
+                    self._read_config(member, source)
+                elif member.name.endswith("/layer.tar") or blob:
+                    yield from self._layer(source, index=written, blob=blob)
                     written += 1
                 elif "/" not in member.name and member.name.endswith(".json") and member.name != "manifest.json":
                     self._read_config(member, source)
@@ -193,7 +214,7 @@ class _Rewrite:
         if isinstance(config, dict) and "rootfs" in config:
             self.config, self.config_name = config, member.name
 
-    def _layer(self, source: Readable, *, index: int) -> Iterator[bytes]:
+    def _layer(self, source: Readable, *, index: int, blob: bool = False) -> Iterator[bytes]:
         with tempfile.NamedTemporaryFile(dir=self.scratch, prefix="built-", suffix=".tar") as raw, \
                 tempfile.NamedTemporaryFile(dir=self.scratch, prefix="layer-", suffix=".tar") as handle:
             sha = hashlib.sha256()  # the layer's diff id as BuildKit wrote it
@@ -201,6 +222,11 @@ class _Rewrite:
                 sha.update(chunk)
                 raw.write(chunk)
             old = "sha256:" + sha.hexdigest()
+            if blob:  # an OCI layout's blob: a layer only if it is a tar (its manifest blob is JSON)
+                raw.seek(0)
+                if not is_tar_head(raw.read(tarfile.BLOCKSIZE)):
+                    return
+                raw.seek(0, io.SEEK_END)
             if old in self.keep:  # a base layer: the engine has it already, byte for byte
                 self.kept += 1
                 return
@@ -227,7 +253,8 @@ def normalise_image(docker: Docker, image: str, *, epoch: int, base_layers: tupl
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="skupin-normalise-", dir=scratch) as tmp:
         saved = io.BufferedReader(docker.save_image(image), CHUNK)
-        rewrite = _Rewrite(saved, epoch=epoch, keep=frozenset(base_layers), scratch=Path(tmp), on_event=on_event)
+        rewrite = _Rewrite(saved, epoch=epoch, keep=frozenset(base_layers), scratch=Path(tmp), on_event=on_event,
+                           image=image)
         loaded = docker.load_image(rewrite.chunks())
     expected = "sha256:" + hashlib.sha256(rewrite.image_config).hexdigest()
     if loaded != expected:

@@ -79,6 +79,31 @@ def compress_layer(src: IO[bytes], dst: IO[bytes]) -> tuple[str, str, int]:
     return "sha256:" + raw.hexdigest(), "sha256:" + packed.hexdigest(), size
 
 
+class _Prefixed:
+    """A read-only stream: `head` (already read from `source`), then the rest of `source`; its first read returns what
+    an unread `source` would (so the compressor sees the same chunks)."""
+
+    def __init__(self, head: bytes, source: IO[bytes]) -> None:
+        self.head, self.source = head, source
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.head:
+            return self.source.read(n)
+        head, self.head = self.head, b""
+        return head + self.source.read(-1 if n < 0 else max(n - len(head), 0))
+
+
+def _is_tar_head(head: bytes) -> bool:
+    """Whether `head` (a blob's first 512 bytes) starts a tar (an OCI layout's manifest blob, JSON, does not)."""
+    if head == b"\0" * tarfile.BLOCKSIZE:  # an empty layer: the end-of-archive block
+        return True
+    try:
+        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    return True
+
+
 def image_manifest(config: bytes, layers: tuple[PackedLayer, ...]) -> bytes:
     """The schema-2 manifest of a config and its compressed layers (what `docker pull` reads)."""
     doc = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA,
@@ -91,7 +116,10 @@ def pack_image(docker: Docker, image_id: str, *, on_layer: OnLayer | None = None
                on_event: OnEvent = _quiet) -> PackedImage:
     """Compress every layer of `image_id` (see the module doc); `on_layer` gets each with its file before the file goes.
 
-    PublishError when `docker save` gives another image than `image_id` or misses a layer of its config."""
+    Both layouts of `docker save`: Docker < 25's (`<id>/layer.tar`, `<image hex>.json`) and Docker >= 25's OCI layout
+    (`blobs/sha256/<hex>`: the blob named by the image id is the config, the blobs that are tars are the layers; the
+    legacy names are links, skipped). PublishError when `docker save` gives another image than `image_id` or misses a
+    layer of its config."""
     started = time.monotonic()
     packed: dict[str, PackedLayer] = {}
     config = b""
@@ -102,9 +130,18 @@ def pack_image(docker: Docker, image_id: str, *, on_layer: OnLayer | None = None
                 source = outer.extractfile(member) if member.isreg() else None
                 if source is None:
                     continue
-                if member.name.endswith("/layer.tar"):
+                blob = member.name.startswith("blobs/sha256/")
+                if member.name == image_id.removeprefix("sha256:") + ".json" or (
+                        blob and member.name.rpartition("/")[2] == image_id.removeprefix("sha256:")):
+                    if member.size > MAX_CONFIG_BYTES:
+                        raise PublishError(f"the config of {image_id[:19]} is {member.size} bytes (limit {MAX_CONFIG_BYTES})")
+                    config = source.read()
+                elif member.name.endswith("/layer.tar") or blob:
+                    head = source.read(tarfile.BLOCKSIZE)
+                    if blob and not _is_tar_head(head):  # the OCI manifest blob
+                        continue
                     with tempfile.NamedTemporaryFile(dir=tmp, prefix="layer-", suffix=".tar.gz") as handle:
-                        diff_id, digest, size = compress_layer(source, handle)
+                        diff_id, digest, size = compress_layer(cast(IO[bytes], _Prefixed(head, source)), handle)
                         handle.flush()
                         if diff_id in packed:
                             continue
@@ -112,10 +149,6 @@ def pack_image(docker: Docker, image_id: str, *, on_layer: OnLayer | None = None
                         on_event(f"layer {diff_id[:19]}: {size / 1e6:.1f} MB compressed as {digest[:19]}")
                         if on_layer is not None:
                             on_layer(layer, Path(handle.name))
-                elif member.name == image_id.removeprefix("sha256:") + ".json":
-                    if member.size > MAX_CONFIG_BYTES:
-                        raise PublishError(f"the config of {image_id[:19]} is {member.size} bytes (limit {MAX_CONFIG_BYTES})")
-                    config = source.read()
     if "sha256:" + hashlib.sha256(config).hexdigest() != image_id:
         raise PublishError(f"docker save of {image_id[:19]} gave no config with that id")
     diff_ids = [str(d) for d in (json.loads(config).get("rootfs") or {}).get("diff_ids") or []]

@@ -77,3 +77,42 @@ def test_a_save_that_is_not_the_image_is_refused(tmp_path: Path) -> None:
     missing = _Saving([_tar({"a": b"1"}), _tar({"b": b"2"})], drop_layer=True)
     with pytest.raises(PublishError, match="gave no layer"):
         pack_image(missing, missing.image_id, scratch=tmp_path)  # type: ignore[arg-type]
+
+
+def _oci_saved(engine: _Saving, layers: list[bytes]) -> bytes:
+    """The same image as Docker >= 25 saves it: an OCI layout (config and layers as blobs/sha256/<hex>, the OCI manifest
+    a blob too, index.json, oci-layout) with the legacy `<id>/layer.tar` names as links to the blobs."""
+    blobs = {engine.image_id.removeprefix("sha256:"): engine.config}
+    blobs |= {hashlib.sha256(raw).hexdigest(): raw for raw in layers}
+    oci = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                      "config": {"digest": engine.image_id}, "layers": []}).encode()
+    blobs[hashlib.sha256(oci).hexdigest()] = oci
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for hexname, data in sorted(blobs.items()):
+            info = tarfile.TarInfo(f"blobs/sha256/{hexname}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for i, raw in enumerate(layers):
+            link = tarfile.TarInfo(f"{i}{'b' * 63}/layer.tar")
+            link.type, link.linkname = tarfile.SYMTYPE, f"../blobs/sha256/{hashlib.sha256(raw).hexdigest()}"
+            tar.addfile(link)
+        for name, data in (("index.json", b'{"schemaVersion": 2, "manifests": []}'), ("oci-layout", b"{}"),
+                           ("manifest.json", b"[]")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_docker_25_s_oci_layout_packs_to_the_same_manifest_and_sends_no_manifest_blob(tmp_path: Path) -> None:
+    layers = [_tar({"bin/sh": b"sh"}), _tar({}), _tar({"opt/app": b"app" * 1000})]  # an empty layer too
+    legacy = _Saving(layers)
+    oci = _Saving(layers)
+    oci.saved = _oci_saved(oci, layers)
+    sent: list[bytes] = []
+    want = pack_image(legacy, legacy.image_id, scratch=tmp_path)  # type: ignore[arg-type]
+    got = pack_image(oci, oci.image_id, on_layer=lambda layer, path: sent.append(gzip.decompress(path.read_bytes())),  # type: ignore[arg-type]
+                     scratch=tmp_path)
+    assert got.digest == want.digest and got.manifest == want.manifest
+    assert sorted(sent) == sorted(layers)  # every layer once, the OCI manifest blob never

@@ -154,3 +154,38 @@ def test_a_rewritten_layer_rewrites_to_itself() -> None:
     raw = _layer([("a/", None, EPOCH + 3), ("a/b", b"b", EPOCH + 4)], fmt=tarfile.GNU_FORMAT)
     once = _rewrite(raw)[2]
     assert _rewrite(once)[2] == once
+
+
+def test_docker_25_s_oci_layout_rewrites_to_the_same_image(tmp_path) -> None:
+    """Docker >= 25 saves an OCI layout (config and layers as blobs/sha256/<hex>, the OCI manifest a blob, the legacy
+    layer.tar names as links): the rewrite reads it to the same image as the legacy layout."""
+    base = _layer([("bin/", None, 1_686_355_200)])
+    upper = _layer([("opt/", None, EPOCH + 9), ("opt/f", b"f", EPOCH + 9)])
+    base_id = "sha256:" + hashlib.sha256(base).hexdigest()
+    legacy = _saved([base, upper])
+    with tarfile.open(fileobj=io.BytesIO(legacy)) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar if m.isreg()}  # type: ignore[union-attr]
+    config_name = json.loads(files["manifest.json"])[0]["Config"]
+    image = "sha256:" + config_name.removesuffix(".json")
+    oci_manifest = json.dumps({"schemaVersion": 2, "config": {"digest": image}, "layers": []}).encode()
+    blobs = {config_name.removesuffix(".json"): files[config_name], hashlib.sha256(oci_manifest).hexdigest(): oci_manifest}
+    blobs |= {hashlib.sha256(raw).hexdigest(): raw for raw in (base, upper)}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for hexname, data in sorted(blobs.items()):
+            info = tarfile.TarInfo(f"blobs/sha256/{hexname}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("0" * 64 + "/layer.tar")
+        link.type, link.linkname = tarfile.SYMTYPE, f"../blobs/sha256/{hashlib.sha256(upper).hexdigest()}"
+        tar.addfile(link)
+        for name, data in (("index.json", b'{"schemaVersion": 2}'), ("manifest.json", b"[]")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    outs = []
+    for saved in (legacy, buf.getvalue()):
+        rewrite = _Rewrite(io.BytesIO(saved), epoch=EPOCH, keep=frozenset({base_id}), scratch=tmp_path,
+                           on_event=lambda _: None, image=image)
+        outs.append((b"".join(rewrite.chunks()), rewrite.image_config, rewrite.kept, len(rewrite.renamed)))
+    assert outs[0] == outs[1] and outs[1][2:] == (1, 1)
