@@ -621,12 +621,27 @@ def execute_build(steps: tuple[BuildStep, ...], *, rendered: RenderedDockerfile,
     run = _Execution(rendered=rendered, stack=stack, lock=lock, docker=docker, progress=progress, on_line=on_line,
                      started=time.monotonic())
     with run.held:
-        for step in steps:
-            start = time.monotonic()
-            _run_step(step, run)
-            if step.kind != "record":
-                run.phases[step.kind] = round(time.monotonic() - start, 3)
+        try:
+            for step in steps:
+                start = time.monotonic()
+                _run_step(step, run)
+                if step.kind != "record":
+                    run.phases[step.kind] = round(time.monotonic() - start, 3)
+        except BaseException:
+            _drop_untagged(run)
+            raise
     return run.result()
+
+
+def _drop_untagged(run: _Execution) -> None:
+    """After a failed step: the images this build made that carry no tag (BuildKit's, the normalised one) go, so a
+    failure leaves no dangling image behind. An image with a tag (the same id as one built before) stays."""
+    made = {run.image_id, run.normalised.source_id if run.normalised else ""} - {""}
+    for image in sorted(made):
+        with contextlib.suppress(DockerError):
+            info = run.docker.inspect_image(image)
+            if info is not None and not info.tags:
+                run.docker.remove_image(image)
 
 
 def build(rendered: RenderedDockerfile, docker: Docker, *, wheelhouse: Path | None = None,

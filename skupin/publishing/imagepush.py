@@ -4,8 +4,10 @@
 remembers for a layer (from an earlier pull or push to that registry): the manifest digest of one image then depends
 on the pushing machine's history and Docker's version. Here every layer of `docker save` is compressed by
 `compress_layer` (GZIP_FORMAT: zlib at level 6, a gzip header with no name and mtime 0, as zlib writes it) and the
-Docker v2 schema-2 manifest is written by `image_manifest` (keys in a fixed order): the bytes depend on the image id
-and on skupin, nothing else. Blobs the registry holds already are not sent again.
+Docker v2 schema-2 manifest is written by `image_manifest` (keys in a fixed order): the bytes depend on the image id,
+on skupin and on the zlib Python links (zlib's deflate has given the same bytes for a level since 1.2; zlib-ng, the
+system zlib of some distributions, does not: `push_format` names it in the signed record, and `verify --rebuild`
+passes on the image id when only the compressed bytes differ). Blobs the registry holds already are not sent again.
 
 `pack_image` is the one pass over `docker save` that both the publish (`push_image`) and the check by rebuild
 (publishing/rebuild.py: the digest a rebuilt image would be published under, without pushing it) use. One
@@ -62,6 +64,11 @@ class PackedImage(Frozen):
     manifest: bytes
     digest: str
     seconds: float
+
+
+def push_format() -> str:
+    """GZIP_FORMAT and the zlib this process compresses with (the signed record's `build.push`)."""
+    return f"{GZIP_FORMAT}, zlib {zlib.ZLIB_RUNTIME_VERSION}"
 
 
 def compress_layer(src: IO[bytes], dst: IO[bytes]) -> tuple[str, str, int]:

@@ -92,7 +92,7 @@ from skupin.publishing.attest import (
     tolerance_sha256,
     trusted_keys,
 )
-from skupin.publishing.imagepush import GZIP_FORMAT, push_image
+from skupin.publishing.imagepush import push_format, push_image
 from skupin.publishing.local_registry import default_registry, untag_on_disk
 from skupin.publishing.policy import (
     REQUIRED_CHECKS,
@@ -1009,7 +1009,7 @@ def build_pin(built: BuiltImage) -> BuildPin | None:
     made = built.reproducible
     if made is None or made.image_id != built.image_id:
         return None
-    return BuildPin(layers=made.format, push=GZIP_FORMAT, builder=built.builder or None)
+    return BuildPin(layers=made.format, push=push_format(), builder=built.builder or None)
 
 
 def _recorded_build(*, sku: str, image_id: str) -> BuildPin | None:
@@ -1020,7 +1020,9 @@ def _recorded_build(*, sku: str, image_id: str) -> BuildPin | None:
     if record is None or not isinstance(made, dict) or record.get("image_id") != image_id \
             or made.get("image_id") != image_id:
         return None
-    return BuildPin(layers=str(made.get("format")), push=GZIP_FORMAT, builder=str(record.get("builder") or "") or None)
+    if not isinstance(made.get("format"), str):
+        return None
+    return BuildPin(layers=made["format"], push=push_format(), builder=str(record.get("builder") or "") or None)
 
 
 def _local_image(*, docker: Docker, ref: str, sku: str) -> ImageInfo:

@@ -74,6 +74,8 @@ class Rebuilt(Frozen):
     rebuilt_image_id: str
     difference: str = Field("", description="What differs first: the layer and file, the config fields or the "
                                             "compression; empty when the digests are equal")
+    note: str = Field("", description="A pass on the image id alone: the same config and layers, other compressed "
+                                      "bytes (another zlib, or a push other than skupin's publish)")
     layer: int | None = Field(None, description="The index (bottom 0) of the first differing layer")
     file: str | None = Field(None, description="The first differing file of that layer")
     build_s: float
@@ -81,9 +83,9 @@ class Rebuilt(Frozen):
 
     def line(self) -> str:
         if self.ok:
+            same = f"manifest {self.rebuilt_digest}" if not self.note else f"published as {self.published_digest}: {self.note}"
             return (f"rebuilt: {self.ref} -> {self.reference}: the lock builds the same image here "
-                    f"({self.sku}, image {self.rebuilt_image_id[:19]}, manifest {self.rebuilt_digest}; "
-                    f"build {self.build_s:.0f}s, no cache)")
+                    f"({self.sku}, image {self.rebuilt_image_id[:19]}, {same}; build {self.build_s:.0f}s)")
         return (f"NOT rebuilt to the same image: {self.ref} -> {self.reference} ({self.sku}): the lock builds "
                 f"{self.rebuilt_digest[:19]} (image {self.rebuilt_image_id[:19]}) here, the registry holds "
                 f"{self.published_digest[:19]} (image {self.published_image_id[:19]}): {self.difference}")
@@ -275,6 +277,10 @@ def _rebuild(*, ref: str, docker: Docker, sku: str | None, trusted: TrustedKeys 
                           rebuilt_image_id=built.image_id, build_s=built.total_s)
             if packed.digest == verified.digest:
                 return Rebuilt(ok=True, total_s=round(time.monotonic() - started, 2), **common)
+            if built.image_id == common["published_image_id"]:  # the config binds every layer's diff id
+                note = (f"the same image (config and every layer's tar); only the registry's compressed bytes differ "
+                        f"from what this host writes (zlib {zlib.ZLIB_RUNTIME_VERSION}), so the manifest digests differ")
+                return Rebuilt(ok=True, note=note, total_s=round(time.monotonic() - started, 2), **common)
             try:
                 difference, layer, file = _Compare(client=client, repository=name.repository, manifest=manifest,
                                                    config=config, rebuilt=packed, docker=docker,

@@ -120,6 +120,10 @@ class _FakeDocker:
     def ping(self) -> str:
         return "20.10.24"
 
+    def remove_image(self, ref: str, *, force: bool = False) -> bool:
+        self.calls.append(("remove", ref))
+        return True
+
     def image_config(self, ref: str) -> dict:
         return {}
 
@@ -150,6 +154,7 @@ def test_an_image_that_is_not_its_lock_is_never_tagged(rendered, tmp_path, tmp_p
         execute_build(_without_buildkit(plan_build(rendered, records=tmp_path, bases=tmp_path_factory.mktemp("bases"))),
                       rendered=rendered, docker=docker)  # type: ignore[arg-type]
     assert "tag" not in [call[0] for call in docker.calls] and not list(Path(tmp_path).iterdir())
+    assert "remove" not in [call[0] for call in docker.calls]  # the image it inspected carries a tag: it stays
 
 
 def test_a_base_that_is_not_the_locked_one_is_refused_before_anything_is_built(rendered, tmp_path, tmp_path_factory):
@@ -160,3 +165,28 @@ def test_a_base_that_is_not_the_locked_one_is_refused_before_anything_is_built(r
         execute_build(_without_buildkit(plan_build(rendered, records=tmp_path, bases=tmp_path_factory.mktemp("bases"))),
                       rendered=rendered, docker=docker)  # type: ignore[arg-type]
     assert [call[0] for call in docker.calls] == ["inspect", "inspect"] and not list(Path(tmp_path).iterdir())
+
+
+def test_a_failed_build_removes_the_untagged_image_it_made(rendered, tmp_path_factory, monkeypatch):
+    from skupin.builder import build as building
+
+    lock = rendered.stack.lock
+
+    class Untagged(_FakeDocker):
+        def inspect_image(self, ref: str) -> ImageInfo:
+            info = super().inspect_image(ref)
+            return info.model_copy(update={"tags": ()}) if ref == "sha256:made" else info
+
+    installed = {name: p.version for name, p in lock.packages().items()} | {"evil": "1.0"}
+    docker = Untagged(installed, layers=(lock.base.diff_id,))
+    verify = building._verify_installed
+
+    def verify_what_was_made(step, run):  # BuildKit and Normalise left an untagged image; it fails the lock
+        run.image_id = "sha256:made"
+        verify(step, run)
+
+    monkeypatch.setattr(building, "_verify_installed", verify_what_was_made)
+    with pytest.raises(BuildError, match="does not contain its locked set"):
+        execute_build(_without_buildkit(plan_build(rendered, bases=tmp_path_factory.mktemp("bases"))),
+                      rendered=rendered, docker=docker)  # type: ignore[arg-type]
+    assert ("remove", "sha256:made") in docker.calls

@@ -498,7 +498,7 @@ def test_the_publish_stage_reads_the_verdict_once_and_attests_what_the_gate_wrot
 def test_the_signed_record_says_how_the_image_was_built_and_pushed_when_this_host_built_it():
     from skupin.builder.reproducible import LAYER_FORMAT, NormalisedImage
     from skupin.publishing.attest import BuildPin, statement
-    from skupin.publishing.imagepush import GZIP_FORMAT
+    from skupin.publishing.imagepush import push_format
     from skupin.publishing.publish import build_pin
 
     built, _gated = built_cpu_image()
@@ -506,11 +506,12 @@ def test_the_signed_record_says_how_the_image_was_built_and_pushed_when_this_hos
     made = NormalisedImage(image_id=built.image_id, source_id="sha256:" + "9" * 64, epoch=1, kept_layers=1,
                            rewritten_layers=6, seconds=1.0)
     pin = build_pin(built.model_copy(update={"reproducible": made, "builder": "docker 20.10.24+dfsg1"}))
-    assert pin == BuildPin(layers=LAYER_FORMAT, push=GZIP_FORMAT, builder="docker 20.10.24+dfsg1")
+    assert pin == BuildPin(layers=LAYER_FORMAT, push=push_format(), builder="docker 20.10.24+dfsg1")
+    assert push_format().startswith("gzip zlib-6 mtime-0, zlib 1.")
     p = plan_publish(sku="cpu-x86_64", engine_version="5.24.0+local", lock=lock(), dockerfile_sha256="c" * 64,
                      image_id=IMAGE, verdict=verdict_facts(verdict()), target=parse_target("127.0.0.1:5000"),
                      expected=expected(), build=pin)
     signed = statement(repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest, predicate=p.predicate)
-    assert signed["predicate"]["build"] == {"layers": LAYER_FORMAT, "push": GZIP_FORMAT, "builder": "docker 20.10.24+dfsg1"}
+    assert signed["predicate"]["build"] == {"layers": LAYER_FORMAT, "push": push_format(), "builder": "docker 20.10.24+dfsg1"}
     unpinned = statement(repository="cpu-x86_64", digest=IMAGE_MANIFEST.digest, predicate=plan(verdict()).predicate)
     assert "build" not in unpinned["predicate"]  # an older record's shape

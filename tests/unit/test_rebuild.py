@@ -176,3 +176,11 @@ def test_a_registry_that_sends_more_than_the_config_declares_is_cut_off_not_read
     with pytest.raises(NetworkError, match="sent more than 100 bytes"):
         client.get_blob("r", "sha256:" + "a" * 64, max_bytes=100)
     assert sent[0] <= 2 << 20
+
+
+def test_the_same_image_under_other_compressed_bytes_passes_with_a_note() -> None:
+    same = Rebuilt(ok=True, ref="r:verified", reference="r@sha256:1", sku="cpu-x86_64", published_digest="sha256:1",
+                   rebuilt_digest="sha256:2", published_image_id="sha256:3", rebuilt_image_id="sha256:3",
+                   note="the same image (config and every layer's tar); only the registry's compressed bytes differ",
+                   build_s=90, total_s=120)
+    assert "published as sha256:1: the same image" in same.line() and same.line().startswith("rebuilt:")
