@@ -174,7 +174,6 @@ class _Rewrite:
         self.image_config = b""
 
     def chunks(self) -> Iterator[bytes]:
-        written = 0
         with tarfile.open(fileobj=cast(IO[bytes], self.saved), mode="r|", bufsize=CHUNK) as outer:
             for member in outer:
                 source = outer.extractfile(member) if member.isreg() else None
@@ -184,8 +183,7 @@ class _Rewrite:
                 if blob and self.image_hex and member.name.rpartition("/")[2] == self.image_hex:
                     self._read_config(member, source)
                 elif member.name.endswith("/layer.tar") or blob:
-                    yield from self._layer(source, index=written, blob=blob)
-                    written += 1
+                    yield from self._layer(source, blob=blob)
                 elif "/" not in member.name and member.name.endswith(".json") and member.name != "manifest.json":
                     self._read_config(member, source)
         if self.config is None:
@@ -214,7 +212,7 @@ class _Rewrite:
         if isinstance(config, dict) and "rootfs" in config:
             self.config, self.config_name = config, member.name
 
-    def _layer(self, source: Readable, *, index: int, blob: bool = False) -> Iterator[bytes]:
+    def _layer(self, source: Readable, *, blob: bool = False) -> Iterator[bytes]:
         with tempfile.NamedTemporaryFile(dir=self.scratch, prefix="built-", suffix=".tar") as raw, \
                 tempfile.NamedTemporaryFile(dir=self.scratch, prefix="layer-", suffix=".tar") as handle:
             sha = hashlib.sha256()  # the layer's diff id as BuildKit wrote it
@@ -238,7 +236,7 @@ class _Rewrite:
             handle.flush()
             self.renamed[old] = new
             size = Path(handle.name).stat().st_size
-            self.on_event(f"layer {index}: {entries} entries, {size / 1e6:.1f} MB, {old[:19]} -> {new[:19]}")
+            self.on_event(f"rewrote layer {old[:19]} -> {new[:19]}: {entries} entries, {size / 1e6:.1f} MB")
             yield _tar_member(f"{new.removeprefix('sha256:')}/layer.tar", size)
             yield from _file_chunks(Path(handle.name))
             yield _padding(size)
