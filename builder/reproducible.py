@@ -31,11 +31,13 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any, Final, Protocol, cast
+from typing import IO, TYPE_CHECKING, Any, Final, Protocol, cast
 
 from skupin.common.errors import BuildError
 from skupin.common.model import Frozen
-from skupin.dockerd import Docker
+
+if TYPE_CHECKING:  # the engine is passed in: importing this module loads no Docker client
+    from skupin.dockerd import Docker
 
 LAYER_FORMAT: Final = "skupin-layers/1"
 MAX_CONFIG_BYTES: Final = 16 * 1024**2

@@ -25,12 +25,14 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Final, cast
+from typing import IO, TYPE_CHECKING, Final, cast
 
 from skupin.clients.oci import RegistryClient
 from skupin.common.errors import PublishError
 from skupin.common.model import Frozen
-from skupin.dockerd import Docker
+
+if TYPE_CHECKING:  # the engine is passed in: importing this module loads no Docker client
+    from skupin.dockerd import Docker
 
 GZIP_FORMAT: Final = "gzip zlib-6 mtime-0"
 GZIP_LEVEL: Final = 6
