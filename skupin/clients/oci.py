@@ -129,6 +129,8 @@ def sha256_digest(data: bytes) -> str:
 
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
 _FILE_CHUNK = 1 << 20
+BLOB_ATTEMPTS = 3
+BLOB_READ_S = 600.0
 
 
 class _FileBody:
@@ -342,17 +344,26 @@ class RegistryClient:
         return digest
 
     def push_blob_file(self, repo: str, path: Path, *, digest: str, size: int) -> bool:
-        """Upload a blob from a file (streamed; each retry reads the file again) unless the registry has it already.
-        True when it was sent. The registry checks the bytes against `digest` (`?digest=`)."""
+        """Upload a blob from a file (streamed) unless the registry has it already; True when it was sent. The
+        registry checks the bytes against `digest` (`?digest=`). An upload session serves one PUT: a failed one is
+        started again from a new session (BLOB_ATTEMPTS in all), each reading the file again; the answer to a PUT of
+        gigabytes may take minutes (the registry hashes and moves the blob), so it is awaited for BLOB_READ_S."""
         scope = self._scope(repo, push=True)
         if self._send("HEAD", f"/v2/{repo}/blobs/{digest}", scope=scope, ok=(200, 404)).status_code == 200:
             return False
-        start = self._send("POST", f"/v2/{repo}/blobs/uploads/", scope=scope, ok=(202,))
-        location = urljoin(self.url + "/", start.headers["Location"])
-        sep = "&" if "?" in location else "?"
-        self._send("PUT", f"{location}{sep}digest={digest}", scope=scope, ok=(201,), content=_FileBody(path),
-                   headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
-        return True
+        for attempt in range(BLOB_ATTEMPTS):
+            start = self._send("POST", f"/v2/{repo}/blobs/uploads/", scope=scope, ok=(202,))
+            location = urljoin(self.url + "/", start.headers["Location"])
+            sep = "&" if "?" in location else "?"
+            try:
+                self._send("PUT", f"{location}{sep}digest={digest}", scope=scope, ok=(201,), content=_FileBody(path),
+                           headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+                           timeout=httpx.Timeout(self.http.timeout, read=BLOB_READ_S, write=BLOB_READ_S))
+                return True
+            except NetworkError:
+                if attempt == BLOB_ATTEMPTS - 1:
+                    raise
+        return True  # pragma: no cover
 
     def open_blob(self, repo: str, digest: str, folder: Path, *, max_bytes: int) -> Path:
         """A blob streamed into a new file in `folder`, checked against its digest (the caller removes the file);

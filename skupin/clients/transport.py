@@ -69,6 +69,7 @@ class Transport:
                  sleep: Sleep | None, what: str, transport: httpx.BaseTransport | None = None) -> None:
         verify: bool | ssl.SSLContext = ssl.create_default_context(cafile=str(ca_bundle)) if ca_bundle else True
         self.client = new_client(timeout=timeout, verify=verify, transport=transport)
+        self.timeout = timeout
         self.retries = max(0, retries)
         self.backoff = backoff
         self.sleep = sleep or time.sleep

@@ -116,3 +116,35 @@ def test_docker_25_s_oci_layout_packs_to_the_same_manifest_and_sends_no_manifest
                      scratch=tmp_path)
     assert got.digest == want.digest and got.manifest == want.manifest
     assert sorted(sent) == sorted(layers)  # every layer once, the OCI manifest blob never
+
+
+def test_a_failed_blob_put_starts_a_new_upload_session(tmp_path: Path) -> None:
+    """An upload session serves one PUT: after a refused PUT (the registry's disk was full, the answer timed out)
+    the blob goes again from a new session, not to the spent one (BLOB_UPLOAD_INVALID)."""
+    import httpx
+
+    from skupin.clients.oci import RegistryClient
+    from skupin.clients.transport import new_client
+
+    blob = tmp_path / "layer.tar.gz"
+    blob.write_bytes(b"x" * 3000)
+    digest = "sha256:" + hashlib.sha256(blob.read_bytes()).hexdigest()
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}")
+        if request.method == "HEAD":
+            return httpx.Response(404)
+        if request.method == "POST":
+            return httpx.Response(202, headers={"Location": f"/v2/r/blobs/uploads/{len(seen)}"})
+        body = request.read()
+        if len([s for s in seen if s.startswith("PUT")]) == 1:
+            return httpx.Response(404, json={"errors": [{"code": "BLOB_UPLOAD_INVALID"}]})
+        assert body == blob.read_bytes() and request.url.params["digest"] == digest
+        return httpx.Response(201)
+
+    client = RegistryClient("http://127.0.0.1:5000", retries=0)
+    client.http.client = new_client(timeout=1, transport=httpx.MockTransport(handler))
+    assert client.push_blob_file("r", blob, digest=digest, size=3000) is True
+    assert seen == ["HEAD /v2/r/blobs/" + digest, "POST /v2/r/blobs/uploads/", "PUT /v2/r/blobs/uploads/2",
+                    "POST /v2/r/blobs/uploads/", "PUT /v2/r/blobs/uploads/4"]
