@@ -18,7 +18,8 @@ from skupin.builder.build import BuiltImage, build
 from skupin.builder.catalog.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
 from skupin.builder.catalog.manifest import load_manifest
 from skupin.builder.check import resolve
-from skupin.builder.render import render, render_manifest
+from skupin.builder.render import render, render_manifest, source_date_epoch
+from skupin.builder.reproducible import normalise_image
 from skupin.builder.wheels import store_path, wheel_store
 from skupin.common.errors import BuildError
 from skupin.dockerd import ContainerSpec, Docker
@@ -286,7 +287,12 @@ def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(
         hashes = sorted(line.split("sha256:")[1] for line in req.read_text().splitlines() if line)
         assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in step.iterdir()) == hashes, req.name
     assert sum(len(list(p.iterdir())) for p in (out / "wheels").iterdir()) == len(lock.packages())
-    image_id = docker.build(context=out, dockerfile=out / "Dockerfile",
-                            build_args={"SKUPIN_LOCK_HASH": lock.content_hash(),
-                                        "SKUPIN_DOCKERFILE_SHA256": built.dockerfile_sha256})
-    assert image_id == built.image_id
+    raw = docker.build(context=out, dockerfile=out / "Dockerfile",
+                       build_args={"SKUPIN_LOCK_HASH": lock.content_hash(),
+                                   "SKUPIN_DOCKERFILE_SHA256": built.dockerfile_sha256})
+    base = docker.inspect_image(built.base_id)
+    assert base is not None
+    made = normalise_image(docker, raw, epoch=source_date_epoch(lock), base_layers=base.layers)
+    if raw != built.image_id:
+        docker.remove_image(raw)
+    assert made.image_id == built.image_id  # BuildKit's image, normalised as every skupin build is
