@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final, cast
 
+from skupin.builder.reproducible import is_tar_head
 from skupin.clients.oci import RegistryClient
 from skupin.common.errors import PublishError
 from skupin.common.model import Frozen
@@ -102,17 +103,6 @@ class _Prefixed:
         return head + self.source.read(-1 if n < 0 else max(n - len(head), 0))
 
 
-def _is_tar_head(head: bytes) -> bool:
-    """Whether `head` (a blob's first 512 bytes) starts a tar (an OCI layout's manifest blob, JSON, does not)."""
-    if head == b"\0" * tarfile.BLOCKSIZE:  # an empty layer: the end-of-archive block
-        return True
-    try:
-        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
-    except tarfile.HeaderError:
-        return False
-    return True
-
-
 def image_manifest(config: bytes, layers: tuple[PackedLayer, ...]) -> bytes:
     """The schema-2 manifest of a config and its compressed layers (what `docker pull` reads)."""
     doc = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA,
@@ -147,7 +137,7 @@ def pack_image(docker: Docker, image_id: str, *, on_layer: OnLayer | None = None
                     config = source.read()
                 elif member.name.endswith("/layer.tar") or blob:
                     head = source.read(tarfile.BLOCKSIZE)
-                    if blob and not _is_tar_head(head):  # the OCI manifest blob
+                    if blob and not is_tar_head(head):  # the OCI manifest blob
                         continue
                     with tempfile.NamedTemporaryFile(dir=tmp, prefix="layer-", suffix=".tar.gz") as handle:
                         diff_id, digest, size = compress_layer(cast(IO[bytes], _Prefixed(head, source)), handle)
