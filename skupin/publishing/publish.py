@@ -869,7 +869,7 @@ def find_verdict(*, sku: str, image_id: str, lock_sha256: str) -> tuple[Path, di
     found = _verdict_files(state_dir() / "gates" / sku)
     newest: dict | None = None
     for i, path in enumerate(found):
-        data = _load_verdict(path)
+        data = _load_object(path)
         if data is None:
             continue
         if i == 0:
@@ -906,8 +906,9 @@ def _verdict_files(root: Path) -> list[Path]:
     return [Path(p) for _, p in sorted(found, reverse=True)]
 
 
-def _load_verdict(path: Path) -> dict | None:
-    """The verdict at `path` (a regular file, read bounded), or None when it cannot be read or is not an object."""
+def _load_object(path: Path) -> dict | None:
+    """The JSON object at `path` (a verdict, a build record: a regular file, read bounded), or None when it cannot be
+    read or is not an object."""
     try:
         data = _read_bounded(path)
     except (OSError, ValueError, BundleError):  # BundleError: common.untrusted refused it
@@ -1015,7 +1016,7 @@ def build_pin(built: BuiltImage) -> BuildPin | None:
 def _recorded_build(*, sku: str, image_id: str) -> BuildPin | None:
     """The build pin of this host's build record of `sku` when it names `image_id` (else None: built elsewhere)."""
     path = state_dir() / "builds" / f"{sku}.json"
-    record = _load_verdict(path) if path.is_file() else None  # any JSON object of this host's state, read bounded
+    record = _load_object(path) if path.is_file() else None
     made = record.get("reproducible") if record is not None else None
     if record is None or not isinstance(made, dict) or record.get("image_id") != image_id \
             or made.get("image_id") != image_id:
