@@ -1,8 +1,8 @@
 """Benchmark: one lock, one digest. Builds of a SKU from fresh clones, each in a Docker engine of its own with an empty
 data root, pushed to one registry; and the registry layer cache of runners without local state.
 
-    python -m bench.reproducible [--sku cpu-x86_64 ...] [--runs cold,cold,cached] [--base bootstrap|load]
-                                 [--out bench/results/reproducible.json]
+    python -m bench.reproducible [--sku cpu-x86_64 ...] [--runs cold,cold,cached,sibling,sibling-cold]
+                                 [--sibling cpu-x86_64-bf16] [--base bootstrap|load] [--out bench/results/reproducible.json]
 
 For each SKU, each run (by default three) gets:
 - a fresh clone of this repository at HEAD (`git clone`), its own SKUPIN_STATE (empty: no base record, no build record,
@@ -12,11 +12,16 @@ For each SKU, each run (by default three) gets:
   mounts, no layers shared with any other run or with the host's engine;
 - the SKU's base: `bootstrap` (default: `skupin base`, debootstrap in that engine; the lock's base diff id must come out)
   or `load` (the host engine's base, `docker save | docker load`, when the archive moved since the lock);
-- `skupin build SKU` (the cold runs: no --cache, nothing shared; the `cached` run: `--cache REF` after the first cold
-  run pushed its inline cache there with `--cache REF`), then the publish's own push (publishing/imagepush.py) of the
-  built image to one loopback registry under `<sku>-<run>`.
-The result: per run the image id, the manifest digest, build and push seconds; `same_digest` over all runs. The engines
-and clones are removed after each run (the registry at the end).
+- `skupin build SKU` (`cold`: no --cache, nothing shared, but run a fills the registry cache REF with `--cache REF`;
+  `cached`: `--cache REF`, the same inputs, so the build pulls run a's image and builds nothing; no separate base step,
+  the build makes the base only if it needs one; `sibling`: `--cache REF` for the sibling SKU, whose lock differs
+  (time, dtype, labels) but whose every RUN step is the SKU's, so BuildKit takes every step from REF's inline cache of
+  rewritten layers (what a point release does below its changed pin); `sibling-cold`: the sibling with no cache, to
+  show the cached sibling is the image a cold build makes), then the publish's own push (publishing/imagepush.py) of
+  the built image to one loopback registry under `<sku>-<run>`.
+The result: per run the image id, the manifest digest, base, build and push seconds; `same_digest` over the SKU's runs
+and `sibling_same_digest` over the sibling's. The engines and clones are removed after each run (the registry at the
+end).
 """
 
 from __future__ import annotations
@@ -96,7 +101,9 @@ def _base_reference(clone: Path, sku: str) -> str:
 
 
 def run_once(*, sku: str, name: str, kind: str, work: Path, registry: LocalRegistry, base: str, cache_ref: str,
-             wheel_store: Path) -> dict:
+             wheel_store: Path, sibling: str) -> dict:
+    if kind.startswith("sibling"):
+        sku = sibling
     clone, state, engine = work / f"clone-{name}", work / f"state-{name}", Engine(work / f"engine-{name}")
     _sh(["git", "clone", "--quiet", str(REPO), str(clone)])
     commit = _sh(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True).stdout.strip()
@@ -107,7 +114,9 @@ def run_once(*, sku: str, name: str, kind: str, work: Path, registry: LocalRegis
     engine.start()
     try:
         started = time.monotonic()
-        if base == "load":
+        if kind == "cached":
+            pass  # a runner whose build finds its image in the registry cache needs no base
+        elif base == "load":
             reference = _base_reference(clone, sku)
             save = subprocess.Popen(["/usr/bin/docker", "save", reference], stdout=subprocess.PIPE)
             _sh(["/usr/bin/docker", "-H", engine.host, "load"], stdin=save.stdout, capture_output=True)
@@ -116,7 +125,7 @@ def run_once(*, sku: str, name: str, kind: str, work: Path, registry: LocalRegis
             _sh([str(PYTHON), "-m", "skupin", "base", sku], cwd=clone, env=env, capture_output=True)
         base_s = time.monotonic() - started
         cmd = [str(PYTHON), "-m", "skupin", "build", sku, "--json", "--progress", "plain"]
-        if kind == "cached" or name == "a":
+        if kind in ("cached", "sibling") or name == "a":
             cmd += ["--cache", cache_ref]
         started = time.monotonic()
         proc = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True)
@@ -131,7 +140,9 @@ def run_once(*, sku: str, name: str, kind: str, work: Path, registry: LocalRegis
                                 tag="latest")
         push_s = time.monotonic() - started
         docker.close()
-        return {"run": name, "kind": kind, "commit": commit, "image_id": built["image_id"], "digest": digest,
+        return {"run": name, "kind": kind, "sku": sku, "fetched": built.get("fetched"),
+                "unchanged_layers": (built.get("reproducible") or {}).get("unchanged_layers"), "commit": commit,
+                "image_id": built["image_id"], "digest": digest,
                 "lock_sha256": built["lock_sha256"], "base_s": round(base_s, 1), "build_s": round(build_s, 1),
                 "buildkit_s": built["phases"].get("buildkit"), "normalise_s": built["phases"].get("normalise"),
                 "cache_hits": built["cache_hits"], "push_s": round(push_s, 1), "size_bytes": built["size_bytes"],
@@ -145,7 +156,9 @@ def run_once(*, sku: str, name: str, kind: str, work: Path, registry: LocalRegis
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sku", action="append", help="SKU(s) to build (default: cpu-x86_64)")
-    parser.add_argument("--runs", default="cold,cold,cached", help="kinds of the runs a, b, c... (cold or cached)")
+    parser.add_argument("--runs", default="cold,cold,cached,sibling,sibling-cold",
+                        help="kinds of the runs a, b, c... (cold, cached, sibling, sibling-cold; a fills the cache)")
+    parser.add_argument("--sibling", default="cpu-x86_64-bf16", help="the sibling SKU of the sibling runs")
     parser.add_argument("--base", choices=("bootstrap", "load"), default="bootstrap")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "reproducible.json")
     args = parser.parse_args()
@@ -166,18 +179,34 @@ def main() -> int:
                     name = "abcdefgh"[i]
                     print(f"{sku}: run {name} ({kind})", file=sys.stderr, flush=True)
                     runs.append(run_once(sku=sku, name=name, kind=kind, work=work, registry=registry, base=args.base,
-                                         cache_ref=cache_ref, wheel_store=REPO / ".skupin" / "wheels"))
+                                         cache_ref=cache_ref, wheel_store=REPO / ".skupin" / "wheels",
+                                         sibling=args.sibling))
                     print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-                cold = [r["build_s"] for r in runs if r["kind"] == "cold"]
-                warm = [r["build_s"] for r in runs if r["kind"] == "cached"]
-                results["skus"][sku] = {"runs": runs, "same_digest": len({r["digest"] for r in runs}) == 1,
-                                        "same_image_id": len({r["image_id"] for r in runs}) == 1,
-                                        "cached_over_cold": round(min(warm) / min(cold), 3) if warm and cold else None}
+                own = [r for r in runs if not r["kind"].startswith("sibling")]
+                siblings = [r for r in runs if r["kind"].startswith("sibling")]
+
+                def ratio(kind: str, base: str, of: list[dict], *, with_base: bool = False) -> float | None:
+                    def cost(r: dict) -> float:
+                        return r["build_s"] + (r["base_s"] if with_base else 0)
+
+                    warm = [cost(r) for r in of if r["kind"] == kind]
+                    cold = [cost(r) for r in of if r["kind"] == base]
+                    return round(min(warm) / min(cold), 3) if warm and cold else None
+
+                results["skus"][sku] = {
+                    "runs": runs, "same_digest": len({r["digest"] for r in own}) == 1,
+                    "same_image_id": len({r["image_id"] for r in own}) == 1,
+                    "sibling_same_digest": len({r["digest"] for r in siblings}) == 1 if siblings else None,
+                    "cached_over_cold": ratio("cached", "cold", own),
+                    "cached_over_cold_with_base": ratio("cached", "cold", own, with_base=True),
+                    "sibling_over_cold": ratio("sibling", "sibling-cold", siblings),
+                    "sibling_over_cold_with_base": ratio("sibling", "sibling-cold", siblings, with_base=True)}
         finally:
             registry_down(registry=registry)
     args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(json.dumps(results, indent=2, sort_keys=True))
-    return 0 if all(s["same_digest"] for s in results["skus"].values()) else 1
+    return 0 if all(s["same_digest"] and s.get("sibling_same_digest") is not False
+                    for s in results["skus"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -18,12 +18,22 @@ steps in order:
    with a registry cache reference it reuses that reference's inline cache;
 5. `Normalise`: rewrite BuildKit's image so one lock gives one image id on any machine
    (`builder.reproducible`: mtimes clamped to the lock's time, one config `created`); BuildKit's image goes;
-6. `ExportCache` (with a cache reference only): push BuildKit's image, inline cache included, to it, then remove it;
-7. `VerifyInstalled`: ask the image's own Python (in a sandboxed container) for its installed
+6. `VerifyInstalled`: ask the image's own Python (in a sandboxed container) for its installed
    distributions and fail unless they equal the lock;
-8. `TagImage`: only then tag the content-addressed tag (`builder.catalog.lockfile.image_tag`);
+7. `TagImage`: only then tag the content-addressed tag (`builder.catalog.lockfile.image_tag`);
+8. `ExportCache` (with a cache reference only): push the registry cache (below);
 9. `WriteRecord`: write the build record (`.skupin/builds/<sku>.json`).
 A failure at any step raises BuildError naming the layer with the tail of its log; no tag is made.
+
+The registry cache (`cache`, a reference such as ghcr.io/acme/skupin-staging/cpu-x86_64:buildcache) is for runners
+without local state. After a verified build it holds two images over the same rewritten layers: at the reference, the
+layers under a config that carries BuildKit's inline cache (a later build's BuildKit reuses every step below a changed
+pin, and gets layers that are rewritten already: the rewrite does not load them again); at `result_reference` (the
+reference's tag + the hash of every build input, `build_inputs_key`), the built image itself. A build with the cache
+first tries `FetchResult`: a pull of its inputs' result reference; on a hit the steps that make the image (1-5, 8) are
+skipped and the pulled image goes through 6 and 7 as a built one does. The cache is trusted as far as the registry
+that holds it (as any BuildKit cache is): `--no-cache` builds without it, and `skupin verify --rebuild` rebuilds with
+no cache at all.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import re
 import tempfile
@@ -48,8 +59,8 @@ from skupin.builder.base import bases_dir, check_locked_base, ensure_base
 from skupin.builder.catalog.lockfile import Lock, LockedBase, LockedPackage, sku_image_tag
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
-from skupin.builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, source_date_epoch, write_context
-from skupin.builder.reproducible import NormalisedImage, normalise_image
+from skupin.builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
+from skupin.builder.reproducible import IMAGE_EPOCH, LAYER_FORMAT, NormalisedImage, normalise_image
 from skupin.builder.sourcebuild import BuiltWheel, built_dir, export_wheel, write_built
 from skupin.builder.wheels import fetch_wheels
 from skupin.builder.wheels import wheel_store as default_wheel_store
@@ -63,6 +74,7 @@ OnLine = Callable[[str], None]
 # (the image tag hashes it with the lock; publish checks an image's label before giving it a version tag).
 DOCKERFILE_ARG = "SKUPIN_DOCKERFILE_SHA256"
 DOCKERFILE_LABEL = "io.skupin.dockerfile-sha256"
+LOCK_LABEL = "io.skupin.lock-sha256"
 Progress = Literal["tty", "plain"]
 CA_SECRET_ID = "skupin_ca"
 LOG_TAIL_LINES = 30
@@ -119,6 +131,8 @@ class BuiltImage(Frozen):
     reproducible: NormalisedImage | None = Field(None, description="The rewrite that made its image id reproducible "
                                                                    "(builder/reproducible.py)")
     cache: str | None = Field(None, description="The registry reference the build's layer cache came from and went to")
+    fetched: str | None = Field(None, description="The registry cache's result reference this image was pulled from "
+                                                  "(a build of the same inputs pushed it): nothing was built here")
     stack: ResolvedStack = Field(exclude=True, description="The stack it was built from (for the gate and publish; "
                                                           "not part of the build record)")
 
@@ -348,20 +362,33 @@ class RunBuildKit(Frozen):
     cache_from: str | None = Field(None, description="A registry reference whose inline cache BuildKit reuses")
 
 
+class FetchResult(Frozen):
+    """Pull the image a build of exactly these inputs pushed to the registry cache; on a hit the steps that make an image
+    are skipped. A miss, or an image whose Dockerfile label, lock label or base layer is not this build's, builds."""
+
+    kind: Literal["fetch"] = "fetch"
+    reference: str = Field(description="The result reference (`result_reference`)")
+    labels: dict[str, str] = Field(description="Labels the image must carry: its Dockerfile's and its lock's hashes")
+    base_diff_id: str | None = Field(None, description="A bootstrapped base's layer: the image's first layer")
+    epoch: int = Field(description="SOURCE_DATE_EPOCH of the rewrite the image's inputs name (its key has the format)")
+
+
 class ExportCache(Frozen):
-    """Push BuildKit's image (its inline cache with it) to a registry reference, for the next build on a runner without
-    local state, then remove it here. The published image is the normalised one; this one only carries the cache."""
+    """Push the registry cache after a verified build (see the module doc): the rewritten layers with BuildKit's inline
+    cache to `reference`, the built image to `result`; the local tags go. A push that fails costs the next build time."""
 
     kind: Literal["cache"] = "cache"
     reference: str
+    result: str
 
 
 class Normalise(Frozen):
     """Rewrite BuildKit's image so one lock gives one image id (builder/reproducible.py); BuildKit's image goes."""
 
     kind: Literal["normalise"] = "normalise"
-    epoch: int = Field(description="SOURCE_DATE_EPOCH: the lock's creation time")
-    keep_source: bool = Field(False, description="Keep BuildKit's image for the cache export after this step")
+    epoch: int = Field(description="SOURCE_DATE_EPOCH (reproducible.IMAGE_EPOCH)")
+    inline_cache: bool = Field(False, description="Also load the cache image (the rewritten layers under BuildKit's "
+                                                  "inline cache) for ExportCache")
 
 
 class VerifyInstalled(Frozen):
@@ -392,8 +419,32 @@ class WriteRecord(Frozen):
     folder: Path
 
 
-BuildStep = (EnsureBase | GatherWheels | WriteContext | RunBuildKit | ExportCache | Normalise | VerifyInstalled | TagImage
-             | RecordBuiltWheel | WriteRecord)
+BuildStep = (FetchResult | EnsureBase | GatherWheels | WriteContext | RunBuildKit | ExportCache | Normalise
+             | VerifyInstalled | TagImage | RecordBuiltWheel | WriteRecord)
+# What a FetchResult hit makes unnecessary: the steps that make the image, and pushing the cache it came from
+MADE_BY_FETCH = frozenset({"wheels", "base", "context", "buildkit", "normalise", "cache"})
+MAX_TAG = 128
+
+
+def build_inputs_key(rendered: RenderedDockerfile, *, build_args: Mapping[str, str], lock: Lock) -> str:
+    """sha256 of everything a build's image is made from: the rewrite's format, the Dockerfile, every context file, every
+    wheel's sha256, the build arguments (the lock's hash among them) and the lock's base. Builds with one key give one
+    image (reproducible by construction), so the registry cache may hand one build's image to another."""
+    payload = {
+        "layers": LAYER_FORMAT, "dockerfile": rendered.text,
+        "files": {rel: hashlib.sha256(text.encode()).hexdigest() for rel, text in sorted(rendered.files.items())},
+        "wheels": rendered.wheels, "args": {k: v for k, v in sorted(build_args.items()) if k != "BUILDKIT_INLINE_CACHE"},
+        "base": lock.base.model_dump(mode="json"),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def result_reference(cache: str, key: str) -> str:
+    """Where the registry cache `cache` keeps the image of a build whose inputs hash to `key`: its tag + 32 hex digits."""
+    repo, sep, tag = cache.rpartition(":")
+    if not sep or "/" in tag:
+        repo, tag = cache, "latest"
+    return f"{repo}:{tag[:MAX_TAG - 33]}-{key[:32]}"
 
 
 def locked_stack(rendered: RenderedDockerfile) -> tuple[ResolvedStack, Lock]:
@@ -426,7 +477,14 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
                   DOCKERFILE_ARG: rendered.sha256}
     if cache:
         build_args["BUILDKIT_INLINE_CACHE"] = "1"
+    result = result_reference(cache, build_inputs_key(rendered, build_args=build_args, lock=lock)) if cache else ""
+    base_diff_id = lock.base.diff_id if lock.base is not None and lock.base.kind == "bootstrap" else None
     steps: list[BuildStep] = [
+        # with a registry cache, the image of these very inputs when it holds one (not for a source-built engine: its
+        # build records the wheel it built, which only a build makes; not with no_cache: that asks for a build)
+        *([FetchResult(reference=result, base_diff_id=base_diff_id, epoch=IMAGE_EPOCH,
+                       labels={DOCKERFILE_LABEL: rendered.sha256, LOCK_LABEL: lock.content_hash()})]
+          if cache and not no_cache and not from_source else []),
         # the wheels first: a missing or mismatched one refuses the build before debootstrap or a pull runs
         GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or default_wheel_store(),
                      wheelhouse=wheelhouse, ca_bundle=ca_bundle),
@@ -435,10 +493,10 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
         RunBuildKit(build_args=build_args, secrets=secrets, no_cache=no_cache, ca_given=ca_bundle is not None,
                     export_stage=ENGINE_WHEEL_STAGE if from_source else None,
                     store=(wheel_store or default_wheel_store()) if from_source else None, cache_from=cache),
-        Normalise(epoch=source_date_epoch(lock), keep_source=bool(cache)),
-        *([ExportCache(reference=cache)] if cache else []),
+        Normalise(epoch=IMAGE_EPOCH, inline_cache=bool(cache)),
         VerifyInstalled(locked=locked_versions(lock)),
         TagImage(tag=sku_image_tag(manifest, lock=lock, dockerfile_sha256=rendered.sha256)),
+        *([ExportCache(reference=cache, result=result)] if cache else []),  # only a verified image is cached
     ]
     if from_source:
         steps.append(RecordBuiltWheel(folder=built or built_dir()))
@@ -477,6 +535,7 @@ class _Execution:
     exported: Path | None = None  # the source-built engine's exported wheel stage (a temporary folder)
     normalised: NormalisedImage | None = None
     cache: str | None = None
+    fetched: str = ""  # FetchResult's hit: the reference the image was pulled from (tagged until TagImage)
 
     def result(self) -> BuiltImage:
         """The BuiltImage of a tagged build (made once: the record and the caller get the same object)."""
@@ -497,7 +556,8 @@ class _Execution:
             cache_hits=sum(1 for s in self.steps if s.cached), total_s=round(time.monotonic() - self.started, 2),
             phases=dict(self.phases), size_bytes=info.size, installed=self.installed,
             created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), stack=self.stack,
-            builder=f"docker {self.docker.ping()}", reproducible=self.normalised, cache=self.cache)
+            builder=f"docker {self.docker.ping()}", reproducible=self.normalised, cache=self.cache,
+            fetched=self.fetched or None)
 
 
 def _ensure_base(step: EnsureBase, run: _Execution) -> None:
@@ -540,28 +600,58 @@ def _run_buildkit(step: RunBuildKit, run: _Execution) -> None:
         run.held.close()  # the context folder is free for the next build of this SKU
 
 
-def _export_cache(step: ExportCache, run: _Execution) -> None:
-    if run.normalised is None:
-        raise BuildError("the build plan exports the cache before it normalised the image")
-    run.docker.tag(run.normalised.source_id, step.reference)  # BuildKit's image: the inline cache is in its config
+def _fetch_result(step: FetchResult, run: _Execution) -> None:
+    run.on_line(f"looking for the image of these inputs in the registry cache: {step.reference}")
     try:
-        run.on_line(f"pushing the build cache to {step.reference}")
+        image_id = run.docker.pull(step.reference, hint=False)
+    except DockerError as exc:  # a miss (the usual "manifest unknown"), or a registry that does not answer
+        run.on_line(f"none to reuse ({str(exc).splitlines()[0][:300]}); building")
+        return
+    info = run.docker.inspect_image(image_id)
+    wrong = [f"label {k}={(info.labels.get(k) if info else None)!r}, not {v!r}" for k, v in step.labels.items()
+             if info is None or info.labels.get(k) != v]
+    if step.base_diff_id is not None and (info is None or info.layers[:1] != (step.base_diff_id,)):
+        wrong.append(f"its first layer is not the locked base's {step.base_diff_id[:19]}")
+    if wrong:
+        run.on_line(f"{step.reference} is not an image of these inputs ({'; '.join(wrong)}); building")
+        with contextlib.suppress(DockerError):
+            run.docker.remove_image(step.reference)
+        return
+    run.on_line(f"reusing {image_id[:19]} from the registry cache: nothing to build")
+    run.image_id, run.fetched = image_id, step.reference
+    # made by the rewrite of this format (the key holds it), every layer rewritten already
+    run.normalised = NormalisedImage(image_id=image_id, source_id=image_id, epoch=step.epoch, kept_layers=0,
+                                     rewritten_layers=0, unchanged_layers=len(info.layers) if info else 0, seconds=0)
+
+
+def _export_cache(step: ExportCache, run: _Execution) -> None:
+    made = run.normalised
+    if made is None or made.cache_image_id is None:
+        run.on_line("BuildKit's image carried no inline cache: the build cache was not stored")
+        return
+    try:
+        run.docker.tag(made.cache_image_id, step.reference)
+        run.docker.tag(run.image_id, step.result)
+        run.on_line(f"pushing the build cache to {step.reference} and the image to {step.result}")
         run.docker.push(step.reference, on_event=run.on_line)
+        run.docker.push(step.result, on_event=run.on_line)  # the same layers: only its config and manifest are new
     except DockerError as exc:  # a cache that could not be stored costs the next build time, not this one its image
         run.on_line(f"the build cache was not stored: {exc}")
     else:
         run.cache = step.reference
     finally:
-        run.docker.remove_image(step.reference)  # its only tag: BuildKit's image goes with it
+        with contextlib.suppress(DockerError):
+            run.docker.remove_image(step.reference)  # its only tag: the cache image goes (its layers are the image's)
+            run.docker.remove_image(step.result)  # a second tag of the built image
 
 
 def _normalise(step: Normalise, run: _Execution) -> None:
     base = run.docker.inspect_image(run.base_id) if run.base_id else None
     made = normalise_image(run.docker, run.image_id, epoch=step.epoch, base_layers=base.layers if base else (),
-                           on_event=run.on_line)
+                           on_event=run.on_line, inline_cache=step.inline_cache)
     run.on_line(f"normalised {made.source_id[:19]} -> {made.image_id[:19]} ({made.rewritten_layers} layers rewritten, "
-                f"{made.kept_layers} of the base kept, {made.seconds}s)")
-    if made.image_id != made.source_id and not step.keep_source:
+                f"{made.unchanged_layers} rewritten already, {made.kept_layers} of the base kept, {made.seconds}s)")
+    if made.image_id != made.source_id:
         with contextlib.suppress(DockerError):  # BuildKit's image: its layers stay in BuildKit's cache, not twice on disk
             run.docker.remove_image(made.source_id)
     run.image_id, run.normalised = made.image_id, made
@@ -582,12 +672,25 @@ def _tag_image(step: TagImage, run: _Execution) -> None:
     info = run.docker.inspect_image(step.tag)
     if info is None:
         raise DockerError(f"tagged {run.image_id} as {step.tag} but the engine does not show it")
+    if run.fetched:
+        run.docker.remove_image(run.fetched)  # the pull's tag: the image keeps its version tag
+        info = run.docker.inspect_image(step.tag) or info
     run.image, run.tag = info, step.tag
+
+
+def _record_built_wheel(step: RecordBuiltWheel, run: _Execution) -> None:
+    if run.built_wheel is None:
+        raise BuildError("the build plan records a built wheel, but BuildKit exported none")
+    write_built(run.built_wheel, folder=step.folder)
+    run.on_line(f"recorded the engine wheel built from {run.built_wheel.sdist.filename}: "
+                f"{run.built_wheel.wheel.filename} sha256 {run.built_wheel.wheel.sha256[:12]}")
 
 
 def _run_step(step: BuildStep, run: _Execution) -> None:
     """Run one step of a plan."""
     match step:
+        case FetchResult():
+            _fetch_result(step, run)
         case EnsureBase():
             _ensure_base(step, run)
         case GatherWheels():
@@ -605,11 +708,7 @@ def _run_step(step: BuildStep, run: _Execution) -> None:
         case TagImage():
             _tag_image(step, run)
         case RecordBuiltWheel():
-            if run.built_wheel is None:
-                raise BuildError("the build plan records a built wheel, but BuildKit exported none")
-            write_built(run.built_wheel, folder=step.folder)
-            run.on_line(f"recorded the engine wheel built from {run.built_wheel.sdist.filename}: "
-                        f"{run.built_wheel.wheel.filename} sha256 {run.built_wheel.wheel.sha256[:12]}")
+            _record_built_wheel(step, run)
         case WriteRecord():
             write_record(built=run.result(), folder=step.folder)
 
@@ -623,6 +722,8 @@ def execute_build(steps: tuple[BuildStep, ...], *, rendered: RenderedDockerfile,
     with run.held:
         try:
             for step in steps:
+                if run.fetched and step.kind in MADE_BY_FETCH:
+                    continue
                 start = time.monotonic()
                 _run_step(step, run)
                 if step.kind != "record":
@@ -636,8 +737,12 @@ def execute_build(steps: tuple[BuildStep, ...], *, rendered: RenderedDockerfile,
 def _drop_untagged(run: _Execution) -> None:
     """After a failed step: the images this build made that carry no tag (BuildKit's, the normalised one) go, so a
     failure leaves no dangling image behind. An image with a tag (the same id as one built before) stays."""
-    made = {run.image_id, run.normalised.source_id if run.normalised else ""} - {""}
-    for image in sorted(made):
+    if run.fetched:
+        with contextlib.suppress(DockerError):
+            run.docker.remove_image(run.fetched)
+    normalised = run.normalised
+    made = {run.image_id, normalised.source_id if normalised else "", normalised.cache_image_id or "" if normalised else ""}
+    for image in sorted(made - {""}):
         with contextlib.suppress(DockerError):
             info = run.docker.inspect_image(image)
             if info is not None and not info.tags:

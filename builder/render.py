@@ -7,7 +7,6 @@ import hashlib
 import re
 import shutil
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 
 import installer
@@ -20,7 +19,7 @@ from skupin.builder.catalog.families import ALL_FAMILIES
 from skupin.builder.catalog.lockfile import PY_LAYERS, Lock, LockedPackage
 from skupin.builder.catalog.manifest import GitSource, Pin, SdistSource, SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
-from skupin.builder.reproducible import LAYER_FORMAT
+from skupin.builder.reproducible import IMAGE_EPOCH, LAYER_FORMAT
 from skupin.common import __version__
 from skupin.common.errors import BuildError
 from skupin.common.model import Frozen
@@ -324,15 +323,6 @@ def engine_build(manifest: SkuManifest, lock: Lock | None) -> dict[str, object] 
     }
 
 
-def source_date_epoch(lock: Lock) -> int:
-    """SOURCE_DATE_EPOCH of a locked image: the lock's creation time (what the installed Python files' mtimes are set
-    to, so the same lock gives the same files and bytecode headers)."""
-    try:
-        return int(datetime.strptime(lock.created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp())
-    except ValueError as exc:
-        raise BuildError(f"the lock of {lock.sku}: created {lock.created!r} is not YYYY-MM-DDTHH:MM:SSZ") from exc
-
-
 def cuda_series(manifest: SkuManifest) -> str | None:
     """The CUDA series of the torch wheel's variant (cu130 -> "13.0", builder/data/compat.yaml `variants`), or None for a
     variant of no CUDA series (cpu, rocm*, xpu) or none at all."""
@@ -373,7 +363,7 @@ def render_manifest(*, manifest: SkuManifest, lock: Lock | None = None) -> Rende
         # OCI labels from the lock, never the wall clock (the same lock, the same label); the catalog's git revision
         # and source are not labels (every commit would make a new image): docs/CATALOG.md
         "created": lock.created if lock is not None else None,
-        "source_date_epoch": source_date_epoch(lock) if lock is not None else None,
+        "source_date_epoch": IMAGE_EPOCH,  # not the lock's time: a step's output is a function of its inputs alone
         "base_digest": manifest.base.image.rsplit("@", 1)[1] if manifest.base.image else None,
         "base_diff_id": lock.base.diff_id if lock is not None else None,
         "cuda_series": cuda_series(manifest),

@@ -6,11 +6,13 @@ folder mtimes, the config's `created`). So the build normalises its image, as Bu
 does, in one pass over `docker save` into `docker load` (docs/REPRODUCIBLE.md says why this route):
 
 - every layer above the SKU's base is rewritten entry by entry, in BuildKit's order (its exporter walks folders in
-  lexical order): every mtime clamped to the lock's SOURCE_DATE_EPOCH (`render.source_date_epoch`, the time the
-  installed Python files already carry), access and change times dropped, owner names dropped (the numeric ids
-  stay), file bytes, modes, links, devices and extended attributes kept as they are, written as a POSIX (pax) tar by
-  Python's tarfile, a deterministic writer;
+  lexical order): every mtime clamped to IMAGE_EPOCH (the time the installed Python files already carry; one
+  constant for every lock, so a layer is a function of its step's inputs), access and change times dropped, owner
+  names dropped (the numeric ids stay), file bytes, modes, links, devices and extended attributes kept as they are,
+  written as a POSIX (pax) tar by Python's tarfile, a deterministic writer;
 - the base's layers are kept byte for byte (the lock records their diff ids);
+- a layer that rewrites to itself (BuildKit took it from a registry cache of rewritten layers, `skupin build --cache`)
+  is not sent to `docker load` again while every layer below it is unchanged too: the engine has that chain already;
 - the config keeps everything the Dockerfile set; its `created` and every history entry's are the epoch, and
   BuildKit's own metadata (`moby.buildkit.*`) goes.
 
@@ -21,10 +23,12 @@ change to every image's id, so it is part of every build record and signed predi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import io
 import json
+import os
 import tarfile
 import tempfile
 import time
@@ -33,13 +37,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, Protocol, cast
 
+from pydantic import Field
+
 from skupin.common.errors import BuildError
 from skupin.common.model import Frozen
 
 if TYPE_CHECKING:  # the engine is passed in: importing this module loads no Docker client
     from skupin.dockerd import Docker
 
-LAYER_FORMAT: Final = "skupin-layers/1"
+LAYER_FORMAT: Final = "skupin-layers/2"
+# SOURCE_DATE_EPOCH of every image: mtimes are clamped to it and the installed Python files' mtimes (and so their
+# bytecode headers) are set to it. One constant, not the lock's time: then a step's output is a function of the step's
+# own inputs, and a step BuildKit takes from the cache of an older lock is the step a cold build of this lock makes.
+# 2023-06-10, Debian 12's release: the bootstrapped base's SOURCE_DATE_EPOCH too (builder/base.py).
+IMAGE_EPOCH: Final = 1686355200
+INLINE_CACHE_KEY: Final = "moby.buildkit.cache.v0"  # BuildKit's inline cache: steps' cache keys -> layer indexes
 MAX_CONFIG_BYTES: Final = 16 * 1024**2
 CHUNK: Final = 1 << 20
 _PAX_KEPT_PREFIX: Final = "SCHILY.xattr."
@@ -63,6 +75,10 @@ class NormalisedImage(Frozen):
     epoch: int
     kept_layers: int
     rewritten_layers: int
+    unchanged_layers: int = Field(0, description="Layers that were rewritten already (from a registry cache of "
+                                                 "rewritten layers): not loaded again")
+    cache_image_id: str | None = Field(None, description="With inline_cache: the rewritten layers under a config that "
+                                                         "also carries BuildKit's inline cache (the registry cache)")
     seconds: float
 
 
@@ -173,7 +189,10 @@ class _Rewrite:
         self.config: dict[str, Any] | None = None
         self.config_name = ""
         self.kept = 0
+        self.unchanged = 0  # layers that rewrote to themselves and were not sent again (the engine has their chain)
+        self.held: dict[str, Path] = {}  # old diff id -> a layer that rewrote to itself, sent only if a layer below changed
         self.image_config = b""
+        self.inline_cache: str | None = None  # BuildKit's inline cache in the built config (BUILDKIT_INLINE_CACHE=1)
 
     def chunks(self) -> Iterator[bytes]:
         with tarfile.open(fileobj=cast(IO[bytes], self.saved), mode="r|", bufsize=CHUNK) as outer:
@@ -195,13 +214,17 @@ class _Rewrite:
         if missing:
             raise BuildError(f"docker save gave no layer for {len(missing)} diff id(s) of the image, e.g. {missing[0]}")
         new = [d if d in self.keep else self.renamed[d] for d in old]
+        same_below = len(new) if new == old else next(i for i, (a, b) in enumerate(zip(new, old, strict=True)) if a != b)
+        for diff_id in old[same_below:]:  # a layer that rewrote to itself above one that changed: a chain to load
+            if diff_id in self.held:
+                path = self.held.pop(diff_id)
+                yield from self._member(f"{diff_id.removeprefix('sha256:')}/layer.tar", path)
+                path.unlink()
+        self.unchanged = len(self.held)
+        for path in self.held.values():
+            path.unlink()
         self.image_config = config_bytes(normal_config(self.config, diff_ids=new, epoch=self.epoch))
-        name = hashlib.sha256(self.image_config).hexdigest() + ".json"
-        layers = [f"{d.removeprefix('sha256:')}/layer.tar" for d in new]
-        manifest = json.dumps([{"Config": name, "RepoTags": None, "Layers": layers}]).encode()
-        for member_name, data in ((name, self.image_config), ("manifest.json", manifest)):
-            yield _tar_member(member_name, len(data)) + data + _padding(len(data))
-        yield b"\0" * (2 * tarfile.BLOCKSIZE)
+        yield from config_only_tarball(self.image_config, new)  # the config and manifest after the layers sent
 
     def _read_config(self, member: tarfile.TarInfo, source: Readable) -> None:
         if member.size > MAX_CONFIG_BYTES:
@@ -213,6 +236,8 @@ class _Rewrite:
             raise BuildError(f"docker save gave an image config that is not JSON: {exc}") from exc
         if isinstance(config, dict) and "rootfs" in config:
             self.config, self.config_name = config, member.name
+            if isinstance(config.get(INLINE_CACHE_KEY), str):
+                self.inline_cache = config[INLINE_CACHE_KEY]
 
     def _layer(self, source: Readable, *, blob: bool = False) -> Iterator[bytes]:
         with tempfile.NamedTemporaryFile(dir=self.scratch, prefix="built-", suffix=".tar") as raw, \
@@ -238,26 +263,71 @@ class _Rewrite:
             handle.flush()
             self.renamed[old] = new
             size = Path(handle.name).stat().st_size
+            if new == old:  # already rewritten (a registry cache of rewritten layers): sent only if needed at the end
+                self.held[old] = Path(handle.name).with_suffix(".same")
+                os.link(handle.name, self.held[old])
+                self.on_event(f"layer {old[:19]} is already rewritten: {entries} entries, {size / 1e6:.1f} MB")
+                return
             self.on_event(f"rewrote layer {old[:19]} -> {new[:19]}: {entries} entries, {size / 1e6:.1f} MB")
-            yield _tar_member(f"{new.removeprefix('sha256:')}/layer.tar", size)
-            yield from _file_chunks(Path(handle.name))
-            yield _padding(size)
+            yield from self._member(f"{new.removeprefix('sha256:')}/layer.tar", Path(handle.name))
+
+    @staticmethod
+    def _member(name: str, path: Path) -> Iterator[bytes]:
+        size = path.stat().st_size
+        yield _tar_member(name, size)
+        yield from _file_chunks(path)
+        yield _padding(size)
+
+
+def config_only_tarball(config: bytes, diff_ids: list[str]) -> Iterator[bytes]:
+    """A docker-load tarball of one config whose layers the engine has already (their chain exists): no layer files."""
+    name = hashlib.sha256(config).hexdigest() + ".json"
+    layers = [f"{d.removeprefix('sha256:')}/layer.tar" for d in diff_ids]
+    manifest = json.dumps([{"Config": name, "RepoTags": None, "Layers": layers}]).encode()
+    for member_name, data in ((name, config), ("manifest.json", manifest)):
+        yield _tar_member(member_name, len(data)) + data + _padding(len(data))
+    yield b"\0" * (2 * tarfile.BLOCKSIZE)
+
+
+def cache_config(image_config: bytes, inline_cache: str) -> bytes:
+    """The rewritten image's config with BuildKit's inline cache put back: the same layers in the same order, so the
+    cache's layer indexes name the rewritten layers and a cache hit gives BuildKit layers that are rewritten already."""
+    config = json.loads(image_config)
+    config[INLINE_CACHE_KEY] = inline_cache
+    return config_bytes(config)
+
+
+def _load_expected(docker: Docker, chunks: Iterator[bytes], config: Callable[[], bytes]) -> str:
+    """Load `chunks`; the image id, which must be that of the config `config()` returns once they are all sent."""
+    loaded = docker.load_image(chunks)
+    expected = "sha256:" + hashlib.sha256(config()).hexdigest()
+    if loaded != expected:
+        with contextlib.suppress(Exception):  # not the image this rewrite made: it is not left behind
+            docker.remove_image(loaded)
+        raise BuildError(f"docker load made {loaded}, not the rewritten image {expected}")
+    return loaded
 
 
 def normalise_image(docker: Docker, image: str, *, epoch: int, base_layers: tuple[str, ...],
-                    scratch: Path | None = None, on_event: OnEvent = _quiet) -> NormalisedImage:
+                    scratch: Path | None = None, on_event: OnEvent = _quiet, inline_cache: bool = False
+                    ) -> NormalisedImage:
     """Rewrite the built `image` (see the module doc) and load it; its base's layers (`base_layers`) are kept.
 
-    Only one rewritten layer is on disk at a time (in `scratch`, a temporary folder by default). BuildError when the
-    engine's answer is not the image this rewrite made."""
+    Only one rewritten layer is on disk at a time (in `scratch`, a temporary folder by default), besides layers that
+    were rewritten already, held until the end in case one below them changed. With `inline_cache` and BuildKit's
+    inline cache in `image`'s config, also load the cache image (`cache_config`: a config only, the layers are the
+    rewritten ones). BuildError when the engine's answer is not the image this rewrite made."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="skupin-normalise-", dir=scratch) as tmp:
         saved = io.BufferedReader(docker.save_image(image), CHUNK)
         rewrite = _Rewrite(saved, epoch=epoch, keep=frozenset(base_layers), scratch=Path(tmp), on_event=on_event,
                            image=image)
-        loaded = docker.load_image(rewrite.chunks())
-    expected = "sha256:" + hashlib.sha256(rewrite.image_config).hexdigest()
-    if loaded != expected:
-        raise BuildError(f"docker load made {loaded}, not the rewritten image {expected}")
-    return NormalisedImage(image_id=loaded, source_id=image, epoch=epoch, kept_layers=rewrite.kept,
-                           rewritten_layers=len(rewrite.renamed), seconds=round(time.monotonic() - started, 2))
+        loaded = _load_expected(docker, rewrite.chunks(), lambda: rewrite.image_config)
+    cache_id = None
+    if inline_cache and rewrite.inline_cache is not None:
+        config = cache_config(rewrite.image_config, rewrite.inline_cache)
+        diff_ids = json.loads(config)["rootfs"]["diff_ids"]
+        cache_id = _load_expected(docker, config_only_tarball(config, diff_ids), lambda: config)
+    return NormalisedImage(cache_image_id=cache_id, image_id=loaded, source_id=image, epoch=epoch, kept_layers=rewrite.kept,
+                           rewritten_layers=len(rewrite.renamed) - rewrite.unchanged, unchanged_layers=rewrite.unchanged,
+                           seconds=round(time.monotonic() - started, 2))

@@ -314,15 +314,15 @@ class Docker:
                 return False
             raise DockerError(f"removing image {ref} failed: {exc.explanation or exc}") from exc
 
-    def pull(self, ref: str) -> str:
-        """Pull `ref` (name@sha256:...) and return its image id; DockerError when unreachable."""
+    def pull(self, ref: str, *, hint: bool = True) -> str:
+        """Pull `ref` (name@sha256:... or name:tag) and return its image id; DockerError when unreachable or absent
+        (with `hint`, the error suggests loading the image or a bootstrap base, as for a base)."""
         try:
             image = self._client.images.pull(ref)
         except docker.errors.APIError as exc:
-            raise DockerError(
-                f"cannot pull {ref}: {exc.explanation or exc}; no registry is reachable from here? "
-                "fix: load the image (docker load) on this machine, or use a bootstrap base"
-            ) from exc
+            fix = ("; no registry is reachable from here? fix: load the image (docker load) on this machine, or use a "
+                   "bootstrap base") if hint else ""
+            raise DockerError(f"cannot pull {ref}: {exc.explanation or exc}{fix}") from exc
         return str(image.id)
 
     def push(self, reference: str, *, on_event: OnEvent = _quiet) -> str:

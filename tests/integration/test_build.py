@@ -18,8 +18,8 @@ from skupin.builder.build import BuiltImage, build
 from skupin.builder.catalog.lockfile import Lock, image_tag, lock_path, read_lock, write_lock
 from skupin.builder.catalog.manifest import load_manifest
 from skupin.builder.check import resolve
-from skupin.builder.render import render, render_manifest, source_date_epoch
-from skupin.builder.reproducible import normalise_image
+from skupin.builder.render import render, render_manifest
+from skupin.builder.reproducible import IMAGE_EPOCH, normalise_image
 from skupin.builder.wheels import store_path, wheel_store
 from skupin.common.errors import BuildError
 from skupin.dockerd import ContainerSpec, Docker
@@ -292,7 +292,7 @@ def test_render_out_writes_a_context_that_builds_without_skupin_or_a_network(
                                    "SKUPIN_DOCKERFILE_SHA256": built.dockerfile_sha256})
     base = docker.inspect_image(built.base_id)
     assert base is not None
-    made = normalise_image(docker, raw, epoch=source_date_epoch(lock), base_layers=base.layers)
+    made = normalise_image(docker, raw, epoch=IMAGE_EPOCH, base_layers=base.layers)
     if raw != built.image_id:
         docker.remove_image(raw)
     assert made.image_id == built.image_id  # BuildKit's image, normalised as every skupin build is

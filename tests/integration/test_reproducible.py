@@ -150,3 +150,34 @@ def test_two_builds_in_separate_empty_engines_push_under_one_digest(tmp_path: Pa
     result = json.loads(out.read_text())["skus"][SKU]
     digests = {run["digest"] for run in result["runs"]}
     assert result["same_digest"] and len(digests) == 1 and len(result["runs"]) == 2, result
+
+
+def test_the_registry_cache_holds_the_rewritten_layers_with_buildkits_cache_and_hands_the_image_to_the_next_build(
+        docker: Docker, honest_image: str, stack, wheelhouse, host_ca_bundle, registries: list[LocalRegistry]) -> None:
+    """`skupin build --cache REF`: after a verified build REF holds the rewritten layers under BuildKit's inline cache and
+    the result reference the image itself; the next build of the same inputs pulls that and builds nothing.
+    (The cold and warm times in engines with no local state are bench/reproducible.py's.)"""
+    from skupin.builder.build import build, result_reference
+
+    cache = f"{registries[0].addr}/cache/{SKU}:buildcache"
+    first = build(render(stack), docker, wheelhouse=wheelhouse, ca_bundle=host_ca_bundle, cache=cache)
+    assert first.image_id == honest_image and first.cache == cache and first.fetched is None  # one lock, one image
+    info = docker.inspect_image(first.image_id)
+    assert info is not None
+    with RegistryClient(f"http://{registries[0].addr}") as client:
+        cached = client.get_manifest(f"cache/{SKU}", "buildcache").json()
+        config = json.loads(client.get_blob(f"cache/{SKU}", cached["config"]["digest"]))
+        result_tag = next(t for t in client.list_tags(f"cache/{SKU}") if t.startswith("buildcache-"))
+        result = client.get_manifest(f"cache/{SKU}", result_tag).json()
+    assert config["rootfs"]["diff_ids"] == list(info.layers)  # BuildKit's cache over the rewritten layers
+    assert isinstance(config.get("moby.buildkit.cache.v0"), str)
+    assert result["config"]["digest"] == first.image_id  # the image itself, layers shared with the cache
+    assert [layer["digest"] for layer in result["layers"]] == [layer["digest"] for layer in cached["layers"]]
+
+    second = build(render(stack), docker, wheelhouse=wheelhouse, ca_bundle=host_ca_bundle, cache=cache)
+    assert second.fetched == f"{registries[0].addr}/cache/{SKU}:{result_tag}"
+    assert result_tag == result_reference(cache, result_tag.removeprefix("buildcache-")).rpartition(":")[2]
+    assert second.image_id == first.image_id and "buildkit" not in second.phases and "normalise" not in second.phases
+    assert second.installed == first.installed  # still checked against the lock in the image's own Python
+    tags = docker.inspect_image(second.image_id).tags  # type: ignore[union-attr]
+    assert second.fetched not in tags and second.image in tags  # the pull's tag is gone, the version tag stays

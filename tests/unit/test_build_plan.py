@@ -11,6 +11,7 @@ from skupin.builder.build import (
     CA_SECRET_ID,
     EnsureBase,
     ExportCache,
+    FetchResult,
     GatherWheels,
     Normalise,
     RunBuildKit,
@@ -18,13 +19,16 @@ from skupin.builder.build import (
     VerifyInstalled,
     WriteContext,
     WriteRecord,
+    build_inputs_key,
     execute_build,
     plan_build,
+    result_reference,
 )
 from skupin.builder.catalog.lockfile import image_tag
 from skupin.builder.check import resolve
-from skupin.builder.render import render, render_manifest, source_date_epoch
-from skupin.common.errors import BuildError, LockError
+from skupin.builder.render import render, render_manifest
+from skupin.builder.reproducible import IMAGE_EPOCH
+from skupin.common.errors import BuildError, DockerError, LockError
 from skupin.dockerd import ImageInfo, RunResult
 from tests.paths import SKUS
 
@@ -53,7 +57,7 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
     assert buildkit == RunBuildKit(build_args={"SKUPIN_BASE": stack.manifest.base.reference,
                                                "SKUPIN_LOCK_HASH": lock.content_hash(),
                                                "SKUPIN_DOCKERFILE_SHA256": rendered.sha256})
-    assert normalise == Normalise(epoch=source_date_epoch(lock))  # the lock's time: the installed files' mtimes
+    assert normalise == Normalise(epoch=IMAGE_EPOCH)  # one constant: the installed files' mtimes
     assert verify == VerifyInstalled(locked={name: p.version for name, p in lock.packages().items()})
     assert tag == TagImage(tag=image_tag(sku="cpu-x86_64", engine_version=stack.manifest.stack.engine.version, lock=lock,
                                          dockerfile_sha256=rendered.sha256))
@@ -62,15 +66,46 @@ def test_the_plan_is_every_step_in_order_with_what_it_needs(rendered, tmp_path):
                       wheel_store=tmp_path / "store", contexts=tmp_path / "contexts") == steps  # a plan is a value
 
 
-def test_a_registry_cache_is_read_by_buildkit_and_buildkits_image_pushed_after_the_rewrite(rendered):
-    steps = plan_build(rendered, cache="127.0.0.1:5000/cache/cpu-x86_64:buildcache")
-    assert [step.kind for step in steps][3:6] == ["buildkit", "normalise", "cache"]
-    assert steps[4] == Normalise(epoch=source_date_epoch(rendered.stack.lock), keep_source=True)  # the export pushes it
-    buildkit = steps[3]
-    assert isinstance(buildkit, RunBuildKit) and buildkit.cache_from == "127.0.0.1:5000/cache/cpu-x86_64:buildcache"
+def test_a_registry_cache_is_read_first_for_this_builds_image_then_by_buildkit_and_pushed_after_the_tag(rendered):
+    cache = "127.0.0.1:5000/cache/cpu-x86_64:buildcache"
+    steps = plan_build(rendered, cache=cache)
+    lock = rendered.stack.lock
+    assert [step.kind for step in steps] == ["fetch", "wheels", "base", "context", "buildkit", "normalise", "verify",
+                                             "tag", "cache"]  # only a verified image is cached
+    buildkit = steps[4]
+    assert isinstance(buildkit, RunBuildKit) and buildkit.cache_from == cache
     assert buildkit.build_args["BUILDKIT_INLINE_CACHE"] == "1"
-    assert steps[5] == ExportCache(reference="127.0.0.1:5000/cache/cpu-x86_64:buildcache")
+    assert steps[5] == Normalise(epoch=IMAGE_EPOCH, inline_cache=True)  # the cache image over its layers
+    key = build_inputs_key(rendered, build_args=buildkit.build_args, lock=lock)
+    assert steps[0] == FetchResult(reference=result_reference(cache, key), base_diff_id=lock.base.diff_id,
+                                   epoch=IMAGE_EPOCH,
+                                   labels={"io.skupin.dockerfile-sha256": rendered.sha256,
+                                           "io.skupin.lock-sha256": lock.content_hash()})
+    assert steps[-1] == ExportCache(reference=cache, result=result_reference(cache, key))
     assert "BUILDKIT_INLINE_CACHE" not in next(s for s in plan_build(rendered) if isinstance(s, RunBuildKit)).build_args
+    assert "fetch" not in [s.kind for s in plan_build(rendered, cache=cache, no_cache=True)]  # --no-cache builds
+
+
+def test_the_result_reference_hashes_every_input_of_the_image(rendered):
+    args = {"SKUPIN_BASE": "b", "SKUPIN_LOCK_HASH": "l", "SKUPIN_DOCKERFILE_SHA256": rendered.sha256}
+    lock = rendered.stack.lock
+    key = build_inputs_key(rendered, build_args=args, lock=lock)
+    assert key == build_inputs_key(rendered, build_args=args | {"BUILDKIT_INLINE_CACHE": "1"}, lock=lock)
+    name, text = next(iter(rendered.files.items()))
+    folder, wheels = next((f, w) for f, w in rendered.wheels.items() if w)
+    changed = [
+        rendered.model_copy(update={"text": rendered.text + "# more\n"}),
+        rendered.model_copy(update={"files": rendered.files | {name: text + " "}}),
+        rendered.model_copy(update={"wheels": rendered.wheels | {folder: {n: "0" * 64 for n in wheels}}}),
+    ]
+    others = {build_inputs_key(r, build_args=args, lock=lock) for r in changed}
+    others.add(build_inputs_key(rendered, build_args=args | {"SKUPIN_LOCK_HASH": "m"}, lock=lock))
+    others.add(build_inputs_key(rendered, build_args=args, lock=lock.model_copy(
+        update={"base": lock.base.model_copy(update={"diff_id": "sha256:" + "9" * 64})})))
+    assert len(others) == 5 and key not in others
+    assert result_reference("h:5000/c/cpu:buildcache", key) == f"h:5000/c/cpu:buildcache-{key[:32]}"
+    assert result_reference("h:5000/c/cpu", key) == f"h:5000/c/cpu:latest-{key[:32]}"  # the port is not a tag
+    assert len(result_reference("r/c:" + "t" * 128, key).rpartition(":")[2]) == 128
 
 
 def test_no_record_step_without_a_record_folder(rendered):
@@ -190,3 +225,66 @@ def test_a_failed_build_removes_the_untagged_image_it_made(rendered, tmp_path_fa
         execute_build(_without_buildkit(plan_build(rendered, bases=tmp_path_factory.mktemp("bases"))),
                       rendered=rendered, docker=docker)  # type: ignore[arg-type]
     assert ("remove", "sha256:made") in docker.calls
+
+
+class _Registry(_FakeDocker):
+    """A fake engine whose pull finds `pulled` (an image id) with `labels`, or fails as a registry miss does."""
+
+    def __init__(self, installed, *, layers, labels, pulled: str | None) -> None:
+        super().__init__(installed, layers=layers)
+        self.labels, self.pulled = labels, pulled
+
+    def pull(self, ref: str, *, hint: bool = True) -> str:
+        self.calls.append(("pull", ref))
+        if self.pulled is None:
+            raise DockerError(f"cannot pull {ref}: manifest unknown")
+        return self.pulled
+
+    def inspect_image(self, ref: str) -> ImageInfo:
+        info = super().inspect_image(ref)
+        return info.model_copy(update={"labels": self.labels, "id": self.pulled or info.id})
+
+
+def _fetch_plan(rendered, tmp_path):
+    return plan_build(rendered, cache="127.0.0.1:5000/cache/cpu-x86_64:buildcache", records=tmp_path)
+
+
+def test_a_result_in_the_registry_cache_skips_every_step_that_makes_an_image(rendered, tmp_path):
+    lock = rendered.stack.lock
+    steps = _fetch_plan(rendered, tmp_path)
+    fetch, tag = steps[0], next(s for s in steps if isinstance(s, TagImage))
+    docker = _Registry({name: p.version for name, p in lock.packages().items()}, layers=(lock.base.diff_id, "sha256:x"),
+                       labels=fetch.labels, pulled="sha256:" + "2" * 64)
+    built = execute_build(steps, rendered=rendered, docker=docker)  # type: ignore[arg-type]
+    assert [c[0] for c in docker.calls] == ["pull", "inspect", "run", "tag", "inspect", "remove", "inspect"]
+    assert docker.calls[0] == ("pull", fetch.reference) and docker.calls[3] == ("tag", "sha256:" + "2" * 64, tag.tag)
+    assert docker.calls[5] == ("remove", fetch.reference)  # the pull's tag goes; the version tag stays
+    assert built.fetched == fetch.reference and built.image_id == "sha256:" + "2" * 64
+    assert list(built.phases) == ["fetch", "verify", "tag"]  # no wheels, base, BuildKit, rewrite or cache push
+    assert built.reproducible is not None and built.reproducible.unchanged_layers == 2
+
+
+@pytest.mark.parametrize("labels, layers, why", [
+    ({}, None, "label io.skupin.dockerfile-sha256=None"),
+    (None, ("sha256:" + "9" * 64,), "its first layer is not the locked base"),
+])
+def test_a_cached_result_that_is_not_these_inputs_is_not_used(rendered, tmp_path, labels, layers, why):
+    lock = rendered.stack.lock
+    steps = _fetch_plan(rendered, tmp_path)
+    lines: list[str] = []
+    docker = _Registry({}, layers=layers or (lock.base.diff_id,), labels=steps[0].labels if labels is None else labels,
+                       pulled="sha256:" + "3" * 64)
+    with pytest.raises(BuildError, match="ends before the image was tagged"):  # a build would follow
+        execute_build(steps[:1], rendered=rendered, docker=docker, on_line=lines.append)  # type: ignore[arg-type]
+    assert any(why in line and line.endswith("building") for line in lines), lines
+    assert ("remove", steps[0].reference) in docker.calls
+
+
+def test_a_registry_miss_builds(rendered, tmp_path):
+    steps = _fetch_plan(rendered, tmp_path)
+    lines: list[str] = []
+    docker = _Registry({}, layers=(), labels={}, pulled=None)
+    with pytest.raises(BuildError, match="ends before the image was tagged"):  # a build would follow
+        execute_build(steps[:1], rendered=rendered, docker=docker, on_line=lines.append)  # type: ignore[arg-type]
+    assert docker.calls == [("pull", steps[0].reference)]
+    assert any("none to reuse (cannot pull" in line and line.endswith("building") for line in lines), lines

@@ -25,6 +25,7 @@ from skupin.builder.catalog.lockfile import LockedBase, read_lock
 from skupin.builder.catalog.manifest import Bootstrap, GitSource, load_manifest
 from skupin.builder.lock import apt_note, lock_status, locked_base, relock_host, stale_reasons
 from skupin.builder.render import apt_roots, render_manifest
+from skupin.builder.reproducible import IMAGE_EPOCH
 from skupin.common.errors import BuildError, LockError
 from skupin.dockerd import RunResult
 
@@ -210,7 +211,12 @@ def test_the_oci_labels_come_from_the_lock_not_the_clock() -> None:
     assert f'      io.skupin.base-diff-id="{lock.base.diff_id}" \\\n' in text
     assert "org.opencontainers.image.base.digest" not in text  # a local import has no manifest digest
     later = render_manifest(manifest=manifest, lock=lock.model_copy(update={"created": "2027-01-01T00:00:00Z"})).text
-    assert later != text and "--mtime 1798761600 " in later
+    assert later != text and '"2027-01-01T00:00:00Z"' in later
+    # the files' mtimes are one constant, not the lock's time: a step's output is a function of its own inputs, so a
+    # RUN step that a newer lock leaves unchanged is the same step (BuildKit's cache) and the same layer
+    steps = [line for line in text.splitlines() if "--mtime" in line]
+    assert steps and steps == [line for line in later.splitlines() if "--mtime" in line]
+    assert all(f"--mtime {IMAGE_EPOCH} " in line for line in steps)
     gpu = load_manifest(SKUS / "nvidia-h200-vllm.yaml")
     gpu_text = render_manifest(manifest=gpu, lock=read_lock(SKUS / "nvidia-h200-vllm.lock.json")).text
     assert f'org.opencontainers.image.base.digest="{gpu.base.image.rsplit("@", 1)[1]}"' in gpu_text  # type: ignore[union-attr]

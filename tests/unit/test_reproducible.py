@@ -189,3 +189,27 @@ def test_docker_25_s_oci_layout_rewrites_to_the_same_image(tmp_path) -> None:
                            on_event=lambda _: None, image=image)
         outs.append((b"".join(rewrite.chunks()), rewrite.image_config, rewrite.kept, len(rewrite.renamed)))
     assert outs[0] == outs[1] and outs[1][2:] == (1, 1)
+
+
+def test_layers_already_rewritten_are_not_loaded_again_below_the_first_changed_one(tmp_path) -> None:
+    """BuildKit fed from a registry cache of rewritten layers gives back layers that rewrite to themselves: the engine
+    has their chain already, so the load tarball leaves them out, but only while every layer below is unchanged too."""
+    lower = _rewrite(_layer([("usr/", None, EPOCH + 1), ("usr/l", b"l", EPOCH + 1)]))[2]  # rewritten before
+    middle = _layer([("opt/", None, EPOCH + 9), ("opt/m", b"m", EPOCH + 9)])  # built now: changes
+    upper = _rewrite(_layer([("srv/", None, EPOCH + 2), ("srv/u", b"u", EPOCH + 2)]))[2]  # rewritten before
+    ids = ["sha256:" + hashlib.sha256(raw).hexdigest() for raw in (lower, middle, upper)]
+    rewrite = _Rewrite(io.BytesIO(_saved([lower, middle, upper])), epoch=EPOCH, keep=frozenset(), scratch=tmp_path,
+                       on_event=lambda _: None)
+    manifest, files = _load(b"".join(rewrite.chunks()))
+    new = json.loads(rewrite.image_config)["rootfs"]["diff_ids"]
+    assert new[0] == ids[0] and new[1] != ids[1] and new[2] == ids[2]
+    assert manifest["Layers"][0] not in files  # the engine has the chain [lower]
+    assert files[manifest["Layers"][1]] and files[manifest["Layers"][2]] == upper  # [lower, new middle, upper] is new
+    assert rewrite.unchanged == 1 and list(tmp_path.iterdir()) == []
+
+    all_done = _Rewrite(io.BytesIO(_saved([lower, upper])), epoch=EPOCH, keep=frozenset(), scratch=tmp_path,
+                        on_event=lambda _: None)
+    manifest, files = _load(b"".join(all_done.chunks()))
+    assert files.keys() == {manifest["Config"]} and all_done.unchanged == 2  # a full cache hit loads the config only
+    assert json.loads(all_done.image_config)["rootfs"]["diff_ids"] == [ids[0], ids[2]]
+    assert list(tmp_path.iterdir()) == []

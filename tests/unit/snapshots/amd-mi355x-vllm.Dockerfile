@@ -2,7 +2,7 @@
 # amd Instinct MI355X 288GB (gfx950, amd-cdna4)
 # driver rocm 7.2.1 | framework torch 2.11.0+rocm7.2 | compiler triton 3.6.0 | engine vllm 0.25.1
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
-# the image BuildKit builds is normalised as skupin-layers/1: one lock, one image id (docs/REPRODUCIBLE.md)
+# the image BuildKit builds is normalised as skupin-layers/2: one lock, one image id (docs/REPRODUCIBLE.md)
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock amd-mi355x-vllm`).
 ARG SKUPIN_BASE=docker.io/rocm/dev-ubuntu-24.04:7.2.1-complete@sha256:3db551c4e1229aac1857ac44fcb6141bb749f41348eb572452f11279153c13c3
 FROM ${SKUPIN_BASE}

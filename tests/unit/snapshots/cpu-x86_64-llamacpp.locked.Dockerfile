@@ -2,7 +2,7 @@
 # cpu x86_64 CPU (x86_64, cpu-x86_64)
 # driver none none | framework none none | compiler gcc 12.2.0 | engine llamacpp 0.3.36
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
-# the image BuildKit builds is normalised as skupin-layers/1: one lock, one image id (docs/REPRODUCIBLE.md)
+# the image BuildKit builds is normalised as skupin-layers/2: one lock, one image id (docs/REPRODUCIBLE.md)
 ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:f36ed5ef9ef7
 
 # stage: engine build (llama-cpp-python 0.3.36 from its sdist; only the wheel it makes reaches the image)
@@ -90,11 +90,11 @@ ENV PATH=/opt/skupin/venv/bin:$PATH \
 RUN --mount=type=bind,source=wheels/engine,target=/tmp/skupin-wheels --mount=type=bind,source=requirements/engine.txt,target=/tmp/skupin-requirements.txt \
     --mount=type=bind,source=tools,target=/tmp/skupin-tools --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode \
     python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-wheels --keep /opt/skupin/requirements/engine.txt \
-    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode --mtime 1796229790 /tmp/skupin-requirements.txt
+    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode --mtime 1686355200 /tmp/skupin-requirements.txt
 RUN --mount=type=bind,from=skupin-engine-build,source=/out,target=/tmp/skupin-built --mount=type=bind,source=tools,target=/tmp/skupin-tools \
     --mount=type=cache,id=skupin-bytecode,target=/var/cache/skupin-bytecode \
     python /tmp/skupin-tools/wheel_install.py --wheels /tmp/skupin-built/wheel --keep /opt/skupin/requirements/engine-built.txt \
-    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode --mtime 1796229790 /tmp/skupin-built/requirements.txt
+    --lazy '/site-packages/transformers/models/(?!auto/)[^/]+/' --cache /var/cache/skupin-bytecode --mtime 1686355200 /tmp/skupin-built/requirements.txt
 
 # layer: extras
 RUN apt-get update \

@@ -2,7 +2,7 @@
 # cpu x86_64 CPU (x86_64, cpu-x86_64)
 # driver none none | framework torch 2.13.0+cpu | compiler gcc 12.2.0 | engine vllm 0.32.0
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
-# the image BuildKit builds is normalised as skupin-layers/1: one lock, one image id (docs/REPRODUCIBLE.md)
+# the image BuildKit builds is normalised as skupin-layers/2: one lock, one image id (docs/REPRODUCIBLE.md)
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock cpu-x86_64-vllm`).
 ARG SKUPIN_BASE=skupin-base/debian-bookworm-minbase:f36ed5ef9ef7
 FROM ${SKUPIN_BASE}

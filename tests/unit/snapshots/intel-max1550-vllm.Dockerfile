@@ -2,7 +2,7 @@
 # intel Data Center GPU Max 1550 (xe-hpc, intel-xe-hpc)
 # driver intel-compute-runtime 25.48.36300.8 | framework torch 2.14.0+xpu | compiler triton 3.8.0 | engine vllm 0.33.0
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
-# the image BuildKit builds is normalised as skupin-layers/1: one lock, one image id (docs/REPRODUCIBLE.md)
+# the image BuildKit builds is normalised as skupin-layers/2: one lock, one image id (docs/REPRODUCIBLE.md)
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock intel-max1550-vllm`).
 ARG SKUPIN_BASE=docker.io/intel/oneapi-basekit:2025.3.2-0-devel-ubuntu24.04@sha256:79a5e333ff6f773793d124b78047001c51cbcd53035e5100313abf2f771af95a
 FROM ${SKUPIN_BASE}

@@ -2,7 +2,7 @@
 # nvidia H200 SXM 141GB (sm_90, nvidia-hopper)
 # driver nvidia 580.95.05 | framework torch 2.13.0 | compiler triton 3.7.1 | engine vllm 0.32.0
 # locked pip steps install fetched wheels with tools/wheel_install.py (pypa installer 0.7.0) and tools/bytecode.py; tools sha256 <tools>
-# the image BuildKit builds is normalised as skupin-layers/1: one lock, one image id (docs/REPRODUCIBLE.md)
+# the image BuildKit builds is normalised as skupin-layers/2: one lock, one image id (docs/REPRODUCIBLE.md)
 # UNLOCKED: pins only, resolved by pip at build time. `skupin build` needs a lock (`skupin lock nvidia-h200-vllm`).
 ARG SKUPIN_BASE=docker.io/nvidia/cuda:13.0.2-runtime-ubuntu24.04@sha256:6a0e31b59e70890446f2c17356d6efc0d54260090a8c63d6ca7c2ad049db95d2
 FROM ${SKUPIN_BASE}
