@@ -1,5 +1,5 @@
 """Benchmark: one lock, one digest. Builds of a SKU from fresh clones, each in a Docker engine of its own with an empty
-data root, pushed to one registry; and the registry layer cache of runners without local state.
+data root, pushed to one registry; and the registry cache of runners without local state.
 
     python -m bench.reproducible [--sku cpu-x86_64 ...] [--runs cold,cold,cached,sibling,sibling-cold]
                                  [--sibling cpu-x86_64-bf16] [--base bootstrap|load] [--out bench/results/reproducible.json]

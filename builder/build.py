@@ -4,10 +4,11 @@
 anything runs (pure: no Docker, no network, no files; tested without Docker, as cibuildwheel's
 `get_build_steps`), refusing a render whose stack has no current lock; `execute_build` runs the
 steps in order:
-1. `EnsureBase`: make sure the base exists (`builder.base.ensure_base`);
-2. `GatherWheels`: every locked wheel into the host's wheel store (`builder.wheels`: from the
+0. `FetchResult` (with a registry cache only; below): the image of these very inputs, if the cache holds one;
+1. `GatherWheels`: every locked wheel into the host's wheel store (`builder.wheels`: from the
    wheelhouse or downloaded, each checked against the lock's sha256; the extra CA bundle is
-   trusted here);
+   trusted here), so a missing or mismatched wheel refuses the build before a base is made;
+2. `EnsureBase`: make sure the base exists (`builder.base.ensure_base`);
 3. `WriteContext`: sync the SKU's build context folder (`.skupin/contexts/<sku>`, kept between
    builds and locked while in use, so that BuildKit re-sends only what changed; each step's wheels
    are hard-linked from the store);
@@ -17,23 +18,27 @@ steps in order:
    durations and cache hits, mapping each step to the `# layer: NAME` comment above its instruction;
    with a registry cache reference it reuses that reference's inline cache;
 5. `Normalise`: rewrite BuildKit's image so one lock gives one image id on any machine
-   (`builder.reproducible`: mtimes clamped to the lock's time, one config `created`); BuildKit's image goes;
+   (`builder.reproducible`: mtimes clamped to one epoch, one config `created`); BuildKit's image goes;
 6. `VerifyInstalled`: ask the image's own Python (in a sandboxed container) for its installed
    distributions and fail unless they equal the lock;
 7. `TagImage`: only then tag the content-addressed tag (`builder.catalog.lockfile.image_tag`);
-8. `ExportCache` (with a cache reference only): push the registry cache (below);
-9. `WriteRecord`: write the build record (`.skupin/builds/<sku>.json`).
-A failure at any step raises BuildError naming the layer with the tail of its log; no tag is made.
+8. `ExportCache` (with a registry cache only): push it (below);
+9. `RecordBuiltWheel` (a source-built engine only): record the wheel its build stage made;
+10. `WriteRecord`: write the build record (`.skupin/builds/<sku>.json`).
+A failure at any step raises BuildError naming the layer with the tail of its log; no tag is made and no image it
+made or pulled is left untagged.
 
-The registry cache (`cache`, a reference such as ghcr.io/acme/skupin-staging/cpu-x86_64:buildcache) is for runners
-without local state. After a verified build it holds two images over the same rewritten layers: at the reference, the
-layers under a config that carries BuildKit's inline cache (a later build's BuildKit reuses every step below a changed
-pin, and gets layers that are rewritten already: the rewrite does not load them again); at `result_reference` (the
-reference's tag + the hash of every build input, `build_inputs_key`), the built image itself. A build with the cache
-first tries `FetchResult`: a pull of its inputs' result reference; on a hit the steps that make the image (1-5, 8) are
-skipped and the pulled image goes through 6 and 7 as a built one does. The cache is trusted as far as the registry
-that holds it (as any BuildKit cache is): `--no-cache` builds without it, and `skupin verify --rebuild` rebuilds with
-no cache at all.
+The registry cache (`cache`, host/repository:tag such as ghcr.io/acme/skupin-staging/cpu-x86_64:buildcache) is for
+runners without local state. After a verified build it holds two images over the same rewritten layers: at the
+reference, the layers under a config that carries BuildKit's inline cache (a later build's BuildKit reuses every step
+below a changed pin, and gets layers that are rewritten already: the rewrite does not load them again); at
+`result_reference` (the same repository, the tag + "-" + 32 hex of `build_inputs_key`, the hash of every build input),
+the built image itself. A build with the cache first tries `FetchResult`: a pull of its inputs' result reference,
+checked before it runs (every label, the config, the base layer); on a hit steps 1-5 and 8 are skipped and the pulled
+image goes through 6 and 7 as a built one does; if it fails there, the plan runs again without FetchResult (a build,
+whose image then replaces it in the cache). The cache is trusted as far as whoever can write to it (as any BuildKit
+cache is; docs/REPRODUCIBLE.md): `--no-cache` reads neither (and still refreshes both), `skupin verify --rebuild`
+builds with no cache at all.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from skupin.builder.base import bases_dir, check_locked_base, ensure_base
 from skupin.builder.catalog.lockfile import Lock, LockedBase, LockedPackage, sku_image_tag
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
+from skupin.builder.imageconfig import ImageConfig, config_of, labels_of
 from skupin.builder.render import ENGINE_WHEEL_STAGE, RenderedDockerfile, write_context
 from skupin.builder.reproducible import IMAGE_EPOCH, LAYER_FORMAT, NormalisedImage, normalise_image
 from skupin.builder.sourcebuild import BuiltWheel, built_dir, export_wheel, write_built
@@ -74,7 +80,6 @@ OnLine = Callable[[str], None]
 # (the image tag hashes it with the lock; publish checks an image's label before giving it a version tag).
 DOCKERFILE_ARG = "SKUPIN_DOCKERFILE_SHA256"
 DOCKERFILE_LABEL = "io.skupin.dockerfile-sha256"
-LOCK_LABEL = "io.skupin.lock-sha256"
 Progress = Literal["tty", "plain"]
 CA_SECRET_ID = "skupin_ca"
 LOG_TAIL_LINES = 30
@@ -120,9 +125,10 @@ class BuiltImage(Frozen):
     total_s: float
     phases: dict[str, float] = Field(
         default_factory=dict,
-        description="Wall seconds per step of the plan: base (check or bootstrap), wheels (gather them in the "
-                    "store), context (sync the build context), buildkit (the `docker build`), verify (the image's "
-                    "Python vs. the lock), tag",
+        description="Wall seconds per step of the plan: fetch (the registry cache's image of these inputs), base "
+                    "(check or bootstrap), wheels (gather them in the store), context (sync the build context), "
+                    "buildkit (the `docker build`), normalise (the rewrite), verify (the image's Python vs. the lock), "
+                    "tag, cache (push the registry cache), built (record a source-built wheel)",
     )
     size_bytes: int
     installed: dict[str, str] = Field(description="Distributions the image's own Python reports: name -> version")
@@ -130,9 +136,11 @@ class BuiltImage(Frozen):
     builder: str = Field("", description="The engine whose BuildKit built it (`docker <server version>`)")
     reproducible: NormalisedImage | None = Field(None, description="The rewrite that made its image id reproducible "
                                                                    "(builder/reproducible.py)")
-    cache: str | None = Field(None, description="The registry reference the build's layer cache came from and went to")
-    fetched: str | None = Field(None, description="The registry cache's result reference this image was pulled from "
-                                                  "(a build of the same inputs pushed it): nothing was built here")
+    cache: str | None = Field(None, description="The registry cache reference BuildKit read and this build refreshed "
+                                                "(None when it was not refreshed, or the image was fetched)")
+    fetched: str | None = Field(None, description="repository@digest of the registry cache's image of the same inputs "
+                                                  "this build pulled instead of building: nothing was built here (and "
+                                                  "`reproducible` is None)")
     stack: ResolvedStack = Field(exclude=True, description="The stack it was built from (for the gate and publish; "
                                                           "not part of the build record)")
 
@@ -364,13 +372,14 @@ class RunBuildKit(Frozen):
 
 class FetchResult(Frozen):
     """Pull the image a build of exactly these inputs pushed to the registry cache; on a hit the steps that make an image
-    are skipped. A miss, or an image whose Dockerfile label, lock label or base layer is not this build's, builds."""
+    are skipped. A miss, or an image whose labels, config or first layer are not what this render and lock give,
+    builds; so does a hit that fails a later step (the build then pushes its own image over it)."""
 
     kind: Literal["fetch"] = "fetch"
     reference: str = Field(description="The result reference (`result_reference`)")
-    labels: dict[str, str] = Field(description="Labels the image must carry: its Dockerfile's and its lock's hashes")
-    base_diff_id: str | None = Field(None, description="A bootstrapped base's layer: the image's first layer")
-    epoch: int = Field(description="SOURCE_DATE_EPOCH of the rewrite the image's inputs name (its key has the format)")
+    labels: dict[str, str] = Field(description="Every label the image must carry, no more (`imageconfig.labels_of`)")
+    config: ImageConfig = Field(description="The config the image must have before it runs (`imageconfig.config_of`)")
+    base_diff_id: str = Field(description="The bootstrapped base's layer: the image's first layer")
 
 
 class ExportCache(Frozen):
@@ -379,7 +388,7 @@ class ExportCache(Frozen):
 
     kind: Literal["cache"] = "cache"
     reference: str
-    result: str
+    result: str | None = Field(None, description="The result reference (None where no build fetches one)")
 
 
 class Normalise(Frozen):
@@ -421,9 +430,11 @@ class WriteRecord(Frozen):
 
 BuildStep = (FetchResult | EnsureBase | GatherWheels | WriteContext | RunBuildKit | ExportCache | Normalise
              | VerifyInstalled | TagImage | RecordBuiltWheel | WriteRecord)
-# What a FetchResult hit makes unnecessary: the steps that make the image, and pushing the cache it came from
-MADE_BY_FETCH = frozenset({"wheels", "base", "context", "buildkit", "normalise", "cache"})
+# The steps a FetchResult hit skips: those that make the image, and pushing the cache it came from
+SKIPPED_ON_FETCH = frozenset({"wheels", "base", "context", "buildkit", "normalise", "cache"})
 MAX_TAG = 128
+RESULT_KEY_HEX = 32  # hex digits of build_inputs_key in a result reference's tag (128 bits)
+_CACHE_REF = re.compile(r"^[^@\s]+/[^@\s:/]+(?:/[^@\s:/]+)*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 def build_inputs_key(rendered: RenderedDockerfile, *, build_args: Mapping[str, str], lock: Lock) -> str:
@@ -439,12 +450,19 @@ def build_inputs_key(rendered: RenderedDockerfile, *, build_args: Mapping[str, s
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def check_cache_reference(cache: str) -> None:
+    """BuildError unless `cache` is host/repository:tag (a tag, no digest: the cache is rewritten by every build)."""
+    if not _CACHE_REF.fullmatch(cache):
+        raise BuildError(f"--cache {cache[:200]!r}: not a registry reference with a tag and no digest; fix: name one "
+                         "such as ghcr.io/acme/skupin-staging/cpu-x86_64:buildcache")
+
+
 def result_reference(cache: str, key: str) -> str:
-    """Where the registry cache `cache` keeps the image of a build whose inputs hash to `key`: its tag + 32 hex digits."""
-    repo, sep, tag = cache.rpartition(":")
-    if not sep or "/" in tag:
-        repo, tag = cache, "latest"
-    return f"{repo}:{tag[:MAX_TAG - 33]}-{key[:32]}"
+    """Where the registry cache `cache` (host/repository:tag) keeps the image of a build whose inputs hash to `key`: the
+    same repository, its tag + "-" + 32 hex digits of the key."""
+    check_cache_reference(cache)
+    repo, _, tag = cache.rpartition(":")
+    return f"{repo}:{tag[:MAX_TAG - RESULT_KEY_HEX - 1]}-{key[:RESULT_KEY_HEX]}"
 
 
 def locked_stack(rendered: RenderedDockerfile) -> tuple[ResolvedStack, Lock]:
@@ -466,8 +484,9 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
     """Every step of the build of `rendered`, decided before anything runs (pure: no Docker, network or files).
 
     `rendered` must come from a stack whose lock is current (LockError otherwise: the image would not
-    be what its lock says). Without `records` no build record is written. With `cache` (a registry reference) the
-    build reuses that reference's inline cache and pushes its own there (the cache of runners without local state).
+    be what its lock says). Without `records` no build record is written. With `cache` (host/repository:tag; BuildError
+    otherwise) the build first looks for its inputs' image there, reuses the reference's inline cache and pushes both
+    there after it is verified (the registry cache of runners without local state: see the module doc).
     """
     stack, lock = locked_stack(rendered)
     manifest = stack.manifest
@@ -478,14 +497,15 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
     if cache:
         build_args["BUILDKIT_INLINE_CACHE"] = "1"
     result = result_reference(cache, build_inputs_key(rendered, build_args=build_args, lock=lock)) if cache else ""
-    base_diff_id = lock.base.diff_id if lock.base is not None and lock.base.kind == "bootstrap" else None
+    base_diff_id = lock.base.diff_id if lock.base.kind == "bootstrap" else None
+    # with a registry cache, the image of these very inputs when it holds one; not for a source-built engine (its build
+    # records the wheel it built, which only a build makes), nor a registry base (its config and labels are the base
+    # image's, not known before it is pulled), nor with no_cache (that asks for a build)
+    fetch = bool(cache) and not no_cache and not from_source and base_diff_id is not None
     steps: list[BuildStep] = [
-        # with a registry cache, the image of these very inputs when it holds one (not for a source-built engine: its
-        # build records the wheel it built, which only a build makes; not with no_cache: that asks for a build)
-        *([FetchResult(reference=result, base_diff_id=base_diff_id, epoch=IMAGE_EPOCH,
-                       labels={DOCKERFILE_LABEL: rendered.sha256, LOCK_LABEL: lock.content_hash()})]
-          if cache and not no_cache and not from_source else []),
-        # the wheels first: a missing or mismatched one refuses the build before debootstrap or a pull runs
+        *([FetchResult(reference=result, base_diff_id=base_diff_id or "", labels=labels_of(rendered.text, build_args),
+                       config=config_of(rendered.text, ImageConfig()))] if fetch else []),
+        # the wheels before the base: a missing or mismatched one refuses the build before debootstrap or a base pull
         GatherWheels(packages=(*lock.packages().values(), *lock.build), store=wheel_store or default_wheel_store(),
                      wheelhouse=wheelhouse, ca_bundle=ca_bundle),
         EnsureBase(manifest=manifest, bases=bases or bases_dir(), locked=lock.base),
@@ -496,7 +516,8 @@ def plan_build(rendered: RenderedDockerfile, *, wheelhouse: Path | None = None, 
         Normalise(epoch=IMAGE_EPOCH, inline_cache=bool(cache)),
         VerifyInstalled(locked=locked_versions(lock)),
         TagImage(tag=sku_image_tag(manifest, lock=lock, dockerfile_sha256=rendered.sha256)),
-        *([ExportCache(reference=cache, result=result)] if cache else []),  # only a verified image is cached
+        # only a verified image is cached; the image itself only where a build can fetch it
+        *([ExportCache(reference=cache, result=result if fetch else None)] if cache else []),
     ]
     if from_source:
         steps.append(RecordBuiltWheel(folder=built or built_dir()))
@@ -535,7 +556,8 @@ class _Execution:
     exported: Path | None = None  # the source-built engine's exported wheel stage (a temporary folder)
     normalised: NormalisedImage | None = None
     cache: str | None = None
-    fetched: str = ""  # FetchResult's hit: the reference the image was pulled from (tagged until TagImage)
+    fetched: str = ""  # FetchResult's hit: repository@manifest digest of the image it pulled
+    fetched_tag: str = ""  # the reference it pulled (a local tag until TagImage)
 
     def result(self) -> BuiltImage:
         """The BuiltImage of a tagged build (made once: the record and the caller get the same object)."""
@@ -607,42 +629,67 @@ def _fetch_result(step: FetchResult, run: _Execution) -> None:
     except DockerError as exc:  # a miss (the usual "manifest unknown"), or a registry that does not answer
         run.on_line(f"none to reuse ({str(exc).splitlines()[0][:300]}); building")
         return
-    info = run.docker.inspect_image(image_id)
-    wrong = [f"label {k}={(info.labels.get(k) if info else None)!r}, not {v!r}" for k, v in step.labels.items()
-             if info is None or info.labels.get(k) != v]
-    if step.base_diff_id is not None and (info is None or info.layers[:1] != (step.base_diff_id,)):
-        wrong.append(f"its first layer is not the locked base's {step.base_diff_id[:19]}")
-    if wrong:
-        run.on_line(f"{step.reference} is not an image of these inputs ({'; '.join(wrong)}); building")
+    try:
+        info = run.docker.inspect_image(image_id)
+        wrong = _not_these_inputs(step, info, run.docker)
+    except DockerError as exc:
+        info, wrong = None, [f"it could not be inspected: {str(exc).splitlines()[0][:200]}"]
+    if info is None or wrong:
+        run.on_line(f"{step.reference} is not the image of these inputs ({'; '.join(wrong)[:600]}); building")
         with contextlib.suppress(DockerError):
             run.docker.remove_image(step.reference)
         return
-    run.on_line(f"reusing {image_id[:19]} from the registry cache: nothing to build")
-    run.image_id, run.fetched = image_id, step.reference
-    # made by the rewrite of this format (the key holds it), every layer rewritten already
-    run.normalised = NormalisedImage(image_id=image_id, source_id=image_id, epoch=step.epoch, kept_layers=0,
-                                     rewritten_layers=0, unchanged_layers=len(info.layers) if info else 0, seconds=0)
+    repo = step.reference.rpartition(":")[0]
+    pinned = next((d for d in info.repo_digests if d.startswith(f"{repo}@")), step.reference)
+    run.on_line(f"reusing {image_id[:19]} ({pinned}) from the registry cache: nothing to build")
+    # no account of a rewrite (reproducible stays None): nothing here built or rewrote it; the record names its source
+    run.image_id, run.fetched, run.fetched_tag = image_id, pinned, step.reference
+
+
+def _not_these_inputs(step: FetchResult, info: ImageInfo | None, docker: Docker) -> list[str]:
+    """What of a pulled image is not what this render, lock and base give (checked before the image ever runs)."""
+    if info is None:
+        return ["the engine does not show the pulled image"]
+    wrong = [f"label {k}: {str(info.labels.get(k))[:80]!r}, not {str(v)[:80]!r}"
+             for k, v in sorted(step.labels.items()) if info.labels.get(k) != v]
+    wrong += [f"label {k[:80]!r} the render does not set" for k in sorted(set(info.labels) - set(step.labels))]
+    found = ImageConfig.from_engine(docker.image_config(info.id))
+    wrong += [f"config {name} differs" for name in ImageConfig.model_fields if getattr(found, name) != getattr(step.config, name)]
+    if info.layers[:1] != (step.base_diff_id,):
+        wrong.append(f"its first layer is not the locked base's {step.base_diff_id[:19]}")
+    return wrong
 
 
 def _export_cache(step: ExportCache, run: _Execution) -> None:
     made = run.normalised
-    if made is None or made.cache_image_id is None:
-        run.on_line("BuildKit's image carried no inline cache: the build cache was not stored")
-        return
-    try:
-        run.docker.tag(made.cache_image_id, step.reference)
-        run.docker.tag(run.image_id, step.result)
-        run.on_line(f"pushing the build cache to {step.reference} and the image to {step.result}")
-        run.docker.push(step.reference, on_event=run.on_line)
-        run.docker.push(step.result, on_event=run.on_line)  # the same layers: only its config and manifest are new
-    except DockerError as exc:  # a cache that could not be stored costs the next build time, not this one its image
-        run.on_line(f"the build cache was not stored: {exc}")
+    pushes = [(step.result, run.image_id)] if step.result else []  # the image itself, for a build of the same inputs
+    if made is not None and made.cache_image_id is not None:
+        pushes.insert(0, (step.reference, made.cache_image_id))  # the rewritten layers under BuildKit's inline cache
     else:
-        run.cache = step.reference
+        run.on_line("no cache image (BuildKit's image carried no inline cache, or loading it failed): "
+                    f"{step.reference} is not refreshed")
+    try:
+        for reference, image in pushes:
+            run.docker.tag(image, reference)
+            run.on_line(f"pushing {reference} (the registry cache)")
+            run.docker.push(reference, on_event=run.on_line)  # the second: the same layers, only a config and manifest
+    except DockerError as exc:  # a cache that could not be stored costs the next build time, not this one its image
+        run.on_line(f"the registry cache was not stored: {exc}")
+    else:
+        run.cache = step.reference if made is not None and made.cache_image_id is not None else None
     finally:
-        with contextlib.suppress(DockerError):
-            run.docker.remove_image(step.reference)  # its only tag: the cache image goes (its layers are the image's)
-            run.docker.remove_image(step.result)  # a second tag of the built image
+        for reference, _ in pushes:
+            with contextlib.suppress(DockerError):
+                run.docker.remove_image(reference)  # the cache image's only tag (it goes), the image's second one
+        if made is not None and made.cache_image_id is not None:
+            _remove_if_untagged(run.docker, made.cache_image_id)
+
+
+def _remove_if_untagged(docker: Docker, image: str) -> None:
+    with contextlib.suppress(DockerError):
+        info = docker.inspect_image(image)
+        if info is not None and not info.tags:
+            docker.remove_image(image)
 
 
 def _normalise(step: Normalise, run: _Execution) -> None:
@@ -672,8 +719,9 @@ def _tag_image(step: TagImage, run: _Execution) -> None:
     info = run.docker.inspect_image(step.tag)
     if info is None:
         raise DockerError(f"tagged {run.image_id} as {step.tag} but the engine does not show it")
-    if run.fetched:
-        run.docker.remove_image(run.fetched)  # the pull's tag: the image keeps its version tag
+    if run.fetched_tag:
+        with contextlib.suppress(DockerError):  # the pull's tag: the image keeps its version tag
+            run.docker.remove_image(run.fetched_tag)
         info = run.docker.inspect_image(step.tag) or info
     run.image, run.tag = info, step.tag
 
@@ -719,34 +767,42 @@ def execute_build(steps: tuple[BuildStep, ...], *, rendered: RenderedDockerfile,
     stack, lock = locked_stack(rendered)
     run = _Execution(rendered=rendered, stack=stack, lock=lock, docker=docker, progress=progress, on_line=on_line,
                      started=time.monotonic())
+    failed = ""
     with run.held:
         try:
             for step in steps:
-                if run.fetched and step.kind in MADE_BY_FETCH:
+                if run.fetched and step.kind in SKIPPED_ON_FETCH:
                     continue
                 start = time.monotonic()
                 _run_step(step, run)
                 if step.kind != "record":
                     run.phases[step.kind] = round(time.monotonic() - start, 3)
+        except (BuildError, DockerError) as exc:
+            _drop_untagged(run)
+            if not run.fetched:
+                raise
+            failed = str(exc).splitlines()[0][:300]
         except BaseException:
             _drop_untagged(run)
             raise
+    if failed:  # the registry cache's image failed a check: build, and the build's own image replaces it in the cache
+        on_line(f"the image from the registry cache failed: {failed}; building")
+        return execute_build(tuple(s for s in steps if s.kind != "fetch"), rendered=rendered, docker=docker,
+                             progress=progress, on_line=on_line)
     return run.result()
 
 
 def _drop_untagged(run: _Execution) -> None:
-    """After a failed step: the images this build made that carry no tag (BuildKit's, the normalised one) go, so a
-    failure leaves no dangling image behind. An image with a tag (the same id as one built before) stays."""
-    if run.fetched:
+    """After a failed step: the pulled registry-cache tag goes, then the images this build made or pulled that carry no
+    tag (BuildKit's, the rewritten one, the cache image, the pulled one), so a failure leaves no dangling image behind.
+    An image with a tag (the same id as one built before) stays."""
+    if run.fetched_tag:
         with contextlib.suppress(DockerError):
-            run.docker.remove_image(run.fetched)
+            run.docker.remove_image(run.fetched_tag)
     normalised = run.normalised
-    made = {run.image_id, normalised.source_id if normalised else "", normalised.cache_image_id or "" if normalised else ""}
+    made = {run.image_id, *((normalised.source_id, normalised.cache_image_id or "") if normalised else ())}
     for image in sorted(made - {""}):
-        with contextlib.suppress(DockerError):
-            info = run.docker.inspect_image(image)
-            if info is not None and not info.tags:
-                run.docker.remove_image(image)
+        _remove_if_untagged(run.docker, image)
 
 
 def build(rendered: RenderedDockerfile, docker: Docker, *, wheelhouse: Path | None = None,

@@ -288,6 +288,38 @@ def config_of(dockerfile: str, base: ImageConfig) -> ImageConfig:
     return state.config.model_copy(update={"env": tuple(env)})
 
 
+def labels_of(dockerfile: str, args: Mapping[str, str]) -> dict[str, str]:
+    """The labels BuildKit gives the image of `dockerfile` (its last stage, FROM a base with no labels: a bootstrapped
+    base) built with the build arguments `args`. An ARG not given takes its default; a global ARG (before the first
+    FROM) is seen in the stage only where the stage declares it again; ENV wins over an ARG of the same name."""
+    state: _State | None = None
+    global_args: dict[str, str] = {}
+    values: dict[str, str] = {}
+    labels: dict[str, str] = {}
+    for word, rest in final_stage(dockerfile):
+        if word == "FROM":
+            state, values = _State(ImageConfig()), {}
+        elif word == "ARG":
+            for raw in _split_words(rest):
+                name, sep, default = raw.partition("=")
+                if state is None:
+                    given = _Expander(global_args, set()).word(default) if sep else ""
+                    global_args[name] = args.get(name, given)
+                else:
+                    given = _Expander({**values, **state.env}, set()).word(default) if sep else global_args.get(name, "")
+                    values[name] = args.get(name, given)
+        elif word == "ENV" and state is not None:
+            _env(state, rest)
+        elif word == "LABEL" and state is not None:
+            expand = _Expander({**values, **state.env}, set())
+            for raw in _split_words(rest):
+                key, sep, value = raw.partition("=")
+                if not sep:
+                    raise DockerfileConfigError(f"LABEL {raw[:80]!r}: not key=value")
+                labels[expand.word(key)] = expand.word(value)
+    return labels
+
+
 def _apply(state: _State, word: str, rest: str) -> None:  # noqa: C901 - one branch per instruction
     if word in _NO_CONFIG:
         return

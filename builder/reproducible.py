@@ -39,7 +39,7 @@ from typing import IO, TYPE_CHECKING, Any, Final, Protocol, cast
 
 from pydantic import Field
 
-from skupin.common.errors import BuildError
+from skupin.common.errors import BuildError, DockerError
 from skupin.common.model import Frozen
 
 if TYPE_CHECKING:  # the engine is passed in: importing this module loads no Docker client
@@ -182,8 +182,9 @@ class _Rewrite:
     tars, the OCI manifest blob is skipped; the legacy `layer.tar` names are links to the blobs)."""
 
     def __init__(self, saved: Readable, *, epoch: int, keep: frozenset[str], scratch: Path, on_event: OnEvent,
-                 image: str = "") -> None:
+                 image: str = "", order: tuple[str, ...] = ()) -> None:
         self.saved, self.epoch, self.keep, self.scratch, self.on_event = saved, epoch, keep, scratch, on_event
+        self.order = list(order)  # the image's diff ids bottom first, as the engine reports them (settles held layers)
         self.image_hex = image.removeprefix("sha256:")
         self.renamed: dict[str, str] = {}  # BuildKit's diff id -> the rewritten one
         self.config: dict[str, Any] | None = None
@@ -213,16 +214,10 @@ class _Rewrite:
         missing = [d for d in old if d not in self.keep and d not in self.renamed]
         if missing:
             raise BuildError(f"docker save gave no layer for {len(missing)} diff id(s) of the image, e.g. {missing[0]}")
+        if self.order and self.order != old:
+            raise BuildError("the engine's layers of the image are not the ones its saved config names")
         new = [d if d in self.keep else self.renamed[d] for d in old]
-        same_below = len(new) if new == old else next(i for i, (a, b) in enumerate(zip(new, old, strict=True)) if a != b)
-        for diff_id in old[same_below:]:  # a layer that rewrote to itself above one that changed: a chain to load
-            if diff_id in self.held:
-                path = self.held.pop(diff_id)
-                yield from self._member(f"{diff_id.removeprefix('sha256:')}/layer.tar", path)
-                path.unlink()
-        self.unchanged = len(self.held)
-        for path in self.held.values():
-            path.unlink()
+        yield from self._settle(old)  # everything is known now: every held layer is sent or dropped
         self.image_config = config_bytes(normal_config(self.config, diff_ids=new, epoch=self.epoch))
         yield from config_only_tarball(self.image_config, new)  # the config and manifest after the layers sent
 
@@ -263,13 +258,31 @@ class _Rewrite:
             handle.flush()
             self.renamed[old] = new
             size = Path(handle.name).stat().st_size
-            if new == old:  # already rewritten (a registry cache of rewritten layers): sent only if needed at the end
+            if new == old:  # already rewritten (a registry cache of rewritten layers): sent only if one below changed
                 self.held[old] = Path(handle.name).with_suffix(".same")
                 os.link(handle.name, self.held[old])
                 self.on_event(f"layer {old[:19]} is already rewritten: {entries} entries, {size / 1e6:.1f} MB")
-                return
-            self.on_event(f"rewrote layer {old[:19]} -> {new[:19]}: {entries} entries, {size / 1e6:.1f} MB")
-            yield from self._member(f"{new.removeprefix('sha256:')}/layer.tar", Path(handle.name))
+            else:
+                self.on_event(f"rewrote layer {old[:19]} -> {new[:19]}: {entries} entries, {size / 1e6:.1f} MB")
+                yield from self._member(f"{new.removeprefix('sha256:')}/layer.tar", Path(handle.name))
+        if self.order:
+            yield from self._settle(self.order)
+
+    def _settle(self, order: list[str]) -> Iterator[bytes]:
+        """Held layers (rewritten to themselves) that sit above a changed layer are sent (their chain is new); those
+        whose every layer below is known to be unchanged are dropped (the engine has their chain); others wait."""
+        status = [True if d in self.keep else (self.renamed[d] == d if d in self.renamed else None) for d in order]
+        changed = next((i for i, known in enumerate(status) if known is False), len(status))
+        unknown = next((i for i, known in enumerate(status) if known is None), len(status))
+        for diff_id in list(self.held):
+            at = [i for i, d in enumerate(order) if d == diff_id]
+            if at and max(at) > changed:
+                path = self.held.pop(diff_id)
+                yield from self._member(f"{diff_id.removeprefix('sha256:')}/layer.tar", path)
+                path.unlink()
+            elif at and max(at) <= unknown:
+                self.held.pop(diff_id).unlink()
+                self.unchanged += 1
 
     @staticmethod
     def _member(name: str, path: Path) -> Iterator[bytes]:
@@ -302,8 +315,10 @@ def _load_expected(docker: Docker, chunks: Iterator[bytes], config: Callable[[],
     loaded = docker.load_image(chunks)
     expected = "sha256:" + hashlib.sha256(config()).hexdigest()
     if loaded != expected:
-        with contextlib.suppress(Exception):  # not the image this rewrite made: it is not left behind
-            docker.remove_image(loaded)
+        with contextlib.suppress(DockerError):  # not the image this rewrite made: not left behind (unless tagged)
+            info = docker.inspect_image(loaded)
+            if info is not None and not info.tags:
+                docker.remove_image(loaded)
         raise BuildError(f"docker load made {loaded}, not the rewritten image {expected}")
     return loaded
 
@@ -314,20 +329,25 @@ def normalise_image(docker: Docker, image: str, *, epoch: int, base_layers: tupl
     """Rewrite the built `image` (see the module doc) and load it; its base's layers (`base_layers`) are kept.
 
     Only one rewritten layer is on disk at a time (in `scratch`, a temporary folder by default), besides layers that
-    were rewritten already, held until the end in case one below them changed. With `inline_cache` and BuildKit's
+    were rewritten already, held until the layers below them are known (`docker save` writes layers in no set order).
+    With `inline_cache` and BuildKit's
     inline cache in `image`'s config, also load the cache image (`cache_config`: a config only, the layers are the
     rewritten ones). BuildError when the engine's answer is not the image this rewrite made."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="skupin-normalise-", dir=scratch) as tmp:
         saved = io.BufferedReader(docker.save_image(image), CHUNK)
+        info = docker.inspect_image(image)
         rewrite = _Rewrite(saved, epoch=epoch, keep=frozenset(base_layers), scratch=Path(tmp), on_event=on_event,
-                           image=image)
+                           image=image, order=info.layers if info is not None else ())
         loaded = _load_expected(docker, rewrite.chunks(), lambda: rewrite.image_config)
     cache_id = None
     if inline_cache and rewrite.inline_cache is not None:
         config = cache_config(rewrite.image_config, rewrite.inline_cache)
         diff_ids = json.loads(config)["rootfs"]["diff_ids"]
-        cache_id = _load_expected(docker, config_only_tarball(config, diff_ids), lambda: config)
+        try:
+            cache_id = _load_expected(docker, config_only_tarball(config, diff_ids), lambda: config)
+        except (BuildError, DockerError) as exc:  # the cache costs the next build time, never this build its image
+            on_event(f"the cache image was not made: {exc}")
     return NormalisedImage(cache_image_id=cache_id, image_id=loaded, source_id=image, epoch=epoch, kept_layers=rewrite.kept,
                            rewritten_layers=len(rewrite.renamed) - rewrite.unchanged, unchanged_layers=rewrite.unchanged,
                            seconds=round(time.monotonic() - started, 2))

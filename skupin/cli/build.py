@@ -324,8 +324,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     else:
         for layer in built.layers:
             out(f"  {layer.name:<10} {layer.seconds:8.1f} s  {'cached' if layer.cached else 'built'}")
+        made = f"reused {built.fetched} as" if built.fetched else "built"
         out(
-            f"built {built.image} ({built.image_id[:19]}) in {built.total_s:.1f} s; "
+            f"{made} {built.image} ({built.image_id[:19]}) in {built.total_s:.1f} s; "
             f"record {state_dir() / 'builds' / (built.sku + '.json')}"
         )
     return 0
@@ -465,7 +466,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "again, pypa installer, no resolver, no network), compiling each Python file as it is "
         "written with skupin/imagetools/bytecode.py (unchanged files' code comes from a BuildKit cache "
         "mount). The build context is kept in .skupin/contexts/<sku> (locked while a build uses it) so BuildKit "
-        "re-sends only what changed. BuildKit's image is then normalised (every mtime clamped to the lock's time, "
+        "re-sends only what changed. BuildKit's image is then normalised (every mtime clamped to one epoch, "
         "one config `created`), so the same lock gives the same image id on any machine (docs/REPRODUCIBLE.md). "
         "After the build the image's own Python must report exactly the locked set; only then is the image "
         "tagged and the record written to .skupin/builds/<sku>.json (with per-layer and "
@@ -483,9 +484,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="live view on a terminal or plain lines (default auto)")
     p.add_argument("--no-cache", action="store_true", help="build every layer again")
     p.add_argument("--cache", metavar="REF",
-                   help="a registry layer cache for runners without local state: BuildKit reuses the steps REF's "
-                        "inline cache holds (a REF the registry lacks is a cold build) and pushes this build's there, "
-                        "e.g. ghcr.io/acme/skupin-cache:cpu-x86_64 (the published image is unaffected)")
+                   help="a registry cache for runners without local state, e.g. ghcr.io/acme/skupin-staging/"
+                        "cpu-x86_64:buildcache: the image a build of the same inputs pushed to REF-<input hash> is "
+                        "pulled and nothing is built; else BuildKit reuses the steps REF's inline cache holds (a point "
+                        "release: every layer below the changed pin). After a verified build both are pushed there. "
+                        "The image is the same with or without it; trusted as far as whoever can write REF "
+                        "(docs/REPRODUCIBLE.md)")
     install_missing_flag(p)
     p.set_defaults(func=cmd_build)
 

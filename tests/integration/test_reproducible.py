@@ -168,16 +168,18 @@ def test_the_registry_cache_holds_the_rewritten_layers_with_buildkits_cache_and_
         cached = client.get_manifest(f"cache/{SKU}", "buildcache").json()
         config = json.loads(client.get_blob(f"cache/{SKU}", cached["config"]["digest"]))
         result_tag = next(t for t in client.list_tags(f"cache/{SKU}") if t.startswith("buildcache-"))
-        result = client.get_manifest(f"cache/{SKU}", result_tag).json()
+        pushed = client.get_manifest(f"cache/{SKU}", result_tag)
+        result = pushed.json()
     assert config["rootfs"]["diff_ids"] == list(info.layers)  # BuildKit's cache over the rewritten layers
     assert isinstance(config.get("moby.buildkit.cache.v0"), str)
     assert result["config"]["digest"] == first.image_id  # the image itself, layers shared with the cache
     assert [layer["digest"] for layer in result["layers"]] == [layer["digest"] for layer in cached["layers"]]
 
     second = build(render(stack), docker, wheelhouse=wheelhouse, ca_bundle=host_ca_bundle, cache=cache)
-    assert second.fetched == f"{registries[0].addr}/cache/{SKU}:{result_tag}"
+    assert second.fetched == f"{registries[0].addr}/cache/{SKU}@{pushed.digest}"  # named by digest
     assert result_tag == result_reference(cache, result_tag.removeprefix("buildcache-")).rpartition(":")[2]
     assert second.image_id == first.image_id and "buildkit" not in second.phases and "normalise" not in second.phases
+    assert second.reproducible is None and first.reproducible is not None  # no claim of a rewrite it did not make
     assert second.installed == first.installed  # still checked against the lock in the image's own Python
     tags = docker.inspect_image(second.image_id).tags  # type: ignore[union-attr]
-    assert second.fetched not in tags and second.image in tags  # the pull's tag is gone, the version tag stays
+    assert f"{registries[0].addr}/cache/{SKU}:{result_tag}" not in tags and second.image in tags  # the pull's tag goes

@@ -26,6 +26,7 @@ from skupin.builder.build import (
 )
 from skupin.builder.catalog.lockfile import image_tag
 from skupin.builder.check import resolve
+from skupin.builder.imageconfig import ImageConfig, config_of
 from skupin.builder.render import render, render_manifest
 from skupin.builder.reproducible import IMAGE_EPOCH
 from skupin.common.errors import BuildError, DockerError, LockError
@@ -77,10 +78,11 @@ def test_a_registry_cache_is_read_first_for_this_builds_image_then_by_buildkit_a
     assert buildkit.build_args["BUILDKIT_INLINE_CACHE"] == "1"
     assert steps[5] == Normalise(epoch=IMAGE_EPOCH, inline_cache=True)  # the cache image over its layers
     key = build_inputs_key(rendered, build_args=buildkit.build_args, lock=lock)
-    assert steps[0] == FetchResult(reference=result_reference(cache, key), base_diff_id=lock.base.diff_id,
-                                   epoch=IMAGE_EPOCH,
-                                   labels={"io.skupin.dockerfile-sha256": rendered.sha256,
-                                           "io.skupin.lock-sha256": lock.content_hash()})
+    fetch = steps[0]
+    assert isinstance(fetch, FetchResult) and fetch.reference == result_reference(cache, key)
+    assert fetch.base_diff_id == lock.base.diff_id and fetch.config == config_of(rendered.text, ImageConfig())
+    assert fetch.labels["io.skupin.dockerfile-sha256"] == rendered.sha256  # every label, build arguments expanded
+    assert fetch.labels["io.skupin.lock-sha256"] == lock.content_hash() and fetch.labels["io.skupin.sku"] == "cpu-x86_64"
     assert steps[-1] == ExportCache(reference=cache, result=result_reference(cache, key))
     assert "BUILDKIT_INLINE_CACHE" not in next(s for s in plan_build(rendered) if isinstance(s, RunBuildKit)).build_args
     assert "fetch" not in [s.kind for s in plan_build(rendered, cache=cache, no_cache=True)]  # --no-cache builds
@@ -104,7 +106,11 @@ def test_the_result_reference_hashes_every_input_of_the_image(rendered):
         update={"base": lock.base.model_copy(update={"diff_id": "sha256:" + "9" * 64})})))
     assert len(others) == 5 and key not in others
     assert result_reference("h:5000/c/cpu:buildcache", key) == f"h:5000/c/cpu:buildcache-{key[:32]}"
-    assert result_reference("h:5000/c/cpu", key) == f"h:5000/c/cpu:latest-{key[:32]}"  # the port is not a tag
+    for bad in ("h:5000/c/cpu", "h:5000/c/cpu:", "h:5000/c/cpu@sha256:" + "a" * 64, "h:5000/c/cpu:-x", "cpu:tag"):
+        with pytest.raises(BuildError, match="not a registry reference with a tag and no digest"):
+            result_reference(bad, key)  # a port is not a tag; a digest cannot be rewritten by the next build
+        with pytest.raises(BuildError, match="--cache"):
+            plan_build(rendered, cache=bad)
     assert len(result_reference("r/c:" + "t" * 128, key).rpartition(":")[2]) == 128
 
 
@@ -242,11 +248,26 @@ class _Registry(_FakeDocker):
 
     def inspect_image(self, ref: str) -> ImageInfo:
         info = super().inspect_image(ref)
-        return info.model_copy(update={"labels": self.labels, "id": self.pulled or info.id})
+        return info.model_copy(update={"labels": self.labels, "id": self.pulled or info.id,
+                                       "repo_digests": (f"127.0.0.1:5000/cache/cpu-x86_64@sha256:{'d' * 64}",)})
+
+    def image_config(self, ref: str) -> dict:
+        return self.config
+
+    config: dict = {}
 
 
 def _fetch_plan(rendered, tmp_path):
     return plan_build(rendered, cache="127.0.0.1:5000/cache/cpu-x86_64:buildcache", records=tmp_path)
+
+
+def _engine(config: ImageConfig) -> dict:
+    """`config` as `docker inspect` reports an image's Config."""
+    return {"Env": [f"{k}={v}" for k, v in config.env], "Entrypoint": list(config.entrypoint) or None,
+            "Cmd": list(config.cmd) or None, "WorkingDir": config.working_dir, "User": config.user,
+            "Shell": list(config.shell) or None, "ExposedPorts": {p: {} for p in config.exposed_ports},
+            "Volumes": {v: {} for v in config.volumes} or None, "OnBuild": list(config.on_build) or None,
+            "StopSignal": config.stop_signal or None}
 
 
 def test_a_result_in_the_registry_cache_skips_every_step_that_makes_an_image(rendered, tmp_path):
@@ -255,29 +276,59 @@ def test_a_result_in_the_registry_cache_skips_every_step_that_makes_an_image(ren
     fetch, tag = steps[0], next(s for s in steps if isinstance(s, TagImage))
     docker = _Registry({name: p.version for name, p in lock.packages().items()}, layers=(lock.base.diff_id, "sha256:x"),
                        labels=fetch.labels, pulled="sha256:" + "2" * 64)
+    docker.config = _engine(fetch.config)
     built = execute_build(steps, rendered=rendered, docker=docker)  # type: ignore[arg-type]
     assert [c[0] for c in docker.calls] == ["pull", "inspect", "run", "tag", "inspect", "remove", "inspect"]
     assert docker.calls[0] == ("pull", fetch.reference) and docker.calls[3] == ("tag", "sha256:" + "2" * 64, tag.tag)
     assert docker.calls[5] == ("remove", fetch.reference)  # the pull's tag goes; the version tag stays
-    assert built.fetched == fetch.reference and built.image_id == "sha256:" + "2" * 64
+    assert built.fetched == f"127.0.0.1:5000/cache/cpu-x86_64@sha256:{'d' * 64}"  # by digest, not the movable tag
+    assert built.image_id == "sha256:" + "2" * 64
     assert list(built.phases) == ["fetch", "verify", "tag"]  # no wheels, base, BuildKit, rewrite or cache push
-    assert built.reproducible is not None and built.reproducible.unchanged_layers == 2
+    assert built.reproducible is None  # nothing here rewrote it: the signed record gets no account of a build
 
 
-@pytest.mark.parametrize("labels, layers, why", [
-    ({}, None, "label io.skupin.dockerfile-sha256=None"),
-    (None, ("sha256:" + "9" * 64,), "its first layer is not the locked base"),
+@pytest.mark.parametrize("change, why", [
+    (lambda labels, config, layers: (labels | {"io.skupin.lock-sha256": "x"}, config, layers),
+     "label io.skupin.lock-sha256: 'x', not"),
+    (lambda labels, config, layers: (labels | {"io.skupin.sandbox": "1"}, config, layers),
+     "label 'io.skupin.sandbox' the render does not set"),
+    (lambda labels, config, layers: ({k: v for k, v in labels.items() if "dockerfile" not in k}, config, layers),
+     "label io.skupin.dockerfile-sha256: 'None', not"),
+    (lambda labels, config, layers: (labels, config | {"Volumes": {"/data": {}}}, layers), "config volumes differs"),
+    (lambda labels, config, layers: (labels, config | {"Env": [*config["Env"], "LD_PRELOAD=/x.so"]}, layers),
+     "config env differs"),
+    (lambda labels, config, layers: (labels, config, ("sha256:" + "9" * 64,)), "its first layer is not the locked base"),
 ])
-def test_a_cached_result_that_is_not_these_inputs_is_not_used(rendered, tmp_path, labels, layers, why):
+def test_a_cached_result_that_is_not_these_inputs_is_not_used_before_it_runs(rendered, tmp_path, change, why):
     lock = rendered.stack.lock
     steps = _fetch_plan(rendered, tmp_path)
     lines: list[str] = []
-    docker = _Registry({}, layers=layers or (lock.base.diff_id,), labels=steps[0].labels if labels is None else labels,
-                       pulled="sha256:" + "3" * 64)
+    labels, config, layers = change(steps[0].labels, _engine(steps[0].config), (lock.base.diff_id,))
+    docker = _Registry({}, layers=layers, labels=labels, pulled="sha256:" + "3" * 64)
+    docker.config = config
     with pytest.raises(BuildError, match="ends before the image was tagged"):  # a build would follow
         execute_build(steps[:1], rendered=rendered, docker=docker, on_line=lines.append)  # type: ignore[arg-type]
     assert any(why in line and line.endswith("building") for line in lines), lines
-    assert ("remove", steps[0].reference) in docker.calls
+    assert ("remove", steps[0].reference) in docker.calls and "run" not in [c[0] for c in docker.calls]
+
+
+def test_a_cached_result_that_fails_a_later_check_is_replaced_by_a_build(rendered, tmp_path):
+    """A hit whose image fails the lock check does not fail the build: it goes, and the plan runs without the fetch
+    (here only verify and tag: the image made then fails the same fake check, so the error is the build's own)."""
+    lock = rendered.stack.lock
+    steps = _fetch_plan(rendered, tmp_path)
+    fetch = steps[0]
+    docker = _Registry({name: p.version for name, p in lock.packages().items()} | {"evil": "1.0"},
+                       layers=(lock.base.diff_id,), labels=fetch.labels, pulled="sha256:" + "4" * 64)
+    docker.config = _engine(fetch.config)
+    lines: list[str] = []
+    plan = (fetch, *_without_buildkit(steps[1:]))
+    with pytest.raises(BuildError, match="does not contain its locked set"):
+        execute_build(plan, rendered=rendered, docker=docker, on_line=lines.append)  # type: ignore[arg-type]
+    assert any(line.startswith("the image from the registry cache failed: image sha256:4444") and
+               line.endswith("building") for line in lines), lines
+    assert [c for c in docker.calls if c[0] == "pull"] == [("pull", fetch.reference)]  # fetched once, then built
+    assert ("remove", fetch.reference) in docker.calls
 
 
 def test_a_registry_miss_builds(rendered, tmp_path):

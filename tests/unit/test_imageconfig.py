@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from skupin.builder.check import resolve
-from skupin.builder.imageconfig import DEFAULT_PATH, DockerfileConfigError, ImageConfig, apt_installs, config_of, instructions
+from skupin.builder.imageconfig import (
+    DEFAULT_PATH,
+    DockerfileConfigError,
+    ImageConfig,
+    apt_installs,
+    config_of,
+    instructions,
+    labels_of,
+)
 from skupin.builder.render import VENV, render, render_manifest
 from tests.paths import SKUS
 
@@ -87,3 +95,25 @@ def test_instructions_join_continuations_and_drop_comments() -> None:
 def test_the_engine_config_reads_nulls_as_unset() -> None:
     assert ImageConfig.from_engine({"Env": None, "Cmd": None, "Volumes": None, "Healthcheck": None}) == ImageConfig()
     assert ImageConfig.from_engine({"Env": ["NO_EQUALS"]}).env == ()
+
+
+def test_labels_are_the_last_stages_with_build_arguments_and_env_expanded() -> None:
+    text = ('ARG TOP=t\nFROM base AS build\nLABEL early="no"\nFROM base\nENV WHO=env\nARG WHAT=default\nARG HASH\n'
+            'LABEL a="x y" b=${WHAT} \\\n      c="${HASH}" d="say \\"hi\\"" e="${WHO}"\nARG WHO=arg\nLABEL f=$WHO')
+    assert labels_of(text, {"HASH": "abc"}) == {"a": "x y", "b": "default", "c": "abc", "d": 'say "hi"', "e": "env",
+                                                "f": "env"}  # ENV wins over an ARG of the same name
+    assert labels_of(text, {"HASH": "abc", "WHAT": "given"})["b"] == "given"
+    with pytest.raises(DockerfileConfigError, match="not key=value"):
+        labels_of("FROM base\nLABEL lonely", {})
+    scoped = "ARG TOP=t\nFROM base\nLABEL before=${TOP}\nARG TOP\nLABEL after=${TOP}"
+    assert labels_of(scoped, {}) == {"before": "", "after": "t"}  # a global ARG is seen only once declared again
+    assert labels_of(scoped, {"TOP": "given"}) == {"before": "", "after": "given"}
+
+
+def test_the_cpu_render_labels_name_its_lock_and_dockerfile() -> None:
+    rendered = render(resolve(SKUS / "cpu-x86_64.yaml", require_lock=True))
+    lock = rendered.stack.lock  # type: ignore[union-attr]
+    labels = labels_of(rendered.text, {"SKUPIN_LOCK_HASH": "L", "SKUPIN_DOCKERFILE_SHA256": "D"})
+    assert labels["io.skupin.lock-sha256"] == "L" and labels["io.skupin.dockerfile-sha256"] == "D"
+    assert labels["org.opencontainers.image.created"] == lock.created and labels["io.skupin.sku"] == "cpu-x86_64"
+    assert labels_of(rendered.text, {})["io.skupin.lock-sha256"] == "unlocked"  # the ARG's default

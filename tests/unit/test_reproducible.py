@@ -99,14 +99,14 @@ def test_the_config_keeps_what_the_dockerfile_set_and_drops_every_build_time() -
     assert config["history"][1]["created"] == "2026-12-02T16:00:00Z"  # the input is not changed
 
 
-def _saved(layers: list[bytes], config_extra: dict | None = None) -> bytes:
-    """A docker-save tarball of `layers` (bottom first)."""
+def _saved(layers: list[bytes], config_extra: dict | None = None, *, top_first: bool = False) -> bytes:
+    """A docker-save tarball of `layers` (bottom first in the config; in the tarball bottom first, or top first)."""
     diff_ids = ["sha256:" + hashlib.sha256(raw).hexdigest() for raw in layers]
     config = {"architecture": "amd64", "os": "linux", "created": "2026-12-02T16:00:00Z", "config": {},
               "rootfs": {"type": "layers", "diff_ids": diff_ids}, **(config_extra or {})}
     body = json.dumps(config).encode()
     name = hashlib.sha256(body).hexdigest() + ".json"
-    files = [(f"{i:02d}{'0' * 62}/layer.tar", raw) for i, raw in enumerate(layers)]
+    files = [(f"{len(layers) - i if top_first else i:02d}{'0' * 62}/layer.tar", raw) for i, raw in enumerate(layers)]
     files += [(name, body), ("manifest.json", json.dumps([{"Config": name, "Layers": [f for f, _ in files]}]).encode())]
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -191,15 +191,17 @@ def test_docker_25_s_oci_layout_rewrites_to_the_same_image(tmp_path) -> None:
     assert outs[0] == outs[1] and outs[1][2:] == (1, 1)
 
 
-def test_layers_already_rewritten_are_not_loaded_again_below_the_first_changed_one(tmp_path) -> None:
+@pytest.mark.parametrize("ordered", [False, True])
+def test_layers_already_rewritten_are_not_loaded_again_below_the_first_changed_one(tmp_path, ordered) -> None:
     """BuildKit fed from a registry cache of rewritten layers gives back layers that rewrite to themselves: the engine
-    has their chain already, so the load tarball leaves them out, but only while every layer below is unchanged too."""
+    has their chain already, so the load tarball leaves them out, but only while every layer below is unchanged too.
+    With the engine's layer order (`ordered`) a held layer is settled as soon as the layers below it are known."""
     lower = _rewrite(_layer([("usr/", None, EPOCH + 1), ("usr/l", b"l", EPOCH + 1)]))[2]  # rewritten before
     middle = _layer([("opt/", None, EPOCH + 9), ("opt/m", b"m", EPOCH + 9)])  # built now: changes
     upper = _rewrite(_layer([("srv/", None, EPOCH + 2), ("srv/u", b"u", EPOCH + 2)]))[2]  # rewritten before
     ids = ["sha256:" + hashlib.sha256(raw).hexdigest() for raw in (lower, middle, upper)]
     rewrite = _Rewrite(io.BytesIO(_saved([lower, middle, upper])), epoch=EPOCH, keep=frozenset(), scratch=tmp_path,
-                       on_event=lambda _: None)
+                       on_event=lambda _: None, order=tuple(ids) if ordered else ())
     manifest, files = _load(b"".join(rewrite.chunks()))
     new = json.loads(rewrite.image_config)["rootfs"]["diff_ids"]
     assert new[0] == ids[0] and new[1] != ids[1] and new[2] == ids[2]
@@ -208,8 +210,36 @@ def test_layers_already_rewritten_are_not_loaded_again_below_the_first_changed_o
     assert rewrite.unchanged == 1 and list(tmp_path.iterdir()) == []
 
     all_done = _Rewrite(io.BytesIO(_saved([lower, upper])), epoch=EPOCH, keep=frozenset(), scratch=tmp_path,
-                        on_event=lambda _: None)
+                        on_event=lambda _: None, order=(ids[0], ids[2]) if ordered else ())
     manifest, files = _load(b"".join(all_done.chunks()))
     assert files.keys() == {manifest["Config"]} and all_done.unchanged == 2  # a full cache hit loads the config only
     assert json.loads(all_done.image_config)["rootfs"]["diff_ids"] == [ids[0], ids[2]]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_held_layer_is_settled_before_the_stream_ends_when_the_order_is_known(tmp_path) -> None:
+    """docker save writes layers in no set order: a layer rewritten already that comes before the layer below it is
+    held only until that one is read, so at most the undecided ones sit on disk (not the whole image)."""
+    layers = [_rewrite(_layer([(f"d{i}/", None, EPOCH), (f"d{i}/f", bytes([65 + i]), EPOCH)]))[2] for i in range(3)]
+    ids = ["sha256:" + hashlib.sha256(raw).hexdigest() for raw in layers]
+    seen: list[int] = []
+    rewrite = _Rewrite(io.BytesIO(_saved(layers, top_first=True)), epoch=EPOCH, keep=frozenset(), scratch=tmp_path,
+                       on_event=lambda _: seen.append(len(rewrite.held)), order=tuple(ids))
+    assert b"".join(rewrite.chunks())
+    assert seen == [1, 2, 3] and rewrite.held == {} and rewrite.unchanged == 3  # top first: all wait for the bottom
+    seen.clear()
+    rewrite = _Rewrite(io.BytesIO(_saved(layers)), epoch=EPOCH, keep=frozenset(), scratch=tmp_path,
+                       on_event=lambda _: seen.append(len(rewrite.held)), order=tuple(ids))
+    assert b"".join(rewrite.chunks())
+    assert seen == [1, 1, 1] and rewrite.unchanged == 3  # bottom first: each is dropped as soon as it is read
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(BuildError, match="not the ones its saved config names"):
+        b"".join(_Rewrite(io.BytesIO(_saved(layers)), epoch=EPOCH, keep=frozenset(), scratch=tmp_path,
+                          on_event=lambda _: None, order=tuple(ids[:2])).chunks())
+
+
+def test_the_image_epoch_is_the_bootstrapped_base_s() -> None:
+    from skupin.builder.base import SOURCE_DATE_EPOCH
+    from skupin.builder.reproducible import IMAGE_EPOCH
+
+    assert IMAGE_EPOCH == SOURCE_DATE_EPOCH  # one time for every file skupin writes (docs/REPRODUCIBLE.md)
