@@ -145,6 +145,7 @@ def run_once(*, sku: str, name: str, kind: str, work: Path, registry: LocalRegis
                 "image_id": built["image_id"], "digest": digest,
                 "lock_sha256": built["lock_sha256"], "base_s": round(base_s, 1), "build_s": round(build_s, 1),
                 "buildkit_s": built["phases"].get("buildkit"), "normalise_s": built["phases"].get("normalise"),
+                "phases": built["phases"],
                 "cache_hits": built["cache_hits"], "push_s": round(push_s, 1), "size_bytes": built["size_bytes"],
                 "cache": built.get("cache"), "builder": built.get("builder")}
     finally:
