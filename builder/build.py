@@ -638,6 +638,7 @@ def _fetch_result(step: FetchResult, run: _Execution) -> None:
         run.on_line(f"{step.reference} is not the image of these inputs ({'; '.join(wrong)[:600]}); building")
         with contextlib.suppress(DockerError):
             run.docker.remove_image(step.reference)
+        _remove_if_untagged(run.docker, image_id)  # not left behind either
         return
     repo = step.reference.rpartition(":")[0]
     pinned = next((d for d in info.repo_digests if d.startswith(f"{repo}@")), step.reference)
