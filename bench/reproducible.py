@@ -154,6 +154,29 @@ def run_once(*, sku: str, name: str, kind: str, work: Path, registry: LocalRegis
         shutil.rmtree(state, ignore_errors=True)
 
 
+def _ratio(runs: list[dict], warm: str, cold: str, *, with_base: bool = False) -> float | None:
+    """The fastest `warm` run's seconds over the fastest `cold` run's (build, plus the base step with `with_base`)."""
+    def cost(r: dict) -> float:
+        return r["build_s"] + (r["base_s"] if with_base else 0)
+
+    warm_s = [cost(r) for r in runs if r["kind"] == warm]
+    cold_s = [cost(r) for r in runs if r["kind"] == cold]
+    return round(min(warm_s) / min(cold_s), 3) if warm_s and cold_s else None
+
+
+def summarise(runs: list[dict]) -> dict:
+    """One SKU's result: its runs, whether the SKU's and the sibling's runs each gave one digest, and the ratios."""
+    own = [r for r in runs if not r["kind"].startswith("sibling")]
+    siblings = [r for r in runs if r["kind"].startswith("sibling")]
+    return {"runs": runs, "same_digest": len({r["digest"] for r in own}) == 1,
+            "same_image_id": len({r["image_id"] for r in own}) == 1,
+            "sibling_same_digest": len({r["digest"] for r in siblings}) == 1 if siblings else None,
+            "cached_over_cold": _ratio(own, "cached", "cold"),
+            "cached_over_cold_with_base": _ratio(own, "cached", "cold", with_base=True),
+            "sibling_over_cold": _ratio(siblings, "sibling", "sibling-cold"),
+            "sibling_over_cold_with_base": _ratio(siblings, "sibling", "sibling-cold", with_base=True)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sku", action="append", help="SKU(s) to build (default: cpu-x86_64)")
@@ -183,25 +206,7 @@ def main() -> int:
                                          cache_ref=cache_ref, wheel_store=REPO / ".skupin" / "wheels",
                                          sibling=args.sibling))
                     print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-                own = [r for r in runs if not r["kind"].startswith("sibling")]
-                siblings = [r for r in runs if r["kind"].startswith("sibling")]
-
-                def ratio(kind: str, base: str, of: list[dict], *, with_base: bool = False) -> float | None:
-                    def cost(r: dict) -> float:
-                        return r["build_s"] + (r["base_s"] if with_base else 0)
-
-                    warm = [cost(r) for r in of if r["kind"] == kind]
-                    cold = [cost(r) for r in of if r["kind"] == base]
-                    return round(min(warm) / min(cold), 3) if warm and cold else None
-
-                results["skus"][sku] = {
-                    "runs": runs, "same_digest": len({r["digest"] for r in own}) == 1,
-                    "same_image_id": len({r["image_id"] for r in own}) == 1,
-                    "sibling_same_digest": len({r["digest"] for r in siblings}) == 1 if siblings else None,
-                    "cached_over_cold": ratio("cached", "cold", own),
-                    "cached_over_cold_with_base": ratio("cached", "cold", own, with_base=True),
-                    "sibling_over_cold": ratio("sibling", "sibling-cold", siblings),
-                    "sibling_over_cold_with_base": ratio("sibling", "sibling-cold", siblings, with_base=True)}
+                results["skus"][sku] = summarise(runs)
         finally:
             registry_down(registry=registry)
     args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
