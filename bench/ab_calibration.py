@@ -48,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from skupin.ab.cpus import SHARED, allowed_cpus, plan_cpus  # noqa: E402
 from skupin.ab.decision import ABSettings, RuntimeAB, t_quantile  # noqa: E402
 from skupin.ab.runtime import ABInput, runtime_ab  # noqa: E402
 from skupin.builder.check import resolve  # noqa: E402
@@ -237,6 +238,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-ci", type=float, help="skupin ab --target-ci: adaptive rounds past --runs")
     p.add_argument("--max-runs", type=int, help="with --target-ci: the most rounds")
     p.add_argument("--budget-s", type=float, help="with --target-ci: no round past --runs starts after this")
+    p.add_argument("--server-cpus", default=SHARED, help="skupin ab --server-cpus: shared (default), auto or a CPU list")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--out", type=Path, help=f"the results JSON (default {OUT.relative_to(ROOT)}, quick "
                                             f"{QUICK_OUT.relative_to(ROOT)})")
@@ -257,7 +259,8 @@ def settings_of(args: argparse.Namespace) -> ABSettings:
              if v is not None}
     if extra and args.target_ci is None:
         raise SystemExit("--max-runs and --budget-s need --target-ci (as skupin ab refuses them without it)")
-    return ABSettings(runs=args.runs, requests=args.requests, max_tokens=args.max_tokens, warmup=args.warmup,
+    return ABSettings(cpus=plan_cpus(args.server_cpus, allowed_cpus()), runs=args.runs, requests=args.requests,
+                      max_tokens=args.max_tokens, warmup=args.warmup,
                       prompt_lengths=tuple(int(x) for x in args.prompt_lengths.split(",")),
                       concurrency=tuple(int(x) for x in args.concurrency.split(",")), **extra)
 

@@ -29,12 +29,14 @@ def sandbox_cpus(manifest: SkuManifest, host_cpus: int | None = None) -> float:
 
 def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ...], command: tuple[str, ...],
                  mounts: tuple[BindMount, ...], labels: dict[str, str], env: dict[str, str] | None = None,
-                 max_stdout_bytes: int | None = None) -> ContainerSpec:
+                 max_stdout_bytes: int | None = None, cpuset: str | None = None,
+                 deadline_s: float | None = None) -> ContainerSpec:
     """A container for an image under test with the gate's sandbox (probe and server alike): no network, no
     capabilities, no-new-privileges, read-only root with a tmpfs /tmp, the SKU's memory limit, a pid limit, a CPU
-    limit (`sandbox_cpus`), the in-container deadline gate.deadline_s, output caps, the SKU's runtime (shm, devices,
-    groups, GPUs) with private IPC even where the runtime asks for the host's, and SANDBOX_ENV + the SKU's runtime
-    env (+ `env` on top)."""
+    limit (`sandbox_cpus`; with `cpuset`, those CPUs instead, whole and without a quota), the in-container deadline
+    gate.deadline_s (`deadline_s` instead when given), output caps, the SKU's runtime (shm, devices, groups, GPUs)
+    with private IPC even where the runtime asks for the host's, and SANDBOX_ENV + the SKU's runtime env (+ `env` on
+    top)."""
     runtime = manifest.runtime
     caps = {"max_stdout_bytes": max_stdout_bytes} if max_stdout_bytes is not None else {}
     return ContainerSpec(
@@ -43,5 +45,6 @@ def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ..
         pids_limit=1024, shm_size=runtime.shm_size, ipc="private",
         cap_drop=("ALL",), security_opt=("no-new-privileges",), mounts=mounts,
         devices=tuple(runtime.devices), group_add=tuple(runtime.group_add), gpus=runtime.gpus == "all",
-        labels=labels, cpus=sandbox_cpus(manifest), deadline_s=float(manifest.gate.deadline_s), **caps,
+        labels=labels, cpus=None if cpuset else sandbox_cpus(manifest), cpuset=cpuset or None,
+        deadline_s=float(deadline_s if deadline_s is not None else manifest.gate.deadline_s), **caps,
     )

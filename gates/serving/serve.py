@@ -77,15 +77,16 @@ def launch_command(*, manifest: SkuManifest, port: int = SERVE_PORT, model_dir: 
     return launch
 
 
-def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: ServerLaunch, role: str = "gate-serve"
-                ) -> ContainerSpec:
+def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: ServerLaunch, role: str = "gate-serve",
+                cpuset: str | None = None, lifetime_s: float | None = None) -> ContainerSpec:
     """The sandboxed server container (gates.sandbox.sandbox_spec): no network, no capabilities, read-only root and
-    model, the SKU's limits."""
+    model, the SKU's limits; on the CPUs `cpuset` lists when given (the A/B's --server-cpus); killed in the container
+    after `lifetime_s` (default the SKU's gate.deadline_s: a gate's serve check is shorter, an A/B's rounds may not be)."""
 
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=(launch.argv[0],), command=launch.argv[1:],
         mounts=(BindMount(source=Path(model_dir).resolve(), target=MODEL_MOUNT, read_only=True),),
-        labels={"io.skupin.role": role, "io.skupin.sku": manifest.name},
+        labels={"io.skupin.role": role, "io.skupin.sku": manifest.name}, cpuset=cpuset, deadline_s=lifetime_s,
     )
 
 
@@ -233,13 +234,15 @@ class RunningServer:
 
 @contextlib.contextmanager
 def running_server(*, manifest: SkuManifest, image: str, docker: Docker, model_dir: Path, deadline_s: float,
-                   workers: int = 4, role: str = "gate-serve") -> Iterator[RunningServer]:
+                   workers: int = 4, role: str = "gate-serve", cpuset: str | None = None,
+                   lifetime_s: float | None = None) -> Iterator[RunningServer]:
     """Boot the image's server in the sandbox and wait until it is ready; the container is always removed.
 
     Raises TimeoutError (with the server log tail) when it does not become ready within `deadline_s`.
     """
     launch = launch_command(manifest=manifest)
-    spec = server_spec(manifest=manifest, image=image, model_dir=model_dir, launch=launch, role=role)
+    spec = server_spec(manifest=manifest, image=image, model_dir=model_dir, launch=launch, role=role, cpuset=cpuset,
+                       lifetime_s=lifetime_s)
     with docker.container(spec) as container:
         start = time.monotonic()
         with ServeClient(base_url=f"http://127.0.0.1:{launch.port}", model_id=launch.model_id, pid=container.pid(),

@@ -13,6 +13,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
+from skupin.ab.cpus import CpuPlan
 from skupin.common.model import Frozen
 from skupin.gates.serving.ab import ABResult, safe_ratio
 from skupin.gates.serving.perf import CostSummary, LevelResult, PerfResult, PerfSettings
@@ -41,8 +42,11 @@ class ABSettings(Frozen):
     target_ci: float | None = Field(None, gt=0, lt=1, description="Add rounds past `runs` until the decode ratio's 95% "
                                     "interval lies within +- this fraction of its centre (--target-ci)")
     max_runs: int = Field(50, ge=1, le=200, description="With target_ci: the most rounds (--max-runs)")
-    budget_s: float | None = Field(None, gt=0, description="With target_ci: no round starts after this many seconds "
-                                                          "of rounds (--budget-s)")
+    budget_s: float | None = Field(None, gt=0, le=11 * 3600,
+                                   description="With target_ci: no round starts after this many seconds of rounds "
+                                               "(--budget-s; at most 11 h, within the servers' lifetime)")
+    cpus: CpuPlan | None = Field(None, description="The servers' CPUs and the client's (--server-cpus); None: the gate's "
+                                                   "CPU quota, every CPU shared")
 
     @field_validator("concurrency", "prompt_lengths")
     @classmethod

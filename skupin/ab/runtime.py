@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from skupin.ab.cpus import client_pinned
 from skupin.ab.decision import (
     DECISION_RULE,
     KPI,
@@ -91,6 +92,19 @@ OnEvent = Callable[[str], None]
 BOOTED_FAILURES = ("kernels", "ops", "model", "float32", "serve")
 ISOLATION = ("while one side is measured, the other side's container is paused (cgroup freezer): it gets no CPU, "
              "whatever it runs when idle")
+
+
+def _isolation(settings: ABSettings) -> str:
+    return ISOLATION + (f"; {settings.cpus.describe()}" if settings.cpus else
+                        "; both servers under the gate's CPU quota, every CPU shared with the measuring client")
+
+
+# How long an A/B's servers may serve rounds after their boot deadline: their in-container deadline is the SKU's
+# gate.deadline_s (which bounds a gate's serve check) plus this, so long --target-ci A/Bs are not cut off (a 619 s A/B
+# lost its baseline to the 600 s deadline) while a server whose host process died still ends (--budget-s is capped
+# below it).
+ROUNDS_CEILING_S = 12 * 3600
+
 # The noise floor when the rounds cannot show one (a single round, or nothing measured).
 DEFAULT_FLOOR = 0.10
 
@@ -302,7 +316,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                                     rounds_asked=asked, rounds_note=note)
     result = RuntimeAB(baseline=sides["baseline"], candidate=sides["candidate"], same=same, settings=settings,
                        order=tuple(order), lengths=tuple(lengths), kpis=tuple(kpis), noise_floor=floor,
-                       noise_floor_basis=basis, isolation=ISOLATION if order else "",
+                       noise_floor_basis=basis, isolation=_isolation(settings) if order else "",
                        requests={str(k): v for k, v in measured.requests.items()},
                        failed_requests={str(k): v for k, v in measured.failed.items()}, output_agreement=agreement,
                        errors={str(k): v for k, v in measured.errors.items()},
@@ -557,7 +571,9 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
             try:
                 server = scope.enter_context(running_server(
                     manifest=manifest, image=ids[role], docker=docker, model_dir=mounts[role],
-                    deadline_s=float(manifest.gate.deadline_s), workers=workers, role=f"ab-{role}"))
+                    deadline_s=float(manifest.gate.deadline_s), workers=workers, role=f"ab-{role}",
+                    cpuset=settings.cpus.cpuset() if settings.cpus else None,
+                    lifetime_s=manifest.gate.deadline_s + ROUNDS_CEILING_S))
                 _check_served(server, role, ids[role], measured)
                 measured.launches[role] = tuple(server.launch.argv)
                 inputs[role] = [prompt_inputs(prompts=prompt_set["prompts"], tokenizer=tokenizer, length=n, count=8,
@@ -580,8 +596,9 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                              count_tokens=measured.count_tokens)
                     for i in range(len(settings.prompt_lengths))]
 
-        _interleave(servers=servers, measure=measure, settings=settings, measured=measured, on_event=on_event,
-                    failures=failures)
+        with client_pinned(settings.cpus.client if settings.cpus else None):
+            _interleave(servers=servers, measure=measure, settings=settings, measured=measured, on_event=on_event,
+                        failures=failures)
         for role, server in servers.items():  # the container still runs the image it was created from
             _check_served(server, role, ids[role], measured)
 

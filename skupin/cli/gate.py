@@ -186,6 +186,7 @@ def _check_ab_flags(args: argparse.Namespace) -> None:
 def cmd_ab(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from skupin.ab.cpus import allowed_cpus, plan_cpus
     from skupin.ab.decision import ABSettings
     from skupin.ab.runtime import runtime_ab, same_weights
     from skupin.builder.check import resolve
@@ -195,8 +196,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
     from skupin.gates.judge.tolerance import catalog_tolerances
 
     _check_ab_flags(args)
+    cpus = plan_cpus(args.server_cpus, allowed_cpus())
     try:
-        settings = ABSettings(runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
+        settings = ABSettings(cpus=cpus, runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
                               requests=args.requests, max_tokens=args.max_tokens, volume=args.volume,
                               target_ci=args.target_ci, budget_s=args.budget_s,
                               **({} if args.max_runs is None else {"max_runs": args.max_runs}))
@@ -345,6 +347,12 @@ or one image on both sides; 5, 6, 11: the build, Docker or gate could not run.""
     p.add_argument("--budget-s", type=float, metavar="SECONDS",
                    help="with --target-ci only: start no round past --runs after this many seconds of rounds "
                         "(default: no limit)")
+    p.add_argument("--server-cpus", default="shared", metavar="shared|auto|CPUS",
+                   help="where the servers run: 'shared' (default) gives each server container the gate's CPU quota on "
+                        "every CPU, shared with the measuring client; 'auto' pins each server to the upper half of this "
+                        "host's CPUs (a cpuset, no quota) and the client to the rest; a CPU list (e.g. 1 or 2-3) names "
+                        "the servers' CPUs. Only one server runs at a time (the other is paused), so both get the same "
+                        "CPUs. On a 2-CPU host pinning did not reduce the round-to-round noise (docs/BENCHMARKS.md)")
     p.add_argument("--volume", type=float, default=1e8, metavar="TOKENS_PER_DAY",
                    help="daily output volume the capacity and cost block is sized for (default 1e8 = 100M tokens/day)")
     p.add_argument("--baseline-image", metavar="REF", help="local image for the baseline (default: build the SKU here)")

@@ -430,6 +430,8 @@ class Docker:
             kwargs["entrypoint"] = entrypoint
         if spec.cpus is not None:
             kwargs["nano_cpus"] = int(spec.cpus * 1e9)
+        if spec.cpuset is not None:
+            kwargs["cpuset_cpus"] = spec.cpuset
         optional = (("user", spec.user), ("working_dir", spec.workdir), ("shm_size", spec.shm_size), ("ipc_mode", spec.ipc),
                     ("name", spec.name))
         for key, value in optional:

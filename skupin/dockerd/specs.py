@@ -27,7 +27,8 @@ KILL_AFTER_S = 10
 TIMEOUT = "/usr/bin/timeout"
 DEFAULT_MAX_STDOUT_BYTES = 256 * 1024**2
 DEFAULT_MAX_STDERR_BYTES = 1024**3
-
+# A CPU list as the kernel's cpuset takes it: numbers and ranges, comma-separated ("1", "0-3", "2,5-7").
+CPUSET_PATTERN = r"^\d{1,4}(-\d{1,4})?(,\d{1,4}(-\d{1,4})?)*$"
 
 
 class ImageInfo(Frozen):
@@ -79,6 +80,8 @@ class ContainerSpec(Frozen):
     labels: dict[str, str] = Field(default_factory=dict)
     name: str | None = None
     cpus: float | None = Field(None, gt=0, le=4096, description="CPU limit (Docker nano_cpus); None: no limit")
+    cpuset: str | None = Field(None, pattern=CPUSET_PATTERN,
+                               description="The CPUs the container may run on (Docker cpuset_cpus: '1', '0-3', '2,5')")
     deadline_s: float | None = Field(
         None, gt=0, description="The command runs as `timeout --kill-after=KILL_AFTER_S <deadline_s + DEADLINE_GRACE_S>s "
                                 "ARGV` (the image's coreutils timeout as PID 1): the deadline holds even when the client "

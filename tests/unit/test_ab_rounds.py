@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -159,8 +160,16 @@ def test_settings_refuse_max_runs_below_runs_and_a_level_given_twice() -> None:
     (["--budget-s", "60", "--max-runs", "10"], ["--max-runs and --budget-s without --target-ci"]),
     (["--concurrency", "1,2,2"], ["--concurrency", "2 given more than once"]),
     (["--prompt-lengths", "64,64"], ["--prompt-lengths", "64 given more than once"]),
+    (["--server-cpus", "4095"], ["--server-cpus", "CPU 4095 is not one this process may use"]),
+    (["--server-cpus", "two"], ["--server-cpus 'two'", "is not a CPU number or range"]),
 ])
 def test_the_cli_refuses_contradictory_flags_naming_them_before_building_anything(capsys, argv, names) -> None:
     assert main(["ab", "cpu-x86_64", "cpu-x86_64-vllm", *argv]) == 2
     err = capsys.readouterr().err
     assert all(name in err for name in names), err
+
+
+def test_the_cli_refuses_servers_on_every_cpu_when_pinning(capsys) -> None:
+    every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert main(["ab", "cpu-x86_64", "cpu-x86_64-vllm", "--server-cpus", every]) == 2
+    assert "leaves no CPU for the measuring client" in capsys.readouterr().err

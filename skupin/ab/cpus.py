@@ -1,0 +1,118 @@
+"""Where the A/B's processes run (`skupin ab --server-cpus`): by default every CPU shared; on request the servers on
+CPUs of their own and the measuring client on the rest.
+
+Shared (the default, no plan): both server containers get the gate's CFS quota (the host's CPUs - 0.5) on every CPU,
+beside the client that times them. Pinned (a plan): each server container runs on the server CPUs as a cpuset (no
+quota: the CPUs are the limit, and the engine's thread pool sizes itself to them) and every thread of this process on
+the client CPUs, for the rounds only; only one server runs at a time (the other is paused), so both sides get the same
+CPUs. Measured on a 2-CPU host (docs/BENCHMARKS.md, "Where the noise comes from"), pinning made the server faster
+(the client no longer takes its CPU) but left the round-to-round noise as it was: that noise is the server's own work
+per token, which its CPU-seconds per token show moving as much as its speed. So sharing stays the default, and
+pinning is there for hosts where the client's load would otherwise land on the server's CPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from pydantic import Field
+
+from skupin.common.errors import ManifestError
+from skupin.common.model import Frozen
+
+AUTO = "auto"
+SHARED = "shared"
+
+
+class CpuPlan(Frozen):
+    """The servers' CPUs and the client's, disjoint."""
+
+    server: tuple[int, ...] = Field(min_length=1, description="CPUs each server container runs on (its cpuset)")
+    client: tuple[int, ...] = Field(min_length=1, description="CPUs this process's threads run on during the rounds")
+
+    def cpuset(self) -> str:
+        """The server CPUs as Docker's cpuset_cpus takes them ("1", "2,3")."""
+        return ",".join(map(str, self.server))
+
+    def describe(self) -> str:
+        return (f"each server pinned to CPU{'s' if len(self.server) > 1 else ''} {self.cpuset()} (a cpuset, no CFS "
+                f"quota), the measuring client to CPU{'s' if len(self.client) > 1 else ''} "
+                f"{','.join(map(str, self.client))}")
+
+
+def parse_cpu_list(text: str, *, flag: str = "--server-cpus") -> tuple[int, ...]:
+    """'1', '0-3', '2,5-7' -> sorted CPU numbers; ManifestError naming `flag` for anything else."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ManifestError(f"{flag} {text!r}: {part!r} is not a CPU number or range (e.g. 1, 0-3, 2,5-7)")
+        first, last = int(low), int(high) if high else int(low)
+        if last < first or last - first > 4096:
+            raise ManifestError(f"{flag} {text!r}: the range {part!r} is empty or too long")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def plan_cpus(spec: str, allowed: Sequence[int], *, flag: str = "--server-cpus") -> CpuPlan | None:
+    """The plan `spec` asks for on a host whose usable CPUs are `allowed` (this process's affinity).
+
+    `shared`: no plan (the gate's quota, every CPU shared). `auto`: the upper half of the allowed CPUs (at least one)
+    for the servers, the rest for the client; `shared` on a host with a single CPU. A CPU list: those for the servers,
+    every other allowed CPU for the client; each must be allowed and at least one must be left."""
+    usable = tuple(sorted(allowed))
+    if spec == SHARED:
+        return None
+    if spec == AUTO:
+        if len(usable) < 2:
+            return None
+        half = max(1, len(usable) // 2)
+        return CpuPlan(server=usable[-half:], client=usable[:-half])
+    server = parse_cpu_list(spec, flag=flag)
+    outside = [c for c in server if c not in usable]
+    if outside:
+        raise ManifestError(f"{flag} {spec!r}: CPU {','.join(map(str, outside))} is not one this process may use "
+                            f"(allowed: {','.join(map(str, usable))})")
+    client = tuple(c for c in usable if c not in server)
+    if not client:
+        raise ManifestError(f"{flag} {spec!r} leaves no CPU for the measuring client (allowed: "
+                            f"{','.join(map(str, usable))}); name fewer, or give {SHARED}")
+    return CpuPlan(server=server, client=client)
+
+
+def allowed_cpus() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+@contextlib.contextmanager
+def client_pinned(cpus: Sequence[int] | None) -> Iterator[None]:
+    """Every thread of this process (and every thread they start) on `cpus` for the block; afterwards each thread's own
+    mask back, and a thread started meanwhile gets the mask of the thread that entered. None: nothing changes."""
+    if cpus is None:
+        yield
+        return
+    entered = os.sched_getaffinity(0)
+    before: dict[int, set[int]] = {}
+    for tid in _threads():
+        try:
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, set(cpus))
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            continue
+    try:
+        yield
+    finally:
+        for tid in _threads():
+            with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+                os.sched_setaffinity(tid, before.get(tid, entered))
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux: /proc/self/task); just this thread where that is not there."""
+    try:
+        return sorted(int(p.name) for p in Path("/proc/self/task").iterdir() if p.name.isdigit())
+    except OSError:
+        return [0]

@@ -1,0 +1,129 @@
+"""skupin ab --server-cpus: the plan (which CPUs the servers and the client get) and the client's pinning."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from skupin.ab.cpus import CpuPlan, allowed_cpus, client_pinned, parse_cpu_list, plan_cpus
+from skupin.builder.catalog.manifest import load_manifest
+from skupin.common.errors import ManifestError
+from skupin.dockerd.specs import ContainerSpec
+from skupin.gates.sandbox import sandbox_spec
+from tests.unit.test_serve import REPO
+
+
+def test_cpu_lists_parse_as_the_kernel_writes_them() -> None:
+    assert parse_cpu_list("1") == (1,)
+    assert parse_cpu_list("0-3") == (0, 1, 2, 3)
+    assert parse_cpu_list("5,2-3,2") == (2, 3, 5)
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "-1", "3-1", "1;2", "1,,2", "0x1"])
+def test_a_bad_cpu_list_is_refused_naming_the_flag(text: str) -> None:
+    with pytest.raises(ManifestError, match="--server-cpus"):
+        parse_cpu_list(text)
+
+
+def test_auto_gives_the_servers_the_upper_half_and_the_client_the_rest() -> None:
+    assert plan_cpus("auto", (0, 1)) == CpuPlan(server=(1,), client=(0,))
+    assert plan_cpus("auto", (4, 0, 2, 6)) == CpuPlan(server=(4, 6), client=(0, 2))
+    assert plan_cpus("auto", (0, 1, 2)) == CpuPlan(server=(2,), client=(0, 1))
+    assert plan_cpus("auto", (3,)) is None  # one CPU: nothing to split
+    assert plan_cpus("shared", (0, 1, 2, 3)) is None
+
+
+def test_a_named_list_leaves_the_rest_to_the_client_and_must_leave_some() -> None:
+    assert plan_cpus("2-3", (0, 1, 2, 3)) == CpuPlan(server=(2, 3), client=(0, 1))
+    with pytest.raises(ManifestError, match="leaves no CPU for the measuring client"):
+        plan_cpus("0-1", (0, 1))
+    with pytest.raises(ManifestError, match="CPU 7 is not one this process may use"):
+        plan_cpus("1,7", (0, 1))
+
+
+def test_a_plan_is_a_cpuset_docker_takes() -> None:
+    plan = CpuPlan(server=(2, 5), client=(0,))
+    assert plan.cpuset() == "2,5"
+    assert ContainerSpec(image="i", cpuset=plan.cpuset()).cpuset == "2,5"
+    assert "CPUs 2,5" in plan.describe() and "client to CPU 0" in plan.describe()
+    with pytest.raises(ValueError):
+        ContainerSpec(image="i", cpuset="1;2")
+
+
+def test_a_server_on_a_cpuset_has_no_quota() -> None:
+    m = load_manifest(REPO / "skus" / "cpu-x86_64.yaml")
+    plain = sandbox_spec(manifest=m, image="i", entrypoint=("x",), command=(), mounts=(), labels={})
+    pinned = sandbox_spec(manifest=m, image="i", entrypoint=("x",), command=(), mounts=(), labels={}, cpuset="1")
+    assert plain.cpus is not None and plain.cpuset is None
+    assert pinned.cpus is None and pinned.cpuset == "1"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")
+def test_every_thread_is_pinned_for_the_block_and_gets_its_mask_back() -> None:
+    allowed = set(allowed_cpus())
+    target = min(allowed)
+    seen: dict[str, set[int]] = {}
+    ready, go, read, done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+    def worker() -> None:  # a thread that already runs when the block starts (a client's worker)
+        ready.set()
+        go.wait(10)
+        seen["old thread"] = os.sched_getaffinity(0)
+        read.set()
+        done.wait(10)
+        seen["old thread after"] = os.sched_getaffinity(0)
+
+    old = threading.Thread(target=worker)
+    old.start()
+    ready.wait(10)
+    with client_pinned((target,)):
+        seen["main"] = os.sched_getaffinity(0)
+        go.set()
+        read.wait(10)
+        new = threading.Thread(target=lambda: seen.__setitem__("new thread", os.sched_getaffinity(0)))
+        new.start()
+        new.join(10)
+    done.set()
+    old.join(10)
+    assert seen == {"main": {target}, "old thread": {target}, "new thread": {target}, "old thread after": allowed}
+    assert os.sched_getaffinity(0) == allowed and seen["old thread after"] == allowed
+
+
+def test_no_plan_changes_nothing() -> None:
+    before = os.sched_getaffinity(0)
+    with client_pinned(None):
+        assert os.sched_getaffinity(0) == before
+
+
+def test_the_ab_boots_each_server_on_the_plans_cpus_with_a_lifetime_past_the_gates_deadline(monkeypatch) -> None:
+    """The servers of an A/B live through its rounds: their in-container deadline is the SKU's gate.deadline_s (a gate's
+    serve check) plus ROUNDS_CEILING_S, so a long --target-ci A/B is not cut off; with a plan they run on its CPUs."""
+    import skupin.ab.runtime as runtime
+    from skupin.ab.decision import ABSettings
+    from skupin.builder.check import resolve
+    from skupin.common.errors import DockerError
+    from skupin.common.paths import sku_path
+
+    booted: list[dict] = []
+
+    def refuse(**kwargs):
+        booted.append(kwargs)
+        raise DockerError("no engine in a unit test")
+
+    monkeypatch.setattr(runtime, "running_server", refuse)
+    stack = resolve(sku_path("cpu-x86_64"))
+    side = runtime.ABInput(stack=stack, image="img")
+    for plan, cpuset in ((None, None), (CpuPlan(server=(1,), client=(0,)), "1")):
+        with pytest.raises(runtime._SideFailed, match="its server failed before the rounds"):
+            runtime._rounds(baseline=side, candidate=side, ids={"baseline": "a", "candidate": "b"}, docker=None,
+                            settings=ABSettings(cpus=plan), on_event=lambda _: None, measured=runtime._Measured())
+        assert booted[-1]["cpuset"] == cpuset
+        assert booted[-1]["lifetime_s"] == stack.manifest.gate.deadline_s + runtime.ROUNDS_CEILING_S
+        assert booted[-1]["deadline_s"] == stack.manifest.gate.deadline_s  # to be ready: the gate's
+    m = stack.manifest
+    spec = sandbox_spec(manifest=m, image="i", entrypoint=("x",), command=(), mounts=(), labels={})
+    assert spec.deadline_s == m.gate.deadline_s
+    assert sandbox_spec(manifest=m, image="i", entrypoint=("x",), command=(), mounts=(), labels={},
+                        deadline_s=7200).deadline_s == 7200
