@@ -259,7 +259,7 @@ def settings_of(args: argparse.Namespace) -> ABSettings:
              if v is not None}
     if extra and args.target_ci is None:
         raise SystemExit("--max-runs and --budget-s need --target-ci (as skupin ab refuses them without it)")
-    return ABSettings(cpus=plan_cpus(args.server_cpus, allowed_cpus()), runs=args.runs, requests=args.requests,
+    return ABSettings(cpu_plan=plan_cpus(args.server_cpus, allowed_cpus()), runs=args.runs, requests=args.requests,
                       max_tokens=args.max_tokens, warmup=args.warmup,
                       prompt_lengths=tuple(int(x) for x in args.prompt_lengths.split(",")),
                       concurrency=tuple(int(x) for x in args.concurrency.split(",")), **extra)

@@ -3,12 +3,16 @@ CPUs of their own and the measuring client on the rest.
 
 Shared (the default, no plan): both server containers get the gate's CFS quota (the host's CPUs - 0.5) on every CPU,
 beside the client that times them. Pinned (a plan): each server container runs on the server CPUs as a cpuset (no
-quota: the CPUs are the limit, and the engine's thread pool sizes itself to them) and every thread of this process on
-the client CPUs, for the rounds only; only one server runs at a time (the other is paused), so both sides get the same
-CPUs. Measured on a 2-CPU host (docs/BENCHMARKS.md, "Where the noise comes from"), pinning made the server faster
-(the client no longer takes its CPU) but left the round-to-round noise as it was: that noise is the server's own work
-per token, which its CPU-seconds per token show moving as much as its speed. So sharing stays the default, and
-pinning is there for hosts where the client's load would otherwise land on the server's CPUs.
+quota: the CPUs are the limit; an engine's thread count is the SKU's, e.g. its OMP_NUM_THREADS) and every thread of
+this process on the client CPUs, for the rounds only. After boot each server's process must show the plan's CPUs, or
+the A/B stops (a daemon without the cpuset controller drops a cpuset with a mere warning). Only one server runs at a
+time (the other is paused), so both sides get the same CPUs. "Their own" is not isolcpus: the daemon, its shims and
+the kernel still run there, and on a host with SMT the upper half of the CPUs may be the lower half's siblings.
+
+Measured on a 2-CPU host (docs/BENCHMARKS.md, "Where the noise comes from"), pinning made the server faster (the
+client no longer takes its CPU) but left the round-to-round noise as it was: that noise is the server's own work per
+token, which its CPU-seconds per token show moving as much as its speed. So sharing stays the default, and pinning is
+there for hosts where the client's load would otherwise land on the server's CPUs.
 """
 
 from __future__ import annotations
@@ -48,13 +52,31 @@ def parse_cpu_list(text: str, *, flag: str = "--server-cpus") -> tuple[int, ...]
     cpus: set[int] = set()
     for part in text.split(","):
         low, dash, high = part.strip().partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
-            raise ManifestError(f"{flag} {text!r}: {part!r} is not a CPU number or range (e.g. 1, 0-3, 2,5-7)")
+        if not _number(low) or (dash and not _number(high)):
+            raise ManifestError(f"{flag} {text!r}: {part!r} is not a CPU number or range (e.g. 1, 0-3, 2,5-7); "
+                                f"or give {SHARED} or {AUTO}")
         first, last = int(low), int(high) if high else int(low)
         if last < first or last - first > 4096:
             raise ManifestError(f"{flag} {text!r}: the range {part!r} is empty or too long")
         cpus.update(range(first, last + 1))
     return tuple(sorted(cpus))
+
+
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def cpus_allowed(pid: int) -> tuple[int, ...] | None:
+    """The CPUs process `pid` may run on, as its /proc status says (Cpus_allowed_list); None where that cannot be read
+    (another host's daemon, no /proc)."""
+    try:
+        with open(f"/proc/{int(pid)}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh.read(65536).splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    return parse_cpu_list(line.split(":", 1)[1].strip(), flag="Cpus_allowed_list")
+    except (OSError, ValueError, ManifestError):
+        return None
+    return None
 
 
 def plan_cpus(spec: str, allowed: Sequence[int], *, flag: str = "--server-cpus") -> CpuPlan | None:
@@ -74,7 +96,7 @@ def plan_cpus(spec: str, allowed: Sequence[int], *, flag: str = "--server-cpus")
     server = parse_cpu_list(spec, flag=flag)
     outside = [c for c in server if c not in usable]
     if outside:
-        raise ManifestError(f"{flag} {spec!r}: CPU {','.join(map(str, outside))} is not one this process may use "
+        raise ManifestError(f"{flag} {spec!r}: CPUs {','.join(map(str, outside))} are not among those this process may use "
                             f"(allowed: {','.join(map(str, usable))})")
     client = tuple(c for c in usable if c not in server)
     if not client:
@@ -96,13 +118,13 @@ def client_pinned(cpus: Sequence[int] | None) -> Iterator[None]:
         return
     entered = os.sched_getaffinity(0)
     before: dict[int, set[int]] = {}
-    for tid in _threads():
-        try:
-            before[tid] = os.sched_getaffinity(tid)
-            os.sched_setaffinity(tid, set(cpus))
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            continue
     try:
+        for tid in _threads():
+            try:
+                before[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, set(cpus))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
         yield
     finally:
         for tid in _threads():

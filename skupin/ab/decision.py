@@ -28,6 +28,11 @@ MIN_NOISE_FLOOR = 0.02  # a 2% move is never called an uplift on a shared host, 
 ABDecision = Literal["promote", "hold", "reject"]
 
 
+# No round of an A/B starts after this many seconds of rounds, whatever the settings ask (the rounds left are then
+# missing, which the decision says): the servers' in-container deadline is set past it (skupin/ab/runtime.py).
+MAX_ROUNDS_S = 11 * 3600
+
+
 class ABSettings(Frozen):
     """How much load `skupin ab` generates: every round runs every prompt length at every concurrency, once per image."""
 
@@ -42,10 +47,10 @@ class ABSettings(Frozen):
     target_ci: float | None = Field(None, gt=0, lt=1, description="Add rounds past `runs` until the decode ratio's 95% "
                                     "interval lies within +- this fraction of its centre (--target-ci)")
     max_runs: int = Field(50, ge=1, le=200, description="With target_ci: the most rounds (--max-runs)")
-    budget_s: float | None = Field(None, gt=0, le=11 * 3600,
+    budget_s: float | None = Field(None, gt=0, le=MAX_ROUNDS_S,
                                    description="With target_ci: no round starts after this many seconds of rounds "
-                                               "(--budget-s; at most 11 h, within the servers' lifetime)")
-    cpus: CpuPlan | None = Field(None, description="The servers' CPUs and the client's (--server-cpus); None: the gate's "
+                                               "(--budget-s; at most MAX_ROUNDS_S, which bounds every A/B's rounds)")
+    cpu_plan: CpuPlan | None = Field(None, description="The servers' CPUs and the client's (--server-cpus); None: the gate's "
                                                    "CPU quota, every CPU shared")
 
     @field_validator("concurrency", "prompt_lengths")
@@ -173,11 +178,13 @@ def interval_half_width(rounds: Sequence[float]) -> float | None:
 def more_rounds(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: float) -> bool:
     """Whether the A/B runs another round after len(ratios) (each round's decode ratio, round_ratios): always up to
     `runs`; past it only with a `target_ci`, while the decode ratio's interval is wider than it, below `max_runs` and
-    within `budget_s`. Rounds sized by the noise the host shows, not a fixed count: a quiet host stops early, a noisy
-    one runs until the interval is tight enough or the budget is spent. Stopping on the interval's width (not on
-    whether it excludes 1) keeps the rule blind to the answer; what optional stopping still does to coverage is for
-    the calibration bench to measure (docs/SERVE.md)."""
+    within `budget_s`; never past MAX_ROUNDS_S of rounds. Rounds sized by the noise the host shows, not a fixed count:
+    a quiet host stops early, a noisy one runs until the interval is tight enough or the budget is spent. Stopping on
+    the interval's width (not on whether it excludes 1) keeps the rule blind to the answer; what optional stopping
+    still does to coverage is for the calibration bench to measure (docs/SERVE.md)."""
     done = len(ratios)
+    if elapsed_s >= MAX_ROUNDS_S:
+        return False
     if done < settings.runs:
         return True
     if settings.target_ci is None or done >= settings.max_runs:

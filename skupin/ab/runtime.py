@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from skupin.ab.cpus import client_pinned
+from skupin.ab.cpus import CpuPlan, client_pinned, cpus_allowed
 from skupin.ab.decision import (
     DECISION_RULE,
     KPI,
+    MAX_ROUNDS_S,
     ABRound,
     ABSettings,
     ABSide,
@@ -95,15 +96,15 @@ ISOLATION = ("while one side is measured, the other side's container is paused (
 
 
 def _isolation(settings: ABSettings) -> str:
-    return ISOLATION + (f"; {settings.cpus.describe()}" if settings.cpus else
+    return ISOLATION + (f"; {settings.cpu_plan.describe()}" if settings.cpu_plan else
                         "; both servers under the gate's CPU quota, every CPU shared with the measuring client")
 
 
 # How long an A/B's servers may serve rounds after their boot deadline: their in-container deadline is the SKU's
 # gate.deadline_s (which bounds a gate's serve check) plus this, so long --target-ci A/Bs are not cut off (a 619 s A/B
-# lost its baseline to the 600 s deadline) while a server whose host process died still ends (--budget-s is capped
-# below it).
-ROUNDS_CEILING_S = 12 * 3600
+# lost its baseline to the 600 s deadline) while a server whose host process died still ends. No round starts after
+# MAX_ROUNDS_S of rounds; the hour past it covers the other side's boot, the warm-ups and the last round.
+SERVER_EXTRA_LIFETIME_S = MAX_ROUNDS_S + 3600
 
 # The noise floor when the rounds cannot show one (a single round, or nothing measured).
 DEFAULT_FLOOR = 0.10
@@ -572,8 +573,8 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                 server = scope.enter_context(running_server(
                     manifest=manifest, image=ids[role], docker=docker, model_dir=mounts[role],
                     deadline_s=float(manifest.gate.deadline_s), workers=workers, role=f"ab-{role}",
-                    cpuset=settings.cpus.cpuset() if settings.cpus else None,
-                    lifetime_s=manifest.gate.deadline_s + ROUNDS_CEILING_S))
+                    cpuset=settings.cpu_plan.cpuset() if settings.cpu_plan else None,
+                    lifetime_s=manifest.gate.deadline_s + SERVER_EXTRA_LIFETIME_S))
                 _check_served(server, role, ids[role], measured)
                 measured.launches[role] = tuple(server.launch.argv)
                 inputs[role] = [prompt_inputs(prompts=prompt_set["prompts"], tokenizer=tokenizer, length=n, count=8,
@@ -588,6 +589,8 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
             except failures as exc:
                 raise _SideFailed(role, f"its server failed before the rounds: {type(exc).__name__}: {exc}"[:600]) from exc
             servers[role] = server
+            if settings.cpu_plan is not None:
+                _check_placement(server, role, settings.cpu_plan)
         perf = settings.perf()
 
         def measure(role: Role) -> list[PerfResult]:
@@ -596,7 +599,7 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
                              count_tokens=measured.count_tokens)
                     for i in range(len(settings.prompt_lengths))]
 
-        with client_pinned(settings.cpus.client if settings.cpus else None):
+        with client_pinned(settings.cpu_plan.client if settings.cpu_plan else None):
             _interleave(servers=servers, measure=measure, settings=settings, measured=measured, on_event=on_event,
                         failures=failures)
         for role, server in servers.items():  # the container still runs the image it was created from
@@ -645,6 +648,21 @@ def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Rol
                  f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
                  f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
         r += 1
+
+
+def _check_placement(server: RunningServer, role: Role, plan: CpuPlan) -> None:
+    """DockerError (the A/B cannot run as asked; not the side's failure) when the server's process does not run on the
+    plan's CPUs: a daemon without the cpuset controller drops --server-cpus with a warning docker-py does not pass on.
+    Nothing to check where /proc does not show the process (a daemon on another host)."""
+    try:
+        pid = int(server.container.pid())
+    except (DockerError, TypeError, ValueError):
+        return
+    found = cpus_allowed(pid)
+    if found is not None and found != plan.server:
+        raise DockerError(f"--server-cpus: the {role}'s server runs on CPUs {','.join(map(str, found))}, not "
+                          f"{plan.cpuset()}: this Docker daemon did not apply the cpuset (no cpuset cgroup controller?); "
+                          "give --server-cpus shared")
 
 
 def _round_kept(measured: _Measured, r: int, status: Mapping[Role, Literal["ok", "failed", "not run"]],

@@ -198,7 +198,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     _check_ab_flags(args)
     cpus = plan_cpus(args.server_cpus, allowed_cpus())
     try:
-        settings = ABSettings(cpus=cpus, runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
+        settings = ABSettings(cpu_plan=cpus, runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
                               requests=args.requests, max_tokens=args.max_tokens, volume=args.volume,
                               target_ci=args.target_ci, budget_s=args.budget_s,
                               **({} if args.max_runs is None else {"max_runs": args.max_runs}))
@@ -346,11 +346,12 @@ or one image on both sides; 5, 6, 11: the build, Docker or gate could not run.""
                    help="with --target-ci only: the most rounds, at least --runs and at most 200 (default 50)")
     p.add_argument("--budget-s", type=float, metavar="SECONDS",
                    help="with --target-ci only: start no round past --runs after this many seconds of rounds "
-                        "(default: no limit)")
+                        "(default: none; no A/B starts a round after 11 hours of rounds, whatever is asked)")
     p.add_argument("--server-cpus", default="shared", metavar="shared|auto|CPUS",
                    help="where the servers run: 'shared' (default) gives each server container the gate's CPU quota on "
-                        "every CPU, shared with the measuring client; 'auto' pins each server to the upper half of this "
-                        "host's CPUs (a cpuset, no quota) and the client to the rest; a CPU list (e.g. 1 or 2-3) names "
+                        "every CPU, shared with the measuring client; 'auto' pins each server to the upper half of the "
+                        "CPUs this process may use (a cpuset, no quota) and the client to the rest (shared on one "
+                        "CPU); a CPU list (e.g. 1 or 2-3) names "
                         "the servers' CPUs. Only one server runs at a time (the other is paused), so both get the same "
                         "CPUs. On a 2-CPU host pinning did not reduce the round-to-round noise (docs/BENCHMARKS.md)")
     p.add_argument("--volume", type=float, default=1e8, metavar="TOKENS_PER_DAY",

@@ -39,7 +39,7 @@ def test_a_named_list_leaves_the_rest_to_the_client_and_must_leave_some() -> Non
     assert plan_cpus("2-3", (0, 1, 2, 3)) == CpuPlan(server=(2, 3), client=(0, 1))
     with pytest.raises(ManifestError, match="leaves no CPU for the measuring client"):
         plan_cpus("0-1", (0, 1))
-    with pytest.raises(ManifestError, match="CPU 7 is not one this process may use"):
+    with pytest.raises(ManifestError, match="CPUs 7 are not among those this process may use"):
         plan_cpus("1,7", (0, 1))
 
 
@@ -99,7 +99,7 @@ def test_no_plan_changes_nothing() -> None:
 
 def test_the_ab_boots_each_server_on_the_plans_cpus_with_a_lifetime_past_the_gates_deadline(monkeypatch) -> None:
     """The servers of an A/B live through its rounds: their in-container deadline is the SKU's gate.deadline_s (a gate's
-    serve check) plus ROUNDS_CEILING_S, so a long --target-ci A/B is not cut off; with a plan they run on its CPUs."""
+    serve check) plus SERVER_EXTRA_LIFETIME_S, so a long --target-ci A/B is not cut off; with a plan they run on its CPUs."""
     import skupin.ab.runtime as runtime
     from skupin.ab.decision import ABSettings
     from skupin.builder.check import resolve
@@ -118,12 +118,57 @@ def test_the_ab_boots_each_server_on_the_plans_cpus_with_a_lifetime_past_the_gat
     for plan, cpuset in ((None, None), (CpuPlan(server=(1,), client=(0,)), "1")):
         with pytest.raises(runtime._SideFailed, match="its server failed before the rounds"):
             runtime._rounds(baseline=side, candidate=side, ids={"baseline": "a", "candidate": "b"}, docker=None,
-                            settings=ABSettings(cpus=plan), on_event=lambda _: None, measured=runtime._Measured())
+                            settings=ABSettings(cpu_plan=plan), on_event=lambda _: None, measured=runtime._Measured())
         assert booted[-1]["cpuset"] == cpuset
-        assert booted[-1]["lifetime_s"] == stack.manifest.gate.deadline_s + runtime.ROUNDS_CEILING_S
+        assert booted[-1]["lifetime_s"] == stack.manifest.gate.deadline_s + runtime.SERVER_EXTRA_LIFETIME_S
         assert booted[-1]["deadline_s"] == stack.manifest.gate.deadline_s  # to be ready: the gate's
     m = stack.manifest
     spec = sandbox_spec(manifest=m, image="i", entrypoint=("x",), command=(), mounts=(), labels={})
     assert spec.deadline_s == m.gate.deadline_s
     assert sandbox_spec(manifest=m, image="i", entrypoint=("x",), command=(), mounts=(), labels={},
                         deadline_s=7200).deadline_s == 7200
+
+
+def test_superscript_digits_and_keywords_in_the_wrong_case_are_refused_with_the_keywords_named() -> None:
+    for text in ("\u00b2", "Auto"):
+        with pytest.raises(ManifestError, match="or give shared or auto"):
+            plan_cpus(text, (0, 1))
+
+
+def test_a_server_whose_process_does_not_run_on_the_plans_cpus_stops_the_ab_naming_the_flag() -> None:
+    """A daemon without the cpuset controller drops the cpuset with a warning: the server's process then shows every
+    CPU, and the A/B must not report pinned numbers for it."""
+    import skupin.ab.runtime as runtime
+    from skupin.common.errors import DockerError
+
+    class Container:
+        def pid(self) -> int:
+            return os.getpid()  # a process whose CPUs this test knows
+
+    class Server:
+        container = Container()
+
+    allowed = allowed_cpus()
+    assert runtime.cpus_allowed(os.getpid()) == allowed
+    runtime._check_placement(Server(), "baseline", CpuPlan(server=allowed, client=(4095,)))  # as planned: passes
+    with pytest.raises(DockerError, match="--server-cpus: the candidate's server runs on CPUs"):
+        runtime._check_placement(Server(), "candidate", CpuPlan(server=(4095,), client=allowed))
+
+
+def test_server_spec_carries_the_cpuset_and_the_lifetime_into_the_container() -> None:
+    from skupin.gates.serving.serve import launch_command, server_spec
+
+    m = load_manifest(REPO / "skus" / "cpu-x86_64.yaml")
+    spec = server_spec(manifest=m, image="i", model_dir=REPO, launch=launch_command(manifest=m), cpuset="1",
+                       lifetime_s=5000.0)
+    assert (spec.cpuset, spec.cpus, spec.deadline_s) == ("1", None, 5000.0)
+    plain = server_spec(manifest=m, image="i", model_dir=REPO, launch=launch_command(manifest=m))
+    assert plain.cpuset is None and plain.cpus is not None and plain.deadline_s == m.gate.deadline_s
+
+
+def test_no_round_starts_past_the_rounds_ceiling_whatever_the_settings_ask() -> None:
+    from skupin.ab.decision import MAX_ROUNDS_S, ABSettings, more_rounds
+
+    settings = ABSettings(runs=50)
+    assert more_rounds(settings=settings, ratios=[1.0] * 3, elapsed_s=MAX_ROUNDS_S - 1)
+    assert not more_rounds(settings=settings, ratios=[1.0] * 3, elapsed_s=MAX_ROUNDS_S)

@@ -160,7 +160,7 @@ def test_settings_refuse_max_runs_below_runs_and_a_level_given_twice() -> None:
     (["--budget-s", "60", "--max-runs", "10"], ["--max-runs and --budget-s without --target-ci"]),
     (["--concurrency", "1,2,2"], ["--concurrency", "2 given more than once"]),
     (["--prompt-lengths", "64,64"], ["--prompt-lengths", "64 given more than once"]),
-    (["--server-cpus", "4095"], ["--server-cpus", "CPU 4095 is not one this process may use"]),
+    (["--server-cpus", "4095"], ["--server-cpus", "CPUs 4095 are not among those this process may use"]),
     (["--server-cpus", "two"], ["--server-cpus 'two'", "is not a CPU number or range"]),
 ])
 def test_the_cli_refuses_contradictory_flags_naming_them_before_building_anything(capsys, argv, names) -> None:
