@@ -381,6 +381,11 @@ class Gate(Model):
     dtype: Literal["float32", "bfloat16", "float16"]
     batch_size: int = Field(8, ge=1, le=1024)
     tolerance_class: Name
+    tolerance_per_engine: bool = Field(
+        False, description="Key this SKU's tolerance entries to its engine too (class/dtype/model/engine), as every "
+        "accelerator SKU's are. On a CPU class the engine-free entry holds for every engine whose honest noise it "
+        "admits (gates/data/evidence/); a SKU whose engine's it does not (vLLM's CPU router at bfloat16 rounds its "
+        "top-k weights, which transformers' bounds reject) sets this and is calibrated with its own engine")
     checks: tuple[Literal["boot", "kernels", "model", "serve"], ...] = ("boot", "kernels", "model", "serve")
     reduced_precision: tuple[Literal["tf32"], ...] = Field(
         (), description="Reduced-precision float32 arithmetic the SKU's engine is allowed: tf32 (TF32 tensor-core "

@@ -16,7 +16,7 @@ import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from packaging.version import InvalidVersion, Version
@@ -89,7 +89,8 @@ class ToleranceKey(Frozen):
     engine: str = Field("", pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127})?$", description=(
         "The engine whose honest runs the entry was calibrated from, on a class whose SKUs need an accelerator: there "
         "every engine brings its own kernels (attention, MoE, norms) and so its own honest noise, and an entry holds "
-        "for that engine alone. Empty on a CPU class, whose entry holds for every engine (its cross-engine evidence: "
+        "for that engine alone; also on a CPU class for a SKU that says gate.tolerance_per_engine. Empty on a CPU "
+        "class otherwise: that entry holds for every engine not keyed per engine (its cross-engine evidence: "
         "docs/GATE.md, 'Engines and the tolerance key'). Left out of the key when empty"))
 
     @model_serializer(mode="wrap")
@@ -103,11 +104,12 @@ class ToleranceKey(Frozen):
     @classmethod
     def of(cls, manifest: SkuManifest, *, float32: bool = False) -> ToleranceKey:
         """The key of `manifest`'s gate: its hardware class, its gate dtype (float32 for the float32 pass of a SKU
-        that serves another dtype), its model and, where its family needs an accelerator, its engine."""
-        accelerated = ALL_FAMILIES[manifest.base.family].accelerated
+        that serves another dtype), its model and, where its family needs an accelerator or its gate says
+        `tolerance_per_engine`, its engine."""
+        per_engine = ALL_FAMILIES[manifest.base.family].accelerated or manifest.gate.tolerance_per_engine
         return cls(hardware_class=manifest.accelerator.hardware_class,
                    dtype="float32" if float32 else manifest.gate.dtype, model=manifest.gate.model,
-                   engine=manifest.stack.engine.name if accelerated else "")
+                   engine=manifest.stack.engine.name if per_engine else "")
 
     def label(self) -> str:
         base = f"{self.hardware_class}/{self.dtype}/{self.model}"
@@ -229,7 +231,7 @@ class Tolerances(Frozen):
                         e.key.model_copy(update={"engine": key.engine}) == key)
         if not others:
             return ""
-        return (f" (calibrated with {', '.join(others)} only: on accelerator hardware every engine brings its own "
+        return (f" (calibrated with {', '.join(others)} only: every engine brings its own "
                 f"kernels and its own honest noise, so an entry holds for the engine it was calibrated with)")
 
 
@@ -301,7 +303,8 @@ def calibration_for(manifest: SkuManifest, tolerances: Tolerances, *, reference_
     An entry holds for the SKU when its key (class, dtype, model and, on an accelerator, engine) has one, it was
     measured against the SKU's bundle (`reference_sha256`; None: not checked, the bundle is not at hand) and, on an
     accelerator, its honest runs used the SKU's engine in the same release series (`same_engine_release`). The CPU
-    class's engine-free entries hold for every engine: their cross-engine evidence is gates/data/evidence/."""
+    class's engine-free entries hold for every engine whose SKU does not say `gate.tolerance_per_engine`: their
+    cross-engine evidence is gates/data/evidence/."""
     key = ToleranceKey.of(manifest, float32=float32)
     command = calibrate_command(manifest.name, float32=float32, image=image)
     entry = tolerances.find(key)
@@ -318,7 +321,7 @@ def calibration_for(manifest: SkuManifest, tolerances: Tolerances, *, reference_
                else "an engine version it does not record")
         return Calibration(key, None, (
             f"the tolerance of {key.label()} was calibrated with {was}, not {key.engine} {version} (release "
-            f"{engine_release(version)}): on accelerator hardware an engine's release series brings its own kernels "
+            f"{engine_release(version)}): an engine's release series brings its own kernels "
             f"and its own honest noise, so an entry holds for the series it was calibrated with"), command)
     return Calibration(key, entry, "", command)
 
@@ -360,12 +363,10 @@ def load_tolerances(path: Path = DEFAULT_PATH) -> Tolerances:
     keys = [e.key for e in tolerances.entries]
     if len(keys) != len(set(keys)):
         raise GateCouldNotRun(f"{path}: an entry key appears twice")
-    engine_free = {k for k in keys if not k.engine}
-    mixed = sorted({k.model_copy(update={"engine": ""}).label() for k in keys
-                    if k.engine and k.model_copy(update={"engine": ""}) in engine_free})
-    if mixed:
-        raise GateCouldNotRun(f"{path}: {', '.join(mixed)} has an entry for every engine and entries for single engines; "
-                              "fix: keep one kind (a class whose SKUs need an accelerator keys its entries by engine)")
+    # An engine-free entry and engine-keyed ones of one class, dtype and model may stand side by side: a SKU's key
+    # (ToleranceKey.of) names its engine on an accelerator or with gate.tolerance_per_engine, and takes that entry
+    # alone; the engine-free one holds for the other SKUs of a CPU class (docs/GATE.md, "Engines and the tolerance key").
+    # merge_entry refuses an engine-keyed entry looser than its class's engine-free one unless told (--allow-looser).
     foreign = [f"{e.key.label()}: provenance.engines names {', '.join(sorted(e.provenance.engines))}, not its key's "
                f"engine {e.key.engine}" for e in tolerances.entries
                if e.key.engine and e.provenance.engines and e.key.engine not in e.provenance.engines]
@@ -441,20 +442,81 @@ def looser(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:
     return found
 
 
+def looser_ops(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:
+    """Op bounds of `new` looser than `old`'s (op battery and module ops, on the same battery spec)."""
+    if not new.ops or not old.ops or new.ops_spec != old.ops_spec:
+        return []
+    return [f"ops.{op}.{m}" for op, row in new.ops.items() for m, v in row.items()
+            if op in old.ops and m in old.ops[op] and v > old.ops[op][m]]
+
+
+def class_ruler(tolerances: Tolerances, key: ToleranceKey) -> ToleranceEntry | None:
+    """The engine-free entry of an engine-keyed key's class, dtype and model (a CPU class's one ruler for every engine
+    not keyed per engine), or None."""
+    return tolerances.find(key.model_copy(update={"engine": ""})) if key.engine else None
+
+
+# The most an op bound of an entry can be above its largest honest value (gates/judge/ops.py derive_bounds: 1.1x rms,
+# 1.5x max, 2x bias for the battery; the module ops take 2x each): bound / this is never below the honest value.
+OP_BOUND_FACTOR: Final = {"rms": 1.1, "max": 1.5, "bias": 2.0}
+
+
+def within_ruler(entry: ToleranceEntry, ruler: ToleranceEntry) -> ToleranceEntry:
+    """`entry` (an engine's own, on a class with an engine-free ruler) with every threshold the ruler admits the engine
+    under taken from the ruler where it is tighter: a threshold stays looser than the ruler's only where the engine's
+    own honest runs exceed the ruler's bound (AN-001: a new engine loosens the class where its numerics need it, and
+    only there). Model and kernel thresholds compare the entry's recorded honest maxima; op bounds the largest honest
+    value a bound can stand for (bound / OP_BOUND_FACTOR)."""
+    honest = entry.provenance.honest_max
+
+    def tight(table: dict, theirs: dict, prefix: str) -> dict:
+        out = dict(table)
+        for name, value in table.items():
+            bound = theirs.get(name)
+            seen = honest.get(f"{prefix}{name}")
+            if bound is not None and seen is not None and float(seen) <= float(bound) < float(value):
+                out[name] = bound
+        return out
+
+    ops = {op: {m: (ruler.ops[op][m] if op in ruler.ops and m in ruler.ops[op]
+                    and float(v) / OP_BOUND_FACTOR[m] <= float(ruler.ops[op][m]) < float(v) else v)
+                for m, v in row.items()}
+           for op, row in entry.ops.items()} if entry.ops_spec == ruler.ops_spec else entry.ops
+    model = entry.model.model_copy(update={"per_prompt": tight(entry.model.per_prompt, ruler.model.per_prompt,
+                                                               "per_prompt."),
+                                           "mean": tight(entry.model.mean, ruler.model.mean, "mean.")})
+    note = f"; bounded by {ruler.key.label()} wherever its honest runs fit that entry (within_ruler)"
+    provenance = entry.provenance.model_copy(update={"method": entry.provenance.method.removesuffix(note) + note})
+    return entry.model_copy(update={"model": model, "kernels": tight(entry.kernels, ruler.kernels, "kernels."),
+                                    "ops": ops, "provenance": provenance})
+
+
 def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: bool = False) -> Tolerances:
     """A copy with `entry` written under its own key; every other class's entry is left exactly as it was.
 
-    Replacing an existing entry of the same key with looser thresholds needs `allow_looser`. An entry without kernel
-    thresholds (its SKU runs no kernel battery) keeps the existing entry's: the class's kernels stay checked.
+    Replacing an existing entry of the same key with looser thresholds needs `allow_looser`. So does a first
+    engine-keyed entry beside its class's engine-free one (a CPU SKU with gate.tolerance_per_engine) that is looser than
+    that ruler anywhere, op bounds included, after `within_ruler` took the ruler's thresholds wherever the engine's
+    honest runs fit them: a new engine never loosens the class's ruler unasked (AN-001, docs/GATE.md "Engines and the
+    tolerance key"). An entry without kernel thresholds (its SKU runs no kernel battery) keeps the
+    existing entry's, else the ruler's: the class's kernels stay checked.
     """
     old = tolerances.find(entry.key)
-    if old is not None and not entry.kernels:  # calibrated without a kernel battery (llama.cpp): keep the class's
-        entry = entry.model_copy(update={"kernels": old.kernels})
-    if old is not None and not allow_looser:
-        loosened = looser(entry, old)
+    ruler = class_ruler(tolerances, entry.key)
+    if ruler is not None:  # an engine's own entry on a CPU class: the class's ruler wherever it admits the engine
+        entry = within_ruler(entry, ruler)
+        ruler = ruler if old is None else None
+    base = old or ruler
+    if base is not None and not entry.kernels:  # calibrated without a kernel battery (llama.cpp): keep the class's
+        entry = entry.model_copy(update={"kernels": base.kernels})
+    if base is not None and not allow_looser:
+        loosened = looser(entry, base) + (looser_ops(entry, base) if ruler is not None else [])
         if loosened:
-            raise GateCouldNotRun(f"calibration of {entry.key.label()} would loosen {', '.join(loosened)}; "
-                                  "fix: pass --allow-looser if the honest runs really are noisier")
+            what = (f"the class's engine-free entry {base.key.label()}" if ruler is not None else "the entry it replaces")
+            raise GateCouldNotRun(f"calibration of {entry.key.label()} would loosen {len(loosened)} thresholds of "
+                                  f"{what} ({', '.join(loosened[:12])}"
+                                  f"{', ...' if len(loosened) > 12 else ''}); fix: pass --allow-looser if the honest "
+                                  "runs really are noisier, and say where and why in the entry's review")
     others = tuple(e for e in tolerances.entries if e.key != entry.key)
     merged = tolerances.model_copy(update={"entries": tuple(sorted((*others, entry), key=lambda e: e.key.label()))})
     for before in tolerances.entries:  # structural guarantee: other classes byte-for-byte unchanged

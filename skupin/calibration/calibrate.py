@@ -62,6 +62,7 @@ from skupin.gates.judge.tolerance import (
     ToleranceKey,
     Tolerances,
     calibration_for,
+    class_ruler,
 )
 from skupin.gates.judge.verdict import (
     clopper_pearson_upper,
@@ -332,7 +333,8 @@ def refuse_float32_failure(*, manifest: SkuManifest, image_id: str, docker: Dock
                            scratch: Path, tolerances: Tolerances, on_event: Callable[[str], None] = lambda _: None) -> None:
     """For a SKU with a float32 pass (it serves another dtype on an engine with FLOAT32): the gate's float32 pass on
     the image (the probe at float32 against the float32 bundle: hard bounds, and the class's float32 entry when one is
-    calibrated for that bundle). GateFailed when it fails, GateCouldNotRun when it cannot run."""
+    calibrated for that bundle; for a SKU keyed per engine whose own float32 entry is not calibrated yet, the class's
+    engine-free one). GateFailed when it fails, GateCouldNotRun when it cannot run."""
     if manifest.gate.dtype == "float32" or not engine_float32(manifest.stack.engine.name):
         return
     try:
@@ -351,12 +353,17 @@ def refuse_float32_failure(*, manifest: SkuManifest, image_id: str, docker: Dock
         raise GateCouldNotRun(f"calibration refused: the float32 probe failed: {probe.error or probe.report.get('checks')}")
     # the gate's own decision (another bundle, engine or engine release: the hard bounds alone, as the gate does)
     found = calibration_for(manifest, tolerances, reference_sha256=ref_sha, float32=True)
+    entry, why = found.entry, found.problem
+    ruler = class_ruler(tolerances, found.key) if entry is None else None
+    if ruler is not None and ruler.provenance.reference_sha256 == ref_sha:
+        # an engine keyed per engine on a CPU class, not yet calibrated at float32: the class's ruler judges it
+        entry, why = ruler, ""
     try:
         stats = model_statistics(ref, probe.tensors)
     except CompareError as exc:
         raise GateCouldNotRun(f"calibration refused: the float32 pass could not compare: {exc}") from exc
-    result, _, _ = judge_model(stats=stats, entry=found.entry, hard=tolerances.hard_bounds, dtype="float32",
-                               why=found.problem, name="float32")
+    result, _, _ = judge_model(stats=stats, entry=entry, hard=tolerances.hard_bounds, dtype="float32",
+                               why=why, name="float32")
     if result.status == "fail":
         raise GateFailed(f"calibration refused: the float32 pass failed: {result.reason}")
     if result.status == "error":

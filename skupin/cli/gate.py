@@ -280,7 +280,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the entry without writing it")
     p.add_argument("--float32", action="store_true",
                    help="calibrate the float32 pass of a SKU that serves bf16/fp16: honest float32 runs of the same image "
-                        "against the float32 bundle beside its reference (key <class>/float32/<model>)")
+                        "against the float32 bundle beside its reference (key <class>/float32/<model>, plus /<engine> "
+                        "on an accelerator or with gate.tolerance_per_engine)")
     install_missing_flag(p)
     p.set_defaults(func=cmd_calibrate)
 

@@ -22,6 +22,7 @@ from skupin.gates.judge.tolerance import (
     HardBounds,
     ToleranceKey,
     Tolerances,
+    calibration_for,
     calibration_warning,
     float32_pass_warning,
     load_tolerances,
@@ -246,6 +247,23 @@ def test_an_accelerated_classs_entry_holds_for_the_engine_it_was_calibrated_with
         assert ToleranceKey.of(manifest).engine == "" and _warn(calibration_warning, manifest, tolerances) is None
 
 
+def test_a_cpu_sku_that_says_tolerance_per_engine_is_keyed_to_its_engine_and_never_takes_the_classs_entry():
+    """The CPU class's engine-free entry holds for every engine whose honest noise it admits; a SKU whose engine's it
+    does not (vLLM's CPU router at bfloat16) names its engine in its key, and with no entry of that key it is
+    uncalibrated, naming the engine-free entry's key nowhere as its own."""
+    tolerances = load_tolerances(DEFAULT_PATH)
+    manifest = load_manifest(SKUS / "cpu-x86_64-bf16.yaml")
+    assert ToleranceKey.of(manifest).label() == "cpu-x86_64/bfloat16/peaked-moe"
+    keyed = manifest.model_copy(update={"gate": manifest.gate.model_copy(update={"tolerance_per_engine": True})})
+    assert ToleranceKey.of(keyed).label() == "cpu-x86_64/bfloat16/peaked-moe/transformers"
+    assert ToleranceKey.of(keyed, float32=True).label() == "cpu-x86_64/float32/peaked-moe/transformers"
+    engine_free = tolerances.model_copy(update={"entries": tuple(e for e in tolerances.entries if not e.key.engine)})
+    assert calibration_for(manifest, engine_free, reference_sha256=None).entry is not None
+    found = calibration_for(keyed, engine_free, reference_sha256=None)
+    assert found.entry is None and "no calibrated tolerance for cpu-x86_64/bfloat16/peaked-moe/transformers" \
+        in found.problem
+
+
 def test_the_float32_pass_of_every_shipped_bf16_sku_has_its_bundle_and_what_it_lacks_is_said():
     from skupin.gates.refdata.bundle import float32_manifest
 
@@ -350,11 +368,64 @@ def test_the_gate_of_a_hopper_sku_whose_engine_the_class_never_calibrated_finds_
     assert "fix: skupin calibrate nvidia-h200-vllm --image img on that hardware" in found.problem
 
 
-def test_a_tolerance_file_mixing_an_engine_free_and_an_engine_keyed_entry_of_one_key_is_refused(tmp_path):
+def test_an_engine_free_and_an_engine_keyed_entry_of_one_key_each_serve_only_their_own_skus():
+    """cpu-x86_64/bfloat16/peaked-moe holds for every CPU SKU not keyed per engine (transformers'); its vLLM SKU says
+    gate.tolerance_per_engine and takes the entry calibrated with vLLM, never the other."""
     tolerances = load_tolerances(DEFAULT_PATH)
-    entry = next(e for e in tolerances.entries if e.key.engine == "transformers")
-    free = entry.model_copy(update={"key": entry.key.model_copy(update={"engine": ""})})
-    path = tmp_path / "tolerances.yaml"
-    write_tolerances(tolerances.model_copy(update={"entries": (*tolerances.entries, free)}), path)
-    with pytest.raises(GateCouldNotRun, match=f"{entry.key.label().rsplit('/', 1)[0]} has an entry for every engine"):
-        load_tolerances(path)
+    transformers = load_manifest(SKUS / "cpu-x86_64-bf16.yaml")
+    vllm = load_manifest(SKUS / "cpu-x86_64-vllm-bf16.yaml")
+    free = calibration_for(transformers, tolerances, reference_sha256=None).entry
+    keyed = calibration_for(vllm, tolerances, reference_sha256=None).entry
+    assert free is not None and keyed is not None and free != keyed
+    assert (free.key.label(), keyed.key.label()) == ("cpu-x86_64/bfloat16/peaked-moe",
+                                                     "cpu-x86_64/bfloat16/peaked-moe/vllm")
+    assert keyed.provenance.engines == {"vllm": "0.32.0"}
+    on_sglang = vllm.model_copy(update={"stack": vllm.stack.model_copy(update={
+        "engine": vllm.stack.engine.model_copy(update={"name": "sglang"})})})
+    found = calibration_for(on_sglang, tolerances, reference_sha256=None)
+    assert found.entry is None and "cpu-x86_64/bfloat16/peaked-moe/sglang" in found.problem
+
+
+def test_an_engines_own_entry_takes_the_class_ruler_wherever_its_honest_runs_fit_it():
+    """AN-001 for gate.tolerance_per_engine: a first engine-keyed entry beside the class's engine-free one is bounded
+    by it wherever the engine's own honest maxima fit (within_ruler), and what stays looser needs --allow-looser."""
+    from skupin.common.errors import GateCouldNotRun as CouldNotRun
+    from skupin.gates.judge.tolerance import class_ruler, looser, looser_ops, merge_entry
+
+    tolerances = load_tolerances(DEFAULT_PATH)
+    ruler = tolerances.find(ToleranceKey(hardware_class="cpu-x86_64", dtype="bfloat16", model="peaked-moe"))
+    assert ruler is not None
+    others = tolerances.model_copy(update={"entries": tuple(e for e in tolerances.entries if not e.key.engine)})
+    key = ruler.key.model_copy(update={"engine": "vllm"})
+    # an engine whose honest runs fit the ruler everywhere but calibrated 10x looser (few runs, a wide margin)
+    wide = ruler.model_copy(update={
+        "key": key, "provenance": ruler.provenance.model_copy(update={"engines": {"vllm": "0.32.0"}}),
+        "model": ruler.model.model_copy(update={"per_prompt": {k: 10 * v for k, v in ruler.model.per_prompt.items()},
+                                                "mean": {k: 10 * v for k, v in ruler.model.mean.items()}}),
+        "ops": {op: {m: 1.05 * v for m, v in row.items()} for op, row in ruler.ops.items()}})  # under 1.1x: fits
+    merged = merge_entry(others, wide).find(key)
+    assert merged is not None and not looser(merged, ruler) and not looser_ops(merged, ruler)
+    assert merged.model.mean == ruler.model.mean and merged.ops == ruler.ops
+    # one statistic its honest runs really need looser: refused unless asked, and named
+    needs = wide.model_copy(update={"provenance": wide.provenance.model_copy(update={"honest_max": {
+        **wide.provenance.honest_max, "mean.kl": 5 * ruler.model.mean["kl"]}})})
+    with pytest.raises(CouldNotRun, match=r"would loosen 1 thresholds of the class's engine-free entry "
+                                          r"cpu-x86_64/bfloat16/peaked-moe \(mean\.kl\)"):
+        merge_entry(others, needs)
+    asked = merge_entry(others, needs, allow_looser=True).find(key)
+    assert asked is not None and looser(asked, ruler) == ["mean.kl"]
+    assert class_ruler(tolerances, ruler.key) is None  # an engine-free key has no ruler above it
+
+
+def test_the_committed_vllm_cpu_entries_loosen_the_class_only_where_vllms_honest_runs_need_it():
+    from skupin.gates.judge.tolerance import class_ruler, looser, looser_ops
+
+    tolerances = load_tolerances(DEFAULT_PATH)
+    needed = {f"ops.layer.{i}.router.bfloat16.{m}" for i in range(4) for m in ("rms", "bias")} | {
+        "ops.matmul.float32.rms", "ops.moe.route.float32.rms", "honest_rate"}
+    keyed = [e for e in tolerances.entries if e.key.engine and class_ruler(tolerances, e.key) is not None]
+    assert {e.key.label() for e in keyed} == {"cpu-x86_64/bfloat16/peaked-moe/vllm", "cpu-x86_64/float32/peaked-moe/vllm"}
+    for entry in keyed:
+        ruler = class_ruler(tolerances, entry.key)
+        assert ruler is not None
+        assert set(looser(entry, ruler) + looser_ops(entry, ruler)) <= needed, entry.key.label()
