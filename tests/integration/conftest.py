@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_SKU = REPO / "skus" / "cpu-x86_64.yaml"
 VLLM_SKU = REPO / "skus" / "cpu-x86_64-vllm.yaml"
 BF16_SKU = REPO / "skus" / "cpu-x86_64-bf16.yaml"
+VLLM_BF16_SKU = REPO / "skus" / "cpu-x86_64-vllm-bf16.yaml"
 LLAMACPP_SKU = REPO / "skus" / "cpu-x86_64-llamacpp.yaml"
 LLAMACPP_Q8_SKU = REPO / "docs" / "examples" / "skus" / "cpu-x86_64-llamacpp-q8_0.yaml"
 HEAVY_ENV = "SKUPIN_HEAVY"
@@ -167,6 +168,21 @@ def vllm_image(docker: Docker, vllm_stack, wheelhouse, host_ca_bundle) -> str:
 
 
 @pytest.fixture(scope="session")
+def vllm_bf16_stack():
+    """The vLLM CPU SKU served in bfloat16 (cpu-x86_64-vllm's stack) checked and locked (its committed lock)."""
+    from skupin.builder.check import resolve
+
+    return resolve(VLLM_BF16_SKU, require_lock=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_bf16_image(docker: Docker, vllm_bf16_stack, wheelhouse, host_ca_bundle) -> str:
+    """Its image (recorded by `skupin build cpu-x86_64-vllm-bf16`, else built now, once: its RUN steps are
+    cpu-x86_64-vllm's, so BuildKit's cache of that image serves them)."""
+    return built_image(docker, vllm_bf16_stack, wheelhouse, host_ca_bundle)
+
+
+@pytest.fixture(scope="session")
 def llamacpp_stack():
     """The llama.cpp CPU SKU (its engine built from the sdist) checked and locked (its committed lock)."""
     from skupin.builder.check import resolve
@@ -297,6 +313,15 @@ def derived(docker: Docker, honest_image: str, stack, tmp_path_factory) -> Itera
     """Tampered images of the honest CPU image for the whole session (removed at the end)."""
     with tampered_images(docker, image=honest_image, lock=stack.lock, workdir=tmp_path_factory.mktemp("derived"),
                   base_tag="skupin-test/derived-honest-base:latest") as made:
+        yield made
+
+
+@pytest.fixture(scope="session")
+def vllm_bf16_derived(docker: Docker, vllm_bf16_image: str, vllm_bf16_stack, tmp_path_factory) -> Iterator[Derived]:
+    """Tampered images of the honest vLLM bf16 CPU image for the whole session (removed at the end)."""
+    with tampered_images(docker, image=vllm_bf16_image, lock=vllm_bf16_stack.lock,
+                         workdir=tmp_path_factory.mktemp("vllm-bf16-derived"),
+                         base_tag="skupin-test/derived-vllm-bf16-base:latest") as made:
         yield made
 
 

@@ -63,3 +63,51 @@ def test_a_bf16_path_fault_in_the_engines_own_classes_fails_the_ops_check_before
     failing = verdict.check("ops")
     assert op in failing.reason, failing.reason
     assert failing.details["ops"][op]["ratio"] > 1
+
+
+def test_the_vllm_bf16_cpu_sku_passes_the_whole_gate_with_its_engines_own_entry(vllm_bf16_image: str,
+                                                                               tmp_path: Path) -> None:
+    """vLLM's CPU backend serving bfloat16 (cpu-x86_64-vllm-bf16): its own bf16 path -- CPU kernels, fused MoE and
+    router, the rotary table at the serving dtype -- through the whole gate on the shaped MoE fixture, judged with the
+    entries calibrated on vLLM itself (gate.tolerance_per_engine), the module ops of the model its engine loaded at both
+    dtypes, and the float32 pass."""
+    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64-vllm-bf16", "--image",
+                           vllm_bf16_image, "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    verdict = json.loads(proc.stdout)
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert verdict["decision"] == "pass", verdict["reason"]
+    assert [(n, c["status"]) for n, c in checks.items()] == [
+        ("reference", "pass"), ("pins", "pass"), ("binaries", "pass"), ("smoke", "skipped"), ("boot", "pass"),
+        ("kernels", "pass"), ("ops", "pass"), ("model", "pass"), ("float32", "pass"), ("serve", "pass")]
+    assert verdict["tolerance"]["key"] == "cpu-x86_64/bfloat16/peaked-moe/vllm"
+    assert checks["float32"]["details"]["tolerance_key"] == "cpu-x86_64/float32/peaked-moe/vllm"
+    ops = checks["ops"]["details"]
+    assert ops["calibrated"] is True and not ops.get("missing")
+    # the loaded MoE model, module by module, at the serving dtype: routers, each expert, the fused blocks
+    assert {"layer.1.router.bfloat16", "layer.1.expert.3.bfloat16", "layer.1.moe.bfloat16", "rotary.bfloat16",
+            "layer.0.attention.bfloat16", "lm_head.bfloat16"} <= set(ops["ops"]), sorted(ops["ops"])
+    model = json.loads((tmp_path / "probe" / "probe.json").read_text())["checks"]["model"]
+    assert (model["engine"], model["dtype"]) == ("vllm", "bfloat16"), (model["engine"], model.get("dtype"))
+    print(f"vLLM bf16 CPU gate: {verdict['reason']}; ops: {checks['ops']['reason']}")
+
+
+@pytest.mark.heavy  # one more vLLM gate of several minutes: opt-in (SKUPIN_HEAVY=1), measured in docs/BENCHMARKS.md
+def test_one_int4_expert_in_the_model_vllm_loaded_fails_the_ops_check_naming_the_expert(vllm_bf16_derived, vllm_bf16_stack,
+                                                                                        tmp_path: Path) -> None:
+    """One expert (3 of layer 1) quantized INT4 right after vLLM's loader filled the weights: a faulty weight in one
+    loaded model, no op's. The battery's own layers pass; the module op of that expert fails, named, before the model
+    check and the float32 pass."""
+    from skupin.dockerd.client import connect
+    from skupin.gates.gate import gate_image
+
+    swapped = vllm_bf16_derived.swap("vllm-expert-int4")
+    verdict = gate_image(stack=swapped.stack(vllm_bf16_stack), image=swapped.image, docker=connect(),
+                         out=tmp_path / "gate", wheelhouse=swapped.wheelhouse)
+    statuses = {c.name: c.status for c in verdict.checks}
+    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
+    assert statuses["pins"] == "pass" and statuses["ops"] == "fail", statuses
+    failing = verdict.check("ops")
+    assert "layer.1.expert.3.bfloat16" in failing.reason, failing.reason
+    print(f"vllm-expert-int4: {failing.reason}")

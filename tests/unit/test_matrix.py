@@ -34,11 +34,13 @@ def test_the_committed_catalog_plans_exactly_this():
         "nvidia-h200-vllm-debian": hopper,
     }
     reasons = {e.sku: e.reason for e in plan.excluded}
-    assert set(reasons) == {"amd-mi300x-vllm", "amd-mi355x-vllm", "intel-max1550-vllm", "cpu-x86_64-vllm"}
+    assert set(reasons) == {"amd-mi300x-vllm", "amd-mi355x-vllm", "intel-max1550-vllm", "cpu-x86_64-vllm",
+                            "cpu-x86_64-vllm-bf16"}
     for sku in ("amd-mi300x-vllm", "amd-mi355x-vllm", "intel-max1550-vllm"):
         assert reasons[sku].startswith(f"no lock (no {sku}.lock.json")
     # its torch is locked from a wheelhouse without the wheel's home URL: a hosted runner has no source for it
-    assert reasons["cpu-x86_64-vllm"].startswith("no wheel source reachable: torch-2.13.0+cpu-cp311")
+    for sku in ("cpu-x86_64-vllm", "cpu-x86_64-vllm-bf16"):
+        assert reasons[sku].startswith("no wheel source reachable: torch-2.13.0+cpu-cp311")
     assert plan.current == ()
 
 

@@ -57,6 +57,8 @@ Modes:
   rope-bf16    every *RotaryEmbedding computes its angles and cos/sin in the input's dtype (a table in low precision)
   router-bf16  every *TopKRouter computes its softmax, top-k and renormalisation in the input's dtype
   expert-int4  one expert (3) of one MoE layer (1) quantized INT4 RTN g128 at load, every other weight exact
+  vllm-expert-int4  the same expert of the model vLLM's default loader filled (its fused experts' w13 and w2), before
+               the engine processes the loaded weights
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ import sys
 
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
          "vllm-int4", "vllm-silu", "vllm-rope-cache", "vllm-norm-weight", "slow", "slow-5pct", "slow-10pct",
-         "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4")
+         "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4", "vllm-expert-int4")
 MODELING = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
@@ -144,18 +146,17 @@ def scale_attention(model, factor: float = 1.01) -> int:
 
 
 def quantize_one_expert(model, expert: int = 3, layer: int = 1) -> int:
-    """INT4 g128 on expert `expert` of decoder layer `layer` (transformers 5 keeps a layer's experts as 3-D tensors);
-    ValueError on a model without such a layer (a fault that changes nothing must not pass as caught or missed)."""
+    """INT4 g128 on expert `expert` of decoder layer `layer`: every 3-D parameter of that layer holds one matrix per
+    expert (transformers 5's `layers.N.mlp.experts.*`, vLLM's fused `layers.N.block_sparse_moe.experts.w13_weight` and
+    `w2_weight`); ValueError on a model without one (a fault that changes nothing must not pass as caught or missed)."""
     import torch
 
     changed = 0
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith(f"layers.{layer}.mlp.experts"):
-                for param in module.parameters(recurse=False):
-                    if param.dim() == 3:
-                        param.data[expert] = int4(param.data[expert])
-                        changed += 1
+        for name, param in model.named_parameters():
+            if f"layers.{layer}." in f".{name}" and "expert" in name and param.dim() == 3:
+                param.data[expert] = int4(param.data[expert])
+                changed += 1
     if not changed:
         raise ValueError(f"no MoE experts in decoder layer {layer} of {type(model).__name__}")
     return changed
@@ -315,7 +316,7 @@ def _patch_vllm_loader(module) -> None:
 
 def _patch_vllm_loaded(module, mode: str) -> None:
     """After vLLM's default loader has loaded a model's weights, change one thing of that loaded model (vllm-rope-cache,
-    vllm-norm-weight)."""
+    vllm-norm-weight, vllm-expert-int4)."""
     import torch
 
     original = module.DefaultModelLoader.load_weights
@@ -323,7 +324,9 @@ def _patch_vllm_loaded(module, mode: str) -> None:
     def load_weights(self, model, model_config):
         result = original(self, model, model_config)
         with torch.no_grad():
-            if mode == "vllm-rope-cache":
+            if mode == "vllm-expert-int4":
+                quantize_one_expert(model)
+            elif mode == "vllm-rope-cache":
                 for sub in model.modules():
                     cache = getattr(sub, "cos_sin_cache", None)
                     if isinstance(cache, torch.Tensor):
@@ -463,7 +466,7 @@ def install(mode: str) -> None:
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader", _patch_vllm_loader))
     elif mode == "vllm-silu":
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.activation", _patch_vllm_activation))
-    elif mode in ("vllm-rope-cache", "vllm-norm-weight"):
+    elif mode in ("vllm-rope-cache", "vllm-norm-weight", "vllm-expert-int4"):
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader",
                                              lambda m: _patch_vllm_loaded(m, mode)))
     elif mode == "sampler":
