@@ -9,9 +9,9 @@ the A/B stops (a daemon without the cpuset controller drops a cpuset with a mere
 time (the other is paused), so both sides get the same CPUs. "Their own" is not isolcpus: the daemon, its shims and
 the kernel still run there, and on a host with SMT the upper half of the CPUs may be the lower half's siblings.
 
-Measured on a 2-CPU host (docs/BENCHMARKS.md, "Where the noise comes from"), pinning made the server faster (the
-client no longer takes its CPU) but left the round-to-round noise as it was: that noise is the server's own work per
-token, which its CPU-seconds per token show moving as much as its speed. So sharing stays the default, and pinning is
+Measured on a 2-CPU host (docs/BENCHMARKS.md, "Where the noise comes from"), pinning left the noise as it was (or
+worse) and the speed within it: that noise is the server's own work per token, which its CPU-seconds per token show
+moving as much as its speed. So sharing stays the default, and pinning is
 there for hosts where the client's load would otherwise land on the server's CPUs.
 """
 
