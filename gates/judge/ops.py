@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from skupin.gates.judge.tolerance import MODULE_MARGINS, OP_MARGINS
 from skupin.gates.judge.verdict import CALIBRATION_FREE, CheckResult
 from skupin.gates.refdata.tensorio import bf16_round
 from skupin.imagetools.probe import skupin_probe_ops as spec
@@ -57,13 +58,8 @@ CONDITION: dict[str, float] = {
     "attention.decode": math.sqrt(spec.HD * spec.LD), "moe.route": 4.0,
     "moe.block": math.sqrt(spec.HM * spec.IM), "matmul": math.sqrt(spec.MK),
 }
-# Calibrated bound = margin x the class's largest honest value, per measure: rms is a mean over thousands of
-# values and moves little between honest runs; max and bias are extremes of one row and move more.
-OP_MARGINS = {"rms": 1.1, "max": 1.5, "bias": 2.0}
-# The module ops (gates/judge/modules.py) are modules of several products whose rounding a kernel choice moves more
-# than one op's: a wider margin. Every layer fault of the bench that needs calibration stands >= 4x over the honest
-# value (an RMSNorm without its upcast, a router softmax in bfloat16; docs/BENCHMARKS.md "The module ops").
-MODULE_MARGINS = {"rms": 2.0, "max": 2.0, "bias": 2.0}
+# Calibrated bound = margin x the class's largest honest value, per measure: OP_MARGINS for an op of the battery,
+# MODULE_MARGINS for a module op (both in gates/judge/tolerance.py, which also reads them back: within_ruler).
 # ... and never under a quarter of the module's hard bound: one host's runs are bit-identical, so 2x its value would
 # hold another CPU's kernel blocking (AVX2, AMX) to this host's rounding (an honest lm_head moved 2.3x between this
 # CPU and the H200 at float32)

@@ -66,17 +66,13 @@ def _number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def cpus_allowed(pid: int) -> tuple[int, ...] | None:
-    """The CPUs process `pid` may run on, as its /proc status says (Cpus_allowed_list); None where that cannot be read
-    (another host's daemon, no /proc)."""
+def cpus_of(pid: int) -> tuple[int, ...] | None:
+    """The CPUs process `pid` may run on (its affinity, as allowed_cpus reads this process's); None where that cannot
+    be read (a process of another host's daemon)."""
     try:
-        with open(f"/proc/{int(pid)}/status", encoding="ascii", errors="replace") as fh:
-            for line in fh.read(65536).splitlines():
-                if line.startswith("Cpus_allowed_list:"):
-                    return parse_cpu_list(line.split(":", 1)[1].strip(), flag="Cpus_allowed_list")
-    except (OSError, ValueError, ManifestError):
+        return tuple(sorted(os.sched_getaffinity(int(pid))))
+    except (OSError, ValueError):
         return None
-    return None
 
 
 def plan_cpus(spec: str, allowed: Sequence[int], *, flag: str = "--server-cpus") -> CpuPlan | None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from skupin.ab.cpus import CpuPlan, client_pinned, cpus_allowed
+from skupin.ab.cpus import CpuPlan, client_pinned, cpus_of
 from skupin.ab.decision import (
     DECISION_RULE,
     KPI,
@@ -658,7 +658,7 @@ def _check_placement(server: RunningServer, role: Role, plan: CpuPlan) -> None:
         pid = int(server.container.pid())
     except (DockerError, TypeError, ValueError):
         return
-    found = cpus_allowed(pid)
+    found = cpus_of(pid)
     if found is not None and found != plan.server:
         raise DockerError(f"--server-cpus: the {role}'s server runs on CPUs {','.join(map(str, found))}, not "
                           f"{plan.cpuset()}: this Docker daemon did not apply the cpuset (no cpuset cgroup controller?); "

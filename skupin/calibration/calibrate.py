@@ -351,10 +351,12 @@ def refuse_float32_failure(*, manifest: SkuManifest, image_id: str, docker: Dock
     model = (probe.report.get("checks") or {}).get("model") if isinstance(probe.report.get("checks"), dict) else None
     if probe.error or probe.report.get("status") != "ok" or (isinstance(model, dict) and model.get("status") != "ok"):
         raise GateCouldNotRun(f"calibration refused: the float32 probe failed: {probe.error or probe.report.get('checks')}")
-    # the gate's own decision (another bundle, engine or engine release: the hard bounds alone, as the gate does)
+    # the gate's own decision (another bundle, engine or engine release: the hard bounds alone, as the gate does), but
+    # for a SKU keyed per engine with no float32 entry of its own yet: its class's engine-free one (stricter than the
+    # gate, which would end uncalibrated)
     found = calibration_for(manifest, tolerances, reference_sha256=ref_sha, float32=True)
     entry, why = found.entry, found.problem
-    ruler = class_ruler(tolerances, found.key) if entry is None else None
+    ruler = class_ruler(tolerances, found.key) if tolerances.find(found.key) is None else None
     if ruler is not None and ruler.provenance.reference_sha256 == ref_sha:
         # an engine keyed per engine on a CPU class, not yet calibrated at float32: the class's ruler judges it
         entry, why = ruler, ""

@@ -149,7 +149,7 @@ def test_a_server_whose_process_does_not_run_on_the_plans_cpus_stops_the_ab_nami
         container = Container()
 
     allowed = allowed_cpus()
-    assert runtime.cpus_allowed(os.getpid()) == allowed
+    assert runtime.cpus_of(os.getpid()) == allowed
     runtime._check_placement(Server(), "baseline", CpuPlan(server=allowed, client=(4095,)))  # as planned: passes
     with pytest.raises(DockerError, match="--server-cpus: the candidate's server runs on CPUs"):
         runtime._check_placement(Server(), "candidate", CpuPlan(server=(4095,), client=allowed))
@@ -166,7 +166,7 @@ def test_server_spec_carries_the_cpuset_and_the_lifetime_into_the_container() ->
     assert plain.cpuset is None and plain.cpus is not None and plain.deadline_s == m.gate.deadline_s
 
 
-def test_no_round_starts_past_the_rounds_ceiling_whatever_the_settings_ask() -> None:
+def test_no_round_starts_past_max_rounds_s_whatever_the_settings_ask() -> None:
     from skupin.ab.decision import MAX_ROUNDS_S, ABSettings, more_rounds
 
     settings = ABSettings(runs=50)
