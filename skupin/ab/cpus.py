@@ -84,6 +84,8 @@ def plan_cpus(spec: str, allowed: Sequence[int], *, flag: str = "--server-cpus")
     usable = tuple(sorted(allowed))
     if spec == SHARED:
         return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ManifestError(f"{flag} {spec!r}: this platform cannot pin threads to CPUs; give {SHARED}")
     if spec == AUTO:
         if len(usable) < 2:
             return None
@@ -102,6 +104,9 @@ def plan_cpus(spec: str, allowed: Sequence[int], *, flag: str = "--server-cpus")
 
 
 def allowed_cpus() -> tuple[int, ...]:
+    """The CPUs this process may use; every CPU where the platform has no affinity (then only `shared` can run)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return tuple(range(os.cpu_count() or 1))
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
