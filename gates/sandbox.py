@@ -30,11 +30,11 @@ def sandbox_cpus(manifest: SkuManifest, host_cpus: int | None = None) -> float:
 def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ...], command: tuple[str, ...],
                  mounts: tuple[BindMount, ...], labels: dict[str, str], env: dict[str, str] | None = None,
                  max_stdout_bytes: int | None = None, cpuset: str | None = None,
-                 deadline_s: float | None = None) -> ContainerSpec:
+                 lifetime_s: float | None = None) -> ContainerSpec:
     """A container for an image under test with the gate's sandbox (probe and server alike): no network, no
     capabilities, no-new-privileges, read-only root with a tmpfs /tmp, the SKU's memory limit, a pid limit, a CPU
     limit (`sandbox_cpus`; with `cpuset`, those CPUs instead, whole and without a quota), the in-container deadline
-    gate.deadline_s (`deadline_s` instead when given), output caps, the SKU's runtime (shm, devices, groups, GPUs)
+    gate.deadline_s (`lifetime_s` instead when given), output caps, the SKU's runtime (shm, devices, groups, GPUs)
     with private IPC even where the runtime asks for the host's, and SANDBOX_ENV + the SKU's runtime env (+ `env` on
     top)."""
     runtime = manifest.runtime
@@ -46,5 +46,5 @@ def sandbox_spec(*, manifest: SkuManifest, image: str, entrypoint: tuple[str, ..
         cap_drop=("ALL",), security_opt=("no-new-privileges",), mounts=mounts,
         devices=tuple(runtime.devices), group_add=tuple(runtime.group_add), gpus=runtime.gpus == "all",
         labels=labels, cpus=None if cpuset else sandbox_cpus(manifest), cpuset=cpuset or None,
-        deadline_s=float(deadline_s if deadline_s is not None else manifest.gate.deadline_s), **caps,
+        deadline_s=float(lifetime_s if lifetime_s is not None else manifest.gate.deadline_s), **caps,
     )

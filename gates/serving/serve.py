@@ -86,7 +86,7 @@ def server_spec(*, manifest: SkuManifest, image: str, model_dir: Path, launch: S
     return sandbox_spec(
         manifest=manifest, image=image, entrypoint=(launch.argv[0],), command=launch.argv[1:],
         mounts=(BindMount(source=Path(model_dir).resolve(), target=MODEL_MOUNT, read_only=True),),
-        labels={"io.skupin.role": role, "io.skupin.sku": manifest.name}, cpuset=cpuset, deadline_s=lifetime_s,
+        labels={"io.skupin.role": role, "io.skupin.sku": manifest.name}, cpuset=cpuset, lifetime_s=lifetime_s,
     )
 
 

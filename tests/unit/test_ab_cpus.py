@@ -126,7 +126,7 @@ def test_the_ab_boots_each_server_on_the_plans_cpus_with_a_lifetime_past_the_gat
     spec = sandbox_spec(manifest=m, image="i", entrypoint=("x",), command=(), mounts=(), labels={})
     assert spec.deadline_s == m.gate.deadline_s
     assert sandbox_spec(manifest=m, image="i", entrypoint=("x",), command=(), mounts=(), labels={},
-                        deadline_s=7200).deadline_s == 7200
+                        lifetime_s=7200).deadline_s == 7200
 
 
 def test_superscript_digits_and_keywords_in_the_wrong_case_are_refused_with_the_keywords_named() -> None:
