@@ -301,7 +301,8 @@ def calibration_for(manifest: SkuManifest, tolerances: Tolerances, *, reference_
     """The one decision "is this SKU's gate calibrated", shared by the gate (`gates/gate.py: _entry_for`), `skupin
     check` (`calibration_warning`, `float32_pass_warning`) and the matrix (through gates/preflight.py: uncalibrated).
 
-    An entry holds for the SKU when its key (class, dtype, model and, on an accelerator, engine) has one, it was
+    An entry holds for the SKU when its key (class, dtype, model and, on an accelerator or with
+    gate.tolerance_per_engine, engine) has one, it was
     measured against the SKU's bundle (`reference_sha256`; None: not checked, the bundle is not at hand) and, on an
     accelerator, its honest runs used the SKU's engine in the same release series (`same_engine_release`). The CPU
     class's engine-free entries hold for every engine whose SKU does not say `gate.tolerance_per_engine`: their

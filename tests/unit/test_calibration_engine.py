@@ -1,7 +1,8 @@
 """Calibration knows its engine (issue 31): an entry records the engines and exact versions its honest runs used; on a
 class whose SKUs need an accelerator a gate whose engine (or engine release series) the entry was not calibrated with
 ends 'uncalibrated' (exit 14) after every calibration-free check, its reason naming the exact `skupin calibrate`
-command; the CPU class's engine-free entries keep holding for every engine (their cross-engine evidence). One function
+command; the CPU class's engine-free entries keep holding for every engine not keyed per engine
+(gate.tolerance_per_engine; their cross-engine evidence). One function
 decides it (gates/judge/tolerance.py: calibration_for) for the gate, `skupin check` and the matrix."""
 
 from __future__ import annotations

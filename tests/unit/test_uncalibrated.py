@@ -223,7 +223,7 @@ def test_an_accelerated_classs_entry_holds_for_the_engine_it_was_calibrated_with
     """Issue 31: on accelerator hardware every engine brings its own kernels and its own honest noise. The committed
     nvidia-hopper entries were calibrated with transformers, so a vLLM or SGLang SKU's gate ends 'uncalibrated' (the
     warning names the entries' engine and the command), and the same SKU on transformers finds its entry; the CPU
-    class's entry holds for every engine (its committed cross-engine evidence)."""
+    class's entry holds for every engine its SKUs do not key per engine (its committed cross-engine evidence)."""
     from skupin.engines import engine_float32
 
     tolerances = load_tolerances(DEFAULT_PATH)
