@@ -17,17 +17,23 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_bf16_cpu_sku_passes_the_whole_gate_with_its_calibrated_entry(bf16_image: str, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64-bf16", "--image", bf16_image,
-                           "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=False)
+def _passing_gate(sku: str, image: str, out: Path) -> tuple[dict, dict[str, dict]]:
+    """`skupin gate SKU --image IMAGE --json`, which must pass every check (smoke skipped: a CPU image); its verdict and
+    checks by name."""
+    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", sku, "--image", image, "--json", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     verdict = json.loads(proc.stdout)
     checks = {c["name"]: c for c in verdict["checks"]}
     assert verdict["decision"] == "pass", verdict["reason"]
     assert [(n, c["status"]) for n, c in checks.items()] == [
         ("reference", "pass"), ("pins", "pass"), ("binaries", "pass"), ("smoke", "skipped"), ("boot", "pass"),
-        ("kernels", "pass"), ("ops", "pass"),
-        ("model", "pass"), ("float32", "pass"), ("serve", "pass")]
+        ("kernels", "pass"), ("ops", "pass"), ("model", "pass"), ("float32", "pass"), ("serve", "pass")]
+    return verdict, checks
+
+
+def test_the_bf16_cpu_sku_passes_the_whole_gate_with_its_calibrated_entry(bf16_image: str, tmp_path: Path) -> None:
+    verdict, checks = _passing_gate("cpu-x86_64-bf16", bf16_image, tmp_path)
     assert verdict["tolerance"]["key"] == "cpu-x86_64/bfloat16/peaked-moe"
     assert verdict["reference"]["dtype"] == "bfloat16"
     # the op battery: the model's own modules at both dtypes, judged with the class's calibrated op bounds
@@ -71,16 +77,7 @@ def test_the_vllm_bf16_cpu_sku_passes_the_whole_gate_with_its_engines_own_entry(
     router, the rotary table at the serving dtype -- through the whole gate on the shaped MoE fixture, judged with the
     entries calibrated on vLLM itself (gate.tolerance_per_engine), the module ops of the model its engine loaded at both
     dtypes, and the float32 pass."""
-    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64-vllm-bf16", "--image",
-                           vllm_bf16_image, "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    verdict = json.loads(proc.stdout)
-    checks = {c["name"]: c for c in verdict["checks"]}
-    assert verdict["decision"] == "pass", verdict["reason"]
-    assert [(n, c["status"]) for n, c in checks.items()] == [
-        ("reference", "pass"), ("pins", "pass"), ("binaries", "pass"), ("smoke", "skipped"), ("boot", "pass"),
-        ("kernels", "pass"), ("ops", "pass"), ("model", "pass"), ("float32", "pass"), ("serve", "pass")]
+    verdict, checks = _passing_gate("cpu-x86_64-vllm-bf16", vllm_bf16_image, tmp_path)
     assert verdict["tolerance"]["key"] == "cpu-x86_64/bfloat16/peaked-moe/vllm"
     assert checks["float32"]["details"]["tolerance_key"] == "cpu-x86_64/float32/peaked-moe/vllm"
     ops = checks["ops"]["details"]
