@@ -148,3 +148,19 @@ def test_every_committed_lock_is_current_the_examples_too():
         states = {r.stack.manifest.name: (r.stack.lock_state, r.stack.lock_note) for r in check_paths([folder])
                   if r.stack is not None and r.stack.lock_state != "unlocked"}
         assert states and all(state == "ok" for state, _note in states.values()), states
+
+
+def test_the_q8_0_example_renders_the_llamacpp_skus_build_steps_so_ci_compiles_llama_cpp_once():
+    """The Q8_0 example is "the llama.cpp image otherwise" (another GGUF, another CMD): every step before CMD must be
+    the SKU's, or BuildKit's cache misses and CI compiles llama.cpp a second time (about 260 s on 2 cores, as it did
+    while the example's lock lagged the SKU's apt closure)."""
+    from skupin.builder.check import resolve
+    from skupin.builder.render import render
+
+    def steps(path: Path) -> list[str]:
+        text = render(resolve(path, require_lock=True)).text
+        return [line for line in text.split("\nCMD ", 1)[0].splitlines() if not line.startswith("# Rendered by")]
+
+    sku = steps(REPO / "skus" / "cpu-x86_64-llamacpp.yaml")
+    example = steps(REPO / "docs" / "examples" / "skus" / "cpu-x86_64-llamacpp-q8_0.yaml")
+    assert len(sku) > 50 and example == sku
