@@ -45,18 +45,20 @@ from skupin.ab.decision import (
     CpuCost,
     LengthAB,
     Role,
+    RoundsStop,
     RuntimeAB,
     capacity,
     capacity_side,
     decide,
     kpi,
     min_host_tokens,
-    more_rounds,
     noise_floor,
     ratio_interval,
     round_ratios,
     rounds_note,
+    rounds_stop,
     slice_decisions,
+    stop_text,
 )
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
@@ -324,6 +326,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                        short_completions={str(k): v for k, v in measured.short.items()},
                        output_tokens={str(k): dict(v) for k, v in measured.tokens.items()},
                        primary_kpi=primary, slices=per_slice, rounds=tuple(measured.rounds), rounds_note=note,
+                       rounds_stopped=stop_text(measured.stopped, settings, len(measured.order)) if measured.order else "",
                        capacity=capacity(volume=settings.volume, baseline=_capacity(sides["baseline"], bm, settings),
                                          candidate=_capacity(sides["candidate"], cm, settings)),
                        cpu={str(role): c for role in ("baseline", "candidate")
@@ -472,6 +475,8 @@ class _Measured:
     # when the daemon gave no CPU accounting for that round
     cpu: dict[Role, dict[int, tuple[float, int]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
     errors: dict[Role, str] = field(default_factory=dict)
+    # why the rounds ended (rounds_stop's answer); None while they run, or when a side's failure ended them
+    stopped: RoundsStop | None = None
     count_tokens: Callable[[str], int] | None = None
     max_tokens: int = 0
 
@@ -610,13 +615,14 @@ def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Rol
                 settings: ABSettings, measured: _Measured, on_event: OnEvent,
                 failures: tuple[type[Exception], ...]) -> None:
     """The rounds, B A, A B, ..., each side measured (`measure`) while the other's container is paused, until
-    more_rounds says enough. Each round is kept in `measured.rounds` as it went, a failed one too; a side's runs and
-    CPU accounting are stored under the round's index. A side that fails ends the rounds (_SideFailed): the decision it
-    forces (decide's serving rule) cannot change with more rounds against a failing server."""
+    rounds_stop names why they end (kept in `measured.stopped`). Each round is kept in `measured.rounds` as it went,
+    a failed one too; a side's runs and CPU accounting are stored under the round's index. A side that fails ends the
+    rounds (_SideFailed): the decision it forces (decide's serving rule) cannot change with more rounds against a
+    failing server."""
     started, r = time.monotonic(), 0
     planned = str(settings.runs) if settings.target_ci is None else f"{settings.runs}-{settings.max_runs}"
-    while more_rounds(settings=settings, elapsed_s=time.monotonic() - started, ratios=round_ratios(
-            **measured.paired_runs(), metric=_decode)):
+    while (stop := rounds_stop(settings=settings, elapsed_s=time.monotonic() - started,
+                               ratios=round_ratios(**measured.paired_runs(), metric=_decode))) is None:
         first: tuple[Role, Role] = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
         measured.order.append("BA" if r % 2 == 0 else "AB")
         status: dict[Role, Literal["ok", "failed", "not run"]] = {"baseline": "not run", "candidate": "not run"}
@@ -648,6 +654,7 @@ def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Rol
                  f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
                  f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
         r += 1
+    measured.stopped = stop
 
 
 def _check_placement(server: RunningServer, role: Role, plan: CpuPlan) -> None:

@@ -167,8 +167,8 @@ def test_server_spec_carries_the_cpuset_and_the_lifetime_into_the_container() ->
 
 
 def test_no_round_starts_past_max_rounds_s_whatever_the_settings_ask() -> None:
-    from skupin.ab.decision import MAX_ROUNDS_S, ABSettings, more_rounds
+    from skupin.ab.decision import MAX_ROUNDS_S, ABSettings, rounds_stop
 
     settings = ABSettings(runs=50)
-    assert more_rounds(settings=settings, ratios=[1.0] * 3, elapsed_s=MAX_ROUNDS_S - 1)
-    assert not more_rounds(settings=settings, ratios=[1.0] * 3, elapsed_s=MAX_ROUNDS_S)
+    assert rounds_stop(settings=settings, ratios=[1.0] * 3, elapsed_s=MAX_ROUNDS_S - 1) is None
+    assert rounds_stop(settings=settings, ratios=[1.0] * 3, elapsed_s=MAX_ROUNDS_S) == "cap"

@@ -291,20 +291,28 @@ def test_the_plot_shows_each_slices_interval(tmp_path: Path) -> None:
     assert plot_annex(record, tmp_path / "annex.png") and (tmp_path / "annex.png").stat().st_size > 10_000
 
 
-def test_rounds_are_added_until_the_interval_is_tight_enough_or_the_budget_is_spent() -> None:
-    from skupin.ab.decision import ABSettings, interval_half_width, more_rounds
+def test_rounds_are_added_until_the_interval_is_tight_enough_or_the_budget_is_spent_and_say_why_they_stopped() -> None:
+    from skupin.ab.decision import MAX_ROUNDS_S, ABSettings, interval_half_width, rounds_stop, stop_text
 
     fixed = ABSettings(runs=3)
-    assert more_rounds(settings=fixed, ratios=[0.9, 1.1], elapsed_s=0)
-    assert not more_rounds(settings=fixed, ratios=[0.5, 1.5, 1.0], elapsed_s=0)  # no target: exactly --runs
+    assert rounds_stop(settings=fixed, ratios=[0.9, 1.1], elapsed_s=0) is None
+    assert rounds_stop(settings=fixed, ratios=[0.5, 1.5, 1.0], elapsed_s=0) == "runs"  # no target: exactly --runs
     target = ABSettings(runs=3, target_ci=0.05, max_runs=6, budget_s=100)
     noisy, quiet = [0.9, 1.1, 1.0], [1.00, 1.01, 1.005]
     assert (interval_half_width(quiet) or 1) < 0.05 < (interval_half_width(noisy) or 0)
-    assert more_rounds(settings=target, ratios=noisy, elapsed_s=10)
-    assert not more_rounds(settings=target, ratios=quiet, elapsed_s=10)
-    assert not more_rounds(settings=target, ratios=noisy, elapsed_s=100)  # the budget is spent
-    assert not more_rounds(settings=target, ratios=noisy * 2, elapsed_s=10)  # max_runs
-    assert more_rounds(settings=target, ratios=[float("nan")] * 3, elapsed_s=10)  # no interval yet
+    assert rounds_stop(settings=target, ratios=noisy, elapsed_s=10) is None
+    assert rounds_stop(settings=target, ratios=quiet, elapsed_s=10) == "target_ci"
+    assert rounds_stop(settings=target, ratios=quiet, elapsed_s=100) == "target_ci"  # met beats spent: the truer why
+    assert rounds_stop(settings=target, ratios=noisy, elapsed_s=100) == "budget"
+    assert rounds_stop(settings=target, ratios=noisy * 2, elapsed_s=10) == "max_runs"
+    assert rounds_stop(settings=target, ratios=[float("nan")] * 3, elapsed_s=10) is None  # no interval yet
+    # the cap holds whatever was asked, even before --runs
+    assert rounds_stop(settings=fixed, ratios=[1.0], elapsed_s=MAX_ROUNDS_S) == "cap"
+    assert "11 h" in stop_text("cap", fixed, 1) and "before what was asked" in stop_text("cap", fixed, 1)
+    assert "--budget-s 100 s" in stop_text("budget", target, 4) and "+-5%" in stop_text("budget", target, 4)
+    assert "--max-runs 6" in stop_text("max_runs", target, 6)
+    assert stop_text("runs", fixed, 3) == "3 rounds, as asked (--runs 3)"
+    assert "a side that failed" in stop_text(None, fixed, 2)
 
 
 def test_the_committed_transformers_to_vllm_rounds_are_now_a_trade_off_not_a_promote() -> None:

@@ -65,7 +65,7 @@ def _rounds_with(fail: set[tuple[str, int]], runs: int = 4) -> tuple[_Measured, 
 def test_a_round_a_side_fails_in_is_kept_with_who_failed_and_why() -> None:
     # round 3 runs B A: the baseline is measured, then the candidate fails
     measured, ended = _rounds_with({("candidate", 3)})
-    assert ended is not None and "round 3" in str(ended)
+    assert ended is not None and "round 3" in str(ended) and measured.stopped is None  # no reason to stop: a failure
     assert [r.number for r in measured.rounds] == [1, 2, 3] and measured.order == ["BA", "AB", "BA"]
     third = measured.rounds[-1]
     assert (third.baseline, third.candidate, third.paired) == ("ok", "failed", False)
@@ -83,6 +83,7 @@ def test_a_round_a_side_fails_in_is_kept_with_who_failed_and_why() -> None:
 def test_rounds_without_failures_are_all_paired_and_every_side_was_paused_while_the_other_ran() -> None:
     measured, ended = _rounds_with(set(), runs=3)
     assert ended is None and measured.paired() == [0, 1, 2] and not rounds_note(rounds=measured.rounds, asked=3)
+    assert measured.stopped == "runs"
     assert measured.cpu_rounds() == [0, 1, 2]
 
 
