@@ -90,21 +90,32 @@ def test_the_vllm_bf16_cpu_sku_passes_the_whole_gate_with_its_engines_own_entry(
     print(f"vLLM bf16 CPU gate: {verdict['reason']}; ops: {checks['ops']['reason']}")
 
 
-@pytest.mark.heavy  # one more vLLM gate of several minutes: opt-in (SKUPIN_HEAVY=1), measured in docs/BENCHMARKS.md
-def test_one_int4_expert_in_the_model_vllm_loaded_fails_the_ops_check_naming_the_expert(vllm_bf16_derived, vllm_bf16_stack,
-                                                                                        tmp_path: Path) -> None:
-    """One expert (3 of layer 1) quantized INT4 right after vLLM's loader filled the weights: a faulty weight in one
-    loaded model, no op's. The battery's own layers pass; the module op of that expert fails, named, before the model
-    check and the float32 pass."""
+@pytest.mark.heavy  # more vLLM gates of minutes each: opt-in (SKUPIN_HEAVY=1), measured in docs/BENCHMARKS.md
+@pytest.mark.parametrize("mode, named", [
+    # one expert (3 of layer 1) quantized INT4 right after vLLM's loader filled the weights: a faulty weight in one
+    # loaded model, no op's; the battery's own layers pass, that expert's module op fails
+    ("vllm-expert-int4", ("layer.1.expert.3.bfloat16",)),
+    # vLLM's CPU router at a 3% sharper softmax temperature (the same experts, weights about 1% off): a routing fault in
+    # the engine's own router, which the battery's router op and every loaded router's module op call
+    ("vllm-router-temp", ("moe.route.bfloat16", "layer.1.router.bfloat16")),
+])
+def test_a_fault_in_vllms_bf16_moe_path_fails_the_ops_check_naming_the_op(mode: str, named: tuple[str, ...],
+                                                                          vllm_bf16_derived, vllm_bf16_stack,
+                                                                          tmp_path: Path) -> None:
+    """A locked test wheel changes vLLM's MoE path as a faulty release or loader would: `pins` passes, and the op
+    check fails at the serving dtype (bf16, so without the float32 pass), before the model check and the float32
+    pass; the reason names the worst ops, the details every failing one."""
     from skupin.dockerd.client import connect
     from skupin.gates.gate import gate_image
 
-    swapped = vllm_bf16_derived.swap("vllm-expert-int4")
+    swapped = vllm_bf16_derived.swap(mode)
     verdict = gate_image(stack=swapped.stack(vllm_bf16_stack), image=swapped.image, docker=connect(),
                          out=tmp_path / "gate", wheelhouse=swapped.wheelhouse)
     statuses = {c.name: c.status for c in verdict.checks}
     assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
     assert statuses["pins"] == "pass" and statuses["ops"] == "fail", statuses
     failing = verdict.check("ops")
-    assert "layer.1.expert.3.bfloat16" in failing.reason, failing.reason
-    print(f"vllm-expert-int4: {failing.reason}")
+    ops = failing.details["ops"]
+    assert all(ops[name]["ratio"] > 1 for name in named), {name: ops.get(name) for name in named}
+    assert any(name.rsplit(".", 1)[0] in failing.reason for name in named), failing.reason
+    print(f"{mode}: {failing.reason}; " + ", ".join(f"{name} {ops[name]['ratio']:.3g}x" for name in named))

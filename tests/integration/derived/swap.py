@@ -59,6 +59,10 @@ Modes:
   expert-int4  one expert (3) of one MoE layer (1) quantized INT4 RTN g128 at load, every other weight exact
   vllm-expert-int4  the same expert of the model vLLM's default loader filled (its fused experts' w13 and w2), before
                the engine processes the loaded weights
+  vllm-router-temp  vLLM images: the CPU router's top-k softmax (vLLM's own, renormalising over the chosen experts)
+               computed on logits scaled by 1 + 2**-5, a 3% sharper routing temperature: the same experts are chosen,
+               their weights move by about a percent (a subtle routing change, made in the engine's router as a faulty
+               release would make it)
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ import sys
 
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
          "vllm-int4", "vllm-silu", "vllm-rope-cache", "vllm-norm-weight", "slow", "slow-5pct", "slow-10pct",
-         "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4", "vllm-expert-int4")
+         "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4", "vllm-expert-int4",
+         "vllm-router-temp")
 MODELING = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
@@ -351,6 +356,22 @@ def _patch_vllm_activation(module) -> None:
     cls.forward_cuda = lambda self, x: cuda(self, x) * factor
 
 
+def _patch_vllm_router(module) -> None:
+    """vLLM's CPU router: the softmax over the chosen experts' logits taken at a 3% sharper temperature."""
+    import torch
+
+    def softmax_topk(router_logits, top_k, renormalize):
+        values, index = torch.topk(router_logits, k=top_k, dim=-1, sorted=False)
+        values = values * (1.0 + 2.0**-5)
+        if renormalize:
+            weights = torch.softmax(values, dim=-1)
+        else:
+            weights = (values - torch.logsumexp(router_logits * (1.0 + 2.0**-5), dim=-1, keepdim=True)).exp()
+        return weights.to(torch.float32), index.to(torch.int32)
+
+    module._softmax_topk = softmax_topk
+
+
 def _patch_generation_config(module) -> None:
     original = module.GenerationConfig.__init__
 
@@ -469,6 +490,8 @@ def install(mode: str) -> None:
     elif mode in ("vllm-rope-cache", "vllm-norm-weight", "vllm-expert-int4"):
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.model_loader.default_loader",
                                              lambda m: _patch_vllm_loaded(m, mode)))
+    elif mode == "vllm-router-temp":
+        sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.fused_moe.router.cpu_router", _patch_vllm_router))
     elif mode == "sampler":
         sys.meta_path.insert(0, _AfterImport("transformers.generation.configuration_utils", _patch_generation_config))
 
