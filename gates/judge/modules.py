@@ -191,8 +191,6 @@ def _captured_inputs(model: HostModel, key: str, kind: str, dtype: str,
     """The inputs of a captured module op -- the token ids and positions the host knows (the spec's), and the hidden
     states the engine's forward gave the module (its in_x) -- and '' or why they cannot be used."""
     found: dict[str, np.ndarray] = {}
-    if kind in ("router", "expert", "moe"):
-        return found, f"a {kind} module op is not judged from a captured forward"
     if kind == "embed":
         shape, vals = spec.module_inputs(key, kind, dtype, model.config)["ids"]
         found["ids"] = np.asarray(vals, dtype=np.float64).reshape(shape)
@@ -204,7 +202,11 @@ def _captured_inputs(model: HostModel, key: str, kind: str, dtype: str,
         g = got.get("in_x")
         if g is None:
             return found, "no input in_x (the module's input as the engine's forward computed it)"
-        if tuple(g.shape) != shape:
+        if kind == "expert":  # the rows the engine routed to this expert (it computes an expert on those only)
+            if g.ndim != 2 or g.shape[1] != width or not 1 <= g.shape[0] <= MAX_EXPERT_ROWS:
+                return found, (f"input in_x has shape {list(g.shape)}, not [rows, {width}] with 1 to "
+                               f"{MAX_EXPERT_ROWS} rows")
+        elif tuple(g.shape) != shape:
             return found, f"input in_x has shape {list(g.shape)}, not {list(shape)}"
         if not np.isfinite(g.astype(np.float64)).all():
             return found, "NaN/Inf in input in_x"
@@ -215,6 +217,12 @@ def _captured_inputs(model: HostModel, key: str, kind: str, dtype: str,
     if kind in ("rotary", "attention"):
         found["positions"] = np.asarray(spec.CAPTURE_POSITIONS, dtype=np.float64)
     return found, ""
+
+
+CAPTURED_NOTE = "the engine's own forward: its input as captured, hard bounds only"
+# A captured expert's rows: those of the captured tokens its engine routed to it (skupin_probe_llamacpp.py: the
+# 32 module-op tokens and 128 more, top-k of them each), never more than this.
+MAX_EXPERT_ROWS = 1024
 
 
 def _route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -378,14 +386,18 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
     if kind == "router":
         first, second = _judge_router(model, key, dtype, got, ref["logits"], result, tf32=tf32)
         logit_bounds = (calibrated or {}).get(f"{first.key}")
-        return [replace(first, calibrated=dict(logit_bounds or {})), second]
-    keep = np.ones(spec.LT, bool)
+        first = replace(first, calibrated=dict(logit_bounds or {}))
+        if captured:
+            first, second = (replace(r, note=CAPTURED_NOTE) for r in (first, second))
+        return [first, second]
+    keep = np.ones(len(next(iter(ref.values()))), bool)  # every row: LT seeded or captured tokens, an expert's own
     note = ""
     if kind == "moe":  # a token whose exact top-k is a near-tie is judged against the routing it is closest to
         ref, ties = _moe_nearest(model, key, x["x"], got["out"].astype(np.float64), dtype)
         note = f"{ties} of {spec.LT} tokens judged against the nearer of two routings (a near-tie at {dtype})" if ties else ""
     if captured:
-        note = "the engine's own forward: its input as captured, hard bounds only"
+        rows = f" ({len(keep)} tokens routed to it)" if kind == "expert" else ""
+        note = CAPTURED_NOTE.replace("as captured", f"as captured{rows}") + (f"; {note}" if note else "")
     errors = dict.fromkeys(("rms", "max", "bias"), 0.0)
     nmse = 0.0
     for name, r in ref.items():

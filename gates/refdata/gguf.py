@@ -60,6 +60,10 @@ EXPECTED: Final[dict[str, dict[str, str]]] = {
         "bf16": "9c5dc6a4fabb3d2874f8aead333b467ec24b6ed43db0ee1aa4c43fafd360ebbb",
         "q8_0": "be31139539c8af51078ca85eae8897c1f966aa69bf26ae6a2538f751bbe4c0d6",
     },
+    "peaked-moe": {  # a Mixtral-style MoE: experts stacked per projection (EXPERT_TENSORS), the router F32
+        "f32": "d88d53ebae3fc3b8e205447feb71cdc772379cf27c210272bb121d9d9d5ef79c",
+        "bf16": "7ad0bec93646f209b725e684f14eee20d987ae1311b6f5f3e1fa6a1833e7ca9b",
+    },
 }
 
 
@@ -91,8 +95,13 @@ def unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
+# A Mixtral-style MoE layer's experts, stacked into one 3-D tensor per projection (the converter's LlamaModel merges
+# ``block_sparse_moe.experts.N.wK`` so): w1 the gate, w3 the up, w2 the down projection.
+EXPERT_TENSORS: Final = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
 def tensor_name(hf_name: str) -> str:
-    """The GGUF tensor name of a transformers Llama parameter."""
+    """The GGUF tensor name of a transformers Llama (or Mixtral: the router) parameter."""
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     if hf_name in fixed:
@@ -104,7 +113,7 @@ def tensor_name(hf_name: str) -> str:
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+             "mlp.down_proj": "ffn_down", "block_sparse_moe.gate": "ffn_gate_inp"}
     if module not in names:
         raise BundleError(f"no GGUF name for parameter {hf_name!r}")
     return f"blk.{layer}.{names[module]}.weight"
@@ -166,6 +175,10 @@ def gguf_bytes(*, folder: Path, name: str, file_type: str) -> bytes:
         w.add_file_type(ftype)
         w.add_vocab_size(len(tokens))
         w.add_rope_dimension_count(head_dim)
+        experts = int(cfg.get("num_local_experts") or 0)
+        if experts:
+            w.add_expert_count(experts)
+            w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
         w.add_tokenizer_model(TOKENIZER_MODEL)
         w.add_token_list(tokens)
         w.add_token_scores(scores)
@@ -178,22 +191,45 @@ def gguf_bytes(*, folder: Path, name: str, file_type: str) -> bytes:
         w.add_add_space_prefix(True)  # the fixture's Metaspace pre-tokenizer prepends one (prepend_scheme "first")
         if file_type == "q8_0":
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for hf_name, values in _ordered(params):
+        for name, values in _tensors(params, experts):
             data = np.ascontiguousarray(values, dtype=np.float32)
-            if hf_name.endswith("self_attn.q_proj.weight"):
+            if name.endswith(".attn_q.weight"):
                 data = permute(data, heads)
-            elif hf_name.endswith("self_attn.k_proj.weight"):
+            elif name.endswith(".attn_k.weight"):
                 data = permute(data, kv_heads)
-            qtype = matrix_type if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+            # norms and the router stay F32 (the converter's rule: 1-D tensors and ffn_gate_inp always)
+            qtype = (matrix_type if data.ndim >= 2 and not name.endswith(".ffn_gate_inp.weight")
+                     else gguf.GGMLQuantizationType.F32)
             if qtype == gguf.GGMLQuantizationType.F32:
-                w.add_tensor(tensor_name(hf_name), data)
+                w.add_tensor(name, data)
             else:
-                w.add_tensor(tensor_name(hf_name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+                w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
         return path.read_bytes()
+
+
+def _tensors(params: dict[str, np.ndarray], experts: int) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, values) of every tensor in writing order: each parameter under its GGUF name, a MoE layer's experts
+    stacked per projection ([experts, out, in], expert order) after that layer's other tensors."""
+    found: list[tuple[str, np.ndarray]] = []
+    stacked: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+    for hf_name, values in _ordered(params):
+        parts = hf_name.split(".")
+        if experts and parts[3:5] == ["block_sparse_moe", "experts"]:
+            stacked.setdefault(parts[2], {}).setdefault(int(parts[5]), {})[parts[6]] = values
+            continue
+        found.append((tensor_name(hf_name), values))
+    for layer, per_expert in stacked.items():
+        if sorted(per_expert) != list(range(experts)) or any(sorted(e) != sorted(EXPERT_TENSORS)
+                                                             for e in per_expert.values()):
+            raise BundleError(f"layer {layer} does not hold w1, w2 and w3 of each of its {experts} experts")
+        at = max(i for i, (name, _) in enumerate(found) if name.startswith(f"blk.{layer}.")) + 1
+        found[at:at] = [(f"blk.{layer}.{gguf_name}.weight", np.stack([per_expert[e][w] for e in range(experts)]))
+                        for w, gguf_name in EXPERT_TENSORS.items()]
+    return found
 
 
 def _ordered(params: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:

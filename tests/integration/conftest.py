@@ -20,6 +20,7 @@ VLLM_SKU = REPO / "skus" / "cpu-x86_64-vllm.yaml"
 BF16_SKU = REPO / "skus" / "cpu-x86_64-bf16.yaml"
 VLLM_BF16_SKU = REPO / "skus" / "cpu-x86_64-vllm-bf16.yaml"
 LLAMACPP_SKU = REPO / "skus" / "cpu-x86_64-llamacpp.yaml"
+LLAMACPP_BF16_SKU = REPO / "skus" / "cpu-x86_64-llamacpp-bf16.yaml"
 LLAMACPP_Q8_SKU = REPO / "docs" / "examples" / "skus" / "cpu-x86_64-llamacpp-q8_0.yaml"
 HEAVY_ENV = "SKUPIN_HEAVY"
 
@@ -198,6 +199,20 @@ def llamacpp_image(docker: Docker, llamacpp_stack, wheelhouse, host_ca_bundle) -
 
 
 @pytest.fixture(scope="session")
+def llamacpp_bf16_stack():
+    """The llama.cpp SKU serving a BF16 GGUF of the MoE fixture, checked and locked (its committed lock)."""
+    from skupin.builder.check import resolve
+
+    return resolve(LLAMACPP_BF16_SKU, require_lock=True)
+
+
+@pytest.fixture(scope="session")
+def llamacpp_bf16_image(docker: Docker, llamacpp_bf16_stack, llamacpp_image, wheelhouse, host_ca_bundle) -> str:
+    """Its image: the llama.cpp image's layers and build stage (cached) with another CMD."""
+    return built_image(docker, llamacpp_bf16_stack, wheelhouse, host_ca_bundle)
+
+
+@pytest.fixture(scope="session")
 def llamacpp_q8_stack():
     """The example SKU that serves a Q8_0 GGUF of the fixture with the same llama.cpp image otherwise."""
     from skupin.builder.check import resolve
@@ -256,6 +271,7 @@ class Derived:
         self._build, self.lock, self.workdir = build, lock, workdir
         self._made: dict[str, str] = {}
         self._swaps: dict[str, Swapped] = {}
+        self.records: list[Path] = []  # built-wheel records written for test locks (removed with the images)
 
     def tamper(self, mode: str) -> str:
         from tests.integration import tampered
@@ -283,9 +299,22 @@ class Derived:
             lock = tampered.lock_with(self.lock, pkg)
             context = tampered.write_context(self.workdir / f"swap-context-{mode}", wheels=[wheel],
                                              requirements=tampered.requirement(pkg))
+            self._record_built(lock)
             self._swaps[mode] = Swapped(image=self._build(context, "locked", lock.content_hash()), lock=lock,
                                         wheelhouse=house)
         return self._swaps[mode]
+
+    def _record_built(self, lock) -> None:
+        """An engine built from its sdist (llama.cpp): `pins` verifies its files against this host's record of the
+        wheel built for the lock; the derived image carries the honest image's build, so the test lock gets the
+        honest lock's record."""
+        from skupin.builder.sourcebuild import read_built, write_built
+
+        if not self.lock.sources():
+            return
+        record = read_built(self.lock)
+        if record is not None:
+            self.records.append(write_built(record.model_copy(update={"lock_sha256": lock.content_hash()})))
 
 
 @contextlib.contextmanager
@@ -300,12 +329,15 @@ def tampered_images(docker: Docker, *, image: str, lock, workdir: Path, base_tag
         made.append(image_id)
         return image_id
 
+    derived = Derived(build, lock=lock, workdir=workdir)
     try:
-        yield Derived(build, lock=lock, workdir=workdir)
+        yield derived
     finally:
         for image_id in made:
             docker.remove_image(image_id, force=True)
         docker.remove_image(base_tag)
+        for record in derived.records:
+            record.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
@@ -322,6 +354,16 @@ def vllm_bf16_derived(docker: Docker, vllm_bf16_image: str, vllm_bf16_stack, tmp
     with tampered_images(docker, image=vllm_bf16_image, lock=vllm_bf16_stack.lock,
                          workdir=tmp_path_factory.mktemp("vllm-bf16-derived"),
                          base_tag="skupin-test/derived-vllm-bf16-base:latest") as made:
+        yield made
+
+
+@pytest.fixture(scope="session")
+def llamacpp_bf16_derived(docker: Docker, llamacpp_bf16_image: str, llamacpp_bf16_stack,
+                          tmp_path_factory) -> Iterator[Derived]:
+    """Tampered images of the honest llama.cpp bf16 image for the whole session (removed at the end)."""
+    with tampered_images(docker, image=llamacpp_bf16_image, lock=llamacpp_bf16_stack.lock,
+                         workdir=tmp_path_factory.mktemp("llamacpp-bf16-derived"),
+                         base_tag="skupin-test/derived-llamacpp-bf16-base:latest") as made:
         yield made
 
 

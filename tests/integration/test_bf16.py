@@ -119,3 +119,58 @@ def test_a_fault_in_vllms_bf16_moe_path_fails_the_ops_check_naming_the_op(mode: 
     assert all(ops[name]["ratio"] > 1 for name in named), {name: ops.get(name) for name in named}
     assert any(name.rsplit(".", 1)[0] in failing.reason for name in named), failing.reason
     print(f"{mode}: {failing.reason}; " + ", ".join(f"{name} {ops[name]['ratio']:.3g}x" for name in named))
+
+
+def test_the_llamacpp_bf16_sku_passes_the_whole_gate_with_its_moe_modules_captured(llamacpp_bf16_image: str,
+                                                                                    tmp_path: Path) -> None:
+    """llama.cpp serving a BF16 GGUF of the MoE fixture (cpu-x86_64-llamacpp-bf16): its own bf16 path -- BF16 products,
+    its router (softmax, argsort top-k, renormalisation) and expert products (MUL_MAT_ID), RoPE, attention -- checked
+    module by module from its own forward (captured by its eval callback, judged on the host), then the model and
+    serve checks with its engine's own entry. No float32 pass: llama.cpp serves one GGUF."""
+    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64-llamacpp-bf16", "--image",
+                           llamacpp_bf16_image, "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    verdict = json.loads(proc.stdout)
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert [(n, c["status"]) for n, c in checks.items()] == [
+        ("reference", "pass"), ("pins", "pass"), ("binaries", "pass"), ("smoke", "skipped"), ("boot", "pass"),
+        ("kernels", "skipped"), ("ops", "pass"), ("model", "pass"), ("float32", "skipped"), ("serve", "pass")]
+    assert verdict["tolerance"]["key"] == "cpu-x86_64/bfloat16/peaked-moe/llamacpp"
+    ops = checks["ops"]["details"]["ops"]
+    # every module of the MoE model, from llama.cpp's own forward: each router, each of the 8 experts of each of the 4
+    # layers (on the tokens llama.cpp routed to it), each block, attention, rotary, norms, head
+    experts = {f"layer.{i}.expert.{j}.bfloat16" for i in range(4) for j in range(8)}
+    routers = {f"layer.{i}.{part}.bfloat16" for i in range(4) for part in ("router", "router.logits", "moe")}
+    assert experts | routers | {"rotary.bfloat16", "layer.0.attention.bfloat16", "lm_head.bfloat16"} <= set(ops)
+    assert all("captured" in (ops[name].get("note") or "") for name in experts | routers)
+
+
+@pytest.mark.parametrize("mode, named", [
+    # a precision fault of the serving path: keys cached 4-bit, which attention reads back
+    ("llamacpp-kv-q4", "attention.bfloat16"),
+    # a single badly quantized expert (INT4 g128) in the loaded model
+    ("llamacpp-expert-int4", "layer.1.expert.3.bfloat16"),
+    # a routing fault: every router's weights scaled by 1 + 2^-5 (a 3% sharper temperature, the same experts mostly)
+    ("llamacpp-router-scale", "router.logits.bfloat16"),
+])
+def test_a_fault_in_llama_cpps_bf16_path_fails_the_ops_check_from_its_own_forward(mode: str, named: str,
+                                                                                 llamacpp_bf16_derived,
+                                                                                 llamacpp_bf16_stack,
+                                                                                 tmp_path: Path) -> None:
+    """A locked test wheel gives every llama_cpp.Llama of the image a fault (the server's and the probe's alike):
+    `pins` passes; the module ops captured from llama.cpp's own forward fail, naming the module, with no float32 pass
+    to lean on (llama.cpp has none)."""
+    from skupin.dockerd.client import connect
+    from skupin.gates.gate import gate_image
+
+    swapped = llamacpp_bf16_derived.swap(mode)
+    verdict = gate_image(stack=swapped.stack(llamacpp_bf16_stack), image=swapped.image, docker=connect(),
+                         out=tmp_path / "gate", wheelhouse=swapped.wheelhouse)
+    statuses = {c.name: c.status for c in verdict.checks}
+    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
+    assert statuses["pins"] == "pass" and statuses["ops"] == "fail", statuses
+    failing = verdict.check("ops")
+    bad = {op for op, row in failing.details["ops"].items() if (row.get("ratio") or 0) > 1 or row.get("problem")}
+    assert any(op.endswith(named) for op in bad), (sorted(bad), failing.reason)
+    print(f"{mode}: {failing.reason}")

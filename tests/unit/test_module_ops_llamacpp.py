@@ -92,11 +92,120 @@ def test_captured_tensors_are_stacked_per_evaluation_and_a_missing_one_is_uncove
     assert report["layer.0.attention.float32"]["tensors"] == {"in_x": "attn_norm-0 (MUL)", "out": "attn_out-0 (MUL_MAT)"}
 
 
-def test_a_moe_model_is_uncovered_by_the_capture() -> None:
-    config = {"num_hidden_layers": 1, "num_local_experts": 2, "num_experts_per_tok": 1, "hidden_size": 8,
-              "vocab_size": 97}
-    tensors, rows, why = adapter.module_capture("/nonexistent", {"dtype": "float32", "cpu_threads": 1}, spec, config)
-    assert not tensors and not rows and set(why) == {k for k, _ in spec.module_plan(config)}
+def _moe_honest(model: L.HostModel, *, dtype: str = "bfloat16", fault: dict[str, float] | None = None,
+                rows: int = 160) -> dict[str, np.ndarray]:
+    """What a correct llama.cpp returns for a MoE layer's module ops, captured: routers and blocks on the 32 captured
+    tokens, each expert on the rows of `rows` tokens routed to it (exact top-k of the float64 logits), float32 values;
+    `fault` scales one module's output (key -> factor; a router's: its logits)."""
+    rng = np.random.default_rng(0)
+    k = int(model.config["num_experts_per_tok"])
+    tensors: dict[str, np.ndarray] = {}
+    for key, kind in model.plan():
+        if kind not in ("router", "moe", "expert"):
+            continue
+        layer = key.split(".")[1]
+        gate = model.weights[f"model.layers.{layer}.block_sparse_moe.gate.weight"]
+        if kind == "expert":
+            pool = rng.normal(0, 1, (rows, model.hidden)).astype(np.float32)
+            _, ids = L._route(pool.astype(np.float64) @ gate.T, k)
+            x = pool[(ids == int(key.split(".")[3])).any(-1)]
+        else:
+            x = rng.normal(0, 1, (spec.LT, model.hidden)).astype(np.float32)
+        ref = L.reference(model, key, kind, {"x": x.astype(np.float64)}, captured=True)
+        factor = (fault or {}).get(key, 1.0)
+        if kind == "router":
+            logits = ref["logits"] * factor
+            weights, ids = L._route(logits.astype(np.float32).astype(np.float64), k)
+            ref = {"logits": logits, "weights": weights, "ids": ids.astype(np.float64)}
+        elif factor != 1.0:
+            ref = {name: value * factor for name, value in ref.items()}
+        for name, value in {"in_x": x, **ref}.items():
+            tensors[f"ops.{key}.{dtype}.{name}"] = np.asarray(value, dtype=np.float32)
+    return tensors
+
+
+def _moe_judged(tensors: dict[str, np.ndarray], model: L.HostModel, dtype: str = "bfloat16") -> Battery:
+    keys = [(k, kind) for k, kind in model.plan() if kind in ("router", "moe", "expert")]
+    report = {"modules": {"status": "ok", "inputs": "captured", "ops": {f"{k}.{dtype}": {"status": "ok"} for k, _ in keys}}}
+    battery = L.with_modules(Battery(results=()), tensors, report, model, dtypes=(dtype,), captured=True)
+    # the plan's other modules (norms, attention, ...) have no tensors here: only the MoE ones are judged
+    return Battery(results=tuple(r for r in battery.results if any(r.key.startswith(k + ".") for k, _ in keys)))
+
+
+def test_every_module_of_a_moe_plan_is_a_tensor_of_llamacpps_graph_or_its_experts_rows() -> None:
+    """A MoE layer's router (logits, renormalised weights, argsort ids) and block are graph tensors the callback copies,
+    with the layer's normed input as theirs; each expert is made from that input, the argsort and ffn_moe_down."""
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    targets = adapter._targets(int(model.config["num_hidden_layers"]), int(model.config["num_local_experts"]))
+    reached: dict[str, set[str]] = {}
+    for outs in targets.values():
+        for key, name in outs:
+            reached.setdefault(key, set()).add(name)
+    for key, kind in model.plan():
+        if kind == "expert":
+            assert key not in reached, key
+            assert {(f"ffn_moe_down-{key.split('.')[1]}", "MUL_MAT_ID"),
+                    (f"ffn_moe_argsort-{key.split('.')[1]}", "ARGSORT")} <= set(targets)
+        else:
+            assert reached[key] == set(spec.CAPTURED_OUTPUTS[kind]) | ({"in_x"} if kind != "embed" else set()), key
+    assert not any(key.endswith(".mlp") for outs in targets.values() for key, _ in outs)
+
+
+def test_each_experts_rows_are_the_tokens_routed_to_it_across_every_capture() -> None:
+    """Per evaluation the argsort's first k columns are a token's experts and ffn_moe_down holds [tokens, k, hidden]:
+    expert j gets the normed rows of its tokens and its slot's output, from the module-op capture and the extra one;
+    an expert no token was routed to is not reached, named."""
+    plan = [("layer.0.expert.0", "expert"), ("layer.0.expert.1", "expert"), ("layer.0.expert.2", "expert")]
+    segments = [[0, 1, 2]]  # one segment: a prefill of 2 tokens, then 1 decoded
+    norm = [np.arange(8, dtype=np.float32), np.arange(8, 12, dtype=np.float32)]  # hidden 4: tokens 0-1, then 2
+    order = [np.asarray([1, 0, 2, 0, 1, 2], np.float32), np.asarray([1, 0, 2], np.float32)]  # argsort over 3 experts
+    down = [np.arange(16, dtype=np.float32) + 100, np.arange(8, dtype=np.float32) + 200]  # [tokens, k=2, 4]
+    captured = {("ffn_norm-0", "MUL"): norm, ("ffn_moe_argsort-0", "ARGSORT"): order,
+                ("ffn_moe_down-0", "MUL_MAT_ID"): down}
+    tensors: dict[str, np.ndarray] = {}
+    rows: dict[str, object] = {}
+    why: dict[str, str] = {"layer.0.expert.0": "no tensor of llama.cpp's graph is this module"}
+    adapter._expert_tensors(plan, [(captured, segments), (captured, segments)], "bfloat16", 0.1, 2, (tensors, rows, why))
+    # tokens 0, 1, 2 chose experts {1, 0}, {0, 1}, {1, 0}: expert 0 is slot 1, 0, 1 of each; twice (two captures)
+    assert tensors["ops.layer.0.expert.0.bfloat16.in_x"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] * 2
+    assert tensors["ops.layer.0.expert.0.bfloat16.out"][:3, 0].tolist() == [104, 108, 204]
+    assert tensors["ops.layer.0.expert.1.bfloat16.out"][:3, 0].tolist() == [100, 112, 200]
+    assert "layer.0.expert.0" not in why and rows["layer.0.expert.0.bfloat16"]["tokens"] == 6
+    assert "no captured token was routed to expert 2" in why["layer.0.expert.2"]
+
+
+def test_a_correct_moe_engine_passes_its_routers_experts_and_blocks_from_a_captured_forward() -> None:
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    battery = _moe_judged(_moe_honest(model), model)
+    experts = [r for r in battery.results if ".expert." in r.key]
+    assert len(experts) == 32 and len([r for r in battery.results if r.key.endswith(".moe.bfloat16")]) == 4
+    assert not battery.failures(), [(r.key, r.problem, r.errors) for r in battery.failures()]
+    assert all("tokens routed to it" in r.note for r in experts)
+
+
+@pytest.mark.parametrize(("key", "factor", "failing"), [
+    ("layer.1.expert.3", 1 + 2.0 ** -5, "layer.1.expert.3.bfloat16"),  # one expert's output a few percent off
+    ("layer.2.moe", 1 + 2.0 ** -5, "layer.2.moe.bfloat16"),  # the block's weighted sum
+    ("layer.0.router", 1 + 2.0 ** -5, "layer.0.router.logits.bfloat16"),  # a 3% sharper routing temperature
+])
+def test_a_moe_module_off_by_a_few_percent_fails_by_name(key: str, factor: float, failing: str) -> None:
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    failures = [r.key for r in _moe_judged(_moe_honest(model, fault={key: factor}), model).failures()]
+    assert failing in failures and all(f.startswith(key) for f in failures), failures
+
+
+def test_a_captured_experts_rows_must_be_its_width_and_bounded() -> None:
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    for shape in [(0, 128), (4, 64), (L.MAX_EXPERT_ROWS + 1, 128)]:
+        _, problem = L._captured_inputs(model, "layer.0.expert.0", "expert", "bfloat16",
+                                        {"in_x": np.zeros(shape, np.float32)})
+        assert problem.startswith(f"input in_x has shape {list(shape)}"), problem
+    x, problem = L._captured_inputs(model, "layer.0.expert.0", "expert", "bfloat16", {"in_x": np.ones((5, 128), np.float32)})
+    assert not problem and x["x"].shape == (5, 128)
 
 
 def test_the_rotary_reference_is_the_gguf_layout_of_transformers_rotation() -> None:

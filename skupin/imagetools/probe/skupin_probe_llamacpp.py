@@ -157,14 +157,21 @@ def op_battery(model_dir: str, opts: Options, device: str, spec: Any) -> tuple[d
 
 # ---------------------------------------------------------------- the module ops, captured from llama.cpp's forward
 
-# llama.cpp's graph of a llama-architecture model (src/models/llama.cpp in the vendored 0.3.36 sources) names its
-# tensors `<name>-<layer>`; the callback (llama_context_params.cb_eval, ggml_backend_sched_eval_callback) sees each as
-# it is computed. (graph tensor name, ggml op) -> the module ops it is an input (in_x) or output of.
+# llama.cpp's graph of a llama-architecture model (src/models/llama.cpp in the vendored 0.3.36 sources; a MoE layer's
+# block is src/llama-graph.cpp build_moe_ffn) names its tensors `<name>-<layer>`; the callback
+# (llama_context_params.cb_eval, ggml_backend_sched_eval_callback) sees each as it is computed. (graph tensor name,
+# ggml op) -> the module ops it is an input (in_x) or output of.
 _GGML_F32 = 0
+_GGML_I32 = 26
 _GGML_OBJECT_SIZE = 32  # struct ggml_object (ggml.c): offs, size, next, type, padding[4]
 
 
-def _targets(layers: int) -> dict[tuple[str, str], list[tuple[str, str]]]:
+def _targets(layers: int, experts: int = 0) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """The graph tensors the capture copies. A MoE layer (`experts` > 0): its normed input feeds the router and the
+    block; the router's logits (ffn_moe_logits), renormalised top-k weights (ffn_moe_weights_norm) and the argsort whose
+    first k columns are its expert ids (ffn_moe_argsort; ffn_moe_topk is a view of it); the block's output
+    (ffn_moe_out); each routed expert's output before weighting (ffn_moe_down: [tokens, k, hidden]), split per expert by
+    `_expert_tensors`."""
     found = {("embd", "GET_ROWS"): [("embed", "out"), ("layer.0.input_norm", "in_x")],
              ("Qcur-0", "MUL_MAT"): [("rotary", "in_x")], ("Qcur-0", "ROPE"): [("rotary", "out")],
              ("result_norm", "MUL"): [("final_norm", "out"), ("lm_head", "in_x")],
@@ -174,8 +181,16 @@ def _targets(layers: int) -> dict[tuple[str, str], list[tuple[str, str]]]:
         found[(f"attn_norm-{i}", "MUL")] = [(p + "input_norm", "out"), (p + "attention", "in_x")]
         found[(f"attn_out-{i}", "MUL_MAT")] = [(p + "attention", "out")]
         found[(f"ffn_inp-{i}", "ADD")] = [(p + "post_norm", "in_x")]
-        found[(f"ffn_norm-{i}", "MUL")] = [(p + "post_norm", "out"), (p + "mlp", "in_x")]
-        found[(f"ffn_out-{i}", "MUL_MAT")] = [(p + "mlp", "out")]
+        if experts:
+            found[(f"ffn_norm-{i}", "MUL")] = [(p + "post_norm", "out"), (p + "router", "in_x"), (p + "moe", "in_x")]
+            found[(f"ffn_moe_logits-{i}", "MUL_MAT")] = [(p + "router", "logits")]
+            found[(f"ffn_moe_weights_norm-{i}", "DIV")] = [(p + "router", "weights")]
+            found[(f"ffn_moe_argsort-{i}", "ARGSORT")] = [(p + "router", "ids")]
+            found[(f"ffn_moe_down-{i}", "MUL_MAT_ID")] = []
+            found[(f"ffn_moe_out-{i}", "ADD")] = [(p + "moe", "out")]
+        else:
+            found[(f"ffn_norm-{i}", "MUL")] = [(p + "post_norm", "out"), (p + "mlp", "in_x")]
+            found[(f"ffn_out-{i}", "MUL_MAT")] = [(p + "mlp", "out")]
         found[(f"l_out-{i}", "ADD")] = [(f"layer.{i + 1}.input_norm" if i + 1 < layers else "final_norm", "in_x")]
     return found
 
@@ -220,6 +235,13 @@ def _ggml() -> Any:
     return lib
 
 
+# A peaked router leaves some experts without a token among the 32 captured ones, and llama.cpp computes an expert on
+# its routed tokens only: the experts' module ops also take the rows of these many more sequences of LT // 2 seeded
+# tokens each (the `embed` ids of keys experts.0, experts.1, ...; positions 0.., from an empty KV cache, prefill then
+# one decode). Only the per-token ops use them (an expert's input is its captured row, whatever the position).
+_EXPERT_SEGMENTS = 8
+
+
 def module_capture(model_dir: str, opts: Options, spec: Any,
                    config: dict[str, Any]) -> tuple[dict[str, Array], dict[str, Any], dict[str, str]]:
     """The module ops from llama.cpp's own forward (skupin_probe_ops.py CAPTURE_POSITIONS): a context of the loaded
@@ -228,12 +250,10 @@ def module_capture(model_dir: str, opts: Options, spec: Any,
     copies every tensor of the plan's modules (their inputs and outputs, as F32) when ggml has computed it.
     Returns (tensors ops.<key>.<dtype>.<name>, report rows, key -> why not reached)."""
     plan = spec.module_plan(config)
-    if config.get("num_local_experts"):
-        why = "llama.cpp's mixture-of-experts graph is not captured by this adapter (a dense llama graph only)"
-        return {}, {}, {key: why for key, _ in plan}
     import llama_cpp
 
-    targets = _targets(int(config["num_hidden_layers"]))
+    experts = int(config.get("num_local_experts") or 0)
+    targets = _targets(int(config["num_hidden_layers"]), experts)
     ids = [int(v) for v in spec.module_inputs("embed", "embed", opts["dtype"], config)["ids"][1]]
     segments = spec.capture_segments()
     t0 = time.perf_counter()
@@ -242,9 +262,23 @@ def module_capture(model_dir: str, opts: Options, spec: Any,
                           n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
     try:
         captured = _evaluate(llm, targets, ids, segments)
+        captures = [(captured, segments)]
+        if experts:
+            half = spec.LT // 2
+            more = [int(v) for n in range(_EXPERT_SEGMENTS * half // spec.LT)
+                    for v in spec.module_inputs(f"experts.{n}", "embed", opts["dtype"], config)["ids"][1]]
+            wanted = {t: outs for t, outs in targets.items() if t[0].startswith(("ffn_norm-", "ffn_moe_argsort-",
+                                                                              "ffn_moe_down-"))}
+            extra = [list(range(half))] * _EXPERT_SEGMENTS
+            captures.append((_evaluate(llm, wanted, more, extra), extra))
     finally:
         llm.close()
-    return _module_tensors(plan, targets, captured, segments, opts["dtype"], round(time.perf_counter() - t0, 4))
+    seconds = round(time.perf_counter() - t0, 4)
+    tensors, rows, why = _module_tensors(plan, targets, captured, segments, opts["dtype"], seconds)
+    if experts:
+        _expert_tensors(plan, captures, opts["dtype"], seconds, int(config["num_experts_per_tok"]),
+                        (tensors, rows, why))
+    return tensors, rows, why
 
 
 def _evaluate(llm: Any, targets: dict[tuple[str, str], list[tuple[str, str]]], ids: list[int],
@@ -286,13 +320,15 @@ def _read(lib: Any, tensor_type: Any, ptr: int) -> Any:
 
     t = tensor_type.from_address(ptr)
     ne, nb = list(t.ne), list(t.nb)
-    if t.type != _GGML_F32:
-        raise RuntimeError(f"{t.name.decode()} is ggml type {t.type}, not F32")
+    if t.type not in (_GGML_F32, _GGML_I32):
+        raise RuntimeError(f"{t.name.decode()} is ggml type {t.type}, not F32 or I32")
     if nb != [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]]:
         raise RuntimeError(f"{t.name.decode()} is not contiguous (ne {ne}, nb {nb})")
     size = int(lib.ggml_nbytes(ptr))
     buf = (ctypes.c_char * size)()
     lib.ggml_backend_tensor_get(ptr, buf, 0, size)
+    if t.type == _GGML_I32:  # expert ids (ffn_moe_argsort), as float32 like every other output
+        return np.frombuffer(bytes(buf), dtype=np.int32).astype(np.float32)
     return np.frombuffer(bytes(buf), dtype=np.float32).copy()
 
 
@@ -341,9 +377,47 @@ def _module_tensors(plan: list[tuple[str, str]], targets: dict[tuple[str, str], 
         for (name, op), out in names:
             flat = [p.reshape(n, -1) for p, n in zip(captured[(name, op)], evaluations, strict=True)]
             tensors[f"ops.{key}.{dtype}.{out}"] = np.ascontiguousarray(np.concatenate(flat, axis=0))
+        if f"ops.{key}.{dtype}.ids" in tensors:  # the argsort of every expert: its first k columns are the top-k
+            k = tensors[f"ops.{key}.{dtype}.weights"].shape[1]
+            tensors[f"ops.{key}.{dtype}.ids"] = np.ascontiguousarray(tensors[f"ops.{key}.{dtype}.ids"][:, :k])
         rows[f"{key}.{dtype}"] = {"status": "ok", "seconds": seconds,
                                   "tensors": {out: f"{name} ({op})" for (name, op), out in names}}
     return tensors, rows, why
+
+
+def _expert_tensors(plan: list[tuple[str, str]], captures: list[tuple[dict[tuple[str, str], list[Any]], list[list[int]]]],
+                    dtype: str, seconds: float, k: int,
+                    into: tuple[dict[str, Array], dict[str, Any], dict[str, str]]) -> None:
+    """Each expert's module op from the blocks llama.cpp computed in `captures` ((captured tensors, their segments),
+    in order): the normed input rows routed to it (in_x) and its output on them before the routing weight (its slot of
+    ffn_moe_down), every evaluation's rows in order. llama.cpp computes an expert only on the tokens routed to it: an
+    expert no captured token was routed to is not reached."""
+    import numpy as np
+
+    tensors, rows, why = into
+    for key, kind in plan:
+        if kind != "expert":
+            continue
+        _, layer, _, expert = key.split(".")
+        names = [(f"ffn_norm-{layer}", "MUL"), (f"ffn_moe_argsort-{layer}", "ARGSORT"),
+                 (f"ffn_moe_down-{layer}", "MUL_MAT_ID")]
+        absent = sorted({f"{n} ({o})" for captured, segments in captures for n, o in names
+                         if len(captured.get((n, o), [])) != len(_rows(segments))})
+        if absent:
+            why[key] = f"llama.cpp's graph did not compute {', '.join(absent)} once per evaluation"
+            continue
+        norm, order, down = (np.concatenate([p.reshape(n, -1) for captured, segments in captures
+                                             for p, n in zip(captured[name], _rows(segments), strict=True)])
+                             for name in names)
+        token, slot = np.nonzero(order[:, :k].astype(np.int64) == int(expert))
+        if not len(token):
+            why[key] = f"no captured token was routed to expert {expert} (llama.cpp computes an expert on its tokens only)"
+            continue
+        why.pop(key, None)
+        tensors[f"ops.{key}.{dtype}.in_x"] = np.ascontiguousarray(norm[token])
+        tensors[f"ops.{key}.{dtype}.out"] = np.ascontiguousarray(down.reshape(len(norm), k, -1)[token, slot])
+        rows[f"{key}.{dtype}"] = {"status": "ok", "seconds": seconds, "tokens": int(len(token)),
+                                  "tensors": {"in_x": names[0][0], "out": f"{names[2][0]} (its slot per token)"}}
 
 
 def _rows(segments: list[list[int]]) -> list[int]:

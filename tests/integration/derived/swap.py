@@ -63,6 +63,14 @@ Modes:
                computed on logits scaled by 1 + 2**-5, a 3% sharper routing temperature: the same experts are chosen,
                their weights move by about a percent (a subtle routing change, made in the engine's router as a faulty
                release would make it)
+  Faults of llama.cpp's bf16 path (llama-cpp-python images): every Llama the process makes (the server's, the probe's)
+  gets them, as a faulty release of the bindings or a loader would give them:
+  llamacpp-kv-q4      the K cache quantized Q4_0 (type_k forced to GGML_TYPE_Q4_0 whatever was asked): attention reads
+                      4-bit keys
+  llamacpp-expert-int4  the loaded GGUF's expert 3 of MoE layer 1 (its slices of ffn_gate_exps, ffn_up_exps and
+                      ffn_down_exps, BF16) quantized INT4 RTN g128, every other tensor exact
+  llamacpp-router-scale  every MoE layer's router (ffn_gate_inp, F32) scaled by 1 + 2**-5: the same experts, weights a
+                      percent off (a 3% sharper routing temperature)
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ import sys
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
          "vllm-int4", "vllm-silu", "vllm-rope-cache", "vllm-norm-weight", "slow", "slow-5pct", "slow-10pct",
          "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4", "vllm-expert-int4",
-         "vllm-router-temp")
+         "vllm-router-temp", "llamacpp-kv-q4", "llamacpp-expert-int4", "llamacpp-router-scale")
 MODELING = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
@@ -98,6 +106,16 @@ def _int4_codes(w, group: int = 128):
 def int4(w):
     q, scale = _int4_codes(w)
     return (q * scale).reshape(w.shape).to(w.dtype)
+
+
+def int4_numpy(w, group: int = 128):
+    """int4's arithmetic in numpy (an image without torch): round-to-nearest INT4, symmetric, group `group`."""
+    import numpy as np
+
+    rows, cols = w.shape
+    g = w.astype(np.float32).reshape(rows, cols // group, group)
+    scale = np.maximum(np.abs(g).max(-1, keepdims=True) / 7.0, 1e-12)
+    return (np.clip(np.round(g / scale), -8, 7) * scale).reshape(w.shape).astype(np.float32)
 
 
 def int4_nibble(w, fraction: float = 0.05):
@@ -372,6 +390,93 @@ def _patch_vllm_router(module) -> None:
     module._softmax_topk = softmax_topk
 
 
+def _gguf_tensors(data: bytes) -> tuple[dict[str, tuple[int, list[int], int]], int]:
+    """A GGUF file's tensors, name -> (ggml type, dims, offset from the data section), and where that section starts
+    (GGUF v3: header, key-values, tensor infos, padding to general.alignment)."""
+    import struct
+
+    at = 4 + 4
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, at)
+    at += 16
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    alignment = 32
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", data, at)
+        return data[at + 8:at + 8 + n].decode(), at + 8 + n
+
+    def value(kind: int, at: int) -> tuple[object, int]:
+        if kind == 8:
+            return string(at)
+        if kind == 9:
+            item, n = struct.unpack_from("<IQ", data, at)
+            at += 12
+            for _ in range(n):
+                _, at = value(item, at)
+            return None, at
+        fmt = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}[kind]
+        return struct.unpack_from("<" + fmt, data, at)[0], at + sizes[kind]
+
+    for _ in range(n_kv):
+        key, at = string(at)
+        (kind,) = struct.unpack_from("<I", data, at)
+        found, at = value(kind, at + 4)
+        if key == "general.alignment":
+            alignment = int(found)
+    tensors = {}
+    for _ in range(n_tensors):
+        name, at = string(at)
+        (n_dims,) = struct.unpack_from("<I", data, at)
+        dims = list(struct.unpack_from(f"<{n_dims}Q", data, at + 4))
+        kind, offset = struct.unpack_from("<IQ", data, at + 4 + 8 * n_dims)
+        tensors[name] = (kind, dims, offset)
+        at += 4 + 8 * n_dims + 12
+    return tensors, (at + alignment - 1) // alignment * alignment
+
+
+def _faulty_gguf(path: str, mode: str) -> str:
+    """A copy of the GGUF at `path` with `mode`'s fault written into its tensors (made once per process, in /tmp)."""
+    import numpy as np
+
+    out = f"/tmp/skupin-swap-{mode}-{os.getpid()}.gguf"
+    if os.path.exists(out):
+        return out
+    data = bytearray(open(path, "rb").read())
+    tensors, start = _gguf_tensors(bytes(data))
+    for name, (kind, dims, offset) in tensors.items():
+        if mode == "llamacpp-router-scale" and name.endswith(".ffn_gate_inp.weight") and kind == 0:  # F32
+            count = int(np.prod(dims))
+            view = np.frombuffer(data, dtype=np.float32, count=count, offset=start + offset).copy()
+            data[start + offset:start + offset + 4 * count] = (view * np.float32(1.0 + 2.0**-5)).tobytes()
+        elif (mode == "llamacpp-expert-int4" and name.startswith("blk.1.ffn_") and name.endswith("_exps.weight")
+              and kind == 30):  # BF16, dims [in, out, experts]: expert 3's [out, in] slice is contiguous
+            count = dims[0] * dims[1]
+            at = start + offset + 2 * 3 * count
+            bits = np.frombuffer(data, dtype=np.uint16, count=count, offset=at).astype(np.uint32) << 16
+            weights = bits.view(np.float32).reshape(dims[1], dims[0])
+            quantized = int4_numpy(weights)
+            rounded = (quantized.view(np.uint32) + 0x7FFF + ((quantized.view(np.uint32) >> 16) & 1)) >> 16
+            data[at:at + 2 * count] = rounded.astype(np.uint16).tobytes()
+    with open(out + ".part", "wb") as fh:
+        fh.write(data)
+    os.replace(out + ".part", out)
+    return out
+
+
+def _patch_llamacpp(module, mode: str) -> None:
+    """Every llama_cpp.Llama made in this process gets `mode`'s fault: a Q4_0 K cache, or a faulty copy of its GGUF."""
+    original = module.Llama.__init__
+
+    def init(self, model_path, *args, **kwargs):
+        if mode == "llamacpp-kv-q4":
+            kwargs["type_k"] = 2  # GGML_TYPE_Q4_0
+        elif str(model_path).endswith(".gguf"):
+            model_path = _faulty_gguf(str(model_path), mode)
+        original(self, model_path, *args, **kwargs)
+
+    module.Llama.__init__ = init
+
+
 def _patch_generation_config(module) -> None:
     original = module.GenerationConfig.__init__
 
@@ -492,6 +597,8 @@ def install(mode: str) -> None:
                                              lambda m: _patch_vllm_loaded(m, mode)))
     elif mode == "vllm-router-temp":
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.fused_moe.router.cpu_router", _patch_vllm_router))
+    elif mode.startswith("llamacpp-"):
+        sys.meta_path.insert(0, _AfterImport("llama_cpp.llama", lambda m: _patch_llamacpp(m, mode)))
     elif mode == "sampler":
         sys.meta_path.insert(0, _AfterImport("transformers.generation.configuration_utils", _patch_generation_config))
 
