@@ -746,8 +746,10 @@ def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult)
     if model is not None:  # the modules of the model as the engine loaded it, with the fixture's own weights
         # captured from the engine's own forward (llama.cpp): at the serving dtype only, as the image serves it
         module_dtypes = (m.gate.dtype,) if captured else dtypes
-        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=module_dtypes, calibrated=calibrated,
-                               tf32=tf32, captured=captured)
+        # captured modules take calibrated bounds only from the engine's own entry (calibrated on its own forward)
+        own = entry is not None and entry.key.engine == engine
+        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=module_dtypes,
+                               calibrated=calibrated if own or not captured else None, tf32=tf32, captured=captured)
         if not any(r.op == "modules" for r in battery.results):  # else that result says why none came back
             said = _dict(_dict(report.get("modules")).get("uncovered"))
             missing += [k for dtype in module_dtypes

@@ -219,7 +219,15 @@ def _captured_inputs(model: HostModel, key: str, kind: str, dtype: str,
     return found, ""
 
 
-CAPTURED_NOTE = "the engine's own forward: its input as captured, hard bounds only"
+
+
+def _captured_note(calibrated: Mapping[str, float]) -> str:
+    """What a captured module op was judged with: hard bounds, or also bounds calibrated on the engine's own forward
+    (an engine-keyed entry's: the gate passes a captured engine no other entry's)."""
+    return "the engine's own forward: its input as captured, " + (
+        "bounds calibrated on this engine's own forward" if calibrated else "hard bounds only")
+
+
 # A captured expert's rows: those of the captured tokens its engine routed to it (skupin_probe_llamacpp.py: the
 # 32 module-op tokens and 128 more, top-k of them each), never more than this.
 MAX_EXPERT_ROWS = 1024
@@ -358,13 +366,13 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
     """One module op at `dtype`: the engine's outputs (`got`, by output name) against float64 with the model's weights
     (a router gives two results, see _judge_router), with the calibrated bounds of `calibrated` (key.dtype -> measure
     -> bound) where given. `captured`: the module's input is the engine's own (got["in_x"], see the module docstring),
-    its outputs are float32 values (ggml keeps activations in F32) measured in units of `dtype`, no calibrated bound."""
+    its outputs are float32 values (ggml keeps activations in F32) measured in units of `dtype`; `calibrated` must then
+    come from the engine's own entry (the gate passes no other)."""
     if captured:
         x, problem = _captured_inputs(model, key, kind, dtype, got)
         if problem:
             return [OpResult(op=key, dtype=dtype, errors={}, nmse=None, hard=hard_bounds(kind, dtype, model, tf32=tf32),
                              problem=problem)]
-        calibrated = None
     else:
         x = _inputs(key, kind, dtype, model.config)
     ref = reference(model, key, kind, x, captured=captured)
@@ -388,7 +396,7 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
         logit_bounds = (calibrated or {}).get(f"{first.key}")
         first = replace(first, calibrated=dict(logit_bounds or {}))
         if captured:
-            first, second = (replace(r, note=CAPTURED_NOTE) for r in (first, second))
+            first, second = (replace(r, note=_captured_note(r.calibrated)) for r in (first, second))
         return [first, second]
     keep = np.ones(len(next(iter(ref.values()))), bool)  # every row: LT seeded or captured tokens, an expert's own
     note = ""
@@ -397,7 +405,8 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
         note = f"{ties} of {spec.LT} tokens judged against the nearer of two routings (a near-tie at {dtype})" if ties else ""
     if captured:
         rows = f" ({len(keep)} tokens routed to it)" if kind == "expert" else ""
-        note = CAPTURED_NOTE.replace("as captured", f"as captured{rows}") + (f"; {note}" if note else "")
+        note = (_captured_note(dict((calibrated or {}).get(f"{key}.{dtype}") or {}))
+                .replace("as captured", f"as captured{rows}") + (f"; {note}" if note else ""))
     errors = dict.fromkeys(("rms", "max", "bias"), 0.0)
     nmse = 0.0
     for name, r in ref.items():

@@ -33,7 +33,7 @@ from skupin.builder.render import render
 from skupin.common import __version__
 from skupin.common.errors import BundleError, DockerError, GateCouldNotRun, GateFailed, ManifestError, SkupinError
 from skupin.common.paths import state_dir
-from skupin.engines import engine_distributions, engine_float32
+from skupin.engines import engine_distributions, engine_float32, engine_module_inputs
 from skupin.gates.gate import (
     default_wheelhouse,
     load_reference,
@@ -124,11 +124,15 @@ def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bo
     """Compare one honest run with the reference the way the gate does (its kernels only with `kernels`: a SKU whose
     gate does not check kernels, such as llama.cpp's without torch, runs no kernel battery), and its op battery with
     float64 (`tf32`: the SKU declares TF32), with its module ops where the run has them and `key` names a fixture."""
-    ops = judge_battery(run.tensors, run.ops, tf32=tf32) if run.ops.get("ops") else None
+    # an engine whose module ops are captured from its own forward (llama.cpp) calibrates them into its own entry only
+    # (an engine-keyed one): its inputs are its forward's, not the seeded ones a class's other engines were measured on
+    captured = key is not None and key.engine is not None and engine_module_inputs(key.engine) == "captured"
+    ops = (judge_battery(run.tensors, run.ops, tf32=tf32) if run.ops.get("ops")
+           else Battery(results=()) if captured and "modules" in run.ops else None)
     model = host_model(key.model) if key is not None and ops is not None and "modules" in run.ops else None
     if ops is not None and model is not None and key is not None:
-        ops = with_modules(ops, run.tensors, run.ops, model, dtypes=tuple(dict.fromkeys((key.dtype, "float32"))),
-                           tf32=tf32)
+        ops = with_modules(ops, run.tensors, run.ops, model, tf32=tf32, captured=captured,
+                           dtypes=(key.dtype,) if captured else tuple(dict.fromkeys((key.dtype, "float32"))))
     return Measurement(label=run.label, stats=model_statistics(reference, run.tensors),
                        kernels=kernel_errors(reference, run.tensors) if kernels else (), env=run.env, ops=ops,
                        engine=run.engine, engine_version=run.engine_version)

