@@ -17,8 +17,9 @@ An engine whose modules cannot be fed seeded inputs (llama.cpp: skupin/engines M
 each module's input and outputs as its own forward computed them (skupin_probe_ops.py CAPTURE_POSITIONS): the host
 recomputes each module from that input (the embedding from the token ids it regenerates, attention and the rotary
 embedding at the positions of the spec) with the same measures and hard bounds. The rotary embedding is judged as
-applied to the layer-0 queries, in the GGUF's interleaved layout (gates/refdata/gguf.py permutes Q's rows); a
-captured module op has no calibrated bound (the class's were calibrated on the seeded inputs).
+applied to the layer-0 queries, in the GGUF's interleaved layout (gates/refdata/gguf.py permutes Q's rows); an
+expert from the rows of the tokens its engine routed to it. A captured module op takes calibrated bounds only from
+the engine's own entry (calibrated on its own forward; a class's were calibrated on the seeded inputs).
 """
 
 from __future__ import annotations

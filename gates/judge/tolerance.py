@@ -510,21 +510,28 @@ def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: 
     engine-keyed entry beside its class's engine-free one (a CPU SKU with gate.tolerance_per_engine) that is looser than
     that ruler anywhere, op bounds included, after `within_ruler` took the ruler's thresholds wherever the engine's
     honest runs fit them: a new engine never loosens the class's ruler unasked (AN-001, docs/GATE.md "Engines and the
-    tolerance key"). An entry without kernel thresholds (its SKU runs no kernel battery) keeps the
-    existing entry's, else the ruler's: the class's kernels stay checked.
+    tolerance key"). Recalibrating such an entry compares it with the entry it replaces, and the op bounds that entry
+    had none of (a first calibration of its module ops) with the ruler. An entry without kernel thresholds (its SKU
+    runs no kernel battery) keeps the existing entry's, else the ruler's: the class's kernels stay checked.
     """
     old = tolerances.find(entry.key)
     ruler = class_ruler(tolerances, entry.key)
+    first_ops: list[str] = []  # an engine-keyed recalibration's op bounds the entry it replaces had none of
     if ruler is not None:  # an engine's own entry on a CPU class: the class's ruler wherever it admits the engine
         entry = within_ruler(entry, ruler)
+        if old is not None:
+            fresh = {op: row for op, row in entry.ops.items() if op not in old.ops}
+            first_ops = looser_ops(entry.model_copy(update={"ops": fresh}), ruler)
         ruler = ruler if old is None else None
     base = old or ruler
     if base is not None and not entry.kernels:  # calibrated without a kernel battery (llama.cpp): keep the class's
         entry = entry.model_copy(update={"kernels": base.kernels})
     if base is not None and not allow_looser:
-        loosened = looser(entry, base) + looser_ops(entry, base)
+        loosened = looser(entry, base) + looser_ops(entry, base) + first_ops
         if loosened:
-            what = (f"the class's engine-free entry {base.key.label()}" if ruler is not None else "the entry it replaces")
+            what = (f"the class's engine-free entry {base.key.label()}" if ruler is not None
+                    else "the entry it replaces" + (" (and its class's ruler, for op bounds it had none of)"
+                                                    if first_ops else ""))
             raise GateCouldNotRun(f"calibration of {entry.key.label()} would loosen {len(loosened)} thresholds of "
                                   f"{what} ({', '.join(loosened[:12])}"
                                   f"{', ...' if len(loosened) > 12 else ''}); fix: pass --allow-looser if the honest "

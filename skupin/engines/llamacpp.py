@@ -29,11 +29,12 @@ MOE_OPS: Final[frozenset[str]] = frozenset()
 # ctypes, takes an eval callback (llama_context_params.cb_eval, ggml_backend_sched_eval_callback) that sees every tensor
 # of the graph as ggml computes it; the adapter reads each by ggml's own functions exported from libggml
 # (ggml_get_name, ggml_op_name, ggml_nbytes, ggml_backend_tensor_get) and the struct ggml_tensor of the vendored
-# ggml.h (ne/nb/type/op; checked against ggml_tensor_overhead). Of a dense llama graph every module of the plan is
-# reached: embd, attn_norm-N (RMS_NORM+MUL), Qcur-0 before and after ROPE, attn_out-N (Q/K/V, RoPE, KQ, softmax, KQV,
-# output projection, from the KV cache at decode), ffn_inp-N, ffn_norm-N, ffn_out-N (gate/up, GLU, down), l_out-N,
-# result_norm, result_output. Not reached: a mixture-of-experts graph (uncovered, named), the residual adds on their
-# own (they are the captured inputs of the next module), and ggml's kernels at seeded inputs (the op battery).
+# ggml.h (ne/nb/type/op; checked against ggml_tensor_overhead). Every module of the plan is reached: embd,
+# attn_norm-N (RMS_NORM+MUL), Qcur-0 before and after ROPE, attn_out-N (Q/K/V, RoPE, KQ, softmax, KQV, output
+# projection, from the KV cache at decode), ffn_inp-N, ffn_norm-N, ffn_out-N (gate/up, GLU, down) or, in a MoE layer,
+# ffn_moe_logits-N, ffn_moe_weights_norm-N, ffn_moe_argsort-N, ffn_moe_down-N (each expert's rows) and ffn_moe_out-N,
+# l_out-N, result_norm, result_output. Not reached: the residual adds on their own (they are the captured inputs of
+# the next module), and ggml's kernels at seeded inputs (the op battery).
 MODULES: Final = True
 MODULE_INPUTS: Final = "captured"
 

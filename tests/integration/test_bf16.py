@@ -98,6 +98,9 @@ def test_the_vllm_bf16_cpu_sku_passes_the_whole_gate_with_its_engines_own_entry(
     # vLLM's CPU router at a 3% sharper softmax temperature (the same experts, weights about 1% off): a routing fault in
     # the engine's own router, which the battery's router op and every loaded router's module op call
     ("vllm-router-temp", ("moe.route.bfloat16", "layer.1.router.bfloat16")),
+    # vLLM's own RMSNorm without its float32 upcast (a precision fault of the bf16 path a float32 run cannot show):
+    # the battery's norm ops build that layer, every loaded norm is one of them
+    ("vllm-norm-bf16", ("rmsnorm.bfloat16", "layer.1.post_norm.bfloat16")),
 ])
 def test_a_fault_in_vllms_bf16_moe_path_fails_the_ops_check_naming_the_op(mode: str, named: tuple[str, ...],
                                                                           vllm_bf16_derived, vllm_bf16_stack,

@@ -226,3 +226,38 @@ def test_a_llamacpp_sku_gets_the_fixture_with_its_gguf_and_others_the_fixture_it
     bad = llama.model_copy(update={"gate": llama.gate.model_copy(update={"dtype": "float16", "weights": "full"})})
     with pytest.raises(BundleError, match="gate.weights: llama.cpp has no full-precision GGUF for dtype float16"):
         bundle.model_folder(manifest=bad, scratch=tmp_path, fixture_dir=FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def moe_bf16(tmp_path_factory: pytest.TempPathFactory):
+    """The MoE fixture (peaked-moe, generated here) and a reader of its BF16 GGUF."""
+    folder = tmp_path_factory.mktemp("peaked-moe")
+    fixture.generate_fixture(name="peaked-moe", out=folder)
+    data = g.gguf_bytes(folder=folder, name="peaked-moe", file_type="bf16")
+    path = folder / "model-bf16.gguf"
+    path.write_bytes(data)
+    return folder, data, gguf.GGUFReader(path)
+
+
+def test_a_moe_fixtures_experts_are_stacked_per_projection_and_its_router_stays_f32(moe_bf16) -> None:
+    """llama.cpp's converter merges a Mixtral layer's experts.N.w1/w3/w2 into ffn_gate/up/down_exps [experts, out, in]
+    (expert order) and keeps ffn_gate_inp F32; expert_count and expert_used_count are the config's; the bytes are the
+    recorded ones (both file types)."""
+    folder, data, reader = moe_bf16
+    assert hashlib.sha256(data).hexdigest() == g.EXPECTED["peaked-moe"]["bf16"]
+    params, _ = read_safetensors(folder / "model.safetensors")
+    tensors = {t.name: t for t in reader.tensors}
+    assert not any(".experts." in name or "block_sparse_moe" in name for name in tensors)
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert np.array_equal(np.asarray(tensors["blk.1.ffn_gate_inp.weight"].data),
+                          params["model.layers.1.block_sparse_moe.gate.weight"].astype(np.float32))
+    for w, name in g.EXPERT_TENSORS.items():
+        t = tensors[f"blk.2.{name}.weight"]
+        assert t.tensor_type == gguf.GGMLQuantizationType.BF16
+        values = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        stacked = np.stack([params[f"model.layers.2.block_sparse_moe.experts.{e}.{w}.weight"].astype(np.float32)
+                            for e in range(8)])
+        assert np.array_equal(values.reshape(stacked.shape), stacked), name
+    assert (_field(reader, "llama.expert_count"), _field(reader, "llama.expert_used_count")) == (8, 2)
+    assert hashlib.sha256(g.gguf_bytes(folder=folder, name="peaked-moe", file_type="f32")).hexdigest() == \
+        g.EXPECTED["peaked-moe"]["f32"]

@@ -28,6 +28,7 @@ def test_the_committed_catalog_plans_exactly_this():
         "cpu-x86_64": (["ubuntu-latest"], ["ubuntu-latest"]),
         "cpu-x86_64-bf16": (["ubuntu-latest"], ["ubuntu-latest"]),
         "cpu-x86_64-llamacpp": (["ubuntu-latest"], ["ubuntu-latest"]),
+        "cpu-x86_64-llamacpp-bf16": (["ubuntu-latest"], ["ubuntu-latest"]),
         "nvidia-h100-vllm": hopper,
         "nvidia-h200-sglang": hopper,
         "nvidia-h200-vllm": hopper,

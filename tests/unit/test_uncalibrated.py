@@ -415,17 +415,32 @@ def test_an_engines_own_entry_takes_the_class_ruler_wherever_its_honest_runs_fit
     asked = merge_entry(others, needs, allow_looser=True).find(key)
     assert asked is not None and looser(asked, ruler) == ["mean.kl"]
     assert class_ruler(tolerances, ruler.key) is None  # an engine-free key has no ruler above it
+    # a recalibration that adds op bounds the entry it replaces had none of (a first calibration of an engine's
+    # captured module ops) is ruled on those by the class, not waved through for want of an old bound
+    no_ops = wide.model_copy(update={"ops": {}})
+    before = merge_entry(others, no_ops)
+    with_ops = wide.model_copy(update={"ops": {"lm_head.bfloat16": {"max": 5 * ruler.ops["lm_head.bfloat16"]["max"]}},
+                                       "provenance": wide.provenance.model_copy(update={"honest_max": {
+                                           **wide.provenance.honest_max, "mean.kl": ruler.model.mean["kl"]}})})
+    with pytest.raises(CouldNotRun, match=r"would loosen 1 thresholds of the entry it replaces \(and its class's "
+                                          r"ruler, for op bounds it had none of\) \(ops\.lm_head\.bfloat16\.max\)"):
+        merge_entry(before, with_ops)
+    assert merge_entry(before, with_ops, allow_looser=True).find(key) is not None
 
 
-def test_the_committed_vllm_cpu_entries_loosen_the_class_only_where_vllms_honest_runs_need_it():
+def test_the_committed_engine_keyed_cpu_entries_loosen_the_class_only_where_their_honest_runs_need_it():
+    """vLLM: its router rounds top-k weights to bf16, its float32 GEMM, 4 runs not 8. llama.cpp: the head's max error
+    of its own forward (captured, 2.19 units honest against the class's seeded 1.99 bound); nothing of its model."""
     from skupin.gates.judge.tolerance import class_ruler, looser, looser_ops
 
     tolerances = load_tolerances(DEFAULT_PATH)
-    needed = {f"ops.layer.{i}.router.bfloat16.bias" for i in range(4)} | {
-        "ops.matmul.float32.rms", "ops.moe.route.float32.rms", "honest_rate"}
+    needed = {"vllm": {f"ops.layer.{i}.router.bfloat16.bias" for i in range(4)} | {
+        "ops.matmul.float32.rms", "ops.moe.route.float32.rms", "honest_rate"},
+        "llamacpp": {"ops.lm_head.bfloat16.max"}}
     keyed = [e for e in tolerances.entries if e.key.engine and class_ruler(tolerances, e.key) is not None]
-    assert {e.key.label() for e in keyed} == {"cpu-x86_64/bfloat16/peaked-moe/vllm", "cpu-x86_64/float32/peaked-moe/vllm"}
+    assert {e.key.label() for e in keyed} == {"cpu-x86_64/bfloat16/peaked-moe/vllm", "cpu-x86_64/float32/peaked-moe/vllm",
+                                              "cpu-x86_64/bfloat16/peaked-moe/llamacpp"}
     for entry in keyed:
         ruler = class_ruler(tolerances, entry.key)
         assert ruler is not None
-        assert set(looser(entry, ruler) + looser_ops(entry, ruler)) <= needed, entry.key.label()
+        assert set(looser(entry, ruler) + looser_ops(entry, ruler)) <= needed[entry.key.engine], entry.key.label()

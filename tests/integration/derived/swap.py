@@ -63,6 +63,9 @@ Modes:
                computed on logits scaled by 1 + 2**-5, a 3% sharper routing temperature: the same experts are chosen,
                their weights move by about a percent (a subtle routing change, made in the engine's router as a faulty
                release would make it)
+  vllm-norm-bf16  vLLM images: vLLM's own RMSNorm layer (its forward_native, which its CPU path and forward_cuda
+               call) computes its variance, rsqrt and product in the input's dtype, the residual add too: no float32
+               upcast, as norm-bf16 is for transformers' class
   Faults of llama.cpp's bf16 path (llama-cpp-python images): every Llama the process makes (the server's, the probe's)
   gets them, as a faulty release of the bindings or a loader would give them:
   llamacpp-kv-q4      the K cache quantized Q4_0 (type_k forced to GGML_TYPE_Q4_0 whatever was asked): attention reads
@@ -83,7 +86,7 @@ import sys
 MODES = ("int4", "int8", "fp8", "int4-nibble", "silu", "attn-scale", "sampler", "hang", "crash", "flood", "forge", "plant", "sse",
          "vllm-int4", "vllm-silu", "vllm-rope-cache", "vllm-norm-weight", "slow", "slow-5pct", "slow-10pct",
          "tf32", "norm-bf16", "rope-bf16", "router-bf16", "expert-int4", "vllm-expert-int4",
-         "vllm-router-temp", "llamacpp-kv-q4", "llamacpp-expert-int4", "llamacpp-router-scale")
+         "vllm-router-temp", "vllm-norm-bf16", "llamacpp-kv-q4", "llamacpp-expert-int4", "llamacpp-router-scale")
 MODELING = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
 PLANTED_TARGET = "/tmp/skupin-test-planted-target"  # on the host, this file must never appear
 MODE = "@MODE@"  # replaced when the wheel is made
@@ -390,6 +393,23 @@ def _patch_vllm_router(module) -> None:
     module._softmax_topk = softmax_topk
 
 
+def _patch_vllm_norm(module) -> None:
+    """vLLM's RMSNorm without its float32 upcast: variance, rsqrt, weight product (and the fused residual add) in the
+    input's dtype."""
+    import torch
+
+    def forward_native(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
+        if self.has_weight:
+            out = out * self.weight.data
+        return out if residual is None else (out, residual)
+
+    module.RMSNorm.forward_native = forward_native
+
+
 def _gguf_tensors(data: bytes) -> tuple[dict[str, tuple[int, list[int], int]], int]:
     """A GGUF file's tensors, name -> (ggml type, dims, offset from the data section), and where that section starts
     (GGUF v3: header, key-values, tensor infos, padding to general.alignment)."""
@@ -597,6 +617,8 @@ def install(mode: str) -> None:
                                              lambda m: _patch_vllm_loaded(m, mode)))
     elif mode == "vllm-router-temp":
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.fused_moe.router.cpu_router", _patch_vllm_router))
+    elif mode == "vllm-norm-bf16":
+        sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.layernorm", _patch_vllm_norm))
     elif mode.startswith("llamacpp-"):
         sys.meta_path.insert(0, _AfterImport("llama_cpp.llama", lambda m: _patch_llamacpp(m, mode)))
     elif mode == "sampler":
