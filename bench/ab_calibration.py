@@ -117,6 +117,7 @@ def ab_row(result: RuntimeAB, *, arm: str, index: int) -> dict:
         "kpis": {k.name: _kpi_row(k) for k in result.kpis},
         "slices": [s.model_dump(mode="json") for s in result.slices],
         "rounds": [r.model_dump(mode="json") for r in result.rounds], "rounds_note": result.rounds_note,
+        "rounds_stop": result.rounds_stop,
         "cpu": {role: c.model_dump(mode="json") for role, c in result.cpu.items()},
         "requests": result.requests, "failed_requests": result.failed_requests,
         "short_completions": result.short_completions, "output_agreement": result.output_agreement,

@@ -91,7 +91,7 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
               f"`{ab.same.get('model')}`, dtype `{ab.same.get('dtype')}`, reference `{ab.same.get('reference')}`. "
               f"Host: {ab.host}.", "",
               f"Method: {len(ab.order)} interleaved rounds measured on both sides (order {' '.join(ab.order) or '-'})"
-              f"{_adaptive(ab)}{f' ({ab.rounds_stopped})' if ab.rounds_stopped else ''}; per "
+              f"{_adaptive(ab)}{f'; {ab.rounds_stopped}' if ab.rounds_stopped else ''}; per "
               "round each image "
               f"serves prompts of {' and '.join(str(n) for n in s.prompt_lengths)} tokens at concurrency levels "
               f"{' and '.join(str(x) for x in s.concurrency)}: per level {s.requests} streamed greedy requests of "

@@ -175,13 +175,14 @@ def interval_half_width(rounds: Sequence[float]) -> float | None:
     return max(ci[1] / centre - 1.0, 1.0 - ci[0] / centre)
 
 
-RoundsStop = Literal["runs", "target_ci", "max_runs", "budget", "cap"]
+RoundsStop = Literal["runs", "target_ci", "max_runs", "budget", "cap", "failed"]
 
 
 def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: float) -> RoundsStop | None:
     """None while the A/B runs another round after len(ratios) (each round's decode ratio, round_ratios); else why the
     rounds end: 'runs' (the `runs` asked, no target_ci), 'target_ci' (the decode ratio's interval is within it),
-    'max_runs' or 'budget' (spent with the interval still wider), 'cap' (MAX_ROUNDS_S of rounds, whatever was asked).
+    'max_runs' or 'budget' (spent before the interval was), 'cap' (MAX_ROUNDS_S of rounds before any of those).
+    ('failed', a side's failure, is the runtime's to record: no rule here ends rounds for it.)
 
     Always up to `runs`; past it only with a `target_ci`, while the interval is wider than it, below `max_runs` and
     within `budget_s`. Rounds sized by the noise the host shows, not a fixed count: a quiet host stops early, a noisy
@@ -189,32 +190,29 @@ def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: flo
     whether it excludes 1) keeps the rule blind to the answer; what optional stopping still does to coverage is for
     the calibration bench to measure (docs/SERVE.md)."""
     done = len(ratios)
-    if elapsed_s >= MAX_ROUNDS_S:
-        return "cap"
-    if done < settings.runs:
-        return None
-    if settings.target_ci is None:
-        return "runs"
-    half = interval_half_width(ratios)
-    if half is not None and half <= settings.target_ci:
-        return "target_ci"
-    if done >= settings.max_runs:
-        return "max_runs"
-    if settings.budget_s is not None and elapsed_s >= settings.budget_s:
-        return "budget"
-    return None
+    if done >= settings.runs:
+        if settings.target_ci is None:
+            return "runs"
+        half = interval_half_width(ratios)
+        if half is not None and half <= settings.target_ci:
+            return "target_ci"
+        if done >= settings.max_runs:
+            return "max_runs"
+        if settings.budget_s is not None and elapsed_s >= settings.budget_s:
+            return "budget"
+    return "cap" if elapsed_s >= MAX_ROUNDS_S else None
 
 
-def stop_text(stop: RoundsStop | None, settings: ABSettings, rounds: int) -> str:
-    """A buyer's words for why `rounds` rounds were run (rounds_stop's answer; None: a side failed first)."""
+def stop_text(stop: RoundsStop, settings: ABSettings, rounds: int) -> str:
+    """A buyer's words for why `rounds` rounds were run (rounds_stop's answer, or 'failed')."""
     target = f"+-{100 * settings.target_ci:g}%" if settings.target_ci is not None else ""
     return {
-        None: f"ended after {rounds} rounds by a side that failed",
-        "runs": f"{rounds} rounds, as asked (--runs {settings.runs})",
+        "failed": f"ended after {rounds} rounds by a side that failed",
+        "runs": f"{rounds} rounds, as asked by --runs {settings.runs}",
         "target_ci": f"stopped after {rounds} rounds: the decode ratio's 95% interval was within {target}",
-        "max_runs": f"stopped at --max-runs {settings.max_runs} with the interval still wider than {target}",
-        "budget": f"stopped after {rounds} rounds: the --budget-s {settings.budget_s:g} s was spent with the interval "
-                  f"still wider than {target}" if settings.budget_s is not None else "",
+        "max_runs": f"stopped at --max-runs {settings.max_runs} before the decode ratio's interval was within {target}",
+        "budget": f"stopped after {rounds} rounds: the --budget-s {settings.budget_s:g} s was spent before the decode "
+                  f"ratio's interval was within {target}" if settings.budget_s is not None else "",
         "cap": f"stopped after {rounds} rounds at the {MAX_ROUNDS_S / 3600:g} h every A/B's rounds are held to "
                "(MAX_ROUNDS_S), before what was asked",
     }[stop]
@@ -653,9 +651,9 @@ class RuntimeAB(Frozen):
     rounds: tuple[ABRound, ...] = Field((), description="Every round run, a failed one included, in order")
     rounds_note: str = Field("", description="How many rounds were asked, run and measured on both sides, and why "
                                              "not, when fewer than asked decided (rounds_note); '' otherwise")
-    rounds_stopped: str = Field("", description="Why the rounds ended where they did (stop_text of rounds_stop): as "
-                                                "asked, the interval reached, a limit spent, a side failed; '' when "
-                                                "no round ran")
+    rounds_stop: RoundsStop | None = Field(None, description="Why the rounds ended where they did (rounds_stop, or "
+                                                             "'failed'); None when no round ran")
+    rounds_stopped: str = Field("", description="The same in words (stop_text); '' when no round ran")
     capacity: Capacity | None = None
     cpu: dict[str, CpuCost] = Field(default_factory=dict, description="Per side: the container's CPU accounting")
     decision_rule: str = ""

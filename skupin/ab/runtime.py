@@ -326,6 +326,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                        short_completions={str(k): v for k, v in measured.short.items()},
                        output_tokens={str(k): dict(v) for k, v in measured.tokens.items()},
                        primary_kpi=primary, slices=per_slice, rounds=tuple(measured.rounds), rounds_note=note,
+                       rounds_stop=measured.stopped if measured.order else None,
                        rounds_stopped=stop_text(measured.stopped, settings, len(measured.order)) if measured.order else "",
                        capacity=capacity(volume=settings.volume, baseline=_capacity(sides["baseline"], bm, settings),
                                          candidate=_capacity(sides["candidate"], cm, settings)),
@@ -475,8 +476,8 @@ class _Measured:
     # when the daemon gave no CPU accounting for that round
     cpu: dict[Role, dict[int, tuple[float, int]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
     errors: dict[Role, str] = field(default_factory=dict)
-    # why the rounds ended (rounds_stop's answer); None while they run, or when a side's failure ended them
-    stopped: RoundsStop | None = None
+    # why the rounds ended (rounds_stop's answer, or 'failed' when a side's failure ended them)
+    stopped: RoundsStop = "failed"
     count_tokens: Callable[[str], int] | None = None
     max_tokens: int = 0
 

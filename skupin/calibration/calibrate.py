@@ -126,7 +126,7 @@ def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bo
     float64 (`tf32`: the SKU declares TF32), with its module ops where the run has them and `key` names a fixture."""
     # an engine whose module ops are captured from its own forward (llama.cpp) calibrates them into its own entry only
     # (an engine-keyed one): its inputs are its forward's, not the seeded ones a class's other engines were measured on
-    captured = key is not None and key.engine is not None and engine_module_inputs(key.engine) == "captured"
+    captured = key is not None and bool(key.engine) and engine_module_inputs(key.engine) == "captured"
     ops = (judge_battery(run.tensors, run.ops, tf32=tf32) if run.ops.get("ops")
            else Battery(results=()) if captured and "modules" in run.ops else None)
     model = host_model(key.model) if key is not None and ops is not None and "modules" in run.ops else None

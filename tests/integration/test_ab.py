@@ -77,7 +77,8 @@ def test_ab_measures_both_images_and_rejects_a_slower_candidate(stack, honest_im
     annex = (tmp_path / "annex.md").read_text()
     assert "test fixture" in annex and "## Capacity and cost" in annex and "## Decision rule" in annex
     assert "**Decision: reject: slower**" in annex
-    assert result.rounds_stopped == f"3 rounds, as asked (--runs {SHORT.runs})" and result.rounds_stopped in annex
+    assert result.rounds_stop == "runs" and result.rounds_stopped == f"3 rounds, as asked by --runs {SHORT.runs}"
+    assert result.rounds_stopped in annex
     assert base.image_id[:19] in annex and cand.image_id[:19] in annex
     assert (tmp_path / "annex.png").stat().st_size > 10_000
     assert RuntimeAB.model_validate(json.loads((tmp_path / "ab.json").read_text())) == result

@@ -306,13 +306,15 @@ def test_rounds_are_added_until_the_interval_is_tight_enough_or_the_budget_is_sp
     assert rounds_stop(settings=target, ratios=noisy, elapsed_s=100) == "budget"
     assert rounds_stop(settings=target, ratios=noisy * 2, elapsed_s=10) == "max_runs"
     assert rounds_stop(settings=target, ratios=[float("nan")] * 3, elapsed_s=10) is None  # no interval yet
-    # the cap holds whatever was asked, even before --runs
+    # the cap holds whatever was asked, even before --runs; rounds that ended as asked at the cap ended as asked
     assert rounds_stop(settings=fixed, ratios=[1.0], elapsed_s=MAX_ROUNDS_S) == "cap"
+    assert rounds_stop(settings=fixed, ratios=[1.0] * 3, elapsed_s=MAX_ROUNDS_S) == "runs"
+    assert rounds_stop(settings=target, ratios=noisy, elapsed_s=MAX_ROUNDS_S) == "budget"
     assert "11 h" in stop_text("cap", fixed, 1) and "before what was asked" in stop_text("cap", fixed, 1)
     assert "--budget-s 100 s" in stop_text("budget", target, 4) and "+-5%" in stop_text("budget", target, 4)
     assert "--max-runs 6" in stop_text("max_runs", target, 6)
-    assert stop_text("runs", fixed, 3) == "3 rounds, as asked (--runs 3)"
-    assert "a side that failed" in stop_text(None, fixed, 2)
+    assert stop_text("runs", fixed, 3) == "3 rounds, as asked by --runs 3"
+    assert "a side that failed" in stop_text("failed", fixed, 2)
 
 
 def test_the_committed_transformers_to_vllm_rounds_are_now_a_trade_off_not_a_promote() -> None:

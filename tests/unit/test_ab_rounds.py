@@ -65,7 +65,7 @@ def _rounds_with(fail: set[tuple[str, int]], runs: int = 4) -> tuple[_Measured, 
 def test_a_round_a_side_fails_in_is_kept_with_who_failed_and_why() -> None:
     # round 3 runs B A: the baseline is measured, then the candidate fails
     measured, ended = _rounds_with({("candidate", 3)})
-    assert ended is not None and "round 3" in str(ended) and measured.stopped is None  # no reason to stop: a failure
+    assert ended is not None and "round 3" in str(ended) and measured.stopped == "failed"
     assert [r.number for r in measured.rounds] == [1, 2, 3] and measured.order == ["BA", "AB", "BA"]
     third = measured.rounds[-1]
     assert (third.baseline, third.candidate, third.paired) == ("ok", "failed", False)
