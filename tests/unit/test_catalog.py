@@ -150,17 +150,23 @@ def test_every_committed_lock_is_current_the_examples_too():
         assert states and all(state == "ok" for state, _note in states.values()), states
 
 
-def test_the_q8_0_example_renders_the_llamacpp_skus_build_steps_so_ci_compiles_llama_cpp_once():
-    """The Q8_0 example is "the llama.cpp image otherwise" (another GGUF, another CMD): every step before CMD must be
-    the SKU's, or BuildKit's cache misses and CI compiles llama.cpp a second time (about 260 s on 2 cores, as it did
-    while the example's lock lagged the SKU's apt closure)."""
+@pytest.mark.parametrize("other", ["docs/examples/skus/cpu-x86_64-llamacpp-q8_0.yaml", "skus/cpu-x86_64-llamacpp-bf16.yaml"])
+def test_a_gguf_variant_of_the_llamacpp_sku_is_its_image_but_the_cmd(other: str):
+    """The Q8_0 example and the BF16 SKU are "the llama.cpp image otherwise" (another GGUF, another CMD): every step
+    before CMD and every locked package (the context the steps bind) must be the SKU's, or BuildKit's cache misses and
+    CI compiles llama.cpp again (about 260 s on 2 cores, as it did while the example's lock lagged the SKU's apt closure)
+    and the variant serves another HTTP stack than the image it claims to be."""
     from skupin.builder.check import resolve
     from skupin.builder.render import render
 
-    def steps(path: Path) -> list[str]:
-        text = render(resolve(path, require_lock=True)).text
-        return [line for line in text.split("\nCMD ", 1)[0].splitlines() if not line.startswith("# Rendered by")]
+    def steps(path: Path) -> tuple[list[str], set[tuple[str, str, str, str]]]:
+        stack = resolve(path, require_lock=True)
+        text = render(stack).text
+        lock = stack.lock
+        assert lock is not None
+        return ([line for line in text.split("\nCMD ", 1)[0].splitlines() if not line.startswith("# Rendered by")],
+                {(layer, p.name, p.version, p.sha256) for layer, pkgs in lock.layers.items() for p in pkgs})
 
-    sku = steps(REPO / "skus" / "cpu-x86_64-llamacpp.yaml")
-    example = steps(REPO / "docs" / "examples" / "skus" / "cpu-x86_64-llamacpp-q8_0.yaml")
-    assert len(sku) > 50 and example == sku
+    sku, variant = steps(REPO / "skus" / "cpu-x86_64-llamacpp.yaml"), steps(REPO / other)
+    assert len(sku[0]) > 50 and variant[0] == sku[0]
+    assert len(sku[1]) > 20 and variant[1] == sku[1]
