@@ -63,7 +63,7 @@ from skupin.gates.integrity.binaries import check_binaries, load_rules
 from skupin.gates.integrity.static import ImageFiles, inspect_image
 from skupin.gates.judge.compare import CompareError, kernel_errors, model_statistics
 from skupin.gates.judge.modules import host_model, missing_modules, with_modules
-from skupin.gates.judge.ops import judge_battery, judge_ops, missing_ops, spec_sha256
+from skupin.gates.judge.ops import battery_bounds, judge_battery, judge_ops, missing_ops, spec_sha256
 from skupin.gates.judge.smoke import judge_smoke
 from skupin.gates.judge.tolerance import (
     ToleranceEntry,
@@ -743,20 +743,25 @@ def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult)
             **battery.uncovered, "modules": f"the served weights are {m.gate.weights}: the host recomputes modules "
                                             "with the fixture's full-precision weights only"})
         model = None
+    hard_only_why = ""
+    if model is not None and captured and not (entry is not None and entry.key.engine == engine):
+        # captured modules take calibrated bounds only from the engine's own entry (calibrated on its own forward): a
+        # class entry's module bounds are of seeded inputs, so they judge neither these modules nor their absence
+        calibrated = {k: dict(v) for k, v in battery_bounds(calibrated).items()} if calibrated else calibrated
+        hard_only_why = (f"captured from {engine}'s own forward, which only an entry keyed to {engine} bounds "
+                         "(gate.tolerance_per_engine)")
     if model is not None:  # the modules of the model as the engine loaded it, with the fixture's own weights
         # captured from the engine's own forward (llama.cpp): at the serving dtype only, as the image serves it
         module_dtypes = (m.gate.dtype,) if captured else dtypes
-        # captured modules take calibrated bounds only from the engine's own entry (calibrated on its own forward)
-        own = entry is not None and entry.key.engine == engine
-        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=module_dtypes,
-                               calibrated=calibrated if own or not captured else None, tf32=tf32, captured=captured)
+        battery = with_modules(battery, boot.probe.tensors, report, model, dtypes=module_dtypes, calibrated=calibrated,
+                               tf32=tf32, captured=captured)
         if not any(r.op == "modules" for r in battery.results):  # else that result says why none came back
             said = _dict(_dict(report.get("modules")).get("uncovered"))
             missing += [k for dtype in module_dtypes
                         for k in missing_modules(list(battery.results), model, dtype=dtype, uncovered=said)]
     result = judge_ops(battery, calibrated=calibrated, entry_key=ToleranceKey.of(m).label(),
                        why=tolerance.problem if entry is None else "", tf32_declared=tf32, settings=settings,
-                       engine=engine, missing=missing)
+                       engine=engine, missing=missing, hard_only_why=hard_only_why)
     inputs.clock.time("ops_s", t0)
     return Judged(result)
 

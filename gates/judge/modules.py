@@ -220,18 +220,16 @@ def _captured_inputs(model: HostModel, key: str, kind: str, dtype: str,
     return found, ""
 
 
-
-
-def _captured_note(calibrated: Mapping[str, float]) -> str:
+def _captured_note(calibrated: Mapping[str, float], rows: int | None = None) -> str:
     """What a captured module op was judged with: hard bounds, or also bounds calibrated on the engine's own forward
-    (an engine-keyed entry's: the gate passes a captured engine no other entry's)."""
-    return "the engine's own forward: its input as captured, " + (
+    (an engine-keyed entry's: the gate passes a captured engine no other entry's); `rows`: an expert's routed tokens."""
+    routed = f" ({rows} tokens routed to it)" if rows is not None else ""
+    return f"the engine's own forward: its input as captured{routed}, " + (
         "bounds calibrated on this engine's own forward" if calibrated else "hard bounds only")
 
 
-# A captured expert's rows: those of the captured tokens its engine routed to it (skupin_probe_llamacpp.py: the
-# 32 module-op tokens and 128 more, top-k of them each), never more than this.
-MAX_EXPERT_ROWS = 1024
+# A captured expert's rows: those of the captured tokens its engine routed to it, never more than one per token.
+MAX_EXPERT_ROWS = spec.CAPTURE_EXPERT_ROWS
 
 
 def _route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -399,19 +397,17 @@ def judge_module(model: HostModel, key: str, kind: str, dtype: str, got: Mapping
         if captured:
             first, second = (replace(r, note=_captured_note(r.calibrated)) for r in (first, second))
         return [first, second]
-    keep = np.ones(len(next(iter(ref.values()))), bool)  # every row: LT seeded or captured tokens, an expert's own
     note = ""
     if kind == "moe":  # a token whose exact top-k is a near-tie is judged against the routing it is closest to
         ref, ties = _moe_nearest(model, key, x["x"], got["out"].astype(np.float64), dtype)
         note = f"{ties} of {spec.LT} tokens judged against the nearer of two routings (a near-tie at {dtype})" if ties else ""
     if captured:
-        rows = f" ({len(keep)} tokens routed to it)" if kind == "expert" else ""
-        note = (_captured_note(dict((calibrated or {}).get(f"{key}.{dtype}") or {}))
-                .replace("as captured", f"as captured{rows}") + (f"; {note}" if note else ""))
+        note = _captured_note(dict((calibrated or {}).get(f"{key}.{dtype}") or {}),
+                              len(x["x"]) if kind == "expert" else None) + (f"; {note}" if note else "")
     errors = dict.fromkeys(("rms", "max", "bias"), 0.0)
     nmse = 0.0
     for name, r in ref.items():
-        m, n = measure(got[name].astype(np.float64)[keep], r[keep], UNIT[dtype])
+        m, n = measure(got[name].astype(np.float64), r, UNIT[dtype])
         errors = {k2: max(errors[k2], m[k2]) for k2 in errors}
         nmse = max(nmse, n)
     return [result(errors=errors, nmse=nmse, note=note)]
@@ -460,6 +456,71 @@ def _top_k_either(chosen: np.ndarray, logits: np.ndarray, k: int, tied: np.ndarr
     return (chosen == exact).all(-1) | (tied & (chosen == np.sort(swapped, -1)).all(-1))
 
 
+def captured_moe_consistency(tensors: Mapping[str, np.ndarray], model: HostModel, dtype: str) -> list[OpResult]:
+    """One failing result (op layer.N.capture) per MoE layer whose captured tensors contradict each other. The module
+    ops are each judged on their own input; these tie them to one forward, so an image cannot pass a layer with rows
+    it made up for one module: the router's and the block's inputs are the post-attention norm's output (one graph
+    tensor); its rows are normalised rows (rms of input / norm weight within 0.5-2: not zeros, not tiny); each expert's
+    first rows are the block's tokens the router routed to it, in order; the block's output is the routing weights
+    times those experts' outputs, summed in slot order in float32 (as ggml sums them). A layer whose tensors are absent
+    or misshapen is left to its modules' own checks."""
+    c = model.config
+    experts, k = int(c.get("num_local_experts") or 0), int(c.get("num_experts_per_tok") or 0)
+    found: list[OpResult] = []
+    for i in range(int(c["num_hidden_layers"]) if experts else 0):
+        def get(module: str, name: str, i: int = i) -> np.ndarray | None:
+            value = tensors.get(f"ops.layer.{i}.{module}.{dtype}.{name}")
+            return None if value is None else np.asarray(value)
+
+        post, r_in, m_in = get("post_norm", "out"), get("router", "in_x"), get("moe", "in_x")
+        ids, weights, out = get("router", "ids"), get("router", "weights"), get("moe", "out")
+        if any(v is None for v in (post, r_in, m_in, ids, weights, out)):
+            continue
+        assert post is not None and r_in is not None and m_in is not None
+        assert ids is not None and weights is not None and out is not None
+        try:
+            problem = _moe_layer_problem(model, i, post, r_in, m_in, ids.astype(np.int64), weights, out,
+                                         {e: (get(f"expert.{e}", "in_x"), get(f"expert.{e}", "out"))
+                                          for e in range(experts)}, k)
+        except (ValueError, IndexError, TypeError) as exc:
+            problem = f"its captured tensors do not fit together ({type(exc).__name__}: {printable_text(str(exc), 120)})"
+        if problem:
+            found.append(OpResult(op=f"layer.{i}.capture", dtype=dtype, errors={}, nmse=None, hard={},
+                                  problem=f"not one forward: {problem}"))
+    return found
+
+
+def _moe_layer_problem(model: HostModel, i: int, post: np.ndarray, r_in: np.ndarray, m_in: np.ndarray,
+                       ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
+                       per_expert: Mapping[int, tuple[np.ndarray | None, np.ndarray | None]], k: int) -> str:
+    """'' or what contradicts in one captured MoE layer (captured_moe_consistency)."""
+    if not (np.array_equal(post, r_in) and np.array_equal(r_in, m_in)):
+        return "the router's and the block's inputs are not the post-attention norm's output (ffn_norm-N)"
+    w = model.weights[f"model.layers.{i}.post_attention_layernorm.weight"].astype(np.float64)
+    used = np.abs(w) > 0
+    unit = np.sqrt(np.mean((r_in.astype(np.float64)[:, used] / w[used]) ** 2, axis=-1))
+    if not ((unit > 0.5) & (unit < 2.0)).all():
+        return "rows of the block's input that are not normalised (rms of input / norm weight outside 0.5-2)"
+    if ids.shape != (len(out), k) or weights.shape != ids.shape:
+        return f"router ids and weights of shape {list(ids.shape)}, {list(weights.shape)}, not [{len(out)}, {k}]"
+    expected = np.zeros(out.shape, np.float32)
+    for slot in range(k):
+        for e in np.unique(ids[:, slot]):
+            x_e, out_e = per_expert.get(int(e), (None, None))
+            routed = np.nonzero((ids == e).any(-1))[0]
+            if x_e is None or out_e is None or len(x_e) < len(routed) or len(out_e) != len(x_e):
+                return f"expert {int(e)} does not hold a row for each of the {len(routed)} tokens routed to it"
+            if not np.array_equal(x_e[:len(routed)], r_in[routed]):
+                return f"expert {int(e)}'s first rows are not the block's tokens routed to it, in order"
+            rows = ids[:, slot] == e
+            at = np.searchsorted(routed, np.nonzero(rows)[0])
+            expected[rows] += (out_e[at].astype(np.float32) * weights[rows, slot, None].astype(np.float32))
+    scale = float(np.abs(out).max()) or 1.0
+    if np.abs(expected - out.astype(np.float32)).max() > 1e-5 * scale:
+        return "the block's output is not the routing weights times its experts' outputs"
+    return ""
+
+
 def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], model: HostModel, *,
                   dtype: str, calibrated: Mapping[str, Mapping[str, float]] | None = None,
                   tf32: bool = False, captured: bool = False) -> list[OpResult]:
@@ -484,7 +545,7 @@ def judge_modules(tensors: Mapping[str, np.ndarray], report: Mapping[str, Any], 
         names = (*spec.CAPTURED_OUTPUTS[kind], "in_x") if captured else spec.MODULE_OUTPUTS[kind]
         got = {n: np.asarray(tensors[f"ops.{key}.{dtype}.{n}"]) for n in names if f"ops.{key}.{dtype}.{n}" in tensors}
         results += judge_module(model, key, kind, dtype, got, calibrated=calibrated, tf32=tf32, captured=captured)
-    return results
+    return results + (captured_moe_consistency(tensors, model, dtype) if captured else [])
 
 
 def missing_modules(results: list[OpResult], model: HostModel, *, dtype: str,

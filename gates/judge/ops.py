@@ -459,13 +459,19 @@ def missing_ops(battery: Battery, *, expected: frozenset[str], dtypes: tuple[str
     return [f"{op}.{dtype}" for op in spec.OPS if op in expected for dtype in dtypes if f"{op}.{dtype}" not in ran]
 
 
+def battery_bounds(calibrated: Mapping[str, Mapping[str, float]]) -> dict[str, Mapping[str, float]]:
+    """The bounds of `calibrated` (op.dtype -> measure -> bound) that are the battery's ops', not the module ops'."""
+    return {key: row for key, row in calibrated.items() if key.rpartition(".")[0] in spec.OUTPUTS}
+
+
 def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]] | None, entry_key: str, why: str = "",
               tf32_declared: bool = False, settings: dict[str, Any] | None = None, engine: str = "",
-              missing: list[str] | None = None) -> CheckResult:
+              missing: list[str] | None = None, hard_only_why: str = "") -> CheckResult:
     """The ops check from a judged battery: fail on any op over a bound (TF32 named, with the setting the probe
     reported); `uncalibrated` when the SKU's class has no calibrated entry at all (`why`); a pass says whether the
-    calibrated op bounds applied or the hard bounds alone (an entry calibrated before the battery). Every op checked
-    and every op of the engine's path not reached are in the details."""
+    calibrated op bounds applied or the hard bounds alone (an entry calibrated before the battery, or `hard_only_why`:
+    modules no bound of `calibrated` may judge). Every op checked and every op of the engine's path not reached are in
+    the details."""
     rows = {r.key: r.row() for r in battery.results}
     on_path = {r.op for r in battery.results} | set(battery.uncovered)
     details: dict[str, Any] = {"ops": rows, "uncovered": battery.uncovered,
@@ -515,8 +521,9 @@ def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]]
                            details={**details, "why": why, "calibration_free": CALIBRATION_FREE["ops"]})
     if not calibrated:
         return CheckResult(name="ops", status="pass",
-                           reason=f"{summary}; hard bounds only: {entry_key} has no calibrated op bounds (skupin "
-                                  f"calibrate adds them){tail}", details=details)
+                           reason=f"{summary}; hard bounds only: "
+                                  f"{hard_only_why or f'{entry_key} has no calibrated op bounds (skupin calibrate adds them)'}"
+                                  f"{tail}", details=details)
     # a module op without a bound of its own is uncalibrated where the entry has module bounds at all; an entry made
     # before the module ops has none, and its modules are judged by their hard bounds (said below)
     has_modules = any(key.rpartition(".")[0] not in spec.OUTPUTS for key in calibrated)
@@ -527,6 +534,6 @@ def judge_ops(battery: Battery, *, calibrated: Mapping[str, Mapping[str, float]]
                            details={**details, "why": gap, "calibration_free": CALIBRATION_FREE["ops"]})
     hard_only = [r.key for r in battery.results if not r.calibrated]
     if hard_only:  # the module ops of an entry calibrated before them: their hard bounds decided
-        tail = f"; {len(hard_only)} module ops on their hard bounds alone ({entry_key} predates them){tail}"
+        tail = f"; {len(hard_only)} module ops on their hard bounds alone ({hard_only_why or f'{entry_key} predates them'}){tail}"
     return CheckResult(name="ops", status="pass", reason=f"{summary}{tail}", details=details)
 

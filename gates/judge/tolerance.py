@@ -29,6 +29,7 @@ from skupin.common.errors import BundleError, GateCouldNotRun
 from skupin.common.files import write_atomic
 from skupin.common.model import Frozen
 from skupin.common.untrusted import UntrustedInputError, load_yaml, read_regular_file
+from skupin.engines import engine_module_inputs
 from skupin.gates.judge.compare import DECISION_STATS
 from skupin.gates.refdata.bundle import bundle_sha256, float32_reference
 from skupin.imagetools.probe import skupin_probe_ops as ops_spec
@@ -473,12 +474,20 @@ def op_margins(op_key: str) -> dict[str, float]:
     return OP_MARGINS if op_key.rsplit(".", 1)[0] in ops_spec.OUTPUTS else MODULE_MARGINS
 
 
+def captured_ops(key: ToleranceKey) -> bool:
+    """Whether an entry's op bounds are of modules captured from its engine's own forward (an engine-keyed entry of
+    llama.cpp's: skupin/engines MODULE_INPUTS), not of the seeded inputs every other entry's were measured on: such
+    bounds are compared with no other entry's."""
+    return bool(key.engine) and engine_module_inputs(key.engine) == "captured"
+
+
 def within_ruler(entry: ToleranceEntry, ruler: ToleranceEntry) -> ToleranceEntry:
     """`entry` (an engine's own, on a class with an engine-free ruler) with every threshold the ruler admits the engine
     under taken from the ruler where it is tighter: a threshold stays looser than the ruler's only where the engine's
     own honest runs exceed the ruler's bound (AN-001: a new engine loosens the class where its numerics need it, and
     only there). Model and kernel thresholds compare the entry's recorded honest maxima; op bounds the largest honest
-    value a bound can stand for (bound / its margin, op_margins)."""
+    value a bound can stand for (bound / its margin, op_margins), on the same battery spec and seeded inputs only
+    (captured_ops: an engine's captured modules keep the bounds of its own forward)."""
     honest = entry.provenance.honest_max
 
     def tight(table: dict, theirs: dict, prefix: str) -> dict:
@@ -493,7 +502,8 @@ def within_ruler(entry: ToleranceEntry, ruler: ToleranceEntry) -> ToleranceEntry
     ops = {op: {m: (ruler.ops[op][m] if op in ruler.ops and m in ruler.ops[op]
                     and float(v) / op_margins(op)[m] <= float(ruler.ops[op][m]) < float(v) else v)
                 for m, v in row.items()}
-           for op, row in entry.ops.items()} if entry.ops_spec == ruler.ops_spec else entry.ops
+           for op, row in entry.ops.items()} if entry.ops_spec == ruler.ops_spec and not captured_ops(entry.key) \
+        else entry.ops
     model = entry.model.model_copy(update={"per_prompt": tight(entry.model.per_prompt, ruler.model.per_prompt,
                                                                "per_prompt."),
                                            "mean": tight(entry.model.mean, ruler.model.mean, "mean.")})
@@ -511,23 +521,29 @@ def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: 
     that ruler anywhere, op bounds included, after `within_ruler` took the ruler's thresholds wherever the engine's
     honest runs fit them: a new engine never loosens the class's ruler unasked (AN-001, docs/GATE.md "Engines and the
     tolerance key"). Recalibrating such an entry compares it with the entry it replaces, and the op bounds that entry
-    had none of (a first calibration of its module ops) with the ruler. An entry without kernel thresholds (its SKU
-    runs no kernel battery) keeps the existing entry's, else the ruler's: the class's kernels stay checked.
+    cannot rule (ones it had none of, or all of them after a battery spec change) with the ruler; an engine's captured
+    module ops (captured_ops) are compared only with its own earlier entry's. An entry without kernel thresholds (its
+    SKU runs no kernel battery) keeps the existing entry's, else the ruler's, and one without op bounds the existing
+    entry's: a recalibration by a SKU that runs fewer checks never drops the class's.
     """
     old = tolerances.find(entry.key)
     ruler = class_ruler(tolerances, entry.key)
-    first_ops: list[str] = []  # an engine-keyed recalibration's op bounds the entry it replaces had none of
+    first_ops: list[str] = []  # an engine-keyed recalibration's op bounds the entry it replaces cannot rule
     if ruler is not None:  # an engine's own entry on a CPU class: the class's ruler wherever it admits the engine
         entry = within_ruler(entry, ruler)
-        if old is not None:
-            fresh = {op: row for op, row in entry.ops.items() if op not in old.ops}
+        if old is not None and not captured_ops(entry.key):  # those the old entry had none of, or of another spec
+            fresh = entry.ops if old.ops_spec != entry.ops_spec else {
+                op: row for op, row in entry.ops.items() if op not in old.ops}
             first_ops = looser_ops(entry.model_copy(update={"ops": fresh}), ruler)
         ruler = ruler if old is None else None
     base = old or ruler
     if base is not None and not entry.kernels:  # calibrated without a kernel battery (llama.cpp): keep the class's
         entry = entry.model_copy(update={"kernels": base.kernels})
+    if old is not None and old.ops and not entry.ops:  # calibrated without module ops (a class-keyed llama.cpp SKU)
+        entry = entry.model_copy(update={"ops": old.ops, "ops_spec": old.ops_spec})
     if base is not None and not allow_looser:
-        loosened = looser(entry, base) + looser_ops(entry, base) + first_ops
+        compared = None if captured_ops(entry.key) and base is ruler else base  # captured ops rule no seeded ones
+        loosened = looser(entry, base) + (looser_ops(entry, compared) if compared is not None else []) + first_ops
         if loosened:
             what = (f"the class's engine-free entry {base.key.label()}" if ruler is not None
                     else "the entry it replaces" + (" (and its class's ruler, for op bounds it had none of)"

@@ -276,3 +276,89 @@ def test_a_captured_report_is_judged_captured_only_when_the_engine_says_so() -> 
     assert model is not None
     seeded = L.with_modules(Battery(results=()), _honest(model), _report(model), model, dtypes=("float32",))
     assert seeded.failures()
+
+
+def test_a_class_entrys_seeded_module_bounds_neither_judge_nor_leave_uncalibrated_a_captured_engines_modules() -> None:
+    """A llama.cpp SKU keyed to its class (not gate.tolerance_per_engine): its captured modules are judged on their hard
+    bounds, and the class entry's module bounds (of seeded inputs) must not make the check `uncalibrated` for want of
+    bounds no calibration could give them; the gate keeps only the battery's (battery_bounds)."""
+    from skupin.gates.judge.ops import battery_bounds, judge_ops
+    from skupin.gates.judge.tolerance import DEFAULT_PATH, ToleranceKey, load_tolerances
+
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    battery = _moe_judged(_moe_honest(model), model)
+    entry = load_tolerances(DEFAULT_PATH).find(ToleranceKey(hardware_class="cpu-x86_64", dtype="bfloat16",
+                                                            model="peaked-moe"))
+    assert entry is not None and any(".expert." in key for key in entry.ops)
+    unfiltered = judge_ops(battery, calibrated=entry.ops, entry_key=entry.key.label(), engine="llamacpp")
+    assert unfiltered.status == "uncalibrated"  # what the gate said before it kept the battery's bounds only
+    kept = battery_bounds(entry.ops)
+    assert kept and not any(".expert." in key or key.startswith("layer.") for key in kept)
+    result = judge_ops(battery, calibrated=kept, entry_key=entry.key.label(), engine="llamacpp",
+                       hard_only_why="captured from llamacpp's own forward")
+    assert result.status == "pass" and "on their hard bounds alone (captured from llamacpp's own forward)" in result.reason
+
+
+def _moe_forward(model: L.HostModel, layer: int = 1, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+    """One MoE layer's captured tensors as one correct forward gives them: the norm's output is the router's and the
+    block's input; each expert holds the block's routed tokens first (then 8 rows of other tokens); the block's output
+    is the routing weights times its experts' outputs, summed in slot order in float32."""
+    rng = np.random.default_rng(3)
+    k, p = int(model.config["num_experts_per_tok"]), f"layer.{layer}."
+    w = model.weights[f"model.layers.{layer}.post_attention_layernorm.weight"]
+    x = L._rms(rng.normal(0, 1, (spec.LT, model.hidden)), w, 1e-5).astype(np.float32)
+    logits = (x.astype(np.float64) @ model.weights[f"model.layers.{layer}.block_sparse_moe.gate.weight"].T)
+    weights, ids = L._route(logits, k)
+    t = {f"ops.{p}post_norm.{dtype}.out": x, f"ops.{p}router.{dtype}.in_x": x, f"ops.{p}moe.{dtype}.in_x": x,
+         f"ops.{p}router.{dtype}.logits": logits.astype(np.float32), f"ops.{p}router.{dtype}.weights":
+         weights.astype(np.float32), f"ops.{p}router.{dtype}.ids": ids.astype(np.float32)}
+    out = np.zeros_like(x)
+    for e in range(int(model.config["num_local_experts"])):
+        routed = np.nonzero((ids == e).any(-1))[0]
+        rows = np.concatenate([x[routed], L._rms(rng.normal(0, 1, (8, model.hidden)), w, 1e-5).astype(np.float32)])
+        ref = L.reference(model, f"{p}expert.{e}", "expert", {"x": rows.astype(np.float64)})["out"].astype(np.float32)
+        t[f"ops.{p}expert.{e}.{dtype}.in_x"], t[f"ops.{p}expert.{e}.{dtype}.out"] = rows, ref
+    for slot in range(k):
+        for e in np.unique(ids[:, slot]):
+            sel, routed = ids[:, slot] == e, np.nonzero((ids == e).any(-1))[0]
+            out[sel] += t[f"ops.{p}expert.{e}.{dtype}.out"][np.searchsorted(routed, np.nonzero(sel)[0])] * \
+                weights[sel, slot, None].astype(np.float32)
+    t[f"ops.{p}moe.{dtype}.out"] = out
+    return t
+
+
+def _break(t: dict[str, np.ndarray], how: str) -> dict[str, np.ndarray]:
+    t = dict(t)
+    if how == "zero rows":  # every module's input all zeros: each module alone is then exact
+        for name in [n for n in t if n.endswith(("in_x", "post_norm.bfloat16.out"))]:
+            t[name] = np.zeros_like(t[name])
+    elif how == "router input":  # the router judged on other rows than the block
+        t["ops.layer.1.router.bfloat16.in_x"] = t["ops.layer.1.router.bfloat16.in_x"][::-1].copy()
+    elif how == "expert rows":  # an expert's rows are not the block's tokens routed to it
+        key = next(n for n in t if ".expert." in n and n.endswith("in_x") and len(t[n]) > 9)
+        t[key] = t[key][::-1].copy()
+    elif how == "block output":  # the block's output is not its experts' weighted sum
+        t["ops.layer.1.moe.bfloat16.out"] = t["ops.layer.1.moe.bfloat16.out"] * np.float32(1 + 2.0**-6)
+    return t
+
+
+def test_a_captured_moe_layer_from_one_forward_is_consistent() -> None:
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    assert L.captured_moe_consistency(_moe_forward(model), model, "bfloat16") == []
+
+
+@pytest.mark.parametrize(("how", "words"), [
+    ("zero rows", "not normalised"),
+    ("router input", "not the post-attention norm's output"),
+    ("expert rows", "first rows are not the block's tokens routed to it"),
+    ("block output", "not the routing weights times its experts' outputs"),
+])
+def test_captured_tensors_that_are_not_one_forward_fail_the_layer(how: str, words: str) -> None:
+    """Rows an image made up for one module (zeros, another order, another expert's) or a block output that its own
+    experts do not give: each module may pass alone, the layer does not."""
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    found = L.captured_moe_consistency(_break(_moe_forward(model), how), model, "bfloat16")
+    assert [r.key for r in found] == ["layer.1.capture.bfloat16"] and words in found[0].problem, found

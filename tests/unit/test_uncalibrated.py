@@ -426,21 +426,52 @@ def test_an_engines_own_entry_takes_the_class_ruler_wherever_its_honest_runs_fit
                                           r"ruler, for op bounds it had none of\) \(ops\.lm_head\.bfloat16\.max\)"):
         merge_entry(before, with_ops)
     assert merge_entry(before, with_ops, allow_looser=True).find(key) is not None
+    # the entry it replaces was calibrated on another battery spec: it rules none of the new op bounds, the ruler (on
+    # the new spec) rules all of them
+    old_spec = merge_entry(before, wide.model_copy(update={"ops": with_ops.ops, "ops_spec": "0" * 64}),
+                           allow_looser=True)
+    with pytest.raises(CouldNotRun, match=r"ops\.lm_head\.bfloat16\.max"):
+        merge_entry(old_spec, with_ops)
+    # a recalibration without op bounds (a SKU running no battery) keeps the entry's own, as it keeps its kernels
+    kept = merge_entry(merge_entry(others, wide), wide.model_copy(update={"ops": {}, "kernels": {}})).find(key)
+    assert kept is not None and kept.ops == ruler.ops and kept.kernels
+
+
+def test_an_engines_captured_module_bounds_are_its_own_forwards_not_ruled_by_the_seeded_class():
+    """llama.cpp's module ops are captured from its own forward: within_ruler substitutes none of the class's seeded
+    bounds into them, and a first calibration is not refused for being looser than seeded ones (its model thresholds
+    still are ruled)."""
+    from skupin.gates.judge.tolerance import captured_ops, merge_entry
+
+    tolerances = load_tolerances(DEFAULT_PATH)
+    ruler = tolerances.find(ToleranceKey(hardware_class="cpu-x86_64", dtype="bfloat16", model="peaked-moe"))
+    assert ruler is not None
+    others = tolerances.model_copy(update={"entries": tuple(e for e in tolerances.entries if not e.key.engine)})
+    key = ruler.key.model_copy(update={"engine": "llamacpp"})
+    assert captured_ops(key) and not captured_ops(ruler.key)
+    own = {op: {m: 0.5 * v for m, v in row.items()} for op, row in ruler.ops.items()}
+    own["lm_head.bfloat16"] = {m: 3 * v for m, v in ruler.ops["lm_head.bfloat16"].items()}  # looser than the class's
+    entry = ruler.model_copy(update={"key": key, "ops": own,
+                                     "provenance": ruler.provenance.model_copy(update={"engines": {"llamacpp": "0.3.36"}})})
+    merged = merge_entry(others, entry).find(key)
+    assert merged is not None and merged.ops == own  # kept as calibrated: nothing substituted, nothing refused
 
 
 def test_the_committed_engine_keyed_cpu_entries_loosen_the_class_only_where_their_honest_runs_need_it():
-    """vLLM: its router rounds top-k weights to bf16, its float32 GEMM, 4 runs not 8. llama.cpp: the head's max error
-    of its own forward (captured, 2.19 units honest against the class's seeded 1.99 bound); nothing of its model."""
-    from skupin.gates.judge.tolerance import class_ruler, looser, looser_ops
+    """vLLM: its router rounds top-k weights to bf16, its float32 GEMM, 4 runs not 8. llama.cpp: nothing (its op bounds
+    are of modules captured from its own forward, compared with no seeded entry's: captured_ops)."""
+    from skupin.gates.judge.tolerance import captured_ops, class_ruler, looser, looser_ops
 
     tolerances = load_tolerances(DEFAULT_PATH)
     needed = {"vllm": {f"ops.layer.{i}.router.bfloat16.bias" for i in range(4)} | {
         "ops.matmul.float32.rms", "ops.moe.route.float32.rms", "honest_rate"},
-        "llamacpp": {"ops.lm_head.bfloat16.max"}}
+        "llamacpp": set()}
     keyed = [e for e in tolerances.entries if e.key.engine and class_ruler(tolerances, e.key) is not None]
     assert {e.key.label() for e in keyed} == {"cpu-x86_64/bfloat16/peaked-moe/vllm", "cpu-x86_64/float32/peaked-moe/vllm",
                                               "cpu-x86_64/bfloat16/peaked-moe/llamacpp"}
     for entry in keyed:
         ruler = class_ruler(tolerances, entry.key)
         assert ruler is not None
-        assert set(looser(entry, ruler) + looser_ops(entry, ruler)) <= needed[entry.key.engine], entry.key.label()
+        ops = [] if captured_ops(entry.key) else looser_ops(entry, ruler)
+        assert set(looser(entry, ruler) + ops) <= needed[entry.key.engine], entry.key.label()
+        assert captured_ops(entry.key) == (entry.key.engine == "llamacpp")

@@ -235,19 +235,14 @@ def _ggml() -> Any:
     return lib
 
 
-# A peaked router leaves some experts without a token among the 32 captured ones, and llama.cpp computes an expert on
-# its routed tokens only: the experts' module ops also take the rows of these many more sequences of LT // 2 seeded
-# tokens each (the `embed` ids of keys experts.0, experts.1, ...; positions 0.., from an empty KV cache, prefill then
-# one decode). Only the per-token ops use them (an expert's input is its captured row, whatever the position).
-_EXPERT_SEGMENTS = 8
-
-
 def module_capture(model_dir: str, opts: Options, spec: Any,
                    config: dict[str, Any]) -> tuple[dict[str, Array], dict[str, Any], dict[str, str]]:
     """The module ops from llama.cpp's own forward (skupin_probe_ops.py CAPTURE_POSITIONS): a context of the loaded
     model with an eval callback evaluates the seeded token ids of the `embed` key as CAPTURE_SEGMENTS sequences (each
     from an empty F32 KV cache: all but the last token as one batch, the last through the cache), and the callback
-    copies every tensor of the plan's modules (their inputs and outputs, as F32) when ggml has computed it.
+    copies every tensor of the plan's modules (their inputs and outputs, as F32, expert ids as I32) when ggml has
+    computed it. A MoE model's experts also take the rows of CAPTURE_EXPERT_SEGMENTS more sequences
+    (expert_capture_ids), evaluated the same way with only the experts' tensors copied.
     Returns (tensors ops.<key>.<dtype>.<name>, report rows, key -> why not reached)."""
     plan = spec.module_plan(config)
     import llama_cpp
@@ -263,14 +258,11 @@ def module_capture(model_dir: str, opts: Options, spec: Any,
     try:
         captured = _evaluate(llm, targets, ids, segments)
         captures = [(captured, segments)]
-        if experts:
-            half = spec.LT // 2
-            more = [int(v) for n in range(_EXPERT_SEGMENTS * half // spec.LT)
-                    for v in spec.module_inputs(f"experts.{n}", "embed", opts["dtype"], config)["ids"][1]]
+        if experts:  # the experts' extra rows (skupin_probe_ops.py: CAPTURE_EXPERT_SEGMENTS)
             wanted = {t: outs for t, outs in targets.items() if t[0].startswith(("ffn_norm-", "ffn_moe_argsort-",
                                                                               "ffn_moe_down-"))}
-            extra = [list(range(half))] * _EXPERT_SEGMENTS
-            captures.append((_evaluate(llm, wanted, more, extra), extra))
+            extra = [list(range(spec.LT // 2))] * spec.CAPTURE_EXPERT_SEGMENTS
+            captures.append((_evaluate(llm, wanted, spec.expert_capture_ids(opts["dtype"], config), extra), extra))
     finally:
         llm.close()
     seconds = round(time.perf_counter() - t0, 4)
@@ -313,7 +305,8 @@ def _evaluate(llm: Any, targets: dict[tuple[str, str], list[tuple[str, str]]], i
 
 
 def _read(lib: Any, tensor_type: Any, ptr: int) -> Any:
-    """A computed F32 tensor's values (flat, copied out of ggml's buffer by ggml_backend_tensor_get)."""
+    """A computed F32 (or I32: expert ids, as float32) tensor's values, flat, copied out of ggml's buffer by
+    ggml_backend_tensor_get."""
     import ctypes
 
     import numpy as np
@@ -417,7 +410,8 @@ def _expert_tensors(plan: list[tuple[str, str]], captures: list[tuple[dict[tuple
         tensors[f"ops.{key}.{dtype}.in_x"] = np.ascontiguousarray(norm[token])
         tensors[f"ops.{key}.{dtype}.out"] = np.ascontiguousarray(down.reshape(len(norm), k, -1)[token, slot])
         rows[f"{key}.{dtype}"] = {"status": "ok", "seconds": seconds, "tokens": int(len(token)),
-                                  "tensors": {"in_x": names[0][0], "out": f"{names[2][0]} (its slot per token)"}}
+                                  "tensors": {"in_x": f"{names[0][0]} (MUL)",
+                                              "out": f"{names[2][0]} (MUL_MAT_ID, its slot per token)"}}
 
 
 def _rows(segments: list[list[int]]) -> list[int]:

@@ -285,6 +285,20 @@ def run_modules(impls: dict[str, Impl], plan: list[tuple[str, str]], config: dic
 CAPTURE_SEGMENTS = 2
 CAPTURE_POSITIONS = (*range(LT // 2), *range(LONG[0], LONG[0] + LT // 2))  # short, and long where float32 angles round
 CAPTURED_OUTPUTS: dict[str, tuple[str, ...]] = {**MODULE_OUTPUTS, "rotary": ("out",)}
+# A peaked router leaves some experts without a token among the LT captured ones, and an engine that computes an expert
+# on its routed tokens only (llama.cpp) shows none of it: the experts' module ops also take the rows of this many more
+# sequences of LT // 2 seeded tokens (the `embed` ids of keys experts.0, experts.1, ...; positions 0.., each from an
+# empty KV cache, prefill then one decode). Only the per-token ops use them: an expert's input is its captured row.
+CAPTURE_EXPERT_SEGMENTS = 8
+# so an expert has at most this many captured rows (each token routes to it once at most)
+CAPTURE_EXPERT_ROWS = LT + CAPTURE_EXPERT_SEGMENTS * (LT // 2)
+
+
+def expert_capture_ids(dtype: str, config: dict[str, Any]) -> list[int]:
+    """The seeded token ids of the experts' extra sequences, CAPTURE_EXPERT_SEGMENTS x LT // 2 of them, in order."""
+    needed = CAPTURE_EXPERT_SEGMENTS * (LT // 2)
+    keys = -(-needed // LT)
+    return [int(v) for n in range(keys) for v in module_inputs(f"experts.{n}", "embed", dtype, config)["ids"][1]][:needed]
 
 
 def capture_segments() -> list[list[int]]:

@@ -477,6 +477,8 @@ def _faulty_gguf(path: str, mode: str) -> str:
             quantized = int4_numpy(weights)
             rounded = (quantized.view(np.uint32) + 0x7FFF + ((quantized.view(np.uint32) >> 16) & 1)) >> 16
             data[at:at + 2 * count] = rounded.astype(np.uint16).tobytes()
+    if bytes(data) == open(path, "rb").read():  # a fault that changed nothing would be an honest image
+        raise RuntimeError(f"{mode}: no tensor of {path} is one this fault changes")
     with open(out + ".part", "wb") as fh:
         fh.write(data)
     os.replace(out + ".part", out)
