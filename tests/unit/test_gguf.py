@@ -261,3 +261,19 @@ def test_a_moe_fixtures_experts_are_stacked_per_projection_and_its_router_stays_
     assert (_field(reader, "llama.expert_count"), _field(reader, "llama.expert_used_count")) == (8, 2)
     assert hashlib.sha256(g.gguf_bytes(folder=folder, name="peaked-moe", file_type="f32")).hexdigest() == \
         g.EXPECTED["peaked-moe"]["f32"]
+
+
+def test_the_fault_wheels_gguf_reader_finds_what_the_gguf_package_finds(moe_bf16) -> None:
+    """tests/integration/derived/swap.py reads GGUF without the gguf package (the llama.cpp image has none): its
+    tensor table (type, dims, offset) must be the package's, or its faults would write into the wrong bytes."""
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location("swap_under_test", REPO / "tests/integration/derived/swap.py")
+    assert found is not None and found.loader is not None
+    swap = importlib.util.module_from_spec(found)
+    found.loader.exec_module(swap)  # no mode baked in: it patches nothing
+    _, data, reader = moe_bf16
+    tensors, start = swap._gguf_tensors(data)
+    assert start == reader.data_offset
+    assert {name: (kind, dims, start + offset) for name, (kind, dims, offset) in tensors.items()} == {
+        t.name: (int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)) for t in reader.tensors}

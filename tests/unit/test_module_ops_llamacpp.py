@@ -362,3 +362,49 @@ def test_captured_tensors_that_are_not_one_forward_fail_the_layer(how: str, word
     assert model is not None
     found = L.captured_moe_consistency(_break(_moe_forward(model), how), model, "bfloat16")
     assert [r.key for r in found] == ["layer.1.capture.bfloat16"] and words in found[0].problem, found
+
+
+def test_calibration_judges_a_captured_engines_modules_for_its_own_entry_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """skupin calibrate of a llama.cpp SKU keyed to its engine judges its captured modules (at the serving dtype, as
+    captured), so their bounds can be derived; keyed to its class it judges none (no bound of another forward)."""
+    from skupin.calibration import calibrate
+    from skupin.calibration.calibrate import HonestRun, measure_run
+    from skupin.gates.judge.tolerance import ToleranceKey
+
+    monkeypatch.setattr(calibrate, "model_statistics", lambda reference, tensors: None)  # the model's: not this test's
+
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    tensors = {**_moe_honest(model), "model.logprobs_full": np.zeros((1, 2, 5), np.float32)}
+    keys = [k for k, kind in model.plan() if kind in ("router", "moe", "expert")]
+    ops = {"ops": {}, "modules": {"status": "ok", "ops": {f"{k}.bfloat16": {"status": "ok"} for k in keys}}}
+    run = HonestRun(label="r", tensors=tensors, env={}, ops=ops, engine="llamacpp", engine_version="0.3.36")
+    reference = {"model.logprobs_full": np.zeros((1, 2, 5), np.float32)}
+    own = ToleranceKey(hardware_class="cpu-x86_64", dtype="bfloat16", model="peaked-moe", engine="llamacpp")
+    measured = measure_run(reference=reference, run=run, kernels=False, key=own)
+    assert measured.ops is not None
+    judged = {r.key for r in measured.ops.results}
+    assert {"layer.1.expert.3.bfloat16", "layer.0.router.logits.bfloat16", "layer.2.moe.bfloat16"} <= judged
+    assert not any(r.key.endswith(".float32") for r in measured.ops.results)
+    assert all("captured" in r.note for r in measured.ops.results if r.key in judged and not r.problem)
+    classwide = measure_run(reference=reference, run=run, kernels=False, key=own.model_copy(update={"engine": ""}))
+    assert classwide.ops is None
+
+
+def test_the_router_ids_are_the_first_k_columns_of_llamacpps_argsort() -> None:
+    """ffn_moe_argsort-N holds every expert per token, best first; the router's ids are its first k columns."""
+    model = L.host_model("peaked-moe")
+    assert model is not None
+    layers, experts = int(model.config["num_hidden_layers"]), int(model.config["num_local_experts"])
+    targets = adapter._targets(layers, experts)
+    segments = spec.capture_segments()
+    rows = adapter._rows(segments)
+    captured = {t: [np.full(n * (experts if "argsort" in t[0] else 2 if "weights" in t[0] else
+                                 experts if "logits" in t[0] else 256 if t[0].startswith("ffn_moe_down") else 128),
+                            i, np.float32) for i, n in enumerate(rows)] for t in targets}
+    captured[("ffn_moe_argsort-1", "ARGSORT")] = [np.tile(np.arange(experts, dtype=np.float32)[::-1], n) for n in rows]
+    tensors, report, why = adapter._module_tensors(model.plan(), targets, captured, segments, "bfloat16", 0.1)
+    ids = tensors["ops.layer.1.router.bfloat16.ids"]
+    assert ids.shape == (32, 2) and ids[0].tolist() == [experts - 1, experts - 2]
+    assert report["layer.1.router.bfloat16"]["tensors"]["ids"] == "ffn_moe_argsort-1 (ARGSORT)"
+    assert not any(key.startswith(("layer.1.router", "layer.1.moe")) for key in why)
