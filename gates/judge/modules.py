@@ -461,9 +461,10 @@ def captured_moe_consistency(tensors: Mapping[str, np.ndarray], model: HostModel
     ops are each judged on their own input; these tie them to one forward, so an image cannot pass a layer with rows
     it made up for one module: the router's and the block's inputs are the post-attention norm's output (one graph
     tensor); its rows are normalised rows (rms of input / norm weight within 0.5-2: not zeros, not tiny); each expert's
-    first rows are the block's tokens the router routed to it, in order; the block's output is the routing weights
-    times those experts' outputs, summed in slot order in float32 (as ggml sums them). A layer whose tensors are absent
-    or misshapen is left to its modules' own checks."""
+    first rows are the block's tokens the router routed to it, in order, and every row of it (the extra tokens' too)
+    is a normalised row the exact router sends to it (either of a near-tie); the block's output is the routing weights
+    times those experts' outputs, summed in slot order in float32 as ggml sums them (to a float32 rounding of the
+    terms). A layer whose tensors are absent or misshapen is left to its modules' own checks."""
     c = model.config
     experts, k = int(c.get("num_local_experts") or 0), int(c.get("num_experts_per_tok") or 0)
     found: list[OpResult] = []
@@ -479,9 +480,9 @@ def captured_moe_consistency(tensors: Mapping[str, np.ndarray], model: HostModel
         assert post is not None and r_in is not None and m_in is not None
         assert ids is not None and weights is not None and out is not None
         try:
-            problem = _moe_layer_problem(model, i, post, r_in, m_in, ids.astype(np.int64), weights, out,
+            problem = _moe_layer_problem(model, i, post, r_in, m_in, ids.astype(np.float64), weights, out,
                                          {e: (get(f"expert.{e}", "in_x"), get(f"expert.{e}", "out"))
-                                          for e in range(experts)}, k)
+                                          for e in range(experts)}, k, dtype)
         except (ValueError, IndexError, TypeError) as exc:
             problem = f"its captured tensors do not fit together ({type(exc).__name__}: {printable_text(str(exc), 120)})"
         if problem:
@@ -492,31 +493,73 @@ def captured_moe_consistency(tensors: Mapping[str, np.ndarray], model: HostModel
 
 def _moe_layer_problem(model: HostModel, i: int, post: np.ndarray, r_in: np.ndarray, m_in: np.ndarray,
                        ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
-                       per_expert: Mapping[int, tuple[np.ndarray | None, np.ndarray | None]], k: int) -> str:
+                       per_expert: Mapping[int, tuple[np.ndarray | None, np.ndarray | None]], k: int,
+                       dtype: str) -> str:
     """'' or what contradicts in one captured MoE layer (captured_moe_consistency)."""
     if not (np.array_equal(post, r_in) and np.array_equal(r_in, m_in)):
         return "the router's and the block's inputs are not the post-attention norm's output (ffn_norm-N)"
-    w = model.weights[f"model.layers.{i}.post_attention_layernorm.weight"].astype(np.float64)
-    used = np.abs(w) > 0
-    unit = np.sqrt(np.mean((r_in.astype(np.float64)[:, used] / w[used]) ** 2, axis=-1))
-    if not ((unit > 0.5) & (unit < 2.0)).all():
-        return "rows of the block's input that are not normalised (rms of input / norm weight outside 0.5-2)"
+    if not np.isfinite(ids).all() or not np.array_equal(ids, np.round(ids)):
+        return "router ids that are not integers"
     if ids.shape != (len(out), k) or weights.shape != ids.shape:
         return f"router ids and weights of shape {list(ids.shape)}, {list(weights.shape)}, not [{len(out)}, {k}]"
+    whole = ids.astype(np.int64)
+    norm = model.weights[f"model.layers.{i}.post_attention_layernorm.weight"].astype(np.float64)
+    if not _normalised(r_in, norm):
+        return "rows of the block's input that are not normalised (rms of input / norm weight outside 0.5-2)"
+    gate = model.weights[f"model.layers.{i}.block_sparse_moe.gate.weight"].astype(np.float64)
+    for e, (x_e, out_e) in per_expert.items():
+        problem = _expert_rows_problem(e, x_e, out_e, whole, r_in, norm, gate, k, dtype)
+        if problem:
+            return problem
+    return _block_sum_problem(whole, weights, out, per_expert, k)
+
+
+def _normalised(rows: np.ndarray, norm: np.ndarray) -> bool:
+    """Whether `rows` are an RMSNorm's output with weight `norm`: the rms of row / weight about 1 (0.5-2)."""
+    used = np.abs(norm) > 0
+    unit = np.sqrt(np.mean((rows.astype(np.float64)[:, used] / norm[used]) ** 2, axis=-1))
+    return bool(((unit > 0.5) & (unit < 2.0)).all())
+
+
+def _expert_rows_problem(e: int, x_e: np.ndarray | None, out_e: np.ndarray | None, ids: np.ndarray, r_in: np.ndarray,
+                         norm: np.ndarray, gate: np.ndarray, k: int, dtype: str) -> str:
+    """'' or why expert `e`'s captured rows are not the forward's: its first rows must be the block's tokens the router
+    sent it, in order, and every row (the extra tokens' too) a normalised row the exact router sends to it (either of a
+    near-tie). An expert that returned no rows is its own check's to report."""
+    if x_e is None or out_e is None or x_e.ndim != 2 or len(x_e) == 0:
+        return ""
+    routed = np.nonzero((ids == e).any(-1))[0]
+    if len(x_e) < len(routed) or len(out_e) != len(x_e):
+        return f"expert {e} does not hold a row for each of the {len(routed)} tokens routed to it"
+    if not np.array_equal(x_e[:len(routed)], r_in[routed]):
+        return f"expert {e}'s first rows are not the block's tokens routed to it, in order"
+    if not _normalised(x_e, norm):
+        return f"rows of expert {e}'s input that are not normalised (rms of input / norm weight outside 0.5-2)"
+    logits = x_e.astype(np.float64) @ gate.T
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    if not ((order[:, :k] == e).any(-1) | (_near_ties(logits, k, dtype) & (order[:, k] == e))).all():
+        return f"rows of expert {e}'s input that the router does not send to expert {e}"
+    return ""
+
+
+def _block_sum_problem(ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
+                       per_expert: Mapping[int, tuple[np.ndarray | None, np.ndarray | None]], k: int) -> str:
+    """'' or why the block's output is not its experts' outputs times the routing weights, summed as ggml sums them:
+    each slot's product in float32, added in slot order (to a float32 rounding of the terms)."""
     expected = np.zeros(out.shape, np.float32)
+    slack = np.zeros(out.shape, np.float64)
     for slot in range(k):
         for e in np.unique(ids[:, slot]):
             x_e, out_e = per_expert.get(int(e), (None, None))
             routed = np.nonzero((ids == e).any(-1))[0]
-            if x_e is None or out_e is None or len(x_e) < len(routed) or len(out_e) != len(x_e):
+            if out_e is None or out_e.ndim != 2 or len(out_e) < len(routed) or out_e.shape[1:] != out.shape[1:]:
                 return f"expert {int(e)} does not hold a row for each of the {len(routed)} tokens routed to it"
-            if not np.array_equal(x_e[:len(routed)], r_in[routed]):
-                return f"expert {int(e)}'s first rows are not the block's tokens routed to it, in order"
             rows = ids[:, slot] == e
-            at = np.searchsorted(routed, np.nonzero(rows)[0])
-            expected[rows] += (out_e[at].astype(np.float32) * weights[rows, slot, None].astype(np.float32))
-    scale = float(np.abs(out).max()) or 1.0
-    if np.abs(expected - out.astype(np.float32)).max() > 1e-5 * scale:
+            term = (out_e[np.searchsorted(routed, np.nonzero(rows)[0])].astype(np.float32)
+                    * weights[rows, slot, None].astype(np.float32))
+            expected[rows] = expected[rows] + term
+            slack[rows] += np.abs(term.astype(np.float64))
+    if (np.abs(expected.astype(np.float64) - out.astype(np.float64)) > 2.0**-22 * slack + 1e-30).any():
         return "the block's output is not the routing weights times its experts' outputs"
     return ""
 

@@ -314,9 +314,11 @@ def _moe_forward(model: L.HostModel, layer: int = 1, dtype: str = "bfloat16") ->
          f"ops.{p}router.{dtype}.logits": logits.astype(np.float32), f"ops.{p}router.{dtype}.weights":
          weights.astype(np.float32), f"ops.{p}router.{dtype}.ids": ids.astype(np.float32)}
     out = np.zeros_like(x)
+    pool = L._rms(rng.normal(0, 1, (512, model.hidden)), w, 1e-5).astype(np.float32)  # the extra tokens' rows
+    _, pool_ids = L._route(pool.astype(np.float64) @ model.weights[f"model.layers.{layer}.block_sparse_moe.gate.weight"].T, k)
     for e in range(int(model.config["num_local_experts"])):
         routed = np.nonzero((ids == e).any(-1))[0]
-        rows = np.concatenate([x[routed], L._rms(rng.normal(0, 1, (8, model.hidden)), w, 1e-5).astype(np.float32)])
+        rows = np.concatenate([x[routed], pool[(pool_ids == e).any(-1)][:8]])
         ref = L.reference(model, f"{p}expert.{e}", "expert", {"x": rows.astype(np.float64)})["out"].astype(np.float32)
         t[f"ops.{p}expert.{e}.{dtype}.in_x"], t[f"ops.{p}expert.{e}.{dtype}.out"] = rows, ref
     for slot in range(k):
@@ -328,7 +330,7 @@ def _moe_forward(model: L.HostModel, layer: int = 1, dtype: str = "bfloat16") ->
     return t
 
 
-def _break(t: dict[str, np.ndarray], how: str) -> dict[str, np.ndarray]:
+def _break(t: dict[str, np.ndarray], how: str, model: L.HostModel) -> dict[str, np.ndarray]:
     t = dict(t)
     if how == "zero rows":  # every module's input all zeros: each module alone is then exact
         for name in [n for n in t if n.endswith(("in_x", "post_norm.bfloat16.out"))]:
@@ -340,6 +342,14 @@ def _break(t: dict[str, np.ndarray], how: str) -> dict[str, np.ndarray]:
         t[key] = t[key][::-1].copy()
     elif how == "block output":  # the block's output is not its experts' weighted sum
         t["ops.layer.1.moe.bfloat16.out"] = t["ops.layer.1.moe.bfloat16.out"] * np.float32(1 + 2.0**-6)
+    elif how in ("extra zeros", "extra elsewhere"):  # an expert's extra rows: zeros, or rows routed to other experts
+        key = "ops.layer.1.expert.0.bfloat16.in_x"
+        extra = t[key].copy()
+        gate = model.weights["model.layers.1.block_sparse_moe.gate.weight"]
+        rows = np.concatenate([t[n] for n in t if ".expert." in n and n.endswith("in_x") and n != key])
+        elsewhere = rows[~(np.argsort(-(rows.astype(np.float64) @ gate.T), axis=-1)[:, :3] == 0).any(-1)]
+        extra[-1] = 0 if how == "extra zeros" else elsewhere[0]  # a row the router sends far from expert 0
+        t[key] = extra
     return t
 
 
@@ -354,13 +364,15 @@ def test_a_captured_moe_layer_from_one_forward_is_consistent() -> None:
     ("router input", "not the post-attention norm's output"),
     ("expert rows", "first rows are not the block's tokens routed to it"),
     ("block output", "not the routing weights times its experts' outputs"),
+    ("extra zeros", "not normalised"),
+    ("extra elsewhere", "that the router does not send to expert"),
 ])
 def test_captured_tensors_that_are_not_one_forward_fail_the_layer(how: str, words: str) -> None:
     """Rows an image made up for one module (zeros, another order, another expert's) or a block output that its own
     experts do not give: each module may pass alone, the layer does not."""
     model = L.host_model("peaked-moe")
     assert model is not None
-    found = L.captured_moe_consistency(_break(_moe_forward(model), how), model, "bfloat16")
+    found = L.captured_moe_consistency(_break(_moe_forward(model), how, model), model, "bfloat16")
     assert [r.key for r in found] == ["layer.1.capture.bfloat16"] and words in found[0].problem, found
 
 
