@@ -281,7 +281,8 @@ def run_uv(request: UvRequest, *, uv: str, ca_bundle: Path | None = None, timeou
         # One resolution against the index (pylock.toml) and, beside it, the graph from uv's cache alone
         # (`--offline`: no request, ~2 s of resolving here). When the cache held what the index now answers, the graph
         # resolves the same versions and is used; else (a cold cache, or releases the cache had not seen) it is made
-        # again offline from the cache the first run has just filled, and from the index only when that is refused.
+        # again offline from the cache the first run has just filled, and from the index when that is refused or still
+        # differs.
         # Two runs against the index side by side competed for it and for the cores: 1.5-2.2x one run
         # (docs/BENCHMARKS.md, "Locking").
         online = _start(request.layer, [*cmd, "--format", "pylock.toml", "-o", str(work / "pylock.toml")], env=env,
@@ -309,9 +310,14 @@ def run_uv(request: UvRequest, *, uv: str, ca_bundle: Path | None = None, timeou
         if graph is None or graph.versions != _versions(pylock):
             try:
                 _uv(request.layer, [*graph_cmd, "--offline"], env=env, work=work, timeout_s=timeout_s)
+                graph = _read_graph(graph_out)
             except LockError:
+                graph = None
+            # the cache still answers otherwise (pages it holds as fresh that the index has moved past, seen in CI):
+            # the graph from the index itself; only if that too differs did the index change between the two runs
+            if graph is None or graph.versions != _versions(pylock):
                 _uv(request.layer, graph_cmd, env=env, work=work, timeout_s=timeout_s)
-            graph = _read_graph(graph_out)
+                graph = _read_graph(graph_out)
             if graph is None:
                 raise LockError(f"{request.layer}: uv wrote no readable dependency graph ({graph_out.name})")
         tags = target_tags(python=request.python, abis=request.abis, platforms=request.platforms)
