@@ -70,6 +70,7 @@ from skupin.gates.judge.tolerance import (
     ToleranceKey,
     Tolerances,
     calibration_for,
+    captured_ops,
     catalog_tolerances,
     load_tolerances,
 )
@@ -720,11 +721,12 @@ def _check_ops(inputs: GateInputs, tolerance: ToleranceResult, boot: BootResult)
     entry = tolerance.entry
     calibrated: dict[str, dict[str, float]] | None = (
         {op: {str(k): v for k, v in row.items()} for op, row in entry.ops.items()} if entry else None)
-    if entry is not None and entry.ops and entry.ops_spec != spec_sha256():  # bounds of other inputs: not applied
+    spec_now = spec_sha256(captured=entry is not None and captured_ops(entry.key))
+    if entry is not None and entry.ops and entry.ops_spec != spec_now:  # bounds of other inputs: not applied
         return Judged(CheckResult(
             name="ops", status="uncalibrated",
             reason=f"the op bounds of {ToleranceKey.of(m).label()} were calibrated on another battery spec "
-                   f"({entry.ops_spec[:12] or 'unrecorded'}, not {spec_sha256()[:12]}); fix: skupin calibrate {m.name}",
+                   f"({entry.ops_spec[:12] or 'unrecorded'}, not {spec_now[:12]}); fix: skupin calibrate {m.name}",
             details={"why": "op bounds of another battery spec", "calibration_free": "not run"}))
     dtypes = tuple(dict.fromkeys((m.gate.dtype, "float32")))
     battery = judge_battery(boot.probe.tensors, report, tf32=tf32, calibrated=calibrated, dtypes=dtypes)

@@ -135,10 +135,12 @@ class Battery:
 
 
 @functools.cache
-def spec_sha256() -> str:
+def spec_sha256(*, captured: bool = False) -> str:
     """sha256 of the battery's spec as the host regenerates it: every op's inputs at every dtype, bit for bit, and the
     constants of its definitions, with the module ops' spec (gates/judge/modules.py). A calibrated `ops` table records
-    it (ToleranceEntry.ops_spec); bounds calibrated on other inputs are not applied."""
+    it (ToleranceEntry.ops_spec); bounds calibrated on other inputs are not applied. `captured`: the spec of module
+    ops captured from an engine's own forward (tolerance.py: captured_ops), which also hashes what that forward is fed
+    (the capture's positions and segments, the experts' extra token ids)."""
     h = hashlib.sha256()
     h.update(json.dumps({"EPS": spec.EPS, "THETA": spec.THETA, "TOPK": spec.TOPK, "LONG": spec.LONG,
                          "OUTPUTS": spec.OUTPUTS}, sort_keys=True).encode())
@@ -155,6 +157,12 @@ def spec_sha256() -> str:
             for name, array in sorted(host_inputs(op, dtype).items()):
                 h.update(f"{op}.{dtype}.{name}{array.shape}".encode())
                 h.update(np.ascontiguousarray(array, dtype="<f8").tobytes())
+    if captured:
+        h.update(json.dumps({"CAPTURE_SEGMENTS": spec.CAPTURE_SEGMENTS, "CAPTURE_POSITIONS": spec.CAPTURE_POSITIONS,
+                             "CAPTURED_OUTPUTS": spec.CAPTURED_OUTPUTS,
+                             "CAPTURE_EXPERT_SEGMENTS": spec.CAPTURE_EXPERT_SEGMENTS,
+                             "experts": [spec.expert_capture_ids(dtype, probe) for dtype in UNIT]},
+                            sort_keys=True).encode())
     return h.hexdigest()
 
 

@@ -33,7 +33,7 @@ from skupin.builder.render import render
 from skupin.common import __version__
 from skupin.common.errors import BundleError, DockerError, GateCouldNotRun, GateFailed, ManifestError, SkupinError
 from skupin.common.paths import state_dir
-from skupin.engines import engine_distributions, engine_float32, engine_module_inputs
+from skupin.engines import engine_distributions, engine_float32
 from skupin.gates.gate import (
     default_wheelhouse,
     load_reference,
@@ -62,6 +62,7 @@ from skupin.gates.judge.tolerance import (
     ToleranceKey,
     Tolerances,
     calibration_for,
+    captured_ops,
     class_ruler,
 )
 from skupin.gates.judge.verdict import (
@@ -126,7 +127,7 @@ def measure_run(*, reference: dict[str, np.ndarray], run: HonestRun, kernels: bo
     float64 (`tf32`: the SKU declares TF32), with its module ops where the run has them and `key` names a fixture."""
     # an engine whose module ops are captured from its own forward (llama.cpp) calibrates them into its own entry only
     # (an engine-keyed one): its inputs are its forward's, not the seeded ones a class's other engines were measured on
-    captured = key is not None and bool(key.engine) and engine_module_inputs(key.engine) == "captured"
+    captured = key is not None and captured_ops(key)
     ops = (judge_battery(run.tensors, run.ops, tf32=tf32) if run.ops.get("ops")
            else Battery(results=()) if captured and "modules" in run.ops else None)
     model = host_model(key.model) if key is not None and ops is not None and "modules" in run.ops else None
@@ -222,7 +223,7 @@ def derive_entry_from_measurements(*, key: ToleranceKey, measurements: list[Meas
                     **{f"kernels.{op}": v for op, v in kernel_max.items()}},
     )
     ops = _op_bounds(measurements)
-    return ToleranceEntry(key=key, kernels=kernels, ops=ops, ops_spec=spec_sha256() if ops else "",
+    return ToleranceEntry(key=key, kernels=kernels, ops=ops, ops_spec=spec_sha256(captured=captured_ops(key)) if ops else "",
                           model=ModelThresholds(per_prompt=per_prompt, mean=mean, honest_rate=honest_rate, alpha=ALPHA,
                                                 omitted=omitted, mean_center=center),
                           provenance=provenance)

@@ -479,3 +479,16 @@ def test_the_committed_engine_keyed_cpu_entries_loosen_the_class_only_where_thei
         ops = [] if captured_ops(entry.key) else looser_ops(entry, ruler)
         assert set(looser(entry, ruler) + ops) <= needed[entry.key.engine], entry.key.label()
         assert captured_ops(entry.key) == (entry.key.engine == "llamacpp")
+
+
+def test_every_committed_op_table_is_of_the_current_battery_spec_captured_ones_of_the_capture_spec():
+    """A committed entry whose op bounds are of another spec would leave its SKUs' ops check `uncalibrated`; an
+    engine's captured module bounds (llama.cpp's) record the capture's spec too, so a change to what that forward is
+    fed (its positions, segments, the experts' extra ids) voids them, and only them."""
+    from skupin.gates.judge.ops import spec_sha256
+    from skupin.gates.judge.tolerance import captured_ops
+
+    entries = [e for e in load_tolerances(DEFAULT_PATH).entries if e.ops]
+    assert any(captured_ops(e.key) for e in entries) and spec_sha256(captured=True) != spec_sha256()
+    for entry in entries:
+        assert entry.ops_spec == spec_sha256(captured=captured_ops(entry.key)), entry.key.label()
