@@ -316,6 +316,7 @@ def run_uv(request: UvRequest, *, uv: str, ca_bundle: Path | None = None, timeou
             # the cache still answers otherwise (pages it holds as fresh that the index has moved past, seen in CI):
             # the graph from the index itself; only if that too differs did the index change between the two runs
             if graph is None or graph.versions != _versions(pylock):
+                graph_out.unlink(missing_ok=True)  # never the offline run's file read as this run's
                 _uv(request.layer, graph_cmd, env=env, work=work, timeout_s=timeout_s)
                 graph = _read_graph(graph_out)
             if graph is None:

@@ -242,6 +242,8 @@ def _route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _near_ties(logits: np.ndarray, k: int, dtype: str) -> np.ndarray:
     """Rows whose k-th and (k+1)-th logits are closer than NEAR_TIE units of the dtype (of the row's largest)."""
+    if logits.shape[-1] <= k:  # every expert is chosen: no (k+1)-th to tie with
+        return np.zeros(logits.shape[:-1], bool)
     ordered = -np.sort(-logits, axis=-1)
     return np.asarray(ordered[:, k - 1] - ordered[:, k] < NEAR_TIE * UNIT[dtype] * np.abs(logits).max(-1))
 
@@ -536,6 +538,8 @@ def _expert_rows_problem(e: int, x_e: np.ndarray | None, out_e: np.ndarray | Non
     if not _normalised(x_e, norm):
         return f"rows of expert {e}'s input that are not normalised (rms of input / norm weight outside 0.5-2)"
     logits = x_e.astype(np.float64) @ gate.T
+    if logits.shape[1] <= k:  # every expert is chosen for every token
+        return ""
     order = np.argsort(-logits, axis=-1, kind="stable")
     if not ((order[:, :k] == e).any(-1) | (_near_ties(logits, k, dtype) & (order[:, k] == e))).all():
         return f"rows of expert {e}'s input that the router does not send to expert {e}"
@@ -559,7 +563,8 @@ def _block_sum_problem(ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
                     * weights[rows, slot, None].astype(np.float32))
             expected[rows] = expected[rows] + term
             slack[rows] += np.abs(term.astype(np.float64))
-    if (np.abs(expected.astype(np.float64) - out.astype(np.float64)) > 2.0**-22 * slack + 1e-30).any():
+    # ggml's order gives the same bits; a backend that fuses or reorders the k-term sum stays within k+1 roundings
+    if (np.abs(expected.astype(np.float64) - out.astype(np.float64)) > max(4, k + 1) * 2.0**-24 * slack + 1e-30).any():
         return "the block's output is not the routing weights times its experts' outputs"
     return ""
 

@@ -453,14 +453,6 @@ def looser_ops(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:
             if op in old.ops and m in old.ops[op] and v > old.ops[op][m]]
 
 
-def dropped_ops(new: ToleranceEntry, old: ToleranceEntry) -> list[str]:
-    """Op bounds of `old` that `new` (replacing it, on the same battery spec) no longer has: an op without a bound is
-    judged on its hard bound alone, looser than any calibrated one."""
-    if not old.ops or new.ops_spec != old.ops_spec:
-        return []
-    return [f"ops.{op}.{m}" for op, row in old.ops.items() for m in row if m not in new.ops.get(op, {})]
-
-
 def class_ruler(tolerances: Tolerances, key: ToleranceKey) -> ToleranceEntry | None:
     """The engine-free entry of an engine-keyed key's class, dtype and model (a CPU class's one ruler for every engine
     not keyed per engine), or None."""
@@ -531,9 +523,9 @@ def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: 
     tolerance key"). Recalibrating such an entry compares it with the entry it replaces, and the op bounds that entry
     cannot rule (ones it had none of, or all of them after a battery spec change) with the ruler; an engine's captured
     module ops (captured_ops) are compared only with its own earlier entry's. An entry without kernel thresholds (its
-    SKU runs no kernel battery) keeps the existing entry's, else the ruler's, and one without op bounds the existing
-    entry's: a recalibration by a SKU that runs fewer checks never drops the class's; one that drops some of them
-    (dropped_ops) needs `allow_looser`.
+    SKU runs no kernel battery) keeps the existing entry's, else the ruler's, and one without some op bounds the
+    existing entry's for those (on the same battery spec): a recalibration by a SKU that runs fewer checks never drops
+    the class's.
     """
     old = tolerances.find(entry.key)
     ruler = class_ruler(tolerances, entry.key)
@@ -550,10 +542,12 @@ def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: 
         entry = entry.model_copy(update={"kernels": base.kernels})
     if old is not None and old.ops and not entry.ops:  # calibrated without module ops (a class-keyed llama.cpp SKU)
         entry = entry.model_copy(update={"ops": old.ops, "ops_spec": old.ops_spec})
+    elif old is not None and old.ops and old.ops_spec == entry.ops_spec:  # ops or measures it did not measure: kept
+        entry = entry.model_copy(update={"ops": {op: {**old.ops.get(op, {}), **entry.ops.get(op, {})}
+                                                 for op in {**old.ops, **entry.ops}}})
     if base is not None and not allow_looser:
         compared = None if captured_ops(entry.key) and base is ruler else base  # captured ops rule no seeded ones
-        loosened = (looser(entry, base) + (looser_ops(entry, compared) if compared is not None else []) + first_ops
-                    + (dropped_ops(entry, old) if old is not None else []))
+        loosened = looser(entry, base) + (looser_ops(entry, compared) if compared is not None else []) + first_ops
         if loosened:
             what = (f"the class's engine-free entry {base.key.label()}" if ruler is not None
                     else "the entry it replaces" + (" (and its class's ruler, for op bounds it had none of)"

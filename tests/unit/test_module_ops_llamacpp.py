@@ -420,3 +420,13 @@ def test_the_router_ids_are_the_first_k_columns_of_llamacpps_argsort() -> None:
     assert ids.shape == (32, 2) and ids[0].tolist() == [experts - 1, experts - 2]
     assert report["layer.1.router.bfloat16"]["tensors"]["ids"] == "ffn_moe_argsort-1 (ARGSORT)"
     assert not any(key.startswith(("layer.1.router", "layer.1.moe")) for key in why)
+
+
+def test_a_layer_that_chooses_every_expert_has_no_near_tie_and_no_routing_to_contradict() -> None:
+    """num_experts_per_tok == num_local_experts: there is no (k+1)-th expert to tie with or be routed instead."""
+    logits = np.random.default_rng(0).normal(0, 1, (5, 2))
+    assert not L._near_ties(logits, 2, "bfloat16").any()
+    norm, gate = np.ones(4), np.random.default_rng(1).normal(0, 1, (2, 4))
+    rows = L._rms(np.random.default_rng(2).normal(0, 1, (3, 4)), norm, 1e-5).astype(np.float32)
+    ids = np.tile(np.arange(2), (3, 1))
+    assert L._expert_rows_problem(1, rows, rows, ids, rows, norm, gate, 2, "bfloat16") == ""
