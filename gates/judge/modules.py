@@ -527,9 +527,9 @@ def _expert_rows_problem(e: int, x_e: np.ndarray | None, out_e: np.ndarray | Non
                          norm: np.ndarray, gate: np.ndarray, k: int, dtype: str) -> str:
     """'' or why expert `e`'s captured rows are not the forward's: its first rows must be the block's tokens the router
     sent it, in order, and every row (the extra tokens' too) a normalised row the exact router sends to it (either of a
-    near-tie). An expert that returned no rows is its own check's to report."""
-    if x_e is None or out_e is None or x_e.ndim != 2 or len(x_e) == 0:
-        return ""
+    near-tie). An expert that returned no rows, or more than a capture has, is its own check's to report."""
+    if x_e is None or out_e is None or x_e.ndim != 2 or not 0 < len(x_e) <= MAX_EXPERT_ROWS:
+        return ""  # its own check says what is wrong (and nothing here computes on more rows than a capture has)
     routed = np.nonzero((ids == e).any(-1))[0]
     if len(x_e) < len(routed) or len(out_e) != len(x_e):
         return f"expert {e} does not hold a row for each of the {len(routed)} tokens routed to it"

@@ -36,6 +36,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def _locked(sku: Path):
+    """The SKU manifest at `sku` checked and resolved against its committed lock (a stale lock fails the test)."""
+    from skupin.builder.check import resolve
+
+    return resolve(sku, require_lock=True)
+
+
 @pytest.fixture(scope="session")
 def docker() -> Iterator[Docker]:
     """The engine on /var/run/docker.sock; the session is skipped when none answers."""
@@ -105,9 +112,7 @@ def host_ca_bundle() -> Path | None:
 @pytest.fixture(scope="session")
 def stack():
     """The CPU SKU checked and locked (its committed lock)."""
-    from skupin.builder.check import resolve
-
-    return resolve(CPU_SKU, require_lock=True)
+    return _locked(CPU_SKU)
 
 
 def built_image(docker: Docker, stack, wheelhouse, ca_bundle) -> str:
@@ -142,9 +147,7 @@ def honest_image(docker: Docker, stack, wheelhouse, host_ca_bundle) -> str:
 @pytest.fixture(scope="session")
 def bf16_stack():
     """The CPU SKU served in bfloat16 (cpu-x86_64's stack) checked and locked (its committed lock)."""
-    from skupin.builder.check import resolve
-
-    return resolve(BF16_SKU, require_lock=True)
+    return _locked(BF16_SKU)
 
 
 @pytest.fixture(scope="session")
@@ -157,9 +160,7 @@ def bf16_image(docker: Docker, bf16_stack, wheelhouse, host_ca_bundle) -> str:
 @pytest.fixture(scope="session")
 def vllm_stack():
     """The vLLM CPU SKU checked and locked (its committed lock)."""
-    from skupin.builder.check import resolve
-
-    return resolve(VLLM_SKU, require_lock=True)
+    return _locked(VLLM_SKU)
 
 
 @pytest.fixture(scope="session")
@@ -171,9 +172,7 @@ def vllm_image(docker: Docker, vllm_stack, wheelhouse, host_ca_bundle) -> str:
 @pytest.fixture(scope="session")
 def vllm_bf16_stack():
     """The vLLM CPU SKU served in bfloat16 (cpu-x86_64-vllm's stack) checked and locked (its committed lock)."""
-    from skupin.builder.check import resolve
-
-    return resolve(VLLM_BF16_SKU, require_lock=True)
+    return _locked(VLLM_BF16_SKU)
 
 
 @pytest.fixture(scope="session")
@@ -186,9 +185,7 @@ def vllm_bf16_image(docker: Docker, vllm_bf16_stack, wheelhouse, host_ca_bundle)
 @pytest.fixture(scope="session")
 def llamacpp_stack():
     """The llama.cpp CPU SKU (its engine built from the sdist) checked and locked (its committed lock)."""
-    from skupin.builder.check import resolve
-
-    return resolve(LLAMACPP_SKU, require_lock=True)
+    return _locked(LLAMACPP_SKU)
 
 
 @pytest.fixture(scope="session")
@@ -201,9 +198,7 @@ def llamacpp_image(docker: Docker, llamacpp_stack, wheelhouse, host_ca_bundle) -
 @pytest.fixture(scope="session")
 def llamacpp_bf16_stack():
     """The llama.cpp SKU serving a BF16 GGUF of the MoE fixture, checked and locked (its committed lock)."""
-    from skupin.builder.check import resolve
-
-    return resolve(LLAMACPP_BF16_SKU, require_lock=True)
+    return _locked(LLAMACPP_BF16_SKU)
 
 
 @pytest.fixture(scope="session")
@@ -215,9 +210,7 @@ def llamacpp_bf16_image(docker: Docker, llamacpp_bf16_stack, llamacpp_image, whe
 @pytest.fixture(scope="session")
 def llamacpp_q8_stack():
     """The example SKU that serves a Q8_0 GGUF of the fixture with the same llama.cpp image otherwise."""
-    from skupin.builder.check import resolve
-
-    return resolve(LLAMACPP_Q8_SKU, require_lock=True)
+    return _locked(LLAMACPP_Q8_SKU)
 
 
 @pytest.fixture(scope="session")

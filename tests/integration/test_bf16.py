@@ -17,9 +17,12 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _passing_gate(sku: str, image: str, out: Path) -> tuple[dict, dict[str, dict]]:
-    """`skupin gate SKU --image IMAGE --json`, which must pass every check (smoke skipped: a CPU image); its verdict and
-    checks by name."""
+EVERY_CHECK = ("reference", "pins", "binaries", "smoke", "boot", "kernels", "ops", "model", "float32", "serve")
+
+
+def _passing_gate(sku: str, image: str, out: Path, *, skipped: tuple[str, ...] = ("smoke",)) -> tuple[dict, dict[str, dict]]:
+    """`skupin gate SKU --image IMAGE --json`, which must pass every check but `skipped` (smoke: a CPU image); its
+    verdict and checks by name."""
     proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", sku, "--image", image, "--json", "--out",
                            str(out)], cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
@@ -27,9 +30,23 @@ def _passing_gate(sku: str, image: str, out: Path) -> tuple[dict, dict[str, dict
     checks = {c["name"]: c for c in verdict["checks"]}
     assert verdict["decision"] == "pass", verdict["reason"]
     assert [(n, c["status"]) for n, c in checks.items()] == [
-        ("reference", "pass"), ("pins", "pass"), ("binaries", "pass"), ("smoke", "skipped"), ("boot", "pass"),
-        ("kernels", "pass"), ("ops", "pass"), ("model", "pass"), ("float32", "pass"), ("serve", "pass")]
+        (n, "skipped" if n in skipped else "pass") for n in EVERY_CHECK]
     return verdict, checks
+
+
+def _failing_ops(derived, stack, mode: str, out: Path):
+    """The gate of `derived`'s locked swap `mode`, which must pass `pins` and fail at `ops`: its statuses by check and
+    the failing ops check."""
+    from skupin.dockerd.client import connect
+    from skupin.gates.gate import gate_image
+
+    swapped = derived.swap(mode)
+    verdict = gate_image(stack=swapped.stack(stack), image=swapped.image, docker=connect(), out=out,
+                         wheelhouse=swapped.wheelhouse)
+    statuses = {c.name: c.status for c in verdict.checks}
+    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
+    assert statuses["pins"] == "pass" and statuses["ops"] == "fail", statuses
+    return statuses, verdict.check("ops")
 
 
 def test_the_bf16_cpu_sku_passes_the_whole_gate_with_its_calibrated_entry(bf16_image: str, tmp_path: Path) -> None:
@@ -56,17 +73,8 @@ def test_a_bf16_path_fault_in_the_engines_own_classes_fails_the_ops_check_before
     the honest class computes in float32) passes `pins`; a float32 run is unchanged by it by construction, and its
     end-to-end effect sits inside honest bf16 noise. The op battery builds its modules from those classes and fails
     the op, before the model check and the float32 pass run."""
-    from skupin.dockerd.client import connect
-    from skupin.gates.gate import gate_image
-
-    swapped = bf16_derived.swap(mode)
-    verdict = gate_image(stack=swapped.stack(bf16_stack), image=swapped.image, docker=connect(), out=tmp_path / "gate",
-                         wheelhouse=swapped.wheelhouse)
-    statuses = {c.name: c.status for c in verdict.checks}
-    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
-    assert statuses["pins"] == "pass" and statuses["ops"] == "fail", statuses
+    statuses, failing = _failing_ops(bf16_derived, bf16_stack, mode, tmp_path / "gate")
     assert "model" not in statuses or statuses["model"] == "skipped", statuses
-    failing = verdict.check("ops")
     assert op in failing.reason, failing.reason
     assert failing.details["ops"][op]["ratio"] > 1
 
@@ -108,16 +116,7 @@ def test_a_fault_in_vllms_bf16_moe_path_fails_the_ops_check_naming_the_op(mode: 
     """A locked test wheel changes vLLM's MoE path as a faulty release or loader would: `pins` passes, and the op
     check fails at the serving dtype (bf16, so without the float32 pass), before the model check and the float32
     pass; the reason names the worst ops, the details every failing one."""
-    from skupin.dockerd.client import connect
-    from skupin.gates.gate import gate_image
-
-    swapped = vllm_bf16_derived.swap(mode)
-    verdict = gate_image(stack=swapped.stack(vllm_bf16_stack), image=swapped.image, docker=connect(),
-                         out=tmp_path / "gate", wheelhouse=swapped.wheelhouse)
-    statuses = {c.name: c.status for c in verdict.checks}
-    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
-    assert statuses["pins"] == "pass" and statuses["ops"] == "fail", statuses
-    failing = verdict.check("ops")
+    _, failing = _failing_ops(vllm_bf16_derived, vllm_bf16_stack, mode, tmp_path / "gate")
     ops = failing.details["ops"]
     assert all((ops.get(name) or {}).get("ratio", 0) > 1 for name in named), {name: ops.get(name) for name in named}
     assert any(name.rsplit(".", 1)[0] in failing.reason for name in named), failing.reason
@@ -130,15 +129,8 @@ def test_the_llamacpp_bf16_sku_passes_the_whole_gate_with_its_moe_modules_captur
     its router (softmax, argsort top-k, renormalisation) and expert products (MUL_MAT_ID), RoPE, attention -- checked
     module by module from its own forward (captured by its eval callback, judged on the host), then the model and
     serve checks with its engine's own entry. No float32 pass: llama.cpp serves one GGUF."""
-    proc = subprocess.run([sys.executable, "-m", "skupin.cli", "gate", "cpu-x86_64-llamacpp-bf16", "--image",
-                           llamacpp_bf16_image, "--json", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
-                          text=True, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    verdict = json.loads(proc.stdout)
-    checks = {c["name"]: c for c in verdict["checks"]}
-    assert [(n, c["status"]) for n, c in checks.items()] == [
-        ("reference", "pass"), ("pins", "pass"), ("binaries", "pass"), ("smoke", "skipped"), ("boot", "pass"),
-        ("kernels", "skipped"), ("ops", "pass"), ("model", "pass"), ("float32", "skipped"), ("serve", "pass")]
+    verdict, checks = _passing_gate("cpu-x86_64-llamacpp-bf16", llamacpp_bf16_image, tmp_path,
+                                    skipped=("smoke", "kernels", "float32"))
     assert verdict["tolerance"]["key"] == "cpu-x86_64/bfloat16/peaked-moe/llamacpp"
     ops = checks["ops"]["details"]["ops"]
     # every module of the MoE model, from llama.cpp's own forward: each router, each of the 8 experts of each of the 4
@@ -166,16 +158,7 @@ def test_a_fault_in_llama_cpps_bf16_path_fails_the_ops_check_from_its_own_forwar
     """A locked test wheel gives every llama_cpp.Llama of the image a fault (the server's and the probe's alike):
     `pins` passes; the module ops captured from llama.cpp's own forward fail, naming the module, with no float32 pass
     to lean on (llama.cpp has none)."""
-    from skupin.dockerd.client import connect
-    from skupin.gates.gate import gate_image
-
-    swapped = llamacpp_bf16_derived.swap(mode)
-    verdict = gate_image(stack=swapped.stack(llamacpp_bf16_stack), image=swapped.image, docker=connect(),
-                         out=tmp_path / "gate", wheelhouse=swapped.wheelhouse)
-    statuses = {c.name: c.status for c in verdict.checks}
-    assert verdict.decision == "fail" and verdict.exit_code == 10, verdict.reason
-    assert statuses["pins"] == "pass" and statuses["ops"] == "fail", statuses
-    failing = verdict.check("ops")
+    _, failing = _failing_ops(llamacpp_bf16_derived, llamacpp_bf16_stack, mode, tmp_path / "gate")
     over = {op for op, row in failing.details["ops"].items() if (row.get("ratio") or 0) > 1}
     assert any(op.endswith(named) for op in over), (sorted(over), failing.reason)
     print(f"{mode}: {failing.reason}")

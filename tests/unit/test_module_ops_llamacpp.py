@@ -163,10 +163,7 @@ def test_each_experts_rows_are_the_tokens_routed_to_it_across_every_capture() ->
     down = [np.arange(16, dtype=np.float32) + 100, np.arange(8, dtype=np.float32) + 200]  # [tokens, k=2, 4]
     captured = {("ffn_norm-0", "MUL"): norm, ("ffn_moe_argsort-0", "ARGSORT"): order,
                 ("ffn_moe_down-0", "MUL_MAT_ID"): down}
-    tensors: dict[str, np.ndarray] = {}
-    rows: dict[str, object] = {}
-    why: dict[str, str] = {"layer.0.expert.0": "no tensor of llama.cpp's graph is this module"}
-    adapter._expert_tensors(plan, [(captured, segments), (captured, segments)], "bfloat16", 0.1, 2, (tensors, rows, why))
+    tensors, rows, why = adapter._expert_tensors(plan, [(captured, segments), (captured, segments)], "bfloat16", 0.1, 2)
     # tokens 0, 1, 2 chose experts {1, 0}, {0, 1}, {1, 0}: expert 0 is slot 1, 0, 1 of each; twice (two captures)
     assert tensors["ops.layer.0.expert.0.bfloat16.in_x"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] * 2
     assert tensors["ops.layer.0.expert.0.bfloat16.out"][:3, 0].tolist() == [104, 108, 204]

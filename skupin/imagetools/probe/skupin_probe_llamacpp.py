@@ -267,9 +267,11 @@ def module_capture(model_dir: str, opts: Options, spec: Any,
         llm.close()
     seconds = round(time.perf_counter() - t0, 4)
     tensors, rows, why = _module_tensors(plan, targets, captured, segments, opts["dtype"], seconds)
-    if experts:
-        _expert_tensors(plan, captures, opts["dtype"], seconds, int(config["num_experts_per_tok"]),
-                        (tensors, rows, why))
+    if experts:  # the experts' ops are made from the blocks, not mapped one tensor each
+        more, more_rows, more_why = _expert_tensors(plan, captures, opts["dtype"], seconds,
+                                                    int(config["num_experts_per_tok"]))
+        tensors, rows = {**tensors, **more}, {**rows, **more_rows}
+        why = {**{key: text for key, text in why.items() if ".expert." not in key}, **more_why}
     return tensors, rows, why
 
 
@@ -379,39 +381,44 @@ def _module_tensors(plan: list[tuple[str, str]], targets: dict[tuple[str, str], 
 
 
 def _expert_tensors(plan: list[tuple[str, str]], captures: list[tuple[dict[tuple[str, str], list[Any]], list[list[int]]]],
-                    dtype: str, seconds: float, k: int,
-                    into: tuple[dict[str, Array], dict[str, Any], dict[str, str]]) -> None:
+                    dtype: str, seconds: float, k: int) -> tuple[dict[str, Array], dict[str, Any], dict[str, str]]:
     """Each expert's module op from the blocks llama.cpp computed in `captures` ((captured tensors, their segments),
     in order): the normed input rows routed to it (in_x) and its output on them before the routing weight (its slot of
     ffn_moe_down), every evaluation's rows in order. llama.cpp computes an expert only on the tokens routed to it: an
-    expert no captured token was routed to is not reached."""
+    expert no captured token was routed to is not reached. Returns (tensors, report rows, key -> why not reached)."""
     import numpy as np
 
-    tensors, rows, why = into
+    tensors: dict[str, Array] = {}
+    rows: dict[str, Any] = {}
+    why: dict[str, str] = {}
+    stacked: dict[str, Any] = {}  # layer -> (norm rows, argsort rows, down rows) of every capture, or why not
     for key, kind in plan:
         if kind != "expert":
             continue
         _, layer, _, expert = key.split(".")
         names = [(f"ffn_norm-{layer}", "MUL"), (f"ffn_moe_argsort-{layer}", "ARGSORT"),
                  (f"ffn_moe_down-{layer}", "MUL_MAT_ID")]
-        absent = sorted({f"{n} ({o})" for captured, segments in captures for n, o in names
-                         if len(captured.get((n, o), [])) != len(_rows(segments))})
-        if absent:
-            why[key] = f"llama.cpp's graph did not compute {', '.join(absent)} once per evaluation"
+        if layer not in stacked:
+            absent = sorted({f"{n} ({o})" for captured, segments in captures for n, o in names
+                             if len(captured.get((n, o), [])) != len(_rows(segments))})
+            stacked[layer] = (f"llama.cpp's graph did not compute {', '.join(absent)} once per evaluation" if absent
+                              else tuple(np.concatenate([p.reshape(n, -1) for captured, segments in captures
+                                                         for p, n in zip(captured[name], _rows(segments), strict=True)])
+                                         for name in names))
+        if isinstance(stacked[layer], str):
+            why[key] = stacked[layer]
             continue
-        norm, order, down = (np.concatenate([p.reshape(n, -1) for captured, segments in captures
-                                             for p, n in zip(captured[name], _rows(segments), strict=True)])
-                             for name in names)
+        norm, order, down = stacked[layer]
         token, slot = np.nonzero(order[:, :k].astype(np.int64) == int(expert))
         if not len(token):
             why[key] = f"no captured token was routed to expert {expert} (llama.cpp computes an expert on its tokens only)"
             continue
-        why.pop(key, None)
         tensors[f"ops.{key}.{dtype}.in_x"] = np.ascontiguousarray(norm[token])
         tensors[f"ops.{key}.{dtype}.out"] = np.ascontiguousarray(down.reshape(len(norm), k, -1)[token, slot])
         rows[f"{key}.{dtype}"] = {"status": "ok", "seconds": seconds, "tokens": int(len(token)),
                                   "tensors": {"in_x": f"{names[0][0]} (MUL)",
                                               "out": f"{names[2][0]} (MUL_MAT_ID, its slot per token)"}}
+    return tensors, rows, why
 
 
 def _rows(segments: list[list[int]]) -> list[int]:
