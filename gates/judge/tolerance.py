@@ -540,11 +540,11 @@ def merge_entry(tolerances: Tolerances, entry: ToleranceEntry, *, allow_looser: 
     base = old or ruler
     if base is not None and not entry.kernels:  # calibrated without a kernel battery (llama.cpp): keep the class's
         entry = entry.model_copy(update={"kernels": base.kernels})
-    if old is not None and old.ops and not entry.ops:  # calibrated without module ops (a class-keyed llama.cpp SKU)
-        entry = entry.model_copy(update={"ops": old.ops, "ops_spec": old.ops_spec})
-    elif old is not None and old.ops and old.ops_spec == entry.ops_spec:  # ops or measures it did not measure: kept
-        entry = entry.model_copy(update={"ops": {op: {**old.ops.get(op, {}), **entry.ops.get(op, {})}
-                                                 for op in {**old.ops, **entry.ops}}})
+    if old is not None and old.ops and (not entry.ops or old.ops_spec == entry.ops_spec):
+        # ops or measures this calibration did not measure keep the old bounds (all of them when it measured none: a
+        # class-keyed llama.cpp SKU runs no battery)
+        entry = entry.model_copy(update={"ops_spec": old.ops_spec, "ops": {
+            op: {**old.ops.get(op, {}), **entry.ops.get(op, {})} for op in {**old.ops, **entry.ops}}})
     if base is not None and not allow_looser:
         compared = None if captured_ops(entry.key) and base is ruler else base  # captured ops rule no seeded ones
         loosened = looser(entry, base) + (looser_ops(entry, compared) if compared is not None else []) + first_ops

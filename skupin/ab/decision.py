@@ -653,7 +653,6 @@ class RuntimeAB(Frozen):
                                              "not, when fewer than asked decided (rounds_note); '' otherwise")
     rounds_stop: RoundsStop | None = Field(None, description="Why the rounds ended where they did (rounds_stop, or "
                                                              "'failed'); None when no round ran")
-    rounds_stopped: str = Field("", description="The same in words (stop_text); '' when no round ran")
     capacity: Capacity | None = None
     cpu: dict[str, CpuCost] = Field(default_factory=dict, description="Per side: the container's CPU accounting")
     decision_rule: str = ""
@@ -666,6 +665,10 @@ class RuntimeAB(Frozen):
     tool_version: str
     wall_s: float
 
+    @property
+    def rounds_stopped(self) -> str:
+        """Why the rounds ended, in words (stop_text); '' when no round ran."""
+        return stop_text(self.rounds_stop, self.settings, len(self.rounds)) if self.rounds_stop else ""
     def kpi(self, name: str) -> KPI | None:
         return next((k for k in self.kpis if k.name == name), None)
 

@@ -58,7 +58,6 @@ from skupin.ab.decision import (
     rounds_note,
     rounds_stop,
     slice_decisions,
-    stop_text,
 )
 from skupin.builder.catalog.manifest import SkuManifest
 from skupin.builder.catalog.stack import ResolvedStack
@@ -327,7 +326,6 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                        output_tokens={str(k): dict(v) for k, v in measured.tokens.items()},
                        primary_kpi=primary, slices=per_slice, rounds=tuple(measured.rounds), rounds_note=note,
                        rounds_stop=measured.stopped if measured.order else None,
-                       rounds_stopped=stop_text(measured.stopped, settings, len(measured.order)) if measured.order else "",
                        capacity=capacity(volume=settings.volume, baseline=_capacity(sides["baseline"], bm, settings),
                                          candidate=_capacity(sides["candidate"], cm, settings)),
                        cpu={str(role): c for role in ("baseline", "candidate")
