@@ -113,7 +113,7 @@ def ab_row(result: RuntimeAB, *, arm: str, index: int) -> dict:
         "detected_slower": hi is not None and hi < 1.0,
         "detected_faster": lo is not None and lo > 1.0,
         "covers_expected": lo is not None and hi is not None and lo <= expected <= hi,
-        "noise_floor": result.noise_floor, "order": list(result.order),
+        "noise_floor": result.noise_floor, "order": list(result.order), "boots": list(result.boots),
         "kpis": {k.name: _kpi_row(k) for k in result.kpis},
         "slices": [s.model_dump(mode="json") for s in result.slices],
         "rounds": [r.model_dump(mode="json") for r in result.rounds], "rounds_note": result.rounds_note,
@@ -136,6 +136,47 @@ def resolvable(sd: float, rounds: int, power: float = GOAL) -> float | None:
         return None
     df = rounds - 1
     return 1.0 - math.exp(-(t_quantile(df, 0.975) + t_quantile(df, power)) * sd / math.sqrt(rounds))
+
+
+def boots_needed(*, sd_within: float, sd_between: float, rounds_per_boot: int, difference: float = 0.05,
+                 power: float = GOAL, most: int = 1000) -> int | None:
+    """The fewest boots of `rounds_per_boot` rounds whose interval over boots (ratio_interval) lies wholly below 1 with
+    probability `power` when the candidate is `difference` slower: a boot's mean log ratio spreads by
+    sqrt(sd_between^2 + sd_within^2 / rounds_per_boot); None past `most`."""
+    sd = math.sqrt(sd_between ** 2 + sd_within ** 2 / rounds_per_boot)
+    for boots in range(2, most + 1):
+        found = resolvable(sd, boots, power)
+        if found is not None and found <= difference:
+            return boots
+    return None
+
+
+def boot_components(rows: Sequence[dict]) -> dict | None:
+    """The decode log ratio's spread split in two, over the A/Bs whose rounds came from two boots or more: round to
+    round within a boot (pooled variance) and boot to boot beyond what that explains (the variance of boot means less
+    within^2 / rounds per boot, at least 0): a server process's own offset. None without such A/Bs."""
+    within, boot_means, sizes = [], [], []
+    for r in rows:
+        per_boot: dict[int, list[float]] = {}
+        for ratio, boot in zip(r["kpis"].get("decode", {}).get("rounds", []), r.get("boots", []), strict=False):
+            per_boot.setdefault(boot, []).extend(_logs([ratio]))
+        groups = [v for v in per_boot.values() if v]
+        if len(groups) < 2:
+            continue
+        within += [statistics.variance(g) for g in groups if len(g) > 1]
+        means = [statistics.fmean(g) for g in groups]
+        boot_means.append(statistics.variance(means))
+        sizes += [len(g) for g in groups]
+    if not boot_means or not within:
+        return None
+    sd_within = math.sqrt(statistics.fmean(within))
+    per_boot_rounds = statistics.median(sizes)
+    var_means = statistics.fmean(boot_means)
+    sd_between = math.sqrt(max(0.0, var_means - sd_within ** 2 / per_boot_rounds))
+    return {"abs": len(boot_means), "boots": len(sizes), "rounds_per_boot": per_boot_rounds,
+            "sd_within_boot": sd_within, "sd_boot_means": math.sqrt(var_means), "sd_between_boots": sd_between,
+            "boots_for_5pct": {k: boots_needed(sd_within=sd_within, sd_between=sd_between, rounds_per_boot=k)
+                               for k in (2, 4, 8, 16)}}
 
 
 def _rate(rows: Sequence[dict], key: str) -> dict:
@@ -179,6 +220,12 @@ def arm_summary(rows: Sequence[dict]) -> dict:
         sd = math.sqrt(statistics.fmean(within))
         out["sd_within_ab"] = sd
         out["resolves_at_95"] = resolvable(sd, int(statistics.median(counts)))
+    components = boot_components(rows)
+    if components is not None:
+        # over boots, what these settings resolve: the boot means' spread over the median number of boots
+        boots = statistics.median(len(set(r.get("boots", []))) for r in rows)
+        out["boots"] = components
+        out["resolves_at_95"] = resolvable(components["sd_boot_means"], int(boots))
     return out
 
 
@@ -200,7 +247,8 @@ def estimate_s(settings: ABSettings, *, abs_count: int, images: int) -> float:
     request_s = TTFT_S + (settings.max_tokens - 1) / DECODE_TOK_S
     side_s = len(settings.prompt_lengths) * len(settings.concurrency) * settings.requests * request_s
     round_s = 2 * side_s * 1.05 + ROUND_FIXED_S
-    return images * GATE_S + abs_count * (BOOT_S + settings.runs * round_s)
+    boots = math.ceil(settings.runs / settings.restart_every) if settings.restart_every else 1
+    return images * GATE_S + abs_count * (boots * BOOT_S + settings.runs * round_s)
 
 
 def _hours(seconds: float) -> str:
@@ -239,6 +287,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-ci", type=float, help="skupin ab --target-ci: adaptive rounds past --runs")
     p.add_argument("--max-runs", type=int, help="with --target-ci: the most rounds")
     p.add_argument("--budget-s", type=float, help="with --target-ci: no round past --runs starts after this")
+    p.add_argument("--restart-every", type=int, help="skupin ab --restart-every: boot both servers again after every N "
+                   "rounds (intervals over boots)")
     p.add_argument("--server-cpus", default=SHARED, help="skupin ab --server-cpus: shared (default), auto or a CPU list")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--out", type=Path, help=f"the results JSON (default {OUT.relative_to(ROOT)}, quick "
@@ -261,7 +311,7 @@ def settings_of(args: argparse.Namespace) -> ABSettings:
     if extra and args.target_ci is None:
         raise SystemExit("--max-runs and --budget-s need --target-ci (as skupin ab refuses them without it)")
     return ABSettings(cpu_plan=plan_cpus(args.server_cpus, allowed_cpus()), runs=args.runs, requests=args.requests,
-                      max_tokens=args.max_tokens, warmup=args.warmup,
+                      max_tokens=args.max_tokens, warmup=args.warmup, restart_every=args.restart_every,
                       prompt_lengths=tuple(int(x) for x in args.prompt_lengths.split(",")),
                       concurrency=tuple(int(x) for x in args.concurrency.split(",")), **extra)
 
@@ -273,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(i, arm) for i in range(args.repeats) for arm in arms]  # interleaved: self, 5%, 10%, self, ...
     estimate = estimate_s(settings, abs_count=len(plan), images=len(arms) + 1)
     more = " at least (--target-ci adds rounds)" if settings.target_ci is not None else ""
-    print(f"ab-calibration: {len(plan)} A/Bs ({args.repeats} x {', '.join(arms)}), {settings.runs} rounds of "
+    boots = f", a new boot every {settings.restart_every}" if settings.restart_every else ""
+    print(f"ab-calibration: {len(plan)} A/Bs ({args.repeats} x {', '.join(arms)}), {settings.runs} rounds{boots} of "
           f"{settings.requests} requests x {settings.max_tokens} tokens per slice ({len(settings.prompt_lengths)} prompt "
           f"lengths x {len(settings.concurrency)} levels); estimated {_hours(estimate)}{more}", flush=True)
     if args.estimate_only:

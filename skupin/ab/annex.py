@@ -91,7 +91,7 @@ def annex_markdown(ab: RuntimeAB, *, plot: str | None = PLOT) -> str:
               f"`{ab.same.get('model')}`, dtype `{ab.same.get('dtype')}`, reference `{ab.same.get('reference')}`. "
               f"Host: {ab.host}.", "",
               f"Method: {len(ab.order)} interleaved rounds measured on both sides (order {' '.join(ab.order) or '-'})"
-              f"{_adaptive(ab)}{f'; {ab.rounds_stopped}' if ab.rounds_stopped else ''}; per "
+              f"{_adaptive(ab)}{f'; {ab.rounds_stopped}' if ab.rounds_stopped else ''}{_boots(ab)}; per "
               "round each image "
               f"serves prompts of {' and '.join(str(n) for n in s.prompt_lengths)} tokens at concurrency levels "
               f"{' and '.join(str(x) for x in s.concurrency)}: per level {s.requests} streamed greedy requests of "
@@ -141,6 +141,24 @@ def _adaptive(ab: RuntimeAB) -> str:
     budget = f", {s.budget_s:g} s budget" if s.budget_s is not None else ""
     return (f", at least {s.runs}, then more until the decode ratio's 95% interval was within +-{100 * s.target_ci:g}% "
             f"(at most {s.max_runs}{budget})")
+
+
+def _boots(ab: RuntimeAB) -> str:
+    """How the rounds were spread over boots of the two servers ('' with one boot and no --restart-every)."""
+    if ab.settings.restart_every is None:
+        return ""
+    return (f"; both servers booted {len(set(ab.boots))} times, started again after every "
+            f"{ab.settings.restart_every} rounds (--restart-every)")
+
+
+def _interval_unit(ab: RuntimeAB) -> str:
+    """What a KPI's interval is over: boots when the rounds came from several, else rounds (and what that misses)."""
+    boots = len(set(ab.boots))
+    if boots > 1:
+        return (f"paired t on the log ratio over {boots} boots, each boot's mean over its rounds: it holds a server "
+                "process's own speed offset")
+    return ("paired t over rounds on the log ratio; all rounds ran on one boot of each server, so the interval does not "
+            "hold a server process's own speed offset (a few percent on a shared CPU host; --restart-every samples it)")
 
 
 def _fixture_line(ab: RuntimeAB) -> str:
@@ -210,8 +228,7 @@ def _kpi_lines(ab: RuntimeAB) -> list[str]:
     if ab.kpis:
         lines += ["## KPIs", "",
                   "Ratio = candidate / baseline, per round the median over prompt lengths and levels; shown: the "
-                  "median over rounds, its 95% interval (paired t over rounds on the log ratio) and the range of the "
-                  "rounds.", "",
+                  f"median over rounds, its 95% interval ({_interval_unit(ab)}) and the range of the rounds.", "",
                   "| KPI | baseline | candidate | ratio | 95% CI | rounds | better |", "|---|---|---|---|---|---|---|"]
         for k in ab.kpis:
             fmt = _ms if k.unit == "s" else _num

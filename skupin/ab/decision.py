@@ -52,6 +52,10 @@ class ABSettings(Frozen):
                                                "(--budget-s; at most MAX_ROUNDS_S, which bounds every A/B's rounds)")
     cpu_plan: CpuPlan | None = Field(None, description="The servers' CPUs and the client's (--server-cpus); None: the gate's "
                                                    "CPU quota, every CPU shared")
+    restart_every: int | None = Field(None, ge=2, le=200,
+                                      description="Rounds per boot: after this many rounds both servers are stopped and "
+                                                  "booted again (--restart-every; even), and every interval is over "
+                                                  "boots, not rounds; None: one boot for every round")
 
     @field_validator("concurrency", "prompt_lengths")
     @classmethod
@@ -60,6 +64,14 @@ class ABSettings(Frozen):
         if twice:
             raise ValueError(f"{', '.join(map(str, twice))} given more than once (each level or length is one slice)")
         return values
+
+    @field_validator("restart_every")
+    @classmethod
+    def _even(cls, value: int | None) -> int | None:
+        if value is not None and value % 2:
+            raise ValueError(f"{value} is odd: a boot's rounds alternate B A, A B, so an even count gives each image "
+                             "the first turn equally often in every boot")
+        return value
 
     @model_validator(mode="after")
     def _max_runs_covers_runs(self) -> ABSettings:
@@ -148,9 +160,16 @@ def t_quantile(df: int, p: float = 0.975) -> float:
     return (lo + hi) / 2
 
 
-def ratio_interval(rounds: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+def ratio_interval(rounds: Sequence[float], boots: Sequence[int] | None = None,
+                   level: float = 0.95) -> tuple[float, float] | None:
     """The `level` confidence interval of a candidate/baseline ratio from its per-round ratios; None with fewer than
-    two finite positive rounds.
+    two finite positive rounds (or, over boots, two boots).
+
+    `boots[i]` names the boot (the pair of server processes) that measured round i. With rounds from two boots or
+    more, the unit is the boot: each boot's mean log ratio, and Student's t over those (df = boots - 1). A server
+    process has speed regimes of its own (docs/BENCHMARKS.md, "Where the noise comes from"): rounds of one boot share
+    its offset, so their spread understates what another boot of the same two images would show, and an interval over
+    rounds of one boot covers the truth less often than it says. Boots with no finite round count for nothing.
 
     A paired t interval on the log ratios, over rounds: each round measures both images back to back under the same
     host state (B A, A B, ...: the round is the pair, and the unit that is independent of the others), the log makes
@@ -158,7 +177,14 @@ def ratio_interval(rounds: Sequence[float], level: float = 0.95) -> tuple[float,
     few rounds: with 3 rounds the interval is exp(mean +- 4.30 sd / sqrt(3)). Chosen over a bootstrap over rounds,
     whose percentile interval over 3-10 values can never be wider than their range and so covers far less than 95%
     (with 3 rounds it is the min-max, which holds the true median only 75% of the time). Deterministic: no seed."""
-    logs = [math.log(r) for r in rounds if math.isfinite(r) and r > 0]
+    if boots is not None and len(set(boots)) > 1:
+        per_boot: dict[int, list[float]] = {}
+        for r, boot in zip(rounds, boots, strict=True):
+            if math.isfinite(r) and r > 0:
+                per_boot.setdefault(boot, []).append(math.log(r))
+        logs = [float(np.mean(v)) for v in per_boot.values()]
+    else:
+        logs = [math.log(r) for r in rounds if math.isfinite(r) and r > 0]
     if len(logs) < 2:
         return None
     mean = float(np.mean(logs))
@@ -166,9 +192,9 @@ def ratio_interval(rounds: Sequence[float], level: float = 0.95) -> tuple[float,
     return math.exp(mean - half), math.exp(mean + half)
 
 
-def interval_half_width(rounds: Sequence[float]) -> float | None:
+def interval_half_width(rounds: Sequence[float], boots: Sequence[int] | None = None) -> float | None:
     """The larger distance of ratio_interval's ends from its (geometric) centre, as a fraction; None without one."""
-    ci = ratio_interval(rounds)
+    ci = ratio_interval(rounds, boots)
     if ci is None:
         return None
     centre = math.sqrt(ci[0] * ci[1])
@@ -185,7 +211,9 @@ def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: flo
     ('failed', a side's failure, is the runtime's to record: no rule here ends rounds for it.)
 
     Always up to `runs`; past it only with a `target_ci`, while the interval is wider than it, below `max_runs` and
-    within `budget_s`. Rounds sized by the noise the host shows, not a fixed count: a quiet host stops early, a noisy
+    within `budget_s`. With `restart_every` the interval is over boots (boot_numbers) and is looked at only after whole
+    boots, two at least, so every boot it stands on ran all its rounds.
+    Rounds sized by the noise the host shows, not a fixed count: a quiet host stops early, a noisy
     one runs until the interval is tight enough or the budget is spent. Stopping on the interval's width (not on
     whether it excludes 1) keeps the rule blind to the answer; what optional stopping still does to coverage is for
     the calibration bench to measure (docs/SERVE.md)."""
@@ -193,7 +221,10 @@ def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: flo
     if done >= settings.runs:
         if settings.target_ci is None:
             return "runs"
-        half = interval_half_width(ratios)
+        # with restarts: only whole boots, and two at least (one boot's rounds cannot show a process's own offset)
+        every = settings.restart_every
+        whole = every is None or (done % every == 0 and done >= 2 * every)
+        half = interval_half_width(ratios, boot_numbers(settings, done)) if whole else None
         if half is not None and half <= settings.target_ci:
             return "target_ci"
         if done >= settings.max_runs:
@@ -201,6 +232,12 @@ def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: flo
         if settings.budget_s is not None and elapsed_s >= settings.budget_s:
             return "budget"
     return "cap" if elapsed_s >= MAX_ROUNDS_S else None
+
+
+def boot_numbers(settings: ABSettings, rounds: int) -> list[int]:
+    """The boot (1-based) of each of the first `rounds` rounds: all 1 without restart_every."""
+    every = settings.restart_every or max(rounds, 1)
+    return [1 + r // every for r in range(rounds)]
 
 
 def stop_text(stop: RoundsStop, settings: ABSettings, rounds: int) -> str:
@@ -220,12 +257,13 @@ def stop_text(stop: RoundsStop, settings: ABSettings, rounds: int) -> str:
 
 def kpi(*, name: str, unit: str, higher_is_better: bool, candidate: Sequence[Sequence[PerfResult]],
         baseline: Sequence[Sequence[PerfResult]], metric: Callable[[LevelResult], float],
-        pooled: Callable[[Sequence[LevelResult]], float], scale: float = 1.0) -> KPI:
+        pooled: Callable[[Sequence[LevelResult]], float], scale: float = 1.0, boots: Sequence[int] | None = None) -> KPI:
     """The KPI from paired rounds: per-round ratios (times `scale`, e.g. the ratio of the hourly rates for a cost), their
-    95% interval (ratio_interval), and each side's pooled value over every level it measured."""
+    95% interval (ratio_interval, over `boots` when the rounds came from several), and each side's pooled value over
+    every level it measured."""
     rounds = [scale * r for r in round_ratios(candidate=candidate, baseline=baseline, metric=metric)]
     finite = _finite(rounds)
-    ci = ratio_interval(rounds)
+    ci = ratio_interval(rounds, boots)
 
     def levels(runs: Sequence[Sequence[PerfResult]]) -> list[LevelResult]:
         return [lv for r in runs for perf in r for lv in perf.levels]
@@ -264,9 +302,11 @@ class SliceAB(Frozen):
 
 
 def slice_decisions(*, candidate: Sequence[Sequence[PerfResult]], baseline: Sequence[Sequence[PerfResult]],
-           prompt_lengths: Sequence[int], primary: str = "decode") -> tuple[SliceAB, ...]:
+           prompt_lengths: Sequence[int], primary: str = "decode",
+           boots: Sequence[int] | None = None) -> tuple[SliceAB, ...]:
     """The primary KPI per (prompt length, concurrency): one ratio per round (candidate[r][i] against baseline[r][i]) and
-    its ratio_interval. A slice is worse when its interval lies wholly on the losing side of 1, better in the mirror
+    its ratio_interval (over `boots`, the boot of each round, when there are several).
+    A slice is worse when its interval lies wholly on the losing side of 1, better in the mirror
     case, else the same: a per-slice regression is not hidden by a headline median over slices."""
     metric, higher = PRIMARY_METRICS[primary]
     out = []
@@ -279,7 +319,7 @@ def slice_decisions(*, candidate: Sequence[Sequence[PerfResult]], baseline: Sequ
                 c, b = cand_round[i].level(lv.concurrency), base_round[i].level(lv.concurrency)
                 rounds.append(safe_ratio(metric(c), metric(b)) if c is not None and b is not None else float("nan"))
             finite = _finite(rounds)
-            ci = ratio_interval(rounds)
+            ci = ratio_interval(rounds, boots)
             move: Literal["better", "worse", "same", "not measured"] = "not measured" if ci is None else "same"
             if ci is not None and (ci[1] < 1.0 if higher else ci[0] > 1.0):
                 move = "worse"
@@ -562,6 +602,8 @@ class ABRound(Frozen):
                                               "the round ended before its turn")
     candidate: RoundStatus
     reason: str = Field("", description="Why a side failed in this round")
+    boot: int = Field(1, ge=1, description="Which boot of the two servers ran it (1-based; a new boot every "
+                                           "restart_every rounds)")
     requests: dict[str, int] = Field(default_factory=dict, description="Per side: requests sent in this round")
     failed_requests: dict[str, int] = Field(default_factory=dict, description="Per side: of those, streamed nothing")
 
@@ -669,6 +711,12 @@ class RuntimeAB(Frozen):
     def rounds_stopped(self) -> str:
         """Why the rounds ended, in words (stop_text); '' when no round ran."""
         return stop_text(self.rounds_stop, self.settings, len(self.rounds)) if self.rounds_stop else ""
+
+    @property
+    def boots(self) -> tuple[int, ...]:
+        """Per round measured on both sides (as `order`), the boot that measured it."""
+        return tuple(r.boot for r in self.rounds if r.paired)
+
     def kpi(self, name: str) -> KPI | None:
         return next((k for k in self.kpis if k.name == name), None)
 

@@ -253,7 +253,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
         raise ManifestError(f"baseline and candidate are the same image ({ids['baseline'][:19]}): an A/B would "
                             "measure one image twice; give two images (--baseline-image / --candidate-image)")
     out.mkdir(parents=True, exist_ok=True)
-    pairs: tuple[tuple[Role, ABInput], ...] = (("baseline", baseline), ("candidate", candidate))
+    pairs = _sides(baseline, candidate)
     gates = {role: _gate_side(side=side, image_id=ids[role], role=role, docker=docker, out=out, tolerances_path=tolerances_path,
                               wheelhouse=wheelhouse, serve_perf=gate_serve_perf, on_event=on_event)
              for role, side in pairs}
@@ -264,6 +264,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
                             on_event=on_event)
     # only rounds measured on both sides, paired by the round they ran in (a failed half-round pairs with nothing)
     runs, order = measured.paired_runs(), [measured.order[r] for r in measured.paired()]
+    boots = measured.paired_boots()
     sides = {role: _side(role=role, given=side, verdict=gates[role][0], verdict_path=gates[role][1],
                          reused=gates[role][2], image_id=ids[role], measurable=measurable[role], runs=runs[role],
                          served=measured.served[role], launch=measured.launches.get(role), settings=settings,
@@ -278,7 +279,7 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
             lengths.append(LengthAB(prompt_tokens=length, ab=ab_from_runs(
                 candidate_runs=[r[i] for r in runs["candidate"]], baseline_runs=[r[i] for r in runs["baseline"]],
                 bound=None, candidate_image=candidate.image, baseline_image=baseline.image, order=order)))
-        kpis = _kpis(runs)
+        kpis = _kpis(runs, boots)
         # a ratio carries the noise of both images: sqrt(2) x the larger image's own movement
         floor = math.sqrt(2) * max(noise_floor(runs["baseline"], _decode), noise_floor(runs["candidate"], _decode))
         basis = (f"sqrt(2) x the larger of the two images' own round-to-round movement of decode tok/s per request "
@@ -300,9 +301,9 @@ def runtime_ab(*, baseline: ABInput, candidate: ABInput, docker: Docker, out: Pa
     short = {role: measured.short[role] / measured.requests[role] for role in measured.requests
              if measured.requests[role]}
     primary = _primary(cm)
-    per_slice = slice_decisions(candidate=runs["candidate"], baseline=runs["baseline"], prompt_lengths=settings.prompt_lengths,
-                       primary=primary) if order else ()
-    cost_kpi = _cost_kpi(runs, bm, cm) if order else None
+    per_slice = slice_decisions(candidate=runs["candidate"], baseline=runs["baseline"],
+                                prompt_lengths=settings.prompt_lengths, primary=primary, boots=boots) if order else ()
+    cost_kpi = _cost_kpi(runs, boots, bm, cm) if order else None
     kpis += [k for k in (cost_kpi, _cpu_kpi(measured)) if k is not None]
     agreement = measured.agreement()
     asked = settings.runs if all(ok for ok, _ in measurable.values()) else 0
@@ -366,7 +367,8 @@ def _rate(manifest: SkuManifest) -> float | None:
     return manifest.cost.hourly_usd * manifest.accelerator.count / manifest.cost.utilisation
 
 
-def _cost_kpi(runs: dict[Role, list[list[PerfResult]]], bm: SkuManifest, cm: SkuManifest) -> KPI | None:
+def _cost_kpi(runs: dict[Role, list[list[PerfResult]]], boots: Sequence[int], bm: SkuManifest,
+              cm: SkuManifest) -> KPI | None:
     """$ per 1M output tokens as a paired KPI: per round and slice, the ratio of the server-hour rates over the ratio
     of aggregate tok/s (the cost of a token is the rate over the throughput); None unless both SKUs state a cost."""
     rb, rc = _rate(bm), _rate(cm)
@@ -383,7 +385,7 @@ def _cost_kpi(runs: dict[Role, list[list[PerfResult]]], bm: SkuManifest, cm: Sku
     # cost ratio = (rc / rb) x (aggregate_b / aggregate_c): the inverse throughput ratio, scaled by the rates
     k = kpi(name="cost", unit="USD per 1M output tokens, best level", higher_is_better=False, candidate=c, baseline=b,
             metric=lambda lv: 1.0 / lv.aggregate_tok_s if lv.aggregate_tok_s > 0 else float("nan"),
-            pooled=usd(rb), scale=rc / rb)
+            pooled=usd(rb), scale=rc / rb, boots=boots)
     return k.model_copy(update={"candidate": usd(rc)([lv for r in runs["candidate"] for p in r for lv in p.levels])})
 
 
@@ -399,7 +401,7 @@ def _cpu_kpi(measured: _Measured) -> KPI | None:
     rounds = [safe_ratio(c[r][0] / c[r][1], b[r][0] / b[r][1]) if b[r][1] and c[r][1] and b[r][0] > 0 else float("nan")
               for r in keys]
     finite = [r for r in rounds if math.isfinite(r)]
-    ci = ratio_interval(rounds)
+    ci = ratio_interval(rounds, [measured.boot[r] for r in keys])
     return KPI(name="cpu", unit="CPU-s per 1M output tokens", higher_is_better=False,
                ratio=percentile(finite, 50),
                rounds=tuple(rounds), baseline=base.cpu_s_per_1m_output_tokens,
@@ -416,7 +418,7 @@ def _capacity(side: ABSide, manifest: SkuManifest, settings: ABSettings) -> Capa
                          utilisation=manifest.cost.utilisation if manifest.cost else None, volume=settings.volume)
 
 
-def _kpis(runs: dict[Role, list[list[PerfResult]]]) -> list[KPI]:
+def _kpis(runs: dict[Role, list[list[PerfResult]]], boots: Sequence[int]) -> list[KPI]:
     def median_of(attr: str) -> Callable[[Sequence[LevelResult]], float]:
         def pooled(levels: Sequence[LevelResult]) -> float:
             values = [v for lv in levels for v in getattr(lv, attr)]
@@ -436,16 +438,16 @@ def _kpis(runs: dict[Role, list[list[PerfResult]]]) -> list[KPI]:
     return [
         kpi(name="decode", unit="tok/s per request", higher_is_better=True, candidate=c, baseline=b,
             metric=_decode,
-            pooled=median_of("decode_tok_s")),
+            pooled=median_of("decode_tok_s"), boots=boots),
         kpi(name="prefill", unit="prompt tok/s", higher_is_better=True, candidate=c, baseline=b,
             metric=lambda lv: lv.prefill_tok_s,
-            pooled=prefill_pooled),
+            pooled=prefill_pooled, boots=boots),
         kpi(name="ttft_p50", unit="s", higher_is_better=False, candidate=c, baseline=b, metric=lambda lv: lv.ttft_p50_s,
-            pooled=ttft_pooled(50)),
+            pooled=ttft_pooled(50), boots=boots),
         kpi(name="ttft_p99", unit="s", higher_is_better=False, candidate=c, baseline=b, metric=lambda lv: lv.ttft_p99_s,
-            pooled=ttft_pooled(99)),
+            pooled=ttft_pooled(99), boots=boots),
         kpi(name="aggregate", unit="tok/s, best level", higher_is_better=True, candidate=c, baseline=b,
-            metric=lambda lv: lv.aggregate_tok_s, pooled=aggregate_pooled),
+            metric=lambda lv: lv.aggregate_tok_s, pooled=aggregate_pooled, boots=boots),
     ]
 
 
@@ -458,8 +460,9 @@ class _Measured:
     runs: dict[Role, dict[int, list[PerfResult]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
     served: dict[Role, set[str]] = field(default_factory=lambda: {"baseline": set(), "candidate": set()})
     launches: dict[Role, tuple[str, ...]] = field(default_factory=dict)
-    # every round started, a failed one included: "BA" or "AB"
+    # every round started, a failed one included: "BA" or "AB", and the boot (1-based) of the servers that ran it
     order: list[str] = field(default_factory=list)
+    boot: list[int] = field(default_factory=list)
     rounds: list[ABRound] = field(default_factory=list)
     # (prompt length index, prompt index) -> every text the side streamed for it
     texts: dict[Role, dict[tuple[int, int], list[str]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
@@ -482,6 +485,10 @@ class _Measured:
     def paired(self) -> list[int]:
         """The rounds (indices into `order`) measured on both sides: the rounds every KPI pairs."""
         return [r for r in range(len(self.order)) if r in self.runs["baseline"] and r in self.runs["candidate"]]
+
+    def paired_boots(self) -> list[int]:
+        """The boot of each paired round, in round order (the unit every interval is over when there are several)."""
+        return [self.boot[r] for r in self.paired()]
 
     def paired_runs(self) -> dict[Role, list[list[PerfResult]]]:
         """Each side's runs of the paired rounds, in round order: [r][i] of both sides ran in one round."""
@@ -552,78 +559,115 @@ class _SideFailed(Exception):
 
 def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], docker: Docker, settings: ABSettings,
             on_event: OnEvent, measured: _Measured) -> None:
+    """Boot after boot of both servers (one, or a new one every settings.restart_every rounds), each warmed up and then
+    measured in interleaved rounds, until rounds_stop names why the rounds end (`measured.stopped`)."""
     from tokenizers import Tokenizer
 
     failures: tuple[type[Exception], ...] = (TimeoutError, DockerError, ValueError, *exchange_errors())
-    workers = max(settings.concurrency)
-    pairs: tuple[tuple[Role, ABInput], ...] = (("baseline", baseline), ("candidate", candidate))
-    with contextlib.ExitStack() as scope:
-        scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix="skupin-ab-"))
+    with tempfile.TemporaryDirectory(prefix="skupin-ab-") as scratch:
         folder = fixture_folder(name=baseline.stack.manifest.gate.model, model_dir=None, scratch=Path(scratch))
         # each engine's own view of the same weights (the fixture, plus a checked GGUF for an engine that loads one)
         mounts = {role: model_folder(manifest=side.stack.manifest, scratch=Path(scratch), fixture_dir=folder)
-                  for role, side in pairs}
+                  for role, side in _sides(baseline, candidate)}
         prompt_set = load_prompts(folder / "prompts.json")
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         # output tokens as the host counts the streamed text, never the server's usage (a side that streams fewer than
         # asked is named: decision.min_host_tokens)
         measured.count_tokens, measured.max_tokens = tokenizer_counter(tokenizer), settings.max_tokens
-        servers: dict[Role, RunningServer] = {}
-        inputs: dict[Role, list[list[Any]]] = {}
-        counts: dict[Role, list[list[int]]] = {}
-        for role, side in pairs:
-            manifest = side.stack.manifest
-            try:
-                server = scope.enter_context(running_server(
-                    manifest=manifest, image=ids[role], docker=docker, model_dir=mounts[role],
-                    deadline_s=float(manifest.gate.deadline_s), workers=workers, role=f"ab-{role}",
-                    cpuset=settings.cpu_plan.cpuset() if settings.cpu_plan else None,
-                    lifetime_s=manifest.gate.deadline_s + SERVER_EXTRA_LIFETIME_S))
-                _check_served(server, role, ids[role], measured)
-                measured.launches[role] = tuple(server.launch.argv)
-                inputs[role] = [prompt_inputs(prompts=prompt_set["prompts"], tokenizer=tokenizer, length=n, count=8,
-                                              launch=server.launch) for n in settings.prompt_lengths]
-                # prompt tokens as the host counts them (a server's own count is its word, and some send none)
-                counts[role] = [[len(p) if isinstance(p, list) else 1 + len(tokenizer.encode(p, add_special_tokens=False))
-                                 for p in per_length] for per_length in inputs[role]]
-                on_event(f"ab: {role}: {' '.join(server.launch.argv[:3])} ready in {server.ready_s:.1f} s")
-                if settings.warmup:
-                    measure_level(client=server.client, prompts=inputs[role][0], concurrency=1,
-                                  requests=settings.warmup, max_tokens=settings.max_tokens)
-            except failures as exc:
-                raise _SideFailed(role, f"its server failed before the rounds: {type(exc).__name__}: {exc}"[:600]) from exc
-            servers[role] = server
-            if settings.cpu_plan is not None:
-                _check_placement(server, role, settings.cpu_plan)
+        started, boot = time.monotonic(), 1
+        while (stop := _boot(number=boot, baseline=baseline, candidate=candidate, ids=ids, docker=docker,
+                             settings=settings, mounts=mounts, prompt_set=prompt_set, tokenizer=tokenizer,
+                             measured=measured, on_event=on_event, failures=failures, started=started)) is None:
+            boot += 1
+        measured.stopped = stop
+
+
+def _boot(*, number: int, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], docker: Docker,
+          settings: ABSettings, mounts: Mapping[Role, Path], prompt_set: Mapping[str, Any], tokenizer: Tokenizer,
+          measured: _Measured, on_event: OnEvent, failures: tuple[type[Exception], ...],
+          started: float) -> RoundsStop | None:
+    """Boot `number`: both servers started, warmed up and measured in interleaved rounds, then stopped; why the rounds
+    end (rounds_stop), or None when the boot ran its settings.restart_every rounds and another boot follows."""
+    if number > 1:
+        on_event(f"ab: boot {number}: both servers started again (--restart-every {settings.restart_every})")
+    with contextlib.ExitStack() as scope:
+        servers = {role: _booted(role=role, side=side, image_id=ids[role], docker=docker, settings=settings,
+                                 model_dir=mounts[role], prompt_set=prompt_set, tokenizer=tokenizer,
+                                 measured=measured, scope=scope, on_event=on_event, failures=failures)
+                   for role, side in _sides(baseline, candidate)}
         perf = settings.perf()
 
         def measure(role: Role) -> list[PerfResult]:
-            return [run_perf(client=servers[role].client, prompts=inputs[role][i], settings=perf,
-                             on_completion=measured.record(role, i), prompt_tokens=counts[role][i],
+            server, inputs, counts = servers[role]
+            return [run_perf(client=server.client, prompts=inputs[i], settings=perf,
+                             on_completion=measured.record(role, i), prompt_tokens=counts[i],
                              count_tokens=measured.count_tokens)
                     for i in range(len(settings.prompt_lengths))]
 
         with client_pinned(settings.cpu_plan.client if settings.cpu_plan else None):
-            _interleave(servers=servers, measure=measure, settings=settings, measured=measured, on_event=on_event,
-                        failures=failures)
-        for role, server in servers.items():  # the container still runs the image it was created from
+            stop = _interleave(servers={role: server for role, (server, _, _) in servers.items()}, measure=measure,
+                               settings=settings, measured=measured, on_event=on_event, failures=failures,
+                               started=started, boot=number)
+        for role, (server, _, _) in servers.items():  # the container still runs the image it was created from
             _check_served(server, role, ids[role], measured)
+    return stop
+
+
+def _sides(baseline: ABInput, candidate: ABInput) -> tuple[tuple[Role, ABInput], ...]:
+    return ("baseline", baseline), ("candidate", candidate)
+
+
+def _booted(*, role: Role, side: ABInput, image_id: str, docker: Docker, settings: ABSettings, model_dir: Path,
+            prompt_set: Mapping[str, Any], tokenizer: Tokenizer, measured: _Measured, scope: contextlib.ExitStack,
+            on_event: OnEvent, failures: tuple[type[Exception], ...],
+            ) -> tuple[RunningServer, list[list[Any]], list[list[int]]]:
+    """One side's server started in `scope` (stopped when it closes), checked to run the gated image and warmed up; with
+    its inputs per prompt length (in the form its launch takes) and their host-counted prompt tokens. _SideFailed when
+    it does not start or serve."""
+    manifest = side.stack.manifest
+    try:
+        server = scope.enter_context(running_server(
+            manifest=manifest, image=image_id, docker=docker, model_dir=model_dir,
+            deadline_s=float(manifest.gate.deadline_s), workers=max(settings.concurrency), role=f"ab-{role}",
+            cpuset=settings.cpu_plan.cpuset() if settings.cpu_plan else None,
+            lifetime_s=manifest.gate.deadline_s + SERVER_EXTRA_LIFETIME_S))
+        _check_served(server, role, image_id, measured)
+        measured.launches[role] = tuple(server.launch.argv)
+        inputs = [prompt_inputs(prompts=prompt_set["prompts"], tokenizer=tokenizer, length=n, count=8,
+                                launch=server.launch) for n in settings.prompt_lengths]
+        # prompt tokens as the host counts them (a server's own count is its word, and some send none)
+        counts = [[len(p) if isinstance(p, list) else 1 + len(tokenizer.encode(p, add_special_tokens=False))
+                   for p in per_length] for per_length in inputs]
+        on_event(f"ab: {role}: {' '.join(server.launch.argv[:3])} ready in {server.ready_s:.1f} s")
+        if settings.warmup:
+            measure_level(client=server.client, prompts=inputs[0], concurrency=1, requests=settings.warmup,
+                          max_tokens=settings.max_tokens)
+    except failures as exc:
+        when = "before the rounds" if not measured.order else f"when started again after round {len(measured.order)}"
+        raise _SideFailed(role, f"its server failed {when}: {type(exc).__name__}: {exc}"[:600]) from exc
+    if settings.cpu_plan is not None:
+        _check_placement(server, role, settings.cpu_plan)
+    return server, inputs, counts
 
 
 def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Role], list[PerfResult]],
                 settings: ABSettings, measured: _Measured, on_event: OnEvent,
-                failures: tuple[type[Exception], ...]) -> None:
-    """The rounds, B A, A B, ..., each side measured (`measure`) while the other's container is paused, until
-    rounds_stop names why they end (kept in `measured.stopped`). Each round is kept in `measured.rounds` as it went,
-    a failed one too; a side's runs and CPU accounting are stored under the round's index. A side that fails ends the
+                failures: tuple[type[Exception], ...], started: float, boot: int) -> RoundsStop | None:
+    """The rounds of one boot, B A, A B, ..., each side measured (`measure`) while the other's container is paused,
+    until rounds_stop names why the rounds end (returned; `started` is when the A/B's first round began) or the boot
+    has run settings.restart_every rounds (None: boot again). Each round is kept in `measured.rounds` as it went, a
+    failed one too; a side's runs and CPU accounting are stored under the round's index. A side that fails ends the
     rounds (_SideFailed): the decision it forces (decide's serving rule) cannot change with more rounds against a
     failing server."""
-    started, r = time.monotonic(), 0
+    r = len(measured.order)
     planned = str(settings.runs) if settings.target_ci is None else f"{settings.runs}-{settings.max_runs}"
     while (stop := rounds_stop(settings=settings, elapsed_s=time.monotonic() - started,
                                ratios=round_ratios(**measured.paired_runs(), metric=_decode))) is None:
+        if settings.restart_every is not None and r and r % settings.restart_every == 0 and measured.boot[-1] == boot:
+            return None
         first: tuple[Role, Role] = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
         measured.order.append("BA" if r % 2 == 0 else "AB")
+        measured.boot.append(boot)
         status: dict[Role, Literal["ok", "failed", "not run"]] = {"baseline": "not run", "candidate": "not run"}
         before = {role: (measured.requests[role], measured.failed[role]) for role in first}
         try:
@@ -649,11 +693,12 @@ def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Rol
             raise
         measured.rounds.append(_round_kept(measured, r, status, before))
         b, c = measured.runs["baseline"][r][0].levels[0], measured.runs["candidate"][r][0].levels[0]
-        on_event(f"ab: round {r + 1}/{planned} ({measured.order[-1]}): decode tok/s per request at concurrency "
+        on_event(f"ab: round {r + 1}/{planned} ({measured.order[-1]}{f', boot {boot}' if settings.restart_every else ''}): "
+                 f"decode tok/s per request at concurrency "
                  f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
                  f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
         r += 1
-    measured.stopped = stop
+    return stop
 
 
 def _check_placement(server: RunningServer, role: Role, plan: CpuPlan) -> None:
@@ -674,7 +719,8 @@ def _check_placement(server: RunningServer, role: Role, plan: CpuPlan) -> None:
 def _round_kept(measured: _Measured, r: int, status: Mapping[Role, Literal["ok", "failed", "not run"]],
                 before: Mapping[Role, tuple[int, int]], reason: str = "") -> ABRound:
     """Round r as it went: each side's status, the requests it sent and how many streamed nothing."""
-    return ABRound(number=r + 1, order=measured.order[r], baseline=status["baseline"], candidate=status["candidate"],
+    return ABRound(number=r + 1, order=measured.order[r], boot=measured.boot[r], baseline=status["baseline"],
+                   candidate=status["candidate"],
                    reason=reason, requests={role: measured.requests[role] - n for role, (n, _) in before.items()},
                    failed_requests={role: measured.failed[role] - f for role, (_, f) in before.items()})
 

@@ -200,7 +200,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     try:
         settings = ABSettings(cpu_plan=cpus, runs=args.runs, concurrency=args.concurrency, prompt_lengths=args.prompt_lengths,
                               requests=args.requests, max_tokens=args.max_tokens, volume=args.volume,
-                              target_ci=args.target_ci, budget_s=args.budget_s,
+                              target_ci=args.target_ci, budget_s=args.budget_s, restart_every=args.restart_every,
                               **({} if args.max_runs is None else {"max_runs": args.max_runs}))
     except ValidationError as exc:
         raise ManifestError("; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: "
@@ -302,10 +302,11 @@ Then:
      --target-ci): each image serves every prompt length at every concurrency level while the
      other's container is paused, so a drift of the host hits both alike; a round a side fails
      in is kept in the record and ends the rounds, and the KPIs pair only rounds measured on both
-     sides, by the round they ran in;
+     sides, by the round they ran in; with --restart-every N both servers are stopped and booted
+     again after every N rounds, so a server process's own speed offset is sampled too;
   4. KPIs kept apart: decode tok/s per request, prefill tok/s, TTFT p50/p99, aggregate tok/s,
      $/1M output tokens (each SKU's cost block), per-round ratios with a 95% interval (paired t
-     over rounds on the log ratio) and a noise floor from each image's own round-to-round
+     on the log ratio over rounds, or over boots with --restart-every) and a noise floor from each image's own round-to-round
      movement (at least 2%); output tokens counted on the host from the streamed text with the
      model's tokenizer (never the server's usage); per slice (prompt length x concurrency) the
      primary KPI (gate.serve.primary_kpi, default decode) with its interval; CPU-seconds per 1M
@@ -348,6 +349,13 @@ or one image on both sides; 5, 6, 11: the build, Docker or gate could not run.""
     p.add_argument("--budget-s", type=float, metavar="SECONDS",
                    help="with --target-ci only: start no round past --runs after this many seconds of rounds "
                         "(default: none; no A/B starts a round after 11 hours of rounds, whatever is asked)")
+    p.add_argument("--restart-every", type=_positive, metavar="N",
+                   help="stop and boot both servers again after every N rounds (even, at least 2) and take every "
+                        "95%% interval over boots (the mean log ratio of each boot), not rounds: one server process "
+                        "can run a few percent fast or slow for its whole life, which rounds of one boot cannot show, "
+                        "so an interval over them is too narrow for claims of a few percent (docs/BENCHMARKS.md). "
+                        "Costs a boot and warm-up per N rounds; give --runs (or --max-runs) of several boots, e.g. "
+                        "--runs 48 --restart-every 8 (default: one boot for all rounds)")
     p.add_argument("--server-cpus", default="shared", metavar="shared|auto|CPUS",
                    help="where the servers run: 'shared' (default) gives each server container the gate's CPU quota on "
                         "every CPU, shared with the measuring client; 'auto' pins each server to the upper half of the "

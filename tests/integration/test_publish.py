@@ -103,9 +103,12 @@ class TinyImages:
         ref = f"skupin-test/{name}:{os.urandom(4).hex()}"
         rootfs = tiny_rootfs(self.tmp / ref.replace("/", "_").replace(":", "_"), salt=os.urandom(16).hex())
         self.refs.append(ref)
-        return self.engine.import_rootfs(rootfs=rootfs, reference=ref)
+        image_id = self.engine.import_rootfs(rootfs=rootfs, reference=ref)
+        self.refs.append(image_id)
+        return image_id
 
     def cleanup(self) -> None:
+        # by id as well: a test that pulls the image back (`skupin pull`) leaves it under the registry's name too
         for ref in self.refs:
             self.engine.remove_image(ref, force=True)
 

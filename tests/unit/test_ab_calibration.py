@@ -131,3 +131,22 @@ def test_the_full_run_is_estimated_in_hours_and_the_quick_one_in_minutes() -> No
     with pytest.raises(SystemExit):
         C.settings_of(C._parse(["--budget-s", "60"]))
     assert isinstance(quick, ABSettings)
+
+
+def test_boot_components_split_a_processs_offset_from_round_noise() -> None:
+    # two A/Bs of 4 boots x 4 rounds: rounds within a boot spread by +-1%, boots sit 3% apart
+    def row(offsets: list[float]) -> dict:
+        rounds = [o * f for o in offsets for f in (0.99, 1.01, 0.99, 1.01)]
+        return {**_row("self", rounds), "boots": [b for b in range(1, 5) for _ in range(4)]}
+
+    rows = [row([1.03, 0.97, 1.03, 0.97]), row([0.97, 1.03, 0.97, 1.03])]
+    c = C.boot_components(rows)
+    assert c is not None and (c["abs"], c["boots"], c["rounds_per_boot"]) == (2, 8, 4)
+    assert c["sd_within_boot"] == pytest.approx(0.0115, abs=1e-3)
+    assert c["sd_between_boots"] == pytest.approx(0.0345, abs=2e-3)  # the 3% offsets, net of the rounds' share
+    # more rounds per boot cannot average out an offset of the process: boots needed stop shrinking
+    needed = c["boots_for_5pct"]
+    assert needed[2] is not None and needed[16] is not None and needed[2] >= needed[4] >= needed[16] >= 3
+    summary = C.arm_summary(rows)
+    assert summary["boots"] == c and summary["resolves_at_95"] > C.resolvable(c["sd_within_boot"], 16)
+    assert C.boot_components([_row("self", [1.0, 1.01, 0.99])]) is None  # one boot: nothing to split

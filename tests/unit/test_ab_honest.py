@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer
 from skupin.ab.annex import annex_markdown
 from skupin.ab.decision import (
     DECISION_RULE,
+    ABRound,
     capacity,
     capacity_side,
     decide,
@@ -144,6 +146,23 @@ def test_t_quantiles_and_the_paired_interval_are_exact_and_deterministic() -> No
     assert ratio_interval([1.05] * 5) == pytest.approx((1.05, 1.05))
 
 
+def test_over_boots_the_interval_holds_each_server_processs_own_offset() -> None:
+    # four boots whose rounds agree closely within a boot but whose processes ran 2-3% fast or slow
+    offsets = [1.03, 0.98, 1.02, 0.97]
+    rounds = [o * f for o in offsets for f in (0.995, 1.005, 1.0, 1.0)]
+    boots = [b for b in (1, 2, 3, 4) for _ in range(4)]
+    by_round, by_boot = ratio_interval(rounds), ratio_interval(rounds, boots)
+    assert by_round is not None and by_boot is not None
+    # over 16 rounds the interval is too narrow for a 3% offset; over 4 boots it is as wide as the boots disagree
+    assert by_boot[1] - by_boot[0] > 2.5 * (by_round[1] - by_round[0])
+    logs = [sum(math.log(r) for r in rounds[4 * b:4 * b + 4]) / 4 for b in range(4)]
+    half = t_quantile(3) * statistics.stdev(logs) / 2
+    assert by_boot == pytest.approx((math.exp(statistics.mean(logs) - half), math.exp(statistics.mean(logs) + half)))
+    # one boot: the rounds' interval; a boot without a finite round counts for nothing
+    assert ratio_interval(rounds[:4], [1] * 4) == ratio_interval(rounds[:4])
+    assert ratio_interval([*rounds[:8], float("nan")], [*boots[:8], 3]) == ratio_interval(rounds[:8], boots[:8])
+
+
 def test_every_kpi_carries_its_interval() -> None:
     from tests.unit.test_runtime_ab import rounds
 
@@ -263,12 +282,21 @@ def test_the_annex_states_intervals_slices_capacity_the_rule_and_that_the_model_
     assert "baseline 96 / 96 / 96" in text
     again = type(record).model_validate_json(record.model_dump_json())
     assert again.slices == record.slices and again.capacity == record.capacity
+    assert "all rounds ran on one boot of each server" in text  # what an interval over rounds misses, said
+    restarted = record.model_copy(update={
+        "settings": record.settings.model_copy(update={"restart_every": 2}),
+        "rounds": tuple(ABRound(number=n + 1, order="BA" if n % 2 == 0 else "AB", boot=1 + n // 2, baseline="ok",
+                                candidate="ok") for n in range(len(record.order)))})
+    text = annex_markdown(restarted)
+    boots = len(set(restarted.boots))
+    assert boots == 2 and "both servers booted 2 times, started again after every 2 rounds" in text
+    assert "paired t on the log ratio over 2 boots" in text
 
 
 def test_the_cpu_kpi_pairs_each_rounds_cpu_per_token() -> None:
     from skupin.ab.runtime import _cpu_kpi
 
-    m = _Measured()
+    m = _Measured(order=["BA", "AB", "BA"], boot=[1, 1, 1])
     m.cpu["baseline"] |= {0: (2.0, 1000), 1: (2.2, 1000), 2: (1.8, 1000)}
     m.cpu["candidate"] |= {0: (1.0, 1000), 1: (1.1, 1000), 2: (0.9, 1000)}  # half the CPU per token in every round
     k = _cpu_kpi(m)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -38,8 +40,10 @@ class _Server:
     container: _Container = field(default_factory=_Container)
 
 
-def _rounds_with(fail: set[tuple[str, int]], runs: int = 4) -> tuple[_Measured, BaseException | None]:
-    """Rounds over fake servers whose `measure` raises for (role, round number) in `fail`; (measured, what ended it)."""
+def _rounds_with(fail: set[tuple[str, int]], runs: int = 4,
+                 **settings: Any) -> tuple[_Measured, BaseException | None]:
+    """Rounds over fake servers whose `measure` raises for (role, round number) in `fail`, boot after boot as
+    runtime._rounds runs them (the same fakes each boot); (measured, what ended it)."""
     measured = _Measured()
     servers = {"baseline": _Server(), "candidate": _Server()}
     calls = {"baseline": 0, "candidate": 0}
@@ -52,10 +56,14 @@ def _rounds_with(fail: set[tuple[str, int]], runs: int = 4) -> tuple[_Measured, 
             raise ValueError(f"{role} broke in round {number}")
         return [perf(100.0 if role == "baseline" else 120.0 + number)]
 
+    started, boot = time.monotonic(), 1
     try:
-        _interleave(servers=servers, measure=measure, settings=ABSettings(runs=runs, concurrency=(1, 2),
-                                                                           prompt_lengths=(64,)),
-                    measured=measured, on_event=lambda _: None, failures=(ValueError,))
+        while (stop := _interleave(servers=servers, measure=measure,
+                                   settings=ABSettings(runs=runs, concurrency=(1, 2), prompt_lengths=(64,), **settings),
+                                   measured=measured, on_event=lambda _: None, failures=(ValueError,), started=started,
+                                   boot=boot)) is None:
+            boot += 1
+        measured.stopped = stop
     except _SideFailed as exc:
         measured.errors[exc.role] = exc.reason
         return measured, exc
@@ -87,6 +95,30 @@ def test_rounds_without_failures_are_all_paired_and_every_side_was_paused_while_
     assert measured.cpu_rounds() == [0, 1, 2]
 
 
+def test_restart_every_starts_a_new_boot_after_that_many_rounds_and_each_round_names_its_boot() -> None:
+    measured, ended = _rounds_with(set(), runs=6, restart_every=2)
+    assert ended is None and measured.stopped == "runs"
+    assert [r.boot for r in measured.rounds] == [1, 1, 2, 2, 3, 3] and measured.paired_boots() == [1, 1, 2, 2, 3, 3]
+    assert measured.order == ["BA", "AB"] * 3  # every boot gives each image the first turn once
+    # a failure in a later boot names the round it broke in
+    measured, ended = _rounds_with({("baseline", 5)}, runs=6, restart_every=2)
+    assert ended is not None and "round 5" in str(ended) and measured.rounds[-1].boot == 3
+
+
+def test_target_ci_with_restarts_stops_only_on_a_whole_boot() -> None:
+    from skupin.ab.decision import boot_numbers, rounds_stop
+
+    s = ABSettings(runs=4, restart_every=4, target_ci=0.05, max_runs=40)
+    steady = [1.0, 1.01, 0.99, 1.0] * 3  # tight from the first rounds on
+    assert [rounds_stop(settings=s, ratios=steady[:n], elapsed_s=0) for n in (4, 5, 6, 7)] == [None] * 4  # one boot
+    assert rounds_stop(settings=s, ratios=steady[:8], elapsed_s=0) == "target_ci"  # two whole boots
+    assert rounds_stop(settings=s.model_copy(update={"restart_every": None}), ratios=steady[:4], elapsed_s=0) == \
+        "target_ci"
+    assert boot_numbers(s, 9) == [1, 1, 1, 1, 2, 2, 2, 2, 3] and boot_numbers(ABSettings(), 3) == [1, 1, 1]
+    with pytest.raises(ValidationError, match="3 is odd"):
+        ABSettings(restart_every=3)
+
+
 def test_kpi_rounds_pair_by_the_round_they_ran_in_not_by_list_position() -> None:
     m = _Measured(order=["BA", "AB", "BA"])
     m.runs["baseline"] = {0: [perf(100)], 1: [perf(100)], 2: [perf(200)]}
@@ -102,7 +134,7 @@ def test_kpi_rounds_pair_by_the_round_they_ran_in_not_by_list_position() -> None
 def test_the_cpu_kpi_pairs_cpu_accounting_by_round_when_a_side_missed_one() -> None:
     from skupin.ab.runtime import _cpu_kpi
 
-    m = _Measured(order=["BA", "AB", "BA"])
+    m = _Measured(order=["BA", "AB", "BA"], boot=[1, 1, 1])
     m.cpu["baseline"] = {1: (2.0, 1000), 2: (4.0, 1000)}  # no accounting for round 1
     m.cpu["candidate"] = {0: (3.0, 1000), 2: (2.0, 1000)}  # none for round 2
     k = _cpu_kpi(m)
@@ -163,6 +195,7 @@ def test_settings_refuse_max_runs_below_runs_and_a_level_given_twice() -> None:
     (["--prompt-lengths", "64,64"], ["--prompt-lengths", "64 given more than once"]),
     (["--server-cpus", "4095"], ["--server-cpus", "CPUs 4095 are not among those this process may use"]),
     (["--server-cpus", "two"], ["--server-cpus 'two'", "is not a CPU number or range"]),
+    (["--restart-every", "3"], ["--restart-every", "3 is odd"]),
 ])
 def test_the_cli_refuses_contradictory_flags_naming_them_before_building_anything(capsys, argv, names) -> None:
     assert main(["ab", "cpu-x86_64", "cpu-x86_64-vllm", *argv]) == 2
