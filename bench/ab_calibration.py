@@ -153,9 +153,10 @@ def boots_needed(*, sd_within: float, sd_between: float, rounds_per_boot: int, d
 
 def boot_components(rows: Sequence[dict]) -> dict | None:
     """The decode log ratio's spread split in two, over the A/Bs whose rounds came from two boots or more: round to
-    round within a boot (pooled variance) and boot to boot beyond what that explains (the variance of boot means less
-    within^2 / rounds per boot, at least 0): a server process's own offset. None without such A/Bs."""
-    within, boot_means, sizes = [], [], []
+    round within a boot (variance pooled over boots) and boot to boot beyond what that explains (the variance of boot
+    means, averaged over A/Bs, less within^2 / rounds per boot, at least 0): a server process's own offset. None
+    without such A/Bs."""
+    within, weights, boot_means, sizes = [], [], [], []
     for r in rows:
         per_boot: dict[int, list[float]] = {}
         for ratio, boot in zip(r["kpis"].get("decode", {}).get("rounds", []), r.get("boots", []), strict=False):
@@ -164,13 +165,15 @@ def boot_components(rows: Sequence[dict]) -> dict | None:
         if len(groups) < 2:
             continue
         within += [statistics.variance(g) for g in groups if len(g) > 1]
+        weights += [len(g) - 1 for g in groups if len(g) > 1]
         means = [statistics.fmean(g) for g in groups]
         boot_means.append(statistics.variance(means))
         sizes += [len(g) for g in groups]
     if not boot_means or not within:
         return None
-    sd_within = math.sqrt(statistics.fmean(within))
-    per_boot_rounds = statistics.median(sizes)
+    # pooled with each boot's degrees of freedom; a boot mean's share of round noise goes with the harmonic mean size
+    sd_within = math.sqrt(sum(w * v for w, v in zip(weights, within, strict=True)) / sum(weights))
+    per_boot_rounds = statistics.harmonic_mean(sizes)
     var_means = statistics.fmean(boot_means)
     sd_between = math.sqrt(max(0.0, var_means - sd_within ** 2 / per_boot_rounds))
     return {"abs": len(boot_means), "boots": len(sizes), "rounds_per_boot": per_boot_rounds,
@@ -222,10 +225,10 @@ def arm_summary(rows: Sequence[dict]) -> dict:
         out["resolves_at_95"] = resolvable(sd, int(statistics.median(counts)))
     components = boot_components(rows)
     if components is not None:
-        # over boots, what these settings resolve: the boot means' spread over the median number of boots
-        boots = statistics.median(len(set(r.get("boots", []))) for r in rows)
+        # over boots (the unit skupin ab's interval is over then): the boot means' spread at the median number of boots
+        boots = statistics.median(n for r in rows if (n := len(set(r.get("boots", [])))) > 1)
         out["boots"] = components
-        out["resolves_at_95"] = resolvable(components["sd_boot_means"], int(boots))
+        out["resolves_at_95_boots"] = resolvable(components["sd_boot_means"], int(boots))
     return out
 
 
@@ -268,7 +271,7 @@ def _print_table(summary: dict) -> None:
 
     for arm, s in summary.items():
         hw = s.get("median_half_width")
-        res = s.get("resolves_at_95")
+        res = s.get("resolves_at_95_boots", s.get("resolves_at_95"))
         print(f"{arm:11s} {s['abs']:4d} {pct(s, 'within_noise'):>13s} {pct(s, 'detected_slower'):>11s} "
               f"{pct(s, 'covers_expected'):>15s} {'-' if hw is None else f'{100 * hw:.1f}%':>10s} "
               f"{s.get('pooled_ratio', float('nan')):12.4f} {'-' if res is None else f'{100 * res:.1f}%':>9s}")

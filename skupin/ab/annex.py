@@ -147,8 +147,9 @@ def _boots(ab: RuntimeAB) -> str:
     """How the rounds were spread over boots of the two servers ('' with one boot and no --restart-every)."""
     if ab.settings.restart_every is None:
         return ""
-    return (f"; both servers booted {len(set(ab.boots))} times, started again after every "
-            f"{ab.settings.restart_every} rounds (--restart-every)")
+    boots = len(set(ab.boots))
+    return (f"; both servers booted {boots} time{'s' if boots != 1 else ''}, started again after every "
+            f"{ab.settings.restart_every} rounds (--restart-every), odd boots baseline first, even ones candidate first")
 
 
 def _interval_unit(ab: RuntimeAB) -> str:
@@ -158,7 +159,8 @@ def _interval_unit(ab: RuntimeAB) -> str:
         return (f"paired t on the log ratio over {boots} boots, each boot's mean over its rounds: it holds a server "
                 "process's own speed offset")
     return ("paired t over rounds on the log ratio; all rounds ran on one boot of each server, so the interval does not "
-            "hold a server process's own speed offset (a few percent on a shared CPU host; --restart-every samples it)")
+            "hold a server process's own speed offset (a few percent on a shared CPU host; --restart-every over two "
+            "boots or more samples it)")
 
 
 def _fixture_line(ab: RuntimeAB) -> str:

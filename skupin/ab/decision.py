@@ -41,7 +41,8 @@ class ABSettings(Frozen):
     prompt_lengths: tuple[int, ...] = Field((64, 256), min_length=1, description="Prompt tokens per request")
     requests: int = Field(8, ge=1, description="Measured requests per level, round and image")
     max_tokens: int = Field(32, ge=2, description="Output tokens per request")
-    warmup: int = Field(2, ge=0, description="Unmeasured requests per image before the first round")
+    warmup: int = Field(2, ge=0, description="Unmeasured requests per image after each boot of its server, before "
+                                             "its first round")
     volume: float = Field(DEFAULT_VOLUME, gt=0, le=1e15,
                           description="Output tokens per day the capacity and cost block is sized for (--volume)")
     target_ci: float | None = Field(None, gt=0, lt=1, description="Add rounds past `runs` until the decode ratio's 95% "
@@ -78,6 +79,15 @@ class ABSettings(Frozen):
         if self.max_runs < self.runs:
             raise ValueError(f"max_runs {self.max_runs} is below runs {self.runs}: runs rounds always run, max_runs is "
                              "the most that target_ci may add up to")
+        every = self.restart_every
+        if every is not None:
+            if self.runs < 2 * every or self.runs % every:
+                raise ValueError(f"runs {self.runs} with restart_every {every}: give whole boots, two at least (runs "
+                                 f"{2 * every}, {3 * every}, ...; an interval over boots needs two, and three or more "
+                                 "make it useful)")
+            if self.target_ci is not None and self.max_runs % every:
+                raise ValueError(f"max_runs {self.max_runs} with restart_every {every}: give whole boots (a multiple of "
+                                 f"{every})")
         return self
 
     def perf(self) -> PerfSettings:
@@ -204,15 +214,17 @@ def interval_half_width(rounds: Sequence[float], boots: Sequence[int] | None = N
 RoundsStop = Literal["runs", "target_ci", "max_runs", "budget", "cap", "failed"]
 
 
-def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: float) -> RoundsStop | None:
+def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: float,
+                boots: Sequence[int] | None = None) -> RoundsStop | None:
     """None while the A/B runs another round after len(ratios) (each round's decode ratio, round_ratios); else why the
     rounds end: 'runs' (the `runs` asked, no target_ci), 'target_ci' (the decode ratio's interval is within it),
     'max_runs' or 'budget' (spent before the interval was), 'cap' (MAX_ROUNDS_S of rounds before any of those).
     ('failed', a side's failure, is the runtime's to record: no rule here ends rounds for it.)
 
     Always up to `runs`; past it only with a `target_ci`, while the interval is wider than it, below `max_runs` and
-    within `budget_s`. With `restart_every` the interval is over boots (boot_numbers) and is looked at only after whole
-    boots, two at least, so every boot it stands on ran all its rounds.
+    within `budget_s`. With `restart_every` the interval is over `boots` (each ratio's boot; boot_numbers by default)
+    and the rounds end only after whole boots (runs and max_runs are whole boots; the budget is looked at between
+    boots), so every boot ran all its rounds; only the cap cuts a boot short.
     Rounds sized by the noise the host shows, not a fixed count: a quiet host stops early, a noisy
     one runs until the interval is tight enough or the budget is spent. Stopping on the interval's width (not on
     whether it excludes 1) keeps the rule blind to the answer; what optional stopping still does to coverage is for
@@ -221,16 +233,15 @@ def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: flo
     if done >= settings.runs:
         if settings.target_ci is None:
             return "runs"
-        # with restarts: only whole boots, and two at least (one boot's rounds cannot show a process's own offset)
         every = settings.restart_every
-        whole = every is None or (done % every == 0 and done >= 2 * every)
-        half = interval_half_width(ratios, boot_numbers(settings, done)) if whole else None
-        if half is not None and half <= settings.target_ci:
-            return "target_ci"
-        if done >= settings.max_runs:
-            return "max_runs"
-        if settings.budget_s is not None and elapsed_s >= settings.budget_s:
-            return "budget"
+        if every is None or done % every == 0:  # with restarts: only after whole boots (runs >= 2 boots)
+            half = interval_half_width(ratios, boot_numbers(settings, done) if boots is None else boots)
+            if half is not None and half <= settings.target_ci:
+                return "target_ci"
+            if done >= settings.max_runs:
+                return "max_runs"
+            if settings.budget_s is not None and elapsed_s >= settings.budget_s:
+                return "budget"
     return "cap" if elapsed_s >= MAX_ROUNDS_S else None
 
 
@@ -541,8 +552,9 @@ DECISION_RULE = (
     f"least {MIN_ROUNDS} interleaved rounds. Per KPI (decode tok/s per request, prefill tok/s, aggregate tok/s) the "
     "ratio candidate / baseline is faster when its median over rounds is at least 1 + the noise floor and every round "
     "is above 1, slower in the mirror case. Promote: some KPI faster, none slower, and no slice (prompt length x "
-    "concurrency) worse on the primary KPI, i.e. no slice whose 95% interval (paired t over rounds on the log ratio) "
-    "lies wholly on the losing side of 1; a worse slice makes it a trade-off (hold) naming the slices, and fewer "
+    "concurrency) worse on the primary KPI, i.e. no slice whose 95% interval (paired t on the log ratio over rounds, "
+    "or over boots of the servers with --restart-every) lies wholly on the losing side of 1; a worse slice makes it a "
+    "trade-off (hold) naming the slices, and fewer "
     "rounds with a decode ratio of both sides than --runs asked for make it 'hold: rounds missing'. Reject: some "
     "slower, none faster. Otherwise hold (trade-off, or within noise). Every round run is kept in the record (a failed "
     "one too, with its reason); a decision on fewer rounds than asked says so. Exit 0 promote, 12 hold, 13 reject.")

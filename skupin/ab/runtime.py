@@ -590,11 +590,23 @@ def _boot(*, number: int, baseline: ABInput, candidate: ABInput, ids: dict[Role,
     end (rounds_stop), or None when the boot ran its settings.restart_every rounds and another boot follows."""
     if number > 1:
         on_event(f"ab: boot {number}: both servers started again (--restart-every {settings.restart_every})")
+    # odd boots start the baseline first, even ones the candidate: neither side is always the one warmed up last
+    sides = _sides(baseline, candidate)[::1 if number % 2 else -1]
     with contextlib.ExitStack() as scope:
-        servers = {role: _booted(role=role, side=side, image_id=ids[role], docker=docker, settings=settings,
-                                 model_dir=mounts[role], prompt_set=prompt_set, tokenizer=tokenizer,
-                                 measured=measured, scope=scope, on_event=on_event, failures=failures)
-                   for role, side in _sides(baseline, candidate)}
+        try:
+            servers = {role: _booted(role=role, side=side, image_id=ids[role], docker=docker, settings=settings,
+                                     model_dir=mounts[role], prompt_set=prompt_set, tokenizer=tokenizer,
+                                     measured=measured, scope=scope, on_event=on_event, failures=failures)
+                       for role, side in sides}
+        except _SideFailed as exc:
+            if measured.order:  # a boot after the first: kept as the round it was started for, failed
+                r = len(measured.order)
+                measured.order.append(_order(r, number))
+                measured.boot.append(number)
+                status: dict[Role, Literal["ok", "failed", "not run"]] = {"baseline": "not run", "candidate": "not run"}
+                status[exc.role] = "failed"
+                measured.rounds.append(_round_kept(measured, r, status, {}, exc.reason))
+            raise
         perf = settings.perf()
 
         def measure(role: Role) -> list[PerfResult]:
@@ -659,15 +671,21 @@ def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Rol
     failed one too; a side's runs and CPU accounting are stored under the round's index. A side that fails ends the
     rounds (_SideFailed): the decision it forces (decide's serving rule) cannot change with more rounds against a
     failing server."""
-    r = len(measured.order)
+    r, in_boot = len(measured.order), 0
     planned = str(settings.runs) if settings.target_ci is None else f"{settings.runs}-{settings.max_runs}"
-    while (stop := rounds_stop(settings=settings, elapsed_s=time.monotonic() - started,
-                               ratios=round_ratios(**measured.paired_runs(), metric=_decode))) is None:
-        if settings.restart_every is not None and r and r % settings.restart_every == 0 and measured.boot[-1] == boot:
+    while True:
+        # a boot after the first was started because the rounds go on: it runs its first round before any stop
+        if in_boot or boot == 1:
+            stop = rounds_stop(settings=settings, elapsed_s=time.monotonic() - started,
+                               ratios=round_ratios(**measured.paired_runs(), metric=_decode),
+                               boots=measured.paired_boots())
+            if stop is not None:
+                return stop
+        if in_boot == settings.restart_every:
             return None
-        first: tuple[Role, Role] = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
-        measured.order.append("BA" if r % 2 == 0 else "AB")
+        measured.order.append(_order(r, boot))
         measured.boot.append(boot)
+        first: tuple[Role, Role] = ("baseline", "candidate") if measured.order[-1] == "BA" else ("candidate", "baseline")
         status: dict[Role, Literal["ok", "failed", "not run"]] = {"baseline": "not run", "candidate": "not run"}
         before = {role: (measured.requests[role], measured.failed[role]) for role in first}
         try:
@@ -697,8 +715,13 @@ def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Rol
                  f"decode tok/s per request at concurrency "
                  f"{b.concurrency}, {settings.prompt_lengths[0]} prompt tokens: baseline "
                  f"{b.decode_tok_s_per_request:.1f}, candidate {c.decode_tok_s_per_request:.1f}")
-        r += 1
-    return stop
+        r, in_boot = r + 1, in_boot + 1
+
+
+def _order(r: int, boot: int) -> str:
+    """Round r's order in boot `boot`: B A, A B, ... from BA in odd boots and from AB in even ones (a boot has an even
+    number of rounds), so neither side always runs first after a boot."""
+    return "BA" if (r + boot - 1) % 2 == 0 else "AB"
 
 
 def _check_placement(server: RunningServer, role: Role, plan: CpuPlan) -> None:

@@ -99,24 +99,58 @@ def test_restart_every_starts_a_new_boot_after_that_many_rounds_and_each_round_n
     measured, ended = _rounds_with(set(), runs=6, restart_every=2)
     assert ended is None and measured.stopped == "runs"
     assert [r.boot for r in measured.rounds] == [1, 1, 2, 2, 3, 3] and measured.paired_boots() == [1, 1, 2, 2, 3, 3]
-    assert measured.order == ["BA", "AB"] * 3  # every boot gives each image the first turn once
+    # each boot gives each image the first turn once, and even boots open with the candidate
+    assert measured.order == ["BA", "AB", "AB", "BA", "BA", "AB"]
     # a failure in a later boot names the round it broke in
     measured, ended = _rounds_with({("baseline", 5)}, runs=6, restart_every=2)
     assert ended is not None and "round 5" in str(ended) and measured.rounds[-1].boot == 3
 
 
+def test_a_spent_budget_ends_the_rounds_between_boots_never_with_an_empty_boot() -> None:
+    measured, ended = _rounds_with(set(), runs=4, restart_every=2, target_ci=1e-6, max_runs=8, budget_s=1e-9)
+    assert ended is None and measured.stopped == "budget" and measured.boot == [1, 1, 2, 2]
+
+
+def test_a_server_that_fails_to_boot_again_is_kept_as_a_failed_round(monkeypatch) -> None:
+    from skupin.ab import runtime
+
+    def broken(*, role, **_):
+        raise _SideFailed(role, "its server failed when started again after round 2: TimeoutError")
+
+    monkeypatch.setattr(runtime, "_booted", broken)
+    measured = _Measured(order=["BA", "AB"], boot=[1, 1])
+    with pytest.raises(_SideFailed):
+        runtime._boot(number=2, baseline=None, candidate=None, ids=dict.fromkeys(("baseline", "candidate"), ""),
+                      docker=None, settings=ABSettings(runs=4, restart_every=2),
+                      mounts=dict.fromkeys(("baseline", "candidate"), None), prompt_set={}, tokenizer=None,
+                      measured=measured, on_event=lambda _: None, failures=(), started=0.0)
+    kept = measured.rounds[-1]
+    # even boots start the candidate first: it is the side that failed, the baseline never ran
+    assert (kept.number, kept.boot, kept.order, kept.candidate, kept.baseline) == (3, 2, "AB", "failed", "not run")
+    assert "started again" in kept.reason and not kept.paired
+    assert "round 3: baseline not run, candidate failed" in rounds_note(rounds=measured.rounds, asked=4)
+
+
 def test_target_ci_with_restarts_stops_only_on_a_whole_boot() -> None:
     from skupin.ab.decision import boot_numbers, rounds_stop
 
-    s = ABSettings(runs=4, restart_every=4, target_ci=0.05, max_runs=40)
-    steady = [1.0, 1.01, 0.99, 1.0] * 3  # tight from the first rounds on
-    assert [rounds_stop(settings=s, ratios=steady[:n], elapsed_s=0) for n in (4, 5, 6, 7)] == [None] * 4  # one boot
-    assert rounds_stop(settings=s, ratios=steady[:8], elapsed_s=0) == "target_ci"  # two whole boots
-    assert rounds_stop(settings=s.model_copy(update={"restart_every": None}), ratios=steady[:4], elapsed_s=0) == \
-        "target_ci"
+    s = ABSettings(runs=8, restart_every=4, target_ci=0.05, max_runs=40, budget_s=100)
+    wide = [0.9] * 4 + [1.1] * 4  # two boots that disagree by 20%
+    steady = wide + [1.0] * 8
+    assert rounds_stop(settings=s, ratios=wide, elapsed_s=0) is None
+    # inside a boot nothing stops the rounds, the budget included; after it the interval and the budget are looked at
+    assert [rounds_stop(settings=s, ratios=steady[:n], elapsed_s=500) for n in (9, 10, 11)] == [None] * 3
+    assert rounds_stop(settings=s, ratios=steady[:12], elapsed_s=500) == "budget"
+    assert rounds_stop(settings=s, ratios=[1.0, 1.01, 0.99, 1.0] * 2, elapsed_s=0) == "target_ci"
     assert boot_numbers(s, 9) == [1, 1, 1, 1, 2, 2, 2, 2, 3] and boot_numbers(ABSettings(), 3) == [1, 1, 1]
     with pytest.raises(ValidationError, match="3 is odd"):
-        ABSettings(restart_every=3)
+        ABSettings(runs=6, restart_every=3)
+    with pytest.raises(ValidationError, match="give whole boots, two at least"):
+        ABSettings(runs=4, restart_every=4)
+    with pytest.raises(ValidationError, match="give whole boots, two at least"):
+        ABSettings(runs=10, restart_every=4)
+    with pytest.raises(ValidationError, match="max_runs 42 with restart_every 4"):
+        ABSettings(runs=8, restart_every=4, target_ci=0.05, max_runs=42)
 
 
 def test_kpi_rounds_pair_by_the_round_they_ran_in_not_by_list_position() -> None:
@@ -195,7 +229,8 @@ def test_settings_refuse_max_runs_below_runs_and_a_level_given_twice() -> None:
     (["--prompt-lengths", "64,64"], ["--prompt-lengths", "64 given more than once"]),
     (["--server-cpus", "4095"], ["--server-cpus", "CPUs 4095 are not among those this process may use"]),
     (["--server-cpus", "two"], ["--server-cpus 'two'", "is not a CPU number or range"]),
-    (["--restart-every", "3"], ["--restart-every", "3 is odd"]),
+    (["--restart-every", "3", "--runs", "6"], ["--restart-every", "3 is odd"]),
+    (["--restart-every", "4"], ["runs 3 with restart_every 4: give whole boots"]),
 ])
 def test_the_cli_refuses_contradictory_flags_naming_them_before_building_anything(capsys, argv, names) -> None:
     assert main(["ab", "cpu-x86_64", "cpu-x86_64-vllm", *argv]) == 2
