@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python bench/ab_calibration.py [--quick] [--repeats 30] [--runs 16] [--requests 8]
         [--max-tokens 64] [--prompt-lengths 64] [--concurrency 1] [--target-ci F [--max-runs M] [--budget-s S]]
-        [--arms self,slow-5pct,slow-10pct] [--out bench/results/ab-calibration.json]
+        [--restart-every N] [--arms self,slow-5pct,slow-10pct] [--out bench/results/ab-calibration.json] [--append]
     # -> OUT (settings, every A/B's decision, intervals and raw rounds, the rates per arm), OUT's -records.jsonl.gz
     #    (every A/B's whole ab.json, one a line) and a table on stdout; --quick writes ab-calibration-quick.json
 
@@ -24,7 +24,9 @@ ab`'s library path (skupin.ab.runtime.runtime_ab) with the settings given, the a
 every KPI's per-round ratios (decode, prefill, TTFT, aggregate, CPU-seconds per token), the slices, each round's
 status. Per arm: the rates with Wilson 95% intervals, the median half-width of the decode interval, the decode ratio
 pooled over the arm's A/Bs, the round-to-round and A/B-to-A/B spread of the log ratio and from them the smallest
-decode difference these settings resolve at 95% power. The JSON is written again after every A/B (a long run cut
+decode difference these settings resolve at 95% power; with --restart-every, the log ratio's spread split into round
+to round within a boot and boot to boot (a server process's own offset), what the settings resolve over boots and how
+many boots of 2-16 rounds 5% needs. The JSON is written again after every A/B (a long run cut
 short keeps what it measured). Derived images are removed at the end, whatever happens; the A/Bs' folders live in a
 temporary folder. --quick is a smoke run (one A/B per arm, 3 short rounds, a few minutes): its numbers are noise.
 """
@@ -296,6 +298,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--out", type=Path, help=f"the results JSON (default {OUT.relative_to(ROOT)}, quick "
                                             f"{QUICK_OUT.relative_to(ROOT)})")
+    p.add_argument("--append", action="store_true", help="add this run's A/Bs to --out's (made with the same settings: "
+                   "refused otherwise) and to its records, instead of starting both again")
     p.add_argument("--estimate-only", action="store_true", help="print the settings and the estimated duration, run nothing")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
@@ -334,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = (args.out or (QUICK_OUT if args.quick else OUT)).resolve()
     records = out.with_name(out.stem + "-records.jsonl.gz")
-    records.unlink(missing_ok=True)
+    earlier, earlier_runs = _earlier(out, settings) if args.append else ([], [])
+    if not earlier:
+        records.unlink(missing_ok=True)
     docker = connect()
     stack = resolve(SKU, require_lock=True)
     wheelhouse = Path(os.environ["SKUPIN_WHEELHOUSE"]) if os.environ.get("SKUPIN_WHEELHOUSE") else None
@@ -347,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         "note": ("smoke run (--quick): one A/B per arm of 3 short rounds, on whatever else this host ran: its numbers "
                  "show the bench works, not the resolution of skupin ab") if args.quick else "",
         "sku": stack.manifest.name, "honest_image": honest, "settings": settings.model_dump(mode="json"),
-        "repeats": args.repeats, "arms": {}, "estimated_s": round(estimate), "abs": [], "summary": {}, "goals": {},
+        "repeats": args.repeats, "arms": {}, "estimated_s": round(estimate), "abs": list(earlier), "summary": {},
+        "goals": {},
         "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "host": None, "wall_s": None,
+        "earlier_runs": earlier_runs,
     }
     with tempfile.TemporaryDirectory(prefix="skupin-ab-calibration-") as tmp, \
             tampered_images(docker, image=honest, lock=stack.lock, workdir=Path(tmp) / "swaps",
@@ -372,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             if name != "honest":
                 results["arms"][name] = {"expected_ratio": ARMS[name], "image_id": verdicts[name].image_id,
                                          "gate": verdicts[name].decision}
+        done = Counter(r["arm"] for r in earlier)  # with --append, indices go on from the earlier run's
         for n, (i, arm) in enumerate(plan, 1):
+            i += done[arm]
             side_stack, image, house = sides[arm]
             folder = Path(tmp) / f"ab-{arm}-{i + 1}"
             result = runtime_ab(baseline=ABInput(stack=stack, image=honest, verdict=verdicts["honest"]),
@@ -385,14 +395,16 @@ def main(argv: list[str] | None = None) -> int:
             with gzip.open(records, "at", encoding="utf-8") as f:
                 f.write(json.dumps({"arm": arm, "index": i + 1, "ab": json.loads((folder / "ab.json").read_text())})
                         + "\n")
-            results["summary"] = {a: arm_summary([r for r in results["abs"] if r["arm"] == a]) for a in arms}
+            results["summary"] = {a: arm_summary([r for r in results["abs"] if r["arm"] == a])
+                                  for a in dict.fromkeys([*(r["arm"] for r in results["abs"]), *arms])}
             results["goals"] = goals(results["summary"])
             results["wall_s"] = round(time.monotonic() - started, 1)
             _write(out, results)
             lo, hi = row["decode_ci"]
             ci = f"{lo:.3f}-{hi:.3f}" if lo is not None and hi is not None else "no interval"
             left = (time.monotonic() - started) / n * (len(plan) - n)
-            print(f"[{n}/{len(plan)}] {arm:10s} #{i + 1}: decode {row['decode_ratio'] or float('nan'):.3f}x ({ci}), "
+            n_arm = i + 1
+            print(f"[{n}/{len(plan)}] {arm:10s} #{n_arm}: decode {row['decode_ratio'] or float('nan'):.3f}x ({ci}), "
                   f"{result.decision_line} ({result.wall_s:.0f} s; about {_hours(left)} left)", flush=True)
     _print_table(results["summary"])
     for name, g in results["goals"].items():
@@ -401,6 +413,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"-> {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} and {records.name} "
           f"({results['wall_s']:.0f} s; estimated {results['estimated_s']} s)")
     return 0
+
+
+def _earlier(out: Path, settings: ABSettings) -> tuple[list[dict], list[dict]]:
+    """With --append: the A/Bs of the earlier runs in `out`, made with the same settings (SystemExit when they differ,
+    so one file never mixes settings), and when each run started and how long it took; empty when there is none."""
+    if not out.is_file():
+        return [], []
+    prev = json.loads(out.read_text(encoding="utf-8"))
+    if prev.get("settings") != json.loads(json.dumps(settings.model_dump(mode="json"))):
+        raise SystemExit(f"--append: {out} was made with other settings ({prev.get('settings')}); give the same "
+                         "settings or another --out")
+    before = prev.get("earlier_runs", [])
+    runs = [*before, {"started": prev.get("started"), "wall_s": prev.get("wall_s"),
+                      "abs": len(prev.get("abs", [])) - sum(r["abs"] for r in before)}]
+    return list(prev.get("abs", [])), runs
 
 
 def _self_context(folder: Path) -> Path:

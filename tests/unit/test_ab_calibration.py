@@ -150,3 +150,15 @@ def test_boot_components_split_a_processs_offset_from_round_noise() -> None:
     summary = C.arm_summary(rows)
     assert summary["boots"] == c and summary["resolves_at_95_boots"] > C.resolvable(c["sd_within_boot"], 16)
     assert C.boot_components([_row("self", [1.0, 1.01, 0.99])]) is None  # one boot: nothing to split
+
+
+def test_append_takes_the_earlier_runs_abs_only_with_the_same_settings(tmp_path) -> None:
+    settings = C.settings_of(C._parse(["--runs", "8", "--restart-every", "4"]))
+    out = tmp_path / "boots.json"
+    assert C._earlier(out, settings) == ([], [])
+    C._write(out, {"settings": settings.model_dump(mode="json"), "abs": [{"arm": "self"}] * 3, "started": "t0",
+                   "wall_s": 60.0, "earlier_runs": [{"started": "t-1", "wall_s": 30.0, "abs": 1}]})
+    rows, runs = C._earlier(out, settings)
+    assert len(rows) == 3 and runs == [{"started": "t-1", "wall_s": 30.0, "abs": 1}, {"started": "t0", "wall_s": 60.0, "abs": 2}]
+    with pytest.raises(SystemExit, match="other settings"):
+        C._earlier(out, C.settings_of(C._parse(["--runs", "12", "--restart-every", "4"])))
