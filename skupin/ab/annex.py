@@ -156,11 +156,11 @@ def _interval_unit(ab: RuntimeAB) -> str:
     """What a KPI's interval is over: boots when the rounds came from several, else rounds (and what that misses)."""
     boots = len(set(ab.boots))
     if boots > 1:
-        return (f"paired t on the log ratio over {boots} boots, each boot's mean over its rounds: it holds a server "
-                "process's own speed offset")
+        return (f"paired t on the log ratio over {boots} boots, each boot's mean over its rounds: it holds what differs "
+                "from one start of a server to the next")
     return ("paired t over rounds on the log ratio; all rounds ran on one boot of each server, so the interval does not "
-            "hold a server process's own speed offset (a few percent on a shared CPU host; --restart-every over two "
-            "boots or more samples it)")
+            "hold what differs from one start of a server to the next (--restart-every over two boots or more samples "
+            "it)")
 
 
 def _fixture_line(ab: RuntimeAB) -> str:

@@ -176,10 +176,11 @@ def ratio_interval(rounds: Sequence[float], boots: Sequence[int] | None = None,
     two finite positive rounds (or, over boots, two boots).
 
     `boots[i]` names the boot (the pair of server processes) that measured round i. With rounds from two boots or
-    more, the unit is the boot: each boot's mean log ratio, and Student's t over those (df = boots - 1). A server
-    process has speed regimes of its own (docs/BENCHMARKS.md, "Where the noise comes from"): rounds of one boot share
-    its offset, so their spread understates what another boot of the same two images would show, and an interval over
-    rounds of one boot covers the truth less often than it says. Boots with no finite round count for nothing.
+    more, the unit is the boot: each boot's mean log ratio, and Student's t over those (df = boots - 1). Whatever a
+    start of a server fixes for its whole life (an offset of its speed) is shared by the rounds of one boot, so their
+    spread cannot show it and an interval over them covers the truth less often than it says when it exists; over
+    boots it is part of the spread (docs/BENCHMARKS.md, "Restarts", measures it). Boots with no finite round count for
+    nothing.
 
     A paired t interval on the log ratios, over rounds: each round measures both images back to back under the same
     host state (B A, A B, ...: the round is the pair, and the unit that is independent of the others), the log makes

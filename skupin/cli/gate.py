@@ -306,11 +306,12 @@ Then:
      again after every N rounds, so a server process's own speed offset is sampled too;
   4. KPIs kept apart: decode tok/s per request, prefill tok/s, TTFT p50/p99, aggregate tok/s,
      $/1M output tokens (each SKU's cost block), per-round ratios with a 95% interval (paired t
-     on the log ratio over rounds, or over boots with --restart-every) and a noise floor from each image's own round-to-round
-     movement (at least 2%); output tokens counted on the host from the streamed text with the
-     model's tokenizer (never the server's usage); per slice (prompt length x concurrency) the
-     primary KPI (gate.serve.primary_kpi, default decode) with its interval; CPU-seconds per 1M
-     output tokens from each container's cgroup; servers and monthly cost for --volume.
+     on the log ratio over rounds, or over boots with --restart-every) and a noise floor from
+     each image's own round-to-round movement (at least 2%); output tokens counted on the host
+     from the streamed text with the model's tokenizer (never the server's usage); per slice
+     (prompt length x concurrency) the primary KPI (gate.serve.primary_kpi, default decode) with
+     its interval; CPU-seconds per 1M output tokens from each container's cgroup; servers and
+     monthly cost for --volume.
 
 Decision: "reject: quality gate failed" when the candidate fails the gate (however fast); then what
 the rounds showed (a server failing, requests streaming nothing, completions that differ from the
@@ -351,11 +352,12 @@ or one image on both sides; 5, 6, 11: the build, Docker or gate could not run.""
                         "(default: none; no A/B starts a round after 11 hours of rounds, whatever is asked)")
     p.add_argument("--restart-every", type=_positive, metavar="N",
                    help="stop and boot both servers again after every N rounds (even, at least 2) and take every "
-                        "95%% interval over boots (the mean log ratio of each boot), not rounds: one server process "
-                        "can run a few percent fast or slow for its whole life, which rounds of one boot cannot show, "
-                        "so an interval over them is too narrow for claims of a few percent (docs/BENCHMARKS.md). "
-                        "Costs a boot and warm-up per N rounds; give --runs (or --max-runs) of several boots, e.g. "
-                        "--runs 48 --restart-every 8 (default: one boot for all rounds)")
+                        "95%% interval over boots (the mean log ratio of each boot), not rounds: the interval then "
+                        "also holds whatever differs from one start of a server to the next, which the rounds of one "
+                        "boot share and cannot show (on a 2-CPU host at most about 1%% sd, against 13-15%% from round "
+                        "to round: docs/BENCHMARKS.md, 'Restarts'). Costs a boot and warm-up per N rounds; --runs "
+                        "(and --max-runs) must be whole boots, two at least, e.g. --runs 48 --restart-every 8 "
+                        "(default: one boot for all rounds)")
     p.add_argument("--server-cpus", default="shared", metavar="shared|auto|CPUS",
                    help="where the servers run: 'shared' (default) gives each server container the gate's CPU quota on "
                         "every CPU, shared with the measuring client; 'auto' pins each server to the upper half of the "
