@@ -107,7 +107,7 @@ def ab_row(result: RuntimeAB, *, arm: str, index: int) -> dict:
     half = math.sqrt(hi / lo) - 1 if lo and hi else None
     worse = [s for s in result.slices if s.move == "worse"]
     return {
-        "arm": arm, "index": index, "expected_ratio": expected,
+        "arm": arm, "index": index, "expected_ratio": expected, "honest_image": result.baseline.image_id,
         "decision": result.decision, "decision_line": result.decision_line, "reason": result.reason,
         "decode_ratio": decode.ratio if decode is not None else None, "decode_ci": [lo, hi],
         "decode_half_width": half,
@@ -161,7 +161,8 @@ def boot_components(rows: Sequence[dict]) -> dict | None:
     within, weights, boot_means, sizes = [], [], [], []
     for r in rows:
         per_boot: dict[int, list[float]] = {}
-        for ratio, boot in zip(r["kpis"].get("decode", {}).get("rounds", []), r.get("boots", []), strict=False):
+        rounds = r["kpis"].get("decode", {}).get("rounds", [])
+        for ratio, boot in zip(rounds, r.get("boots") or [1] * len(rounds), strict=True):
             per_boot.setdefault(boot, []).extend(_logs([ratio]))
         groups = [v for v in per_boot.values() if v]
         if len(groups) < 2:
@@ -229,7 +230,7 @@ def arm_summary(rows: Sequence[dict]) -> dict:
     if components is not None:
         # over boots (the unit skupin ab's interval is over then): the boot means' spread at the median number of boots
         boots = statistics.median(n for r in rows if (n := len(set(r.get("boots", [])))) > 1)
-        out["boots"] = components
+        out["boot_components"] = components
         out["resolves_at_95_boots"] = resolvable(components["sd_boot_means"], int(boots))
     return out
 
@@ -348,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         wheelhouse = Path("/opt/wheels")
     started = time.monotonic()
     honest = built_image(docker, stack, wheelhouse, None)
+    if earlier and any(r.get("honest_image", honest) != honest for r in earlier):
+        raise SystemExit(f"--append: {out} measured another baseline image than {honest}; give another --out")
     results: dict = {
         "bench": "ab-calibration", "quick": args.quick,
         "note": ("smoke run (--quick): one A/B per arm of 3 short rounds, on whatever else this host ran: its numbers "
@@ -403,8 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             lo, hi = row["decode_ci"]
             ci = f"{lo:.3f}-{hi:.3f}" if lo is not None and hi is not None else "no interval"
             left = (time.monotonic() - started) / n * (len(plan) - n)
-            n_arm = i + 1
-            print(f"[{n}/{len(plan)}] {arm:10s} #{n_arm}: decode {row['decode_ratio'] or float('nan'):.3f}x ({ci}), "
+            print(f"[{n}/{len(plan)}] {arm:10s} #{i + 1}: decode {row['decode_ratio'] or float('nan'):.3f}x ({ci}), "
                   f"{result.decision_line} ({result.wall_s:.0f} s; about {_hours(left)} left)", flush=True)
     _print_table(results["summary"])
     for name, g in results["goals"].items():

@@ -148,7 +148,7 @@ def _boots(ab: RuntimeAB) -> str:
     if ab.settings.restart_every is None:
         return ""
     boots = len(set(ab.boots))
-    return (f"; both servers booted {boots} time{'s' if boots != 1 else ''}, started again after every "
+    return (f"; measured over {boots} boot{'s' if boots != 1 else ''} of both servers, started again after every "
             f"{ab.settings.restart_every} rounds (--restart-every), odd boots baseline first, even ones candidate first")
 
 

@@ -49,11 +49,12 @@ class ABSettings(Frozen):
                                     "interval lies within +- this fraction of its centre (--target-ci)")
     max_runs: int = Field(50, ge=1, le=200, description="With target_ci: the most rounds (--max-runs)")
     budget_s: float | None = Field(None, gt=0, le=MAX_ROUNDS_S,
-                                   description="With target_ci: no round starts after this many seconds of rounds "
-                                               "(--budget-s; at most MAX_ROUNDS_S, which bounds every A/B's rounds)")
+                                   description="With target_ci: no round past `runs` starts after this many seconds "
+                                               "since the first round (with restart_every: no boot past `runs`; "
+                                               "--budget-s; at most MAX_ROUNDS_S, which bounds every A/B's rounds)")
     cpu_plan: CpuPlan | None = Field(None, description="The servers' CPUs and the client's (--server-cpus); None: the gate's "
                                                    "CPU quota, every CPU shared")
-    restart_every: int | None = Field(None, ge=2, le=200,
+    restart_every: int | None = Field(None, ge=2, le=25,
                                       description="Rounds per boot: after this many rounds both servers are stopped and "
                                                   "booted again (--restart-every; even), and every interval is over "
                                                   "boots, not rounds; None: one boot for every round")
@@ -246,10 +247,10 @@ def rounds_stop(*, settings: ABSettings, ratios: Sequence[float], elapsed_s: flo
     return "cap" if elapsed_s >= MAX_ROUNDS_S else None
 
 
-def boot_numbers(settings: ABSettings, rounds: int) -> list[int]:
-    """The boot (1-based) of each of the first `rounds` rounds: all 1 without restart_every."""
-    every = settings.restart_every or max(rounds, 1)
-    return [1 + r // every for r in range(rounds)]
+def boot_numbers(settings: ABSettings, count: int) -> list[int]:
+    """The boot (1-based) of each of the first `count` rounds: all 1 without restart_every."""
+    every = settings.restart_every or max(count, 1)
+    return [1 + r // every for r in range(count)]
 
 
 def stop_text(stop: RoundsStop, settings: ABSettings, rounds: int) -> str:

@@ -463,6 +463,8 @@ class _Measured:
     # every round started, a failed one included: "BA" or "AB", and the boot (1-based) of the servers that ran it
     order: list[str] = field(default_factory=list)
     boot: list[int] = field(default_factory=list)
+    # time.monotonic() when the first round began: --budget-s and the cap count from it (boots after it included)
+    first_round: float | None = None
     rounds: list[ABRound] = field(default_factory=list)
     # (prompt length index, prompt index) -> every text the side streamed for it
     texts: dict[Role, dict[tuple[int, int], list[str]]] = field(default_factory=lambda: {"baseline": {}, "candidate": {}})
@@ -574,18 +576,23 @@ def _rounds(*, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], dock
         # output tokens as the host counts the streamed text, never the server's usage (a side that streams fewer than
         # asked is named: decision.min_host_tokens)
         measured.count_tokens, measured.max_tokens = tokenizer_counter(tokenizer), settings.max_tokens
-        started, boot = time.monotonic(), 1
-        while (stop := _boot(number=boot, baseline=baseline, candidate=candidate, ids=ids, docker=docker,
-                             settings=settings, mounts=mounts, prompt_set=prompt_set, tokenizer=tokenizer,
-                             measured=measured, on_event=on_event, failures=failures, started=started)) is None:
-            boot += 1
-        measured.stopped = stop
+        measured.stopped = until_stopped(lambda number: _boot(
+            number=number, baseline=baseline, candidate=candidate, ids=ids, docker=docker, settings=settings,
+            mounts=mounts, prompt_set=prompt_set, tokenizer=tokenizer, measured=measured, on_event=on_event,
+            failures=failures))
+
+
+def until_stopped(boot: Callable[[int], RoundsStop | None]) -> RoundsStop:
+    """Boot 1, 2, ... (`boot(number)` runs one and returns why the rounds ended, or None for another) until one ends them."""
+    number = 1
+    while (stop := boot(number)) is None:
+        number += 1
+    return stop
 
 
 def _boot(*, number: int, baseline: ABInput, candidate: ABInput, ids: dict[Role, str], docker: Docker,
           settings: ABSettings, mounts: Mapping[Role, Path], prompt_set: Mapping[str, Any], tokenizer: Tokenizer,
-          measured: _Measured, on_event: OnEvent, failures: tuple[type[Exception], ...],
-          started: float) -> RoundsStop | None:
+          measured: _Measured, on_event: OnEvent, failures: tuple[type[Exception], ...]) -> RoundsStop | None:
     """Boot `number`: both servers started, warmed up and measured in interleaved rounds, then stopped; why the rounds
     end (rounds_stop), or None when the boot ran its settings.restart_every rounds and another boot follows."""
     if number > 1:
@@ -619,7 +626,7 @@ def _boot(*, number: int, baseline: ABInput, candidate: ABInput, ids: dict[Role,
         with client_pinned(settings.cpu_plan.client if settings.cpu_plan else None):
             stop = _interleave(servers={role: server for role, (server, _, _) in servers.items()}, measure=measure,
                                settings=settings, measured=measured, on_event=on_event, failures=failures,
-                               started=started, boot=number)
+                               boot=number)
         for role, (server, _, _) in servers.items():  # the container still runs the image it was created from
             _check_served(server, role, ids[role], measured)
     return stop
@@ -664,9 +671,9 @@ def _booted(*, role: Role, side: ABInput, image_id: str, docker: Docker, setting
 
 def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Role], list[PerfResult]],
                 settings: ABSettings, measured: _Measured, on_event: OnEvent,
-                failures: tuple[type[Exception], ...], started: float, boot: int) -> RoundsStop | None:
+                failures: tuple[type[Exception], ...], boot: int) -> RoundsStop | None:
     """The rounds of one boot, B A, A B, ..., each side measured (`measure`) while the other's container is paused,
-    until rounds_stop names why the rounds end (returned; `started` is when the A/B's first round began) or the boot
+    until rounds_stop names why the rounds end (returned; its time counts from `measured.first_round`) or the boot
     has run settings.restart_every rounds (None: boot again). Each round is kept in `measured.rounds` as it went, a
     failed one too; a side's runs and CPU accounting are stored under the round's index. A side that fails ends the
     rounds (_SideFailed): the decision it forces (decide's serving rule) cannot change with more rounds against a
@@ -676,13 +683,16 @@ def _interleave(*, servers: Mapping[Role, RunningServer], measure: Callable[[Rol
     while True:
         # a boot after the first was started because the rounds go on: it runs its first round before any stop
         if in_boot or boot == 1:
-            stop = rounds_stop(settings=settings, elapsed_s=time.monotonic() - started,
+            elapsed = time.monotonic() - measured.first_round if measured.first_round is not None else 0.0
+            stop = rounds_stop(settings=settings, elapsed_s=elapsed,
                                ratios=round_ratios(**measured.paired_runs(), metric=_decode),
                                boots=measured.paired_boots())
             if stop is not None:
                 return stop
         if in_boot == settings.restart_every:
             return None
+        if measured.first_round is None:
+            measured.first_round = time.monotonic()
         measured.order.append(_order(r, boot))
         measured.boot.append(boot)
         first: tuple[Role, Role] = ("baseline", "candidate") if measured.order[-1] == "BA" else ("candidate", "baseline")

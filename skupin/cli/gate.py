@@ -348,14 +348,15 @@ or one image on both sides; 5, 6, 11: the build, Docker or gate could not run.""
     p.add_argument("--max-runs", type=_positive, metavar="N",
                    help="with --target-ci only: the most rounds, at least --runs and at most 200 (default 50)")
     p.add_argument("--budget-s", type=float, metavar="SECONDS",
-                   help="with --target-ci only: start no round past --runs after this many seconds of rounds "
+                   help="with --target-ci only: start no round past --runs (with --restart-every: no boot) after "
+                        "this many seconds since the first round "
                         "(default: none; no A/B starts a round after 11 hours of rounds, whatever is asked)")
     p.add_argument("--restart-every", type=_positive, metavar="N",
                    help="stop and boot both servers again after every N rounds (even, at least 2) and take every "
                         "95%% interval over boots (the mean log ratio of each boot), not rounds: the interval then "
                         "also holds whatever differs from one start of a server to the next, which the rounds of one "
-                        "boot share and cannot show (on a 2-CPU host at most about 1%% sd, against 13-15%% from round "
-                        "to round: docs/BENCHMARKS.md, 'Restarts'). Costs a boot and warm-up per N rounds; --runs "
+                        "boot share and cannot show (on a 2-CPU host estimated 0-1.3%% sd, against 13-15%% from "
+                        "round to round: docs/BENCHMARKS.md, 'Restarts'). Costs a boot and warm-up per N rounds; --runs "
                         "(and --max-runs) must be whole boots, two at least, e.g. --runs 48 --restart-every 8 "
                         "(default: one boot for all rounds)")
     p.add_argument("--server-cpus", default="shared", metavar="shared|auto|CPUS",

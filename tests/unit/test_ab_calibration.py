@@ -148,7 +148,7 @@ def test_boot_components_split_a_processs_offset_from_round_noise() -> None:
     needed = c["boots_for_5pct"]
     assert needed[2] is not None and needed[16] is not None and needed[2] >= needed[4] >= needed[16] >= 3
     summary = C.arm_summary(rows)
-    assert summary["boots"] == c and summary["resolves_at_95_boots"] > C.resolvable(c["sd_within_boot"], 16)
+    assert summary["boot_components"] == c and summary["resolves_at_95_boots"] > C.resolvable(c["sd_within_boot"], 16)
     assert C.boot_components([_row("self", [1.0, 1.01, 0.99])]) is None  # one boot: nothing to split
 
 

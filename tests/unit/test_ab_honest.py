@@ -289,7 +289,7 @@ def test_the_annex_states_intervals_slices_capacity_the_rule_and_that_the_model_
                                 candidate="ok") for n in range(len(record.order)))})
     text = annex_markdown(restarted)
     boots = len(set(restarted.boots))
-    assert boots == 2 and "both servers booted 2 times, started again after every 2 rounds" in text
+    assert boots == 2 and "measured over 2 boots of both servers, started again after every 2 rounds" in text
     assert "paired t on the log ratio over 2 boots" in text
 
 

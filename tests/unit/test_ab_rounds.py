@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,7 @@ from pydantic import ValidationError
 
 from skupin.ab.annex import annex_markdown
 from skupin.ab.decision import ABRound, ABSettings, decide, rounds_note
-from skupin.ab.runtime import _interleave, _Measured, _SideFailed
+from skupin.ab.runtime import _interleave, _Measured, _SideFailed, until_stopped
 from skupin.cli import main
 from tests.unit.test_runtime_ab import _record, decode_kpi, perf, prefill_kpi, rounds
 
@@ -56,14 +55,11 @@ def _rounds_with(fail: set[tuple[str, int]], runs: int = 4,
             raise ValueError(f"{role} broke in round {number}")
         return [perf(100.0 if role == "baseline" else 120.0 + number)]
 
-    started, boot = time.monotonic(), 1
+    asked = ABSettings(runs=runs, concurrency=(1, 2), prompt_lengths=(64,), **settings)
     try:
-        while (stop := _interleave(servers=servers, measure=measure,
-                                   settings=ABSettings(runs=runs, concurrency=(1, 2), prompt_lengths=(64,), **settings),
-                                   measured=measured, on_event=lambda _: None, failures=(ValueError,), started=started,
-                                   boot=boot)) is None:
-            boot += 1
-        measured.stopped = stop
+        measured.stopped = until_stopped(lambda boot: _interleave(
+            servers=servers, measure=measure, settings=asked, measured=measured, on_event=lambda _: None,
+            failures=(ValueError,), boot=boot))
     except _SideFailed as exc:
         measured.errors[exc.role] = exc.reason
         return measured, exc
@@ -109,6 +105,7 @@ def test_restart_every_starts_a_new_boot_after_that_many_rounds_and_each_round_n
 def test_a_spent_budget_ends_the_rounds_between_boots_never_with_an_empty_boot() -> None:
     measured, ended = _rounds_with(set(), runs=4, restart_every=2, target_ci=1e-6, max_runs=8, budget_s=1e-9)
     assert ended is None and measured.stopped == "budget" and measured.boot == [1, 1, 2, 2]
+    assert measured.first_round is not None  # the budget counts from the first round, not from the first boot
 
 
 def test_a_server_that_fails_to_boot_again_is_kept_as_a_failed_round(monkeypatch) -> None:
@@ -123,7 +120,7 @@ def test_a_server_that_fails_to_boot_again_is_kept_as_a_failed_round(monkeypatch
         runtime._boot(number=2, baseline=None, candidate=None, ids=dict.fromkeys(("baseline", "candidate"), ""),
                       docker=None, settings=ABSettings(runs=4, restart_every=2),
                       mounts=dict.fromkeys(("baseline", "candidate"), None), prompt_set={}, tokenizer=None,
-                      measured=measured, on_event=lambda _: None, failures=(), started=0.0)
+                      measured=measured, on_event=lambda _: None, failures=())
     kept = measured.rounds[-1]
     # even boots start the candidate first: it is the side that failed, the baseline never ran
     assert (kept.number, kept.boot, kept.order, kept.candidate, kept.baseline) == (3, 2, "AB", "failed", "not run")
