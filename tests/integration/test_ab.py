@@ -86,12 +86,18 @@ def test_ab_measures_both_images_and_rejects_a_slower_candidate(stack, honest_im
 
 def test_a_quality_failure_blocks_promote(stack, honest_image, honest_verdict, derived, docker: Docker,
                                           tmp_path: Path) -> None:
+    """Also the restarts (--restart-every 2, 4 rounds): both servers booted twice, every round names its boot, the
+    second boot opens with the candidate, every interval is over the boots and no container outlives the A/B."""
     int4 = derived.swap("int4")
     result = runtime_ab(baseline=ABInput(stack=stack, image=honest_image, verdict=honest_verdict),
                         candidate=ABInput(stack=int4.stack(stack), image=int4.image), docker=docker, out=tmp_path,
-                        settings=SHORT.model_copy(update={"runs": 1, "prompt_lengths": (64,)}),
+                        settings=ABSettings(runs=4, restart_every=2, concurrency=(1, 2), prompt_lengths=(64,),
+                                            requests=3, max_tokens=12, warmup=1),
                         wheelhouse=int4.wheelhouse, gate_serve_perf=GATE_LOAD, on_event=print)
     assert _no_ab_containers(docker)
+    assert [(r.number, r.boot, r.order, r.paired) for r in result.rounds] == [
+        (1, 1, "BA", True), (2, 1, "AB", True), (3, 2, "AB", True), (4, 2, "BA", True)]
+    assert result.rounds_stop == "runs" and "over 2 boots" in (tmp_path / "annex.md").read_text()
     cand = result.candidate
     assert (cand.gate, cand.failing_check) == ("fail", "ops"), cand.gate_reason  # the module ops see INT4 weights
     assert cand.measured and cand.served_by == (cand.image_id,)  # it booted and served: its speed is shown
