@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from skupin.ab.cpus import SHARED, allowed_cpus, plan_cpus  # noqa: E402
-from skupin.ab.decision import ABSettings, RuntimeAB, t_quantile  # noqa: E402
+from skupin.ab.decision import ABSettings, RuntimeAB, logs_by_boot, t_quantile  # noqa: E402
 from skupin.ab.runtime import ABInput, runtime_ab  # noqa: E402
 from skupin.builder.check import resolve  # noqa: E402
 from skupin.dockerd.client import connect  # noqa: E402
@@ -160,11 +160,8 @@ def boot_components(rows: Sequence[dict]) -> dict | None:
     without such A/Bs."""
     within, weights, boot_means, sizes = [], [], [], []
     for r in rows:
-        per_boot: dict[int, list[float]] = {}
         rounds = r["kpis"].get("decode", {}).get("rounds", [])
-        for ratio, boot in zip(rounds, r.get("boots") or [1] * len(rounds), strict=True):
-            per_boot.setdefault(boot, []).extend(_logs([ratio]))
-        groups = [v for v in per_boot.values() if v]
+        groups = list(logs_by_boot(rounds, r.get("boots") or [1] * len(rounds)).values())
         if len(groups) < 2:
             continue
         within += [statistics.variance(g) for g in groups if len(g) > 1]

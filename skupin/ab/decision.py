@@ -190,11 +190,7 @@ def ratio_interval(rounds: Sequence[float], boots: Sequence[int] | None = None,
     whose percentile interval over 3-10 values can never be wider than their range and so covers far less than 95%
     (with 3 rounds it is the min-max, which holds the true median only 75% of the time). Deterministic: no seed."""
     if boots is not None and len(set(boots)) > 1:
-        per_boot: dict[int, list[float]] = {}
-        for r, boot in zip(rounds, boots, strict=True):
-            if math.isfinite(r) and r > 0:
-                per_boot.setdefault(boot, []).append(math.log(r))
-        logs = [float(np.mean(v)) for v in per_boot.values()]
+        logs = [float(np.mean(v)) for v in logs_by_boot(rounds, boots).values()]
     else:
         logs = [math.log(r) for r in rounds if math.isfinite(r) and r > 0]
     if len(logs) < 2:
@@ -202,6 +198,15 @@ def ratio_interval(rounds: Sequence[float], boots: Sequence[int] | None = None,
     mean = float(np.mean(logs))
     half = t_quantile(len(logs) - 1, 0.5 + level / 2) * float(np.std(logs, ddof=1)) / math.sqrt(len(logs))
     return math.exp(mean - half), math.exp(mean + half)
+
+
+def logs_by_boot(rounds: Sequence[float], boots: Sequence[int]) -> dict[int, list[float]]:
+    """The log of each finite positive ratio, grouped by the boot that measured it (a boot without one is absent)."""
+    out: dict[int, list[float]] = {}
+    for r, boot in zip(rounds, boots, strict=True):
+        if math.isfinite(r) and r > 0:
+            out.setdefault(boot, []).append(math.log(r))
+    return out
 
 
 def interval_half_width(rounds: Sequence[float], boots: Sequence[int] | None = None) -> float | None:
